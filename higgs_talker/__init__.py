@@ -1,0 +1,19 @@
+"""higgs_talker: the Stage-0 talker of Higgs-Audio V3 TTS (Qwen3 backbone + eight-codebook heads).
+
+``import higgs_talker`` imports neither vLLM nor FlashInfer.
+"""
+
+from .api import GenerationResult, HiggsTalker, Reference
+from .config import SpecialTokens, TalkerConfig, TextConfig
+from .heads.sampling import SamplingParams
+
+__all__ = [
+    "GenerationResult",
+    "HiggsTalker",
+    "Reference",
+    "SamplingParams",
+    "SpecialTokens",
+    "TalkerConfig",
+    "TextConfig",
+]
+__version__ = "0.1.0"

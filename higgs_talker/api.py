@@ -1,0 +1,260 @@
+"""The direct Python API: load a checkpoint, generate or stream codes, batch many requests."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import checkpoint
+from .config import TalkerConfig, register_hf_config
+from .engine import Engine, EngineConfig, Request
+from .heads.delay import codec_frames, revert_delay_pattern
+from .heads.sampling import SamplingParams
+from .model import TalkerModel
+from .ops import default_kernels
+from .prompt import Prompt, TalkerTokenizer
+from .tiny import TINY_NAME, tiny_checkpoint
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A reference voice for cloning: aligned codec codes [T, N] and, optionally, what they say."""
+
+    codes: Tensor | np.ndarray
+    text: str | None = None
+
+
+@dataclass
+class GenerationResult:
+    """Codes of one request and how long they took."""
+
+    request_id: str
+    text: str
+    codes: Tensor  # [F, N] int64: aligned frames as the codec receives them (SPEC 8.2)
+    rows: Tensor  # [R, N] int64: the delayed rows as generated (BOC/EOC included)
+    finish_reason: str
+    prompt_tokens: int
+    prefill_ms: float
+    decode_ms: float
+    frame_rate: int
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.rows.shape[0])
+
+    @property
+    def num_frames(self) -> int:
+        return int(self.codes.shape[0])
+
+    @property
+    def audio_seconds(self) -> float:
+        return self.num_frames / self.frame_rate
+
+    @property
+    def ms_per_step(self) -> float:
+        return self.decode_ms / max(self.num_rows - 1, 1)
+
+    @property
+    def rtf(self) -> float:
+        """Real-time factor: generation time over audio duration (below 1 is faster than real time)."""
+        total = (self.prefill_ms + self.decode_ms) / 1e3
+        return total / self.audio_seconds if self.audio_seconds else float("inf")
+
+    def aligned(self) -> Tensor:
+        """All reverted frames [R - N + 1, N] with BOC/EOC kept (nothing trimmed)."""
+        return revert_delay_pattern(self.rows)
+
+    def save(self, path: str | Path) -> Path:
+        """Write ``codes`` (and ``rows``) to ``.npy`` (codes only) or ``.safetensors`` (both)."""
+        path = Path(path)
+        if path.suffix == ".npy":
+            np.save(path, self.codes.numpy())
+        elif path.suffix == ".safetensors":
+            from safetensors.torch import save_file
+
+            save_file({"codes": self.codes.contiguous(), "rows": self.rows.contiguous()}, str(path),
+                      metadata={"text": self.text, "frame_rate": str(self.frame_rate)})  # fmt: skip
+        else:
+            raise ValueError(f"unsupported output format {path.suffix!r}: use .npy or .safetensors")
+        return path
+
+    def summary(self) -> str:
+        return (f"{self.num_frames} frames, {self.audio_seconds:.2f} s audio, {self.num_rows} steps "
+                f"({self.finish_reason}), prefill {self.prefill_ms:.1f} ms, {self.ms_per_step:.2f} ms/step, "
+                f"RTF {self.rtf:.3f}")  # fmt: skip
+
+
+class HiggsTalker:
+    """The talker: ``HiggsTalker.from_pretrained("tiny").generate("Hello")``."""
+
+    def __init__(self, model: TalkerModel, cfg: TalkerConfig, tokenizer: TalkerTokenizer,
+                 engine_cfg: EngineConfig | None = None) -> None:  # fmt: skip
+        self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
+        self.engine = Engine(model, cfg, tokenizer.specials, engine_cfg)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path = TINY_NAME, device: str | torch.device = "cpu",
+                        dtype: str | torch.dtype | None = None, *, max_num_seqs: int = 64,
+                        num_blocks: int | None = None, max_model_len: int | None = None,
+                        block_size: int = 16) -> HiggsTalker:  # fmt: skip
+        """Load a checkpoint directory, or ``"tiny"`` for the embedded default.
+
+        dtype defaults to float32 on CPU and bfloat16 on CUDA.
+        """
+        device = _check_device(device)
+        dtype = _check_dtype(dtype, device)
+        path = tiny_checkpoint() if str(path) == TINY_NAME else Path(path)
+        if not Path(path).exists():
+            raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist (use 'tiny' for the embedded default)")
+        register_hf_config()
+        cfg = TalkerConfig.from_pretrained(path)
+        tokenizer = TalkerTokenizer.from_pretrained(path, cfg)
+        engine_cfg = EngineConfig(max_num_seqs=max_num_seqs, num_blocks=num_blocks, max_model_len=max_model_len,
+                                  block_size=block_size)  # fmt: skip
+        with torch.device("meta"):
+            model = TalkerModel(cfg)
+        model = model.to_empty(device=device).to(dtype)
+        model.tie_weights()
+        model.kernels = default_kernels(device)
+        _init_buffers(model, cfg, device)
+        checkpoint.load_into(model, checkpoint.iter_tensors(path, cfg, device, dtype), cfg)
+        model.eval().requires_grad_(False)
+        logger.info("loaded %s on %s (%s, kernels=%s)", path, device, dtype, model.kernels.name)
+        return cls(model, cfg, tokenizer, engine_cfg)
+
+    # ------------------------------------------------------------------ prompts
+
+    def build_prompt(self, text: str, reference: Reference | None = None) -> Prompt:
+        if reference is None:
+            return self.tokenizer.build(text)
+        if not isinstance(reference, Reference):
+            raise TypeError(f"reference must be a Reference, got {type(reference).__name__}")
+        return self.tokenizer.build(text, reference.codes, reference.text, self.cfg)
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, text: str | Sequence[str], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                 reference: Reference | None = None, max_frames: int | None = None,
+                 progress=None) -> GenerationResult | list[GenerationResult]:  # fmt: skip
+        """Generate codes for one text (-> one result) or a list of texts batched together (-> a list).
+
+        ``sampling`` may be one ``SamplingParams`` for all texts or one per text; ``max_frames`` overrides
+        its ``max_frames``. ``progress(done_rows)`` is called after every step when given.
+        """
+        single = isinstance(text, str)
+        texts = [text] if single else list(text)
+        if not texts:
+            raise ValueError("no text to generate")
+        params = self._params(sampling, len(texts), max_frames)
+        prompts = [self.build_prompt(t, reference) for t in texts]  # validate all before queueing any
+        ids = [self.engine.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
+        try:
+            while any(self.engine.requests[i].finished_at is None for i in ids):
+                self.engine.step()
+                if progress is not None:
+                    progress(sum(len(self.engine.requests[i].rows) for i in ids))
+        except BaseException:
+            for i in ids:
+                self.engine.cancel(i)
+            raise
+        results = [self._result(self.engine.pop_finished(i), t) for i, t in zip(ids, texts, strict=True)]
+        return results[0] if single else results
+
+    def generate_batch(self, texts: Sequence[str], sampling=None, max_frames: int | None = None) -> list[GenerationResult]:
+        return self.generate(list(texts), sampling, max_frames=max_frames)
+
+    def stream(self, text: str, sampling: SamplingParams | None = None, reference: Reference | None = None,
+               max_frames: int | None = None) -> Iterator[Tensor]:  # fmt: skip
+        """Yield aligned frames [N] int64 as soon as each is final; together they equal ``generate().codes``.
+
+        Frame t needs delayed rows up to t + N - 1; it is yielded once row t + N exists (so it is known not
+        to be the trimmed last frame).
+        """
+        (params,) = self._params(sampling, 1, max_frames)
+        rid = self.engine.add_request(self.build_prompt(text, reference), params)
+        req = self.engine.requests[rid]
+        n, emitted = self.cfg.num_codebooks, 0
+        try:
+            while req.finished_at is None:
+                self.engine.step()
+                while len(req.rows) >= emitted + n + 1:
+                    yield self._frame(req, emitted)
+                    emitted += 1
+            final = codec_frames(torch.stack(req.rows).long(), self.cfg.num_real_codes)
+            while emitted < final.shape[0]:  # only the single-frame case is left here
+                yield final[emitted]
+                emitted += 1
+        finally:
+            self.engine.cancel(rid)
+            self.engine.requests.pop(rid, None)
+
+    def _frame(self, req: Request, t: int) -> Tensor:
+        n = self.cfg.num_codebooks
+        frame = torch.stack([req.rows[t + c][c] for c in range(n)]).long()
+        return torch.where((frame < 0) | (frame >= self.cfg.num_real_codes), 0, frame)
+
+    def _params(self, sampling, count: int, max_frames: int | None) -> list[SamplingParams]:
+        if sampling is None:
+            sampling = SamplingParams()
+        items = [sampling] * count if isinstance(sampling, SamplingParams) else list(sampling)
+        if len(items) != count:
+            raise ValueError(f"got {len(items)} SamplingParams for {count} texts")
+        for s in items:
+            if not isinstance(s, SamplingParams):
+                raise TypeError(f"sampling must be SamplingParams, got {type(s).__name__}")
+        if max_frames is not None:
+            items = [replace(s, max_frames=max_frames) for s in items]
+        return items
+
+    def _result(self, req: Request, text: str) -> GenerationResult:
+        rows = torch.stack(req.rows).long() if req.rows else torch.zeros(0, self.cfg.num_codebooks, dtype=torch.long)
+        decode_ms = ((req.finished_at or 0) - (req.first_row_at or 0)) * 1e3 if req.rows else 0.0
+        return GenerationResult(
+            request_id=req.id, text=text, codes=codec_frames(rows, self.cfg.num_real_codes), rows=rows,
+            finish_reason=req.finish_reason or "", prompt_tokens=len(req.prompt), prefill_ms=req.prefill_ms,
+            decode_ms=decode_ms, frame_rate=self.cfg.frame_rate,
+        )  # fmt: skip
+
+
+def _check_device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"unknown device {device!r}") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available on this machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not supported (use 'cpu' or 'cuda')")
+    return dev
+
+
+def _check_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
+        return _DTYPES[dtype]
+    if dtype not in _DTYPES.values():
+        raise ValueError(f"unsupported dtype {dtype}")
+    return dtype
+
+
+def _init_buffers(model: TalkerModel, cfg: TalkerConfig, device: torch.device) -> None:
+    """Non-persistent buffers are not in the checkpoint; rebuild them after ``to_empty``."""
+    from .ops import rope_cache
+
+    t = cfg.text
+    model.cos_sin = rope_cache(t.head_dim, t.max_position_embeddings, t.rope_theta, device)
+    model.multimodal_embedding.offsets = torch.arange(cfg.num_codebooks, device=device) * cfg.codebook_size

@@ -1,0 +1,345 @@
+"""Checkpoint configuration: ``config.json`` of a ``higgs_multimodal_qwen3`` checkpoint, validated.
+
+``TalkerConfig`` is what the runtime passes around (a frozen dataclass). ``HiggsAudioV3Config`` is the
+transformers ``PretrainedConfig`` subclass registered for ``model_type == "higgs_multimodal_qwen3"`` so that
+``AutoConfig`` can read the checkpoint; it is registered on demand (``register_hf_config``), never at import.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODEL_TYPE = "higgs_multimodal_qwen3"
+ARCHITECTURE = "HiggsMultimodalQwen3ForConditionalGeneration"
+
+# Upstream defaults (SPEC 1.1); the 4B checkpoint uses them all.
+DEFAULT_NUM_CODEBOOKS = 8
+DEFAULT_CODEBOOK_SIZE = 1026
+DEFAULT_BOC_ID = 1024
+DEFAULT_EOC_ID = 1025
+DEFAULT_ROPE_THETA = 1_000_000.0
+
+REQUIRED_SPECIAL_TOKENS = ("<|tts|>", "<|text|>", "<|audio|>")
+OPTIONAL_SPECIAL_TOKENS = ("<|ref_audio|>", "<|ref_text|>")
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    """The Qwen3 backbone's shape (``text_config`` of the checkpoint)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = DEFAULT_ROPE_THETA
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """Token ids resolved from the tokenizer's added vocabulary (SPEC 1.3)."""
+
+    tts: int
+    text: int
+    audio: int
+    eos: int
+    ref_audio: int | None = None
+    ref_text: int | None = None
+
+
+@dataclass(frozen=True)
+class TalkerConfig:
+    """Everything the talker needs from ``config.json``; validated on construction."""
+
+    text: TextConfig
+    num_codebooks: int = DEFAULT_NUM_CODEBOOKS
+    codebook_size: int = DEFAULT_CODEBOOK_SIZE
+    boc_id: int = DEFAULT_BOC_ID
+    eoc_id: int = DEFAULT_EOC_ID
+    tie_modality_embeddings: bool = True
+    audio_hidden_size: int | None = None
+    sample_rate: int = 24000
+    frame_rate: int = 25
+    audio_token_id: int = -100
+    eos_token_id: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text.hidden_size
+
+    @property
+    def num_real_codes(self) -> int:
+        """Codes below this value are real codec entries; BOC/EOC sit at or above it."""
+        return min(self.boc_id, self.eoc_id)
+
+    @property
+    def max_delay(self) -> int:
+        """Rows of ramp-up/ramp-down added by the delay pattern (``num_codebooks - 1``)."""
+        return self.num_codebooks - 1
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> TalkerConfig:
+        """Build from a parsed ``config.json``; raises ``ValueError`` naming the bad field."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"config must be a JSON object, got {type(raw).__name__}")
+        model_type = raw.get("model_type")
+        if model_type != MODEL_TYPE:
+            raise ValueError(f"config.json model_type is {model_type!r}, expected {MODEL_TYPE!r}")
+        text_raw = raw.get("text_config")
+        if text_raw is None:
+            raise ValueError("config.json has no 'text_config' (the Qwen3 backbone's shape)")
+        if hasattr(text_raw, "to_dict"):
+            text_raw = text_raw.to_dict()
+        if not isinstance(text_raw, dict):
+            raise ValueError(f"config.json text_config must be an object, got {type(text_raw).__name__}")
+        text = _text_config_from_dict(text_raw)
+
+        audio = raw.get("audio_encoder_config") or {}
+        if not isinstance(audio, dict):
+            raise ValueError(f"audio_encoder_config must be an object, got {type(audio).__name__}")
+        encoder_type = audio.get("encoder_type", "discrete")
+        if encoder_type != "discrete":
+            raise ValueError(f"audio_encoder_config.encoder_type is {encoder_type!r}; only 'discrete' is supported")
+        # audio_encoder_config is authoritative where it names a field (SPEC 1.1).
+        num_codebooks = audio.get("num_codebooks", raw.get("num_codebooks", DEFAULT_NUM_CODEBOOKS))
+        codebook_size = audio.get("vocab_size", raw.get("codebook_size", DEFAULT_CODEBOOK_SIZE))
+        tie_modality = audio.get("tie_word_embeddings", raw.get("tie_modality_embeddings", True))
+        known = {
+            "model_type", "text_config", "audio_encoder_config", "num_codebooks", "codebook_size",
+            "tie_modality_embeddings", "audio_stream_bos_id", "audio_stream_eos_id", "sample_rate",
+            "frame_rate", "audio_token_id", "eos_token_id", "audio_hidden_size",
+        }  # fmt: skip
+        return cls(
+            text=text,
+            num_codebooks=_int(num_codebooks, "audio_encoder_config.num_codebooks"),
+            codebook_size=_int(codebook_size, "audio_encoder_config.vocab_size"),
+            boc_id=_int(raw.get("audio_stream_bos_id", DEFAULT_BOC_ID), "audio_stream_bos_id"),
+            eoc_id=_int(raw.get("audio_stream_eos_id", DEFAULT_EOC_ID), "audio_stream_eos_id"),
+            tie_modality_embeddings=_bool(tie_modality, "audio_encoder_config.tie_word_embeddings"),
+            audio_hidden_size=_int(audio.get("out_dim") or text.hidden_size, "audio_encoder_config.out_dim"),
+            sample_rate=_int(raw.get("sample_rate", 24000), "sample_rate"),
+            frame_rate=_int(raw.get("frame_rate", 25), "frame_rate"),
+            audio_token_id=_int(raw.get("audio_token_id", -100), "audio_token_id"),
+            eos_token_id=_optional_eos(raw.get("eos_token_id")),
+            extra={k: v for k, v in raw.items() if k not in known},
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> TalkerConfig:
+        """Read ``<path>/config.json`` (or a path to the file itself)."""
+        path = Path(path)
+        file = path / "config.json" if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(f"no config.json at {file}")
+        try:
+            raw = json.loads(file.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{file} is not valid JSON: {exc}") from exc
+        return cls.from_dict(raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``config.json`` form (inverse of ``from_dict``)."""
+        text = asdict(self.text)
+        text["model_type"] = "qwen3"
+        out: dict[str, Any] = {
+            "model_type": MODEL_TYPE,
+            "architectures": [ARCHITECTURE],
+            "text_config": text,
+            "audio_encoder_config": {
+                "encoder_type": "discrete",
+                "num_codebooks": self.num_codebooks,
+                "vocab_size": self.codebook_size,
+                "out_dim": self.audio_hidden_size or self.text.hidden_size,
+                "tie_word_embeddings": self.tie_modality_embeddings,
+                "use_delay_pattern": True,
+            },
+            "audio_stream_bos_id": self.boc_id,
+            "audio_stream_eos_id": self.eoc_id,
+            "sample_rate": self.sample_rate,
+            "frame_rate": self.frame_rate,
+            "audio_token_id": self.audio_token_id,
+        }
+        if self.eos_token_id is not None:
+            out["eos_token_id"] = self.eos_token_id
+        out.update(self.extra)
+        return out
+
+
+def _text_config_from_dict(raw: dict[str, Any]) -> TextConfig:
+    model_type = raw.get("model_type", "qwen3")
+    if model_type != "qwen3":
+        raise ValueError(f"text_config.model_type is {model_type!r}; only 'qwen3' backbones are supported")
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if name not in raw:
+            raise ValueError(f"text_config is missing {name!r}")
+    heads = _int(raw["num_attention_heads"], "text_config.num_attention_heads")
+    hidden = _int(raw["hidden_size"], "text_config.hidden_size")
+    kv_heads = raw.get("num_key_value_heads")
+    head_dim = raw.get("head_dim")
+    if head_dim is None and heads > 0:
+        head_dim = hidden // heads
+    # RoPE theta may come flat (`rope_theta`) or nested (`rope_parameters`, transformers >= 5).
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"text_config.rope_parameters must be an object, got {rope!r}")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ValueError(f"text_config rope_type {rope_type!r} is not supported (only 'default')")
+    theta = raw.get("rope_theta", rope.get("rope_theta", DEFAULT_ROPE_THETA))
+    return TextConfig(
+        vocab_size=_int(raw["vocab_size"], "text_config.vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=_int(raw["intermediate_size"], "text_config.intermediate_size"),
+        num_hidden_layers=_int(raw["num_hidden_layers"], "text_config.num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=_int(heads if kv_heads is None else kv_heads, "text_config.num_key_value_heads"),
+        head_dim=_int(head_dim, "text_config.head_dim"),
+        rms_norm_eps=_float(raw.get("rms_norm_eps", 1e-6), "text_config.rms_norm_eps"),
+        rope_theta=_float(theta, "text_config.rope_theta"),
+        max_position_embeddings=_int(raw.get("max_position_embeddings", 32768), "text_config.max_position_embeddings"),
+        tie_word_embeddings=_bool(raw.get("tie_word_embeddings", True), "text_config.tie_word_embeddings"),
+        attention_bias=_bool(raw.get("attention_bias", False), "text_config.attention_bias"),
+    )
+
+
+def _validate(cfg: TalkerConfig) -> None:
+    t = cfg.text
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings"):  # fmt: skip
+        value = getattr(t, name)
+        if value <= 0:
+            raise ValueError(f"text_config.{name} must be > 0, got {value}")
+    if t.num_attention_heads % t.num_key_value_heads:
+        raise ValueError(
+            f"text_config.num_attention_heads ({t.num_attention_heads}) is not a multiple of "
+            f"num_key_value_heads ({t.num_key_value_heads})"
+        )
+    if t.head_dim % 2:
+        raise ValueError(f"text_config.head_dim must be even for RoPE, got {t.head_dim}")
+    if not (t.rms_norm_eps > 0 and math.isfinite(t.rms_norm_eps)):
+        raise ValueError(f"text_config.rms_norm_eps must be a finite value > 0, got {t.rms_norm_eps}")
+    if not (t.rope_theta > 0 and math.isfinite(t.rope_theta)):
+        raise ValueError(f"text_config.rope_theta must be a finite value > 0, got {t.rope_theta}")
+    if cfg.num_codebooks <= 0:
+        raise ValueError(f"num_codebooks must be > 0, got {cfg.num_codebooks}")
+    for name in ("boc_id", "eoc_id"):
+        value = getattr(cfg, name)
+        if not 0 <= value < cfg.codebook_size:
+            raise ValueError(
+                f"{name} ({value}) must lie in [0, codebook_size={cfg.codebook_size}): codebook_size must "
+                "exceed the BOC/EOC ids"
+            )
+    if cfg.boc_id == cfg.eoc_id:
+        raise ValueError(f"audio_stream_bos_id and audio_stream_eos_id must differ, both are {cfg.boc_id}")
+    if cfg.num_real_codes <= 0:
+        raise ValueError(f"no real codes below BOC/EOC ({cfg.boc_id}/{cfg.eoc_id})")
+    if cfg.audio_hidden_size is not None and cfg.audio_hidden_size != t.hidden_size:
+        raise ValueError(
+            f"audio_encoder_config.out_dim ({cfg.audio_hidden_size}) must equal text_config.hidden_size "
+            f"({t.hidden_size}): audio feedback replaces a hidden row"
+        )
+    if cfg.sample_rate <= 0 or cfg.frame_rate <= 0:
+        raise ValueError(f"sample_rate and frame_rate must be > 0, got {cfg.sample_rate} / {cfg.frame_rate}")
+
+
+def _int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _float(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _optional_eos(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, list):  # transformers allows a list of eos ids; the first is the stop token we force
+        if not value:
+            return None
+        value = value[0]
+    return _int(value, "eos_token_id")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# transformers integration
+
+
+def hf_config_class() -> type:
+    """The ``PretrainedConfig`` subclass for ``higgs_multimodal_qwen3`` (built lazily, imports transformers)."""
+    global _HF_CONFIG_CLASS
+    if _HF_CONFIG_CLASS is None:
+        from transformers import PretrainedConfig
+
+        class HiggsAudioV3Config(PretrainedConfig):
+            model_type = MODEL_TYPE
+            is_composition = True
+
+            def __init__(self, text_config: dict | None = None, audio_encoder_config: dict | None = None,
+                         **kwargs: Any) -> None:  # fmt: skip
+                if text_config is not None and hasattr(text_config, "to_dict"):
+                    text_config = text_config.to_dict()
+                self.text_config = text_config or {}
+                self.audio_encoder_config = audio_encoder_config or {
+                    "encoder_type": "discrete",
+                    "num_codebooks": DEFAULT_NUM_CODEBOOKS,
+                    "vocab_size": DEFAULT_CODEBOOK_SIZE,
+                    "tie_word_embeddings": True,
+                }
+                super().__init__(**kwargs)
+
+            def to_talker_config(self) -> TalkerConfig:
+                return TalkerConfig.from_dict(self.to_dict())
+
+        _HF_CONFIG_CLASS = HiggsAudioV3Config
+    return _HF_CONFIG_CLASS
+
+
+_HF_CONFIG_CLASS: type | None = None
+
+
+def register_hf_config() -> bool:
+    """Register our config class with ``AutoConfig`` unless something (e.g. vllm-omni) already has.
+
+    Returns True when this call registered it.
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if MODEL_TYPE in CONFIG_MAPPING:
+        return False
+    AutoConfig.register(MODEL_TYPE, hf_config_class())
+    return True

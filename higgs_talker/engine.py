@@ -1,0 +1,389 @@
+"""The engine: continuous batching, the step loop, and the only owner of requests and their device state.
+
+One ``step()`` is either a prefill of newly admitted (or resumed) requests or a decode step of every running
+request (one token each). Per request and step it publishes an owned ``[1, N]`` int32 row of the codes just
+sampled. Decode state lives in dense device tensors indexed by a *state row* that the engine assigns to a
+request id at admission and takes back when it finishes, so reordering, joining and finishing requests never
+moves another request's state.
+
+When the KV cache runs out during decode, the most recently admitted request is preempted: its blocks are
+freed and it is re-queued; on resume its prompt and every generated position (each embedded from the row
+fed back there) are recomputed in one prefill, so its codes do not change.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+from torch import Tensor
+
+from .attention import AttentionBackend, AttnMetadata, SdpaAttention
+from .config import SpecialTokens, TalkerConfig
+from .heads.delay import DelayState, apply_delay_mask, update_state
+from .heads.sampling import SamplingParams, sample_codes
+from .kv_cache import BlockAllocator, allocate_kv_caches, slot_mapping
+from .model import TalkerModel
+from .prompt import Prompt
+
+logger = logging.getLogger(__name__)
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    id: str
+    prompt: Prompt
+    params: SamplingParams
+    seed: int
+    status: Status = Status.WAITING
+    state_row: int = -1
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    rows: list[Tensor] = field(default_factory=list)  # emitted delayed rows, each [N] int32 (CPU)
+    finish_reason: str | None = None
+    submitted_at: float = 0.0
+    first_row_at: float | None = None
+    finished_at: float | None = None
+    prefill_ms: float = 0.0
+    preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the sequence so far: the prompt plus one per emitted row after the first."""
+        return len(self.prompt) + max(len(self.rows) - 1, 0)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One request's result of one step: the row it just produced (owned), and whether it finished."""
+
+    request_id: str
+    row: Tensor | None  # [1, N] int32 CPU, or None when the step produced no row
+    finished: bool
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 64
+    block_size: int = 16
+    num_blocks: int | None = None  # None: enough for max_num_seqs sequences of max_model_len
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_prefill_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "block_size", "max_prefill_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {self.num_blocks}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
+
+
+@dataclass
+class DecodeInputs:
+    """Device inputs of one decode step (the tensors a full-decode graph captures)."""
+
+    state_rows: Tensor  # [B] int64
+    positions: Tensor  # [B] int64
+    steps: Tensor  # [B] int64: row index each request is about to produce
+
+
+class Engine:
+    def __init__(self, model: TalkerModel, cfg: TalkerConfig, specials: SpecialTokens,
+                 engine_cfg: EngineConfig | None = None, attention: AttentionBackend | None = None) -> None:  # fmt: skip
+        self.model, self.cfg, self.specials = model, cfg, specials
+        self.ecfg = ec = engine_cfg or EngineConfig()
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.max_model_len = min(ec.max_model_len or cfg.text.max_position_embeddings, cfg.text.max_position_embeddings)
+        num_blocks = ec.num_blocks or ec.max_num_seqs * -(-self.max_model_len // ec.block_size)
+        self.allocator = BlockAllocator(num_blocks, ec.block_size)
+        self.kv_caches = allocate_kv_caches(cfg.text, num_blocks, ec.block_size, self.dtype, self.device)
+        self.max_blocks_per_seq = -(-self.max_model_len // ec.block_size)
+        self.attn = attention or SdpaAttention(self.kv_caches, cfg.text.num_attention_heads, cfg.text.head_dim)
+
+        r, dev = ec.max_num_seqs, self.device
+        self.state = DelayState.allocate(r, cfg.num_codebooks, cfg.boc_id, dev)
+        self.temperature = torch.ones(r, device=dev)
+        self.top_k = torch.full((r,), cfg.codebook_size, dtype=torch.long, device=dev)
+        self.top_p = torch.ones(r, device=dev)
+        self.seeds = torch.zeros(r, dtype=torch.long, device=dev)
+        self._free_rows = list(range(r - 1, -1, -1))
+
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a prompt; returns its request id. Raises ``ValueError`` for a prompt that can never fit."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if len(prompt) + 1 > self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room within max_model_len={self.max_model_len}")
+        if self.allocator.blocks_for(len(prompt) + 1) > self.allocator.num_blocks:
+            raise ValueError(f"prompt of {len(prompt)} tokens does not fit the KV cache ({self.allocator.num_blocks} blocks)")
+        req = Request(request_id, prompt, params, params.resolved_seed(), submitted_at=time.perf_counter())
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        return request_id
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request now, freeing its KV blocks and state row. Returns False if it was not live."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is Status.FINISHED:
+            return False
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, "cancelled")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def pop_finished(self, request_id: str) -> Request:
+        """Forget a finished request and return it (its rows and timings)."""
+        req = self.requests[request_id]
+        if req.status is not Status.FINISHED:
+            raise ValueError(f"request {request_id!r} has not finished")
+        return self.requests.pop(request_id)
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        """Run one prefill or decode step; returns one output per request that took part (or finished)."""
+        outputs: list[StepOutput] = []
+        prefill = self._schedule_prefill()
+        if prefill:
+            t0 = time.perf_counter()
+            rows = self._run_prefill(prefill)
+            outputs += self._publish(prefill, rows)
+            ms = (time.perf_counter() - t0) * 1e3
+            for req in prefill:
+                req.prefill_ms += ms
+        elif self.running:
+            batch = self._schedule_decode(outputs)
+            if batch:
+                outputs += self._publish(batch, self._run_decode(batch))
+        self.num_steps += 1
+        return outputs
+
+    def _schedule_prefill(self) -> list[Request]:
+        batch, tokens = [], 0
+        while self.waiting and self._free_rows:
+            req = self.waiting[0]
+            n = req.num_tokens + (1 if req.rows else 0)  # a resumed request also recomputes its last fed row
+            need = self.allocator.blocks_for(n + 1)  # room for the first decode token too
+            if batch and tokens + n > self.ecfg.max_prefill_tokens:
+                break
+            if not self.allocator.can_allocate(need):
+                break
+            self.waiting.popleft()
+            req.blocks = self.allocator.allocate(need)
+            if req.state_row < 0:
+                req.state_row = self._free_rows.pop()
+                self._init_state_row(req)
+            req.status = Status.RUNNING
+            batch.append(req)
+            tokens += n
+        if not batch and self.waiting and not self.running and not self._free_rows:
+            raise RuntimeError("no free state rows and nothing running")  # internal invariant
+        if not batch and self.waiting and not self.running:
+            req = self.waiting[0]
+            raise RuntimeError(
+                f"request {req.id!r} needs {self.allocator.blocks_for(req.num_tokens + 2)} KV blocks but the cache "
+                f"has {self.allocator.num_blocks} in all; raise num_blocks or lower max_frames"
+            )
+        self.running += batch
+        return batch
+
+    def _schedule_decode(self, outputs: list[StepOutput]) -> list[Request]:
+        """Give every running request room for one more token, preempting the newest when blocks run out."""
+        for req in list(self.running):
+            if req.status is not Status.RUNNING:
+                continue
+            if req.num_computed + 1 > self.max_model_len:
+                self._finish(req, "max_model_len")
+                outputs.append(StepOutput(req.id, None, True, "max_model_len"))
+                continue
+            while len(req.blocks) * self.ecfg.block_size < req.num_computed + 1:
+                if self.allocator.can_allocate(1):
+                    req.blocks += self.allocator.allocate(1)
+                    continue
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+        return [r for r in self.running if r.status is Status.RUNNING]
+
+    def _preempt(self, req: Request) -> None:
+        self.allocator.free(req.blocks)
+        req.blocks, req.num_computed = [], 0
+        req.status = Status.WAITING
+        req.preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+        logger.debug("preempted request %s (KV cache full)", req.id)
+
+    def _init_state_row(self, req: Request) -> None:
+        row = req.state_row
+        rows = torch.tensor([row], device=self.device)
+        self.state.reset(rows, self.cfg.boc_id)
+        p = req.params
+        self.temperature[row] = float(p.temperature)
+        self.top_k[row] = p.top_k if p.top_k > 0 else self.cfg.codebook_size
+        self.top_p[row] = float(p.top_p)
+        self.seeds[row] = req.seed
+
+    # ------------------------------------------------------------------ model work
+
+    def _attn_metadata(self, batch: list[Request], query_lens: list[int]) -> AttnMetadata:
+        bs = self.ecfg.block_size
+        slots: list[int] = []
+        seq_lens, tables = [], torch.zeros(len(batch), self.max_blocks_per_seq, dtype=torch.int32)
+        for i, (req, n) in enumerate(zip(batch, query_lens, strict=True)):
+            slots += slot_mapping(req.blocks, req.num_computed, req.num_computed + n, bs)
+            seq_lens.append(req.num_computed + n)
+            tables[i, : len(req.blocks)] = torch.tensor(req.blocks, dtype=torch.int32)
+        qsl = [0, *itertools.accumulate(query_lens)]
+        dev = self.device
+        return AttnMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=tables.to(dev),
+            query_lens_host=list(query_lens),
+            seq_lens_host=seq_lens,
+        )
+
+    def _prefill_embeds(self, req: Request) -> Tensor:
+        """Embeddings of every position to (re)compute: prompt (+ reference rows) and fed-back rows."""
+        p = req.prompt
+        ids = p.input_ids.to(self.device)
+        embeds = self.model.embed_text(ids)
+        if p.audio_codes is not None:
+            ref = self.model.multimodal_embedding(p.audio_codes.to(self.device))
+            embeds = embeds.index_copy(0, p.audio_positions.to(self.device), ref.to(embeds.dtype))
+        if req.rows:  # resume after preemption: position P + j - 1 was fed row j - 1
+            fed = torch.stack(req.rows).to(self.device)
+            embeds = torch.cat([embeds, self.model.multimodal_embedding(fed).to(embeds.dtype)])
+        return embeds
+
+    def _run_prefill(self, batch: list[Request]) -> Tensor:
+        embeds = [self._prefill_embeds(r) for r in batch]
+        lens = [e.shape[0] for e in embeds]
+        positions = torch.cat([torch.arange(len_, device=self.device) for len_ in lens])
+        meta = self._attn_metadata(batch, lens)
+        self.attn.begin(meta)
+        hidden = self.model(torch.cat(embeds), positions, self.attn)
+        last = hidden[meta.query_start_loc[1:].long() - 1]  # [B, H]
+        for req, n in zip(batch, lens, strict=True):
+            req.num_computed += n
+        rows = torch.tensor([r.state_row for r in batch], device=self.device)
+        steps = torch.tensor([len(r.rows) for r in batch], device=self.device)
+        return self._sample(last, rows, steps)
+
+    def decode_inputs(self, batch: list[Request]) -> DecodeInputs:
+        dev = self.device
+        return DecodeInputs(
+            state_rows=torch.tensor([r.state_row for r in batch], dtype=torch.long, device=dev),
+            positions=torch.tensor([r.num_computed for r in batch], dtype=torch.long, device=dev),
+            steps=torch.tensor([len(r.rows) for r in batch], dtype=torch.long, device=dev),
+        )
+
+    def _run_decode(self, batch: list[Request]) -> Tensor:
+        inputs = self.decode_inputs(batch)
+        meta = self._attn_metadata(batch, [1] * len(batch))
+        self.attn.begin(meta)
+        rows = self.decode_forward(inputs)
+        for req in batch:
+            req.num_computed += 1
+        return rows
+
+    def decode_forward(self, inputs: DecodeInputs, post_attention=None) -> Tensor:
+        """One decode step on device tensors only (graph-safe): feedback -> model -> heads -> sample -> state.
+
+        Returns the emitted rows [B, N] int64.
+        """
+        st = self.state
+        b = inputs.state_rows.shape[0]
+        audio = torch.full((b,), self.specials.audio, dtype=torch.long, device=self.device)
+        text = self.model.embed_text(audio)
+        rows = inputs.state_rows
+        fed = self.model.multimodal_embedding(st.last_codes.index_select(0, rows)).to(text.dtype)
+        embeds = torch.where(st.has_codes.index_select(0, rows)[:, None], fed, text)  # audio feedback
+        hidden = self.model(embeds, inputs.positions, self.attn, post_attention)
+        return self._sample(hidden, rows, inputs.steps)
+
+    def _sample(self, last_hidden: Tensor, rows: Tensor, steps: Tensor) -> Tensor:
+        """last_hidden [B, H] -> emitted rows [B, N] int64; updates the state rows in place."""
+        cfg = self.cfg
+        logits = self.model.modality_head(last_hidden).float()  # [B, N, V]
+        state = self.state.gather(rows)
+        apply_delay_mask(logits, state.delay, state.countdown, cfg.boc_id, cfg.eoc_id)
+        codes = sample_codes(
+            logits, self.temperature.index_select(0, rows), self.top_k.index_select(0, rows),
+            self.top_p.index_select(0, rows), self.seeds.index_select(0, rows), steps,
+        )  # fmt: skip
+        active = torch.ones_like(state.done)
+        emitted, new = update_state(codes, state, active, cfg.boc_id, cfg.eoc_id)
+        self.state.scatter(rows, new)
+        return emitted
+
+    # ------------------------------------------------------------------ results
+
+    def _publish(self, batch: list[Request], rows: Tensor) -> list[StepOutput]:
+        host = rows.to("cpu", torch.int32)  # the one host sync of the step
+        done = self.state.done.index_select(0, torch.tensor([r.state_row for r in batch], device=self.device)).cpu()
+        now = time.perf_counter()
+        outputs = []
+        for i, req in enumerate(batch):
+            row = host[i].clone()
+            req.rows.append(row)
+            if req.first_row_at is None:
+                req.first_row_at = now
+            reason = None
+            if bool(done[i]):
+                reason = "eoc"
+            elif len(req.rows) >= req.params.max_frames:
+                reason = "max_frames"
+            elif req.num_tokens + 1 > self.max_model_len:
+                reason = "max_model_len"
+            if reason:
+                self._finish(req, reason)
+            outputs.append(StepOutput(req.id, row[None, :].clone(), reason is not None, reason))
+        return outputs
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.blocks:
+            self.allocator.free(req.blocks)
+        req.blocks = []
+        if req.state_row >= 0:
+            self._free_rows.append(req.state_row)
+            req.state_row = -1
+        if req in self.running:
+            self.running.remove(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.finished_at = time.perf_counter()

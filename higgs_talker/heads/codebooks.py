@@ -1,0 +1,51 @@
+"""The fused multi-codebook table ``W_a [num_codebooks * codebook_size, H]`` (SPEC 2.2).
+
+As an embedding, one frame's codes pick one row per codebook (codebook ``c`` owns rows
+``c * codebook_size ...``) and the rows are summed. As the head (tied to the same table by default), one
+hidden row becomes logits ``[num_codebooks, codebook_size]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class FusedCodebookEmbedding(nn.Module):
+    def __init__(self, num_codebooks: int, codebook_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.num_codebooks, self.codebook_size = num_codebooks, codebook_size
+        self.weight = nn.Parameter(torch.empty(num_codebooks * codebook_size, hidden_size))
+        self.register_buffer("offsets", torch.arange(num_codebooks) * codebook_size, persistent=False)
+
+    def forward(self, codes: Tensor) -> Tensor:
+        """codes [..., num_codebooks] int in [0, codebook_size) -> summed rows [..., H] in the table dtype.
+
+        CPU inputs are range-checked (an out-of-range code would silently index the next codebook's
+        rows); CUDA inputs come from the sampler or from validated prompts and are not (no host sync).
+        """
+        if codes.shape[-1] != self.num_codebooks:
+            raise ValueError(f"codes must have {self.num_codebooks} codebooks in the last dim, got shape {list(codes.shape)}")
+        if codes.device.type == "cpu" and codes.numel():
+            lo, hi = int(codes.min()), int(codes.max())
+            if lo < 0 or hi >= self.codebook_size:
+                bad = lo if lo < 0 else hi
+                raise IndexError(f"audio code {bad} is outside [0, {self.codebook_size})")
+        return F.embedding(codes.long() + self.offsets, self.weight).sum(dim=-2)
+
+
+class FusedCodebookHead(nn.Module):
+    """hidden [B, H] -> logits [B, num_codebooks, codebook_size] (model dtype)."""
+
+    def __init__(self, num_codebooks: int, codebook_size: int, hidden_size: int,
+                 tied_to: FusedCodebookEmbedding | None = None) -> None:  # fmt: skip
+        super().__init__()
+        self.num_codebooks, self.codebook_size = num_codebooks, codebook_size
+        if tied_to is not None:
+            self.weight = tied_to.weight  # the same Parameter: tying shares storage
+        else:
+            self.weight = nn.Parameter(torch.empty(num_codebooks * codebook_size, hidden_size))
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return F.linear(hidden, self.weight).view(hidden.shape[0], self.num_codebooks, self.codebook_size)

@@ -1,0 +1,167 @@
+"""The MusicGen delay pattern: per-row state, logit masks and the state update (SPEC 4.5, 4.7, 8).
+
+Codebook ``c`` lags ``c`` steps. A stream's delayed rows, with ``s`` the step at which codebook 0 samples
+EOC (N = num_codebooks, shown for N = 8)::
+
+    row t < 7      codebooks > t are BOC (ramp-up)
+    row s          [EOC, real x 7]                                  countdown becomes 7
+    row s + j      codebooks < max(j, 1) are EOC, the rest real     j = 1 .. 7
+    row s + 7      the terminal row: ``done`` (the next text token is EOS)
+
+State per row (dense tensors, indexed by state row): ``last_codes [R, N]`` (feedback for the next step),
+``has_codes [R]``, ``delay [R]`` (ramp-up progress 0..N-1), ``countdown [R]`` (-1 normal, else ramp-down
+rows left) and ``done [R]``.
+
+Where we differ from upstream (SPEC "deliberately differs" 7): if codebook 0 samples EOC before the ramp-up
+finished (``s < N - 1``, an utterance shorter than N frames), the codebooks that have not started yet stay
+BOC until their turn, so every codebook still follows the delay pattern. Upstream stops the BOC forcing
+when the ramp-down starts and lets those codebooks sample real codes. For ``s >= N - 1`` both agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class DelayState:
+    """Dense decode state rows with fixed storage (graphs may capture these tensors)."""
+
+    last_codes: Tensor  # [R, N] int64
+    has_codes: Tensor  # [R] bool
+    delay: Tensor  # [R] int64
+    countdown: Tensor  # [R] int64
+    done: Tensor  # [R] bool
+
+    @classmethod
+    def allocate(cls, rows: int, num_codebooks: int, boc_id: int, device: torch.device | str = "cpu") -> DelayState:
+        return cls(
+            last_codes=torch.full((rows, num_codebooks), boc_id, dtype=torch.long, device=device),
+            has_codes=torch.zeros(rows, dtype=torch.bool, device=device),
+            delay=torch.zeros(rows, dtype=torch.long, device=device),
+            countdown=torch.full((rows,), -1, dtype=torch.long, device=device),
+            done=torch.zeros(rows, dtype=torch.bool, device=device),
+        )
+
+    def reset(self, rows: Tensor, boc_id: int) -> None:
+        """Re-initialise ``rows`` [K] in place: a fresh stream (all-BOC last frame, no codes yet)."""
+        self.last_codes[rows] = boc_id
+        self.has_codes[rows] = False
+        self.delay[rows] = 0
+        self.countdown[rows] = -1
+        self.done[rows] = False
+
+    def gather(self, rows: Tensor) -> DelayState:
+        """The state of ``rows`` [B] as new tensors (batch order)."""
+        return DelayState(**{f.name: getattr(self, f.name).index_select(0, rows) for f in fields(self)})
+
+    def scatter(self, rows: Tensor, new: DelayState) -> None:
+        """Write batch-ordered ``new`` back into ``rows`` [B] in place (storage never changes)."""
+        for f in fields(self):
+            getattr(self, f.name).index_copy_(0, rows, getattr(new, f.name))
+
+
+def apply_delay_mask(logits: Tensor, delay: Tensor, countdown: Tensor, boc_id: int, eoc_id: int) -> Tensor:
+    """Mask codebook logits [B, N, V] in place by each row's delay/ramp state; returns ``logits``.
+
+    Not-started codebooks may only emit BOC; codebooks locked by the ramp-down only EOC; during the
+    ramp-down the other codebooks emit real codes only; otherwise real codes, plus EOC on codebook 0.
+    """
+    b, n, v = logits.shape
+    q = torch.arange(n, device=logits.device)
+    started = q[None, :] < (delay + 1).clamp(max=n)[:, None]  # [B, N]
+    ramp = countdown >= 0
+    locked = ramp[:, None] & (q[None, :] < (n - countdown)[:, None])
+    eoc_free = started & ~ramp[:, None] & (q[None, :] == 0)
+    force = torch.where(~started, boc_id, torch.where(locked, eoc_id, -1))  # [B, N]; -1: not forced
+    vocab = torch.arange(v, device=logits.device)
+    free = (vocab != boc_id) & ((vocab != eoc_id) | eoc_free[..., None])  # [B, N, V]
+    allowed = torch.where((force >= 0)[..., None], vocab == force[..., None], free)
+    return logits.masked_fill_(~allowed, float("-inf"))
+
+
+def update_state(codes: Tensor, state: DelayState, active: Tensor, boc_id: int,
+                 eoc_id: int) -> tuple[Tensor, DelayState]:  # fmt: skip
+    """Advance the delay state by one sampled frame.
+
+    codes [B, N] int64 (sampled under ``apply_delay_mask``), ``state`` batch-ordered, ``active`` [B] bool
+    (rows that produce a frame this step). Returns the emitted row [B, N] (-1 where inactive) and the new
+    batch-ordered state (inactive rows unchanged).
+    """
+    n = codes.shape[1]
+    q = torch.arange(n, device=codes.device)
+    ramp = state.countdown >= 0
+    # 1. ramp-up: codebooks that have not started are BOC (also during a ramp-down: see module docstring)
+    ramping_up = state.delay + 1 < n
+    codes = torch.where(ramping_up[:, None] & (q[None, :] > state.delay[:, None]), boc_id, codes)
+    delay = torch.where(ramping_up, state.delay + 1, state.delay)
+    # 2. ramp-down lock
+    locked = ramp[:, None] & (q[None, :] < (n - state.countdown)[:, None])
+    codes = torch.where(locked, eoc_id, codes)
+    # 3. new EOC on a normal row: everything up to the last EOC codebook becomes EOC
+    is_eoc = (codes == eoc_id) & ~ramp[:, None]
+    last = torch.where(is_eoc, q[None, :], -1).amax(dim=1)  # [B]
+    codes = torch.where(q[None, :] <= last[:, None], eoc_id, codes)
+    countdown = torch.where(ramp, state.countdown - 1, torch.where(last >= 0, n - last - 1, -1))
+    # 4. terminal row
+    done = (countdown == 0) & active
+    delay = torch.where(done, 0, delay)
+    countdown = torch.where(done, -1, countdown)
+    a = active
+    new = DelayState(
+        last_codes=torch.where(a[:, None], codes, state.last_codes),
+        has_codes=torch.where(a, ~done, state.has_codes),
+        delay=torch.where(a, delay, state.delay),
+        countdown=torch.where(a, countdown, state.countdown),
+        done=torch.where(a, done, state.done),
+    )
+    return torch.where(a[:, None], codes, -1), new
+
+
+def forced_text_tokens(done: Tensor, audio_id: int, eos_id: int) -> Tensor:
+    """The text token of audio-mode rows: ``<|audio|>``, or EOS after the terminal row. done [B] -> [B] int64."""
+    return torch.where(done, eos_id, audio_id).long()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# host-side pattern arithmetic
+
+
+def apply_delay_pattern(codes: Tensor, boc_id: int, eoc_id: int) -> Tensor:
+    """Aligned frames [T, N] -> delayed rows [T + N - 1, N] (SPEC 3.2): column c is BOC x c, codes, EOC."""
+    if codes.dim() != 2:
+        raise ValueError(f"codes must be [frames, num_codebooks], got shape {list(codes.shape)}")
+    t, n = codes.shape
+    out = torch.full((t + n - 1, n), eoc_id, dtype=codes.dtype)
+    for c in range(n):
+        out[:c, c] = boc_id
+        out[c : c + t, c] = codes[:, c]
+    return out
+
+
+def revert_delay_pattern(rows: Tensor) -> Tensor:
+    """Delayed rows [R, N] -> aligned frames [R - N + 1, N]: frame t takes codebook c from row t + c."""
+    if rows.dim() != 2:
+        raise ValueError(f"rows must be [rows, num_codebooks], got shape {list(rows.shape)}")
+    r, n = rows.shape
+    if r < n:
+        raise ValueError(f"need at least {n} delayed rows to revert, got {r}")
+    frames = r - n + 1
+    return torch.stack([rows[c : c + frames, c] for c in range(n)], dim=1)
+
+
+def codec_frames(rows: Tensor, num_real_codes: int) -> Tensor:
+    """What the codec receives (SPEC 8.2): revert, map BOC/EOC/negatives to 0, drop the last frame.
+
+    rows [R, N] delayed -> frames [F, N] int64. Fewer than N rows give no frames; with two or more frames
+    the final one (the residual ramp frame) is dropped, as upstream's Stage-1 processor does.
+    """
+    n = rows.shape[1] if rows.dim() == 2 else 0
+    if rows.dim() != 2 or rows.shape[0] < n:
+        return torch.zeros(0, n, dtype=torch.long)
+    frames = revert_delay_pattern(rows.long())
+    frames = torch.where((frames < 0) | (frames >= num_real_codes), 0, frames)
+    return frames[:-1] if frames.shape[0] >= 2 else frames

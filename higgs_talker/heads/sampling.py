@@ -1,0 +1,122 @@
+"""Code sampling: per-request temperature / top-k / top-p over all codebooks, seeded, without host syncs.
+
+Randomness comes from a counter-based hash of ``(request seed, row index, codebook, code)``: the noise a
+request sees depends on nothing else, so a seeded request gives the same codes alone or in any batch, on CPU
+and CUDA alike, and the whole step can live in a CUDA graph (no ``torch.Generator`` per request). Sampling is
+the exponential race ``argmax(p / E)`` with ``E ~ Exp(1)``, which draws from ``p`` exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+_M32 = 0xFFFFFFFF
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling of the 8 codes of each frame.
+
+    temperature: 0 is greedy (argmax); > 0 scales the logits. top_k: keep the k most likely codes
+    (-1 or 0: off). top_p: nucleus mass in (0, 1]. seed: makes the request reproducible and
+    independent of its batch; None draws a fresh seed per request. max_frames: most delayed rows
+    (decode steps) before the request is cut off; the aligned output then has up to max_frames - 8 frames.
+    """
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    max_frames: int = 2048
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        k = self.top_k
+        if isinstance(k, bool) or not isinstance(k, int) or k < -1:
+            raise ValueError(f"top_k must be an integer >= 1, or -1 / 0 to disable it, got {k!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, int | float) or not (0 < p <= 1):
+            raise ValueError(f"top_p must lie in (0, 1], got {p!r}")
+        s = self.seed
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= MAX_SEED):
+            raise ValueError(f"seed must be None or an integer in [0, 2**63), got {s!r}")
+        m = self.max_frames
+        if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
+            raise ValueError(f"max_frames must be an integer > 0, got {m!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def resolved_seed(self) -> int:
+        """The seed to use: the given one, or a fresh random one (no seed is pinned by default)."""
+        return self.seed if self.seed is not None else secrets.randbelow(MAX_SEED)
+
+
+def _mul32(x: Tensor, m: int) -> Tensor:
+    """(x * m) mod 2**32 for x in [0, 2**32) in int64, split so no product overflows."""
+    lo, hi = m & 0xFFFF, m >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (xorshift-multiply finaliser) on int64 tensors holding values < 2**32."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def exponential_noise(seeds: Tensor, steps: Tensor, num_codebooks: int, codebook_size: int) -> Tensor:
+    """Exp(1) noise [B, N, V] fp32 that is a pure function of (seeds [B], steps [B]) int64."""
+    h = _mix32(seeds & _M32)
+    h = _mix32(h ^ ((seeds >> 32) & _M32))
+    h = _mix32(h ^ (steps & _M32))  # [B]
+    idx = torch.arange(num_codebooks * codebook_size, device=seeds.device, dtype=torch.long)
+    bits = _mix32(h[:, None] ^ _mix32(idx + 0x9E3779B9)[None, :])
+    bits = _mix32(bits ^ h[:, None])  # second round: decorrelates neighbouring (seed, step) pairs
+    u = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 random bits
+    return (-torch.log(u)).view(-1, num_codebooks, codebook_size)
+
+
+def top_k_top_p_filter(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Mask logits [M, V] outside each row's top-k (k [M], V = off), then outside its top-p nucleus (p [M]).
+
+    Ties at the k-th value are kept; the most likely entry always survives top-p. Returns a new tensor.
+    """
+    v = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    kth = sorted_logits.gather(1, (v - top_k.long()).clamp(0, v - 1)[:, None])
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= (1 - top_p.float())[:, None]
+    drop[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def sample_codes(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seeds: Tensor,
+                 steps: Tensor) -> Tensor:  # fmt: skip
+    """Masked codebook logits [B, N, V] -> codes [B, N] int64.
+
+    temperature/top_p [B] float, top_k [B] int (codebook_size or more = off), seeds/steps [B] int64 (the
+    step is the request's row index, so its noise never repeats). Rows with temperature 0 take the argmax.
+    """
+    b, n, v = logits.shape
+    x = logits.float()
+    greedy = temperature <= 0
+    scale = torch.where(greedy, 1.0, temperature.float())
+    x = x / scale[:, None, None]
+    x = top_k_top_p_filter(x.view(b * n, v), top_k.repeat_interleave(n), top_p.repeat_interleave(n)).view(b, n, v)
+    probs = x.softmax(dim=-1)
+    drawn = (probs / exponential_noise(seeds, steps, n, v)).argmax(dim=-1)
+    return torch.where(greedy[:, None], logits.argmax(dim=-1), drawn)

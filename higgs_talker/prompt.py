@@ -1,0 +1,144 @@
+"""Tokenizer, special tokens and prompt building (SPEC 1.3, 3.1-3.2).
+
+Plain TTS:            ``[<|tts|>, <|text|>] + enc(text) + [<|audio|>]``
+Voice clone:          ``[<|tts|>, <|ref_audio|>] + [P] * R + [<|text|>] + enc(text) + [<|audio|>]``
+Voice clone + text:   ``[<|tts|>, <|ref_text|>] + enc(ref_text) + [<|ref_audio|>] + [P] * R + ...``
+
+``R = T + N - 1`` placeholders carry the reference codes ``[T, N]`` with the delay pattern applied; each
+placeholder id is ``<|tts|>`` (a valid id that can never look like ``<|audio|>``) and its embedding is replaced
+by the fused codebook embedding of its row at prefill. The prompt always ends with ``<|audio|>``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .config import OPTIONAL_SPECIAL_TOKENS, REQUIRED_SPECIAL_TOKENS, SpecialTokens, TalkerConfig
+from .heads.delay import apply_delay_pattern
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A built prompt: token ids and the delayed reference rows that replace placeholder embeddings."""
+
+    input_ids: Tensor  # [T] int64
+    audio_codes: Tensor | None = None  # [R, N] int64 delayed reference rows
+    audio_positions: Tensor | None = None  # [R] int64 prompt positions of the placeholders
+
+    def __len__(self) -> int:
+        return int(self.input_ids.numel())
+
+
+class TalkerTokenizer:
+    """The checkpoint's tokenizer (transformers, no remote code) and its resolved special ids."""
+
+    def __init__(self, tokenizer, specials: SpecialTokens, max_length: int) -> None:
+        self.tokenizer = tokenizer
+        self.specials = specials
+        self.max_length = max_length
+        self._special_strings = tuple(tokenizer.get_added_vocab())
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, cfg: TalkerConfig) -> TalkerTokenizer:
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"could not load a tokenizer from {path}: {exc}") from exc
+        return cls(tok, resolve_special_tokens(tok, cfg), cfg.text.max_position_embeddings)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def build(self, text: str, reference_codes: Tensor | None = None, reference_text: str | None = None,
+              cfg: TalkerConfig | None = None) -> Prompt:  # fmt: skip
+        """Token ids for ``text`` (and an optional reference voice given as aligned codes [T, N])."""
+        text = _check_text(text, "text", self._special_strings)
+        sp = self.specials
+        body = [sp.text, *self.encode(text), sp.audio]
+        if reference_codes is None:
+            if reference_text is not None:
+                raise ValueError("reference_text was given without reference codes")
+            ids = [sp.tts, *body]
+            return self._finish(Prompt(torch.tensor(ids, dtype=torch.long)))
+        if cfg is None:
+            raise ValueError("building a voice-clone prompt needs the TalkerConfig")
+        if sp.ref_audio is None:
+            raise ValueError("this tokenizer has no <|ref_audio|> token, so voice cloning is not available")
+        rows = apply_delay_pattern(check_reference_codes(reference_codes, cfg), cfg.boc_id, cfg.eoc_id)
+        head = [sp.tts]
+        if reference_text is not None:
+            ref_text = _check_text(reference_text, "reference_text", self._special_strings)
+            if sp.ref_text is None:
+                raise ValueError("this tokenizer has no <|ref_text|> token; pass reference_text=None")
+            head += [sp.ref_text, *self.encode(ref_text)]
+        head.append(sp.ref_audio)
+        start = len(head)
+        ids = head + [sp.tts] * rows.shape[0] + body
+        positions = torch.arange(start, start + rows.shape[0], dtype=torch.long)
+        return self._finish(Prompt(torch.tensor(ids, dtype=torch.long), rows, positions))
+
+    def _finish(self, prompt: Prompt) -> Prompt:
+        if len(prompt) >= self.max_length:
+            raise ValueError(
+                f"prompt is {len(prompt)} tokens; the model's maximum length is {self.max_length} "
+                "(max_position_embeddings), which must also leave room for the generated frames"
+            )
+        return prompt
+
+
+def resolve_special_tokens(tokenizer, cfg: TalkerConfig) -> SpecialTokens:
+    """Look the special tokens up in the tokenizer's added vocabulary; the required ones must exist."""
+    added = tokenizer.get_added_vocab()
+    missing = [t for t in REQUIRED_SPECIAL_TOKENS if t not in added]
+    if missing:
+        raise ValueError(f"tokenizer lacks required special token(s) {', '.join(missing)}")
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else cfg.eos_token_id
+    if eos is None:
+        raise ValueError("neither the tokenizer nor config.json defines an eos token id")
+    opt = {t: added.get(t) for t in OPTIONAL_SPECIAL_TOKENS}
+    ids = SpecialTokens(
+        tts=added["<|tts|>"], text=added["<|text|>"], audio=added["<|audio|>"], eos=int(eos),
+        ref_audio=opt["<|ref_audio|>"], ref_text=opt["<|ref_text|>"],
+    )  # fmt: skip
+    vocab = cfg.text.vocab_size
+    for name in ("tts", "text", "audio", "eos", "ref_audio", "ref_text"):
+        value = getattr(ids, name)
+        if value is not None and not 0 <= value < vocab:
+            raise ValueError(f"special token {name} has id {value}, outside the text vocabulary [0, {vocab})")
+    return ids
+
+
+def check_reference_codes(codes, cfg: TalkerConfig) -> Tensor:
+    """Validate aligned reference codes: [T, N] integers, T >= 1, each a real code in [0, num_real_codes)."""
+    if not isinstance(codes, Tensor):
+        try:
+            codes = torch.as_tensor(codes)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"reference codes must be an integer array [frames, {cfg.num_codebooks}]: {exc}") from exc
+    if codes.dtype.is_floating_point or codes.dtype == torch.bool or codes.is_complex():
+        raise ValueError(f"reference codes must be integers, got dtype {codes.dtype}")
+    n = cfg.num_codebooks
+    if codes.dim() != 2 or codes.shape[1] != n or codes.shape[0] == 0:
+        raise ValueError(f"reference codes must have shape [frames >= 1, {n}], got {list(codes.shape)}")
+    lo, hi = int(codes.min()), int(codes.max())
+    if lo < 0 or hi >= cfg.num_real_codes:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"reference code {bad} is outside the real code range [0, {cfg.num_real_codes})")
+    return codes.long().cpu()
+
+
+def _check_text(text: str, name: str, specials: tuple[str, ...]) -> str:
+    if not isinstance(text, str):
+        raise ValueError(f"{name} must be a string, got {type(text).__name__}")
+    if not text.strip():
+        raise ValueError(f"{name} is empty or whitespace only: {text!r}")
+    for s in specials:
+        if s in text:
+            raise ValueError(f"{name} contains the special token {s!r}, which would break the prompt layout")
+    return text

@@ -1,0 +1,154 @@
+"""The embedded default checkpoint: a tiny, deterministic ``higgs_multimodal_qwen3`` checkpoint.
+
+It has the real layout (config.json, safetensors with the real key names including a few codec keys,
+tokenizer.json with the special tokens) and is loaded through the same code as a real checkpoint. It is
+built from a fixed seed, written once into a cache directory, and rebuilt when the recipe changes.
+
+Its weights are random with one designed feature: hidden dimension 0 is a constant "bias channel" (every
+embedding row has a constant there and no layer writes to it), and codebook 0's EOC row carries extra weight
+on it, so sampled generations end naturally after a few seconds of audio instead of running to the cap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CODEC_PREFIX, save_checkpoint
+from .config import TalkerConfig, TextConfig
+
+TINY_NAME = "tiny"
+RECIPE_VERSION = 1
+SPECIAL_TOKENS = ("<|endoftext|>", "<|tts|>", "<|text|>", "<|audio|>", "<|ref_audio|>", "<|ref_text|>", "<|audio_end|>")
+
+
+def tiny_config(**overrides) -> TalkerConfig:
+    """The tiny model's config: 3 layers, hidden 64, 4 query / 2 KV heads of dim 32 (GQA, q_size != hidden)."""
+    text = dict(
+        vocab_size=320, hidden_size=64, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    text.update(overrides.pop("text", {}))
+    return TalkerConfig(text=TextConfig(**text), eos_token_id=256, **overrides)
+
+
+def tiny_weights(cfg: TalkerConfig, seed: int = 0, eoc_bias: float = 2.5, table_std: float = 0.25) -> dict[str, torch.Tensor]:
+    """Deterministic checkpoint-named fp32 tensors for ``cfg`` (any shape, not only the tiny one)."""
+    g = torch.Generator().manual_seed(seed)
+    t = cfg.text
+    h, d = t.hidden_size, t.head_dim
+
+    def randn(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    def norm_weight(n: int) -> torch.Tensor:
+        return 1.0 + randn(n, std=0.1)
+
+    table = randn(cfg.num_codebooks * cfg.codebook_size, h, std=table_std)
+    table[:, 0] = 0.25  # bias channel: the 8-row sum is constant 2.0 in dim 0
+    table[cfg.eoc_id, 0] += eoc_bias  # codebook 0's EOC row (rows 0 .. V-1 are codebook 0)
+    embed = randn(t.vocab_size, h, std=1.0)
+    embed[:, 0] = 0.5
+    w: dict[str, torch.Tensor] = {
+        "tied.embedding.text_embedding.weight": embed,
+        "body.norm.weight": norm_weight(h),
+        "tied.embedding.modality_embeddings.0.embedding.weight": table,
+        # codec weights ride along in real checkpoints; the talker must skip them
+        f"{CODEC_PREFIX}quantizer.codebook.weight": randn(16, 8, std=1.0),
+        f"{CODEC_PREFIX}decoder.conv.weight": randn(4, 4, 3, std=1.0),
+    }
+    for i in range(t.num_hidden_layers):
+        p = f"body.layers.{i}."
+        o_proj = randn(h, t.q_size, std=0.5 / t.q_size**0.5)
+        down = randn(h, t.intermediate_size, std=0.5 / t.intermediate_size**0.5)
+        o_proj[0] = 0.0  # nothing writes the bias channel
+        down[0] = 0.0
+        w |= {
+            p + "input_layernorm.weight": norm_weight(h),
+            p + "post_attention_layernorm.weight": norm_weight(h),
+            p + "self_attn.q_proj.weight": randn(t.q_size, h, std=h**-0.5),
+            p + "self_attn.k_proj.weight": randn(t.kv_size, h, std=h**-0.5),
+            p + "self_attn.v_proj.weight": randn(t.kv_size, h, std=h**-0.5),
+            p + "self_attn.o_proj.weight": o_proj,
+            p + "self_attn.q_norm.weight": norm_weight(d),
+            p + "self_attn.k_norm.weight": norm_weight(d),
+            p + "mlp.gate_proj.weight": randn(t.intermediate_size, h, std=h**-0.5),
+            p + "mlp.up_proj.weight": randn(t.intermediate_size, h, std=h**-0.5),
+            p + "mlp.down_proj.weight": down,
+        }
+        if t.attention_bias:
+            w |= {
+                p + "self_attn.q_proj.bias": randn(t.q_size, std=0.1),
+                p + "self_attn.k_proj.bias": randn(t.kv_size, std=0.1),
+                p + "self_attn.v_proj.bias": randn(t.kv_size, std=0.1),
+            }
+    if not t.tie_word_embeddings:
+        w["tied.head.text_head.weight"] = randn(t.vocab_size, h, std=1.0)
+    if not cfg.tie_modality_embeddings:
+        w["tied.head.modality_heads.0.weight"] = table + randn(*table.shape, std=0.1)
+    return w
+
+
+def write_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer (256 byte symbols, no merges) plus the Higgs special tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIAL_TOKENS])
+    if tok.get_vocab_size() > vocab_size:
+        raise ValueError(f"tokenizer needs {tok.get_vocab_size()} ids, text vocab is {vocab_size}")
+    tok.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+
+
+def write_checkpoint(directory: str | Path, cfg: TalkerConfig | None = None, seed: int = 0, shards: int = 1,
+                     eoc_bias: float = 2.5) -> Path:  # fmt: skip
+    """Write a complete checkpoint directory (config, weights, tokenizer) for ``cfg`` (default: tiny)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = cfg or tiny_config()
+    (directory / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2), encoding="utf-8")
+    save_checkpoint(tiny_weights(cfg, seed=seed, eoc_bias=eoc_bias), directory, shards=shards)
+    write_tokenizer(directory, cfg.text.vocab_size)
+    return directory
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "higgs_talker"
+
+
+def tiny_checkpoint(cache_dir: str | Path | None = None) -> Path:
+    """Path of the embedded default checkpoint, building it (atomically) on first use."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / f"tiny-v{RECIPE_VERSION}"
+    if (target / "config.json").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=root))
+    try:
+        write_checkpoint(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
