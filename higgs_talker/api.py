@@ -13,6 +13,7 @@ from torch import Tensor
 
 from . import checkpoint
 from .config import TalkerConfig, register_hf_config
+from .cuda_graphs.policy import GraphMode
 from .engine import Engine, EngineConfig, Request
 from .heads.delay import codec_frames, revert_delay_pattern
 from .heads.sampling import SamplingParams
@@ -107,13 +108,17 @@ class HiggsTalker:
     def from_pretrained(cls, path: str | Path = TINY_NAME, device: str | torch.device = "cpu",
                         dtype: str | torch.dtype | None = None, *, max_num_seqs: int = 64,
                         num_blocks: int | None = None, max_model_len: int | None = None,
-                        block_size: int = 16) -> HiggsTalker:  # fmt: skip
+                        block_size: int = 16, graph_mode: str | None = None) -> HiggsTalker:  # fmt: skip
         """Load a checkpoint directory, or ``"tiny"`` for the embedded default.
 
-        dtype defaults to float32 on CPU and bfloat16 on CUDA.
+        dtype defaults to float32 on CPU and bfloat16 on CUDA. ``graph_mode`` (eager, local_mlp,
+        full_decode, auto) defaults to auto on CUDA; CPU runs eager only.
         """
         device = _check_device(device)
         dtype = _check_dtype(dtype, device)
+        mode = GraphMode.parse(graph_mode or (GraphMode.AUTO if device.type == "cuda" else GraphMode.EAGER))
+        if device.type != "cuda" and mode is not GraphMode.EAGER:
+            raise ValueError(f"graph_mode {mode.value!r} needs a CUDA device; on {device} use graph_mode='eager'")
         path = tiny_checkpoint() if str(path) == TINY_NAME else Path(path)
         if not Path(path).exists():
             raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist (use 'tiny' for the embedded default)")
