@@ -18,14 +18,20 @@ from .engine import Engine, EngineConfig, Request
 from .heads.delay import codec_frames, revert_delay_pattern
 from .heads.sampling import SamplingParams
 from .model import TalkerModel
-from .ops import default_kernels
+from .ops import default_kernels, rope_cache
 from .prompt import Prompt, TalkerTokenizer
 from .tiny import TINY_NAME, tiny_checkpoint
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 @dataclass(frozen=True)
@@ -84,31 +90,51 @@ class GenerationResult:
         elif path.suffix == ".safetensors":
             from safetensors.torch import save_file
 
-            save_file({"codes": self.codes.contiguous(), "rows": self.rows.contiguous()}, str(path),
-                      metadata={"text": self.text, "frame_rate": str(self.frame_rate)})  # fmt: skip
+            save_file(
+                {"codes": self.codes.contiguous(), "rows": self.rows.contiguous()},
+                str(path),
+                metadata={"text": self.text, "frame_rate": str(self.frame_rate)},
+            )
         else:
             raise ValueError(f"unsupported output format {path.suffix!r}: use .npy or .safetensors")
         return path
 
     def summary(self) -> str:
-        return (f"{self.num_frames} frames, {self.audio_seconds:.2f} s audio, {self.num_rows} steps "
-                f"({self.finish_reason}), prefill {self.prefill_ms:.1f} ms, {self.ms_per_step:.2f} ms/step, "
-                f"RTF {self.rtf:.3f}")  # fmt: skip
+        return (
+            f"{self.num_frames} frames, {self.audio_seconds:.2f} s audio, {self.num_rows} steps "
+            f"({self.finish_reason}), prefill {self.prefill_ms:.1f} ms, {self.ms_per_step:.2f} ms/step, "
+            f"RTF {self.rtf:.3f}"
+        )
 
 
 class HiggsTalker:
     """The talker: ``HiggsTalker.from_pretrained("tiny").generate("Hello")``."""
 
-    def __init__(self, model: TalkerModel, cfg: TalkerConfig, tokenizer: TalkerTokenizer,
-                 engine_cfg: EngineConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: TalkerModel,
+        cfg: TalkerConfig,
+        tokenizer: TalkerTokenizer,
+        engine_cfg: EngineConfig | None = None,
+        graph_mode: GraphMode | str = GraphMode.EAGER,
+    ) -> None:
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
+        self.graph_mode = GraphMode.parse(graph_mode)
         self.engine = Engine(model, cfg, tokenizer.specials, engine_cfg)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path = TINY_NAME, device: str | torch.device = "cpu",
-                        dtype: str | torch.dtype | None = None, *, max_num_seqs: int = 64,
-                        num_blocks: int | None = None, max_model_len: int | None = None,
-                        block_size: int = 16, graph_mode: str | None = None) -> HiggsTalker:  # fmt: skip
+    def from_pretrained(
+        cls,
+        path: str | Path = TINY_NAME,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype | None = None,
+        *,
+        max_num_seqs: int = 64,
+        num_blocks: int | None = None,
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        graph_mode: str | None = None,
+    ) -> HiggsTalker:
         """Load a checkpoint directory, or ``"tiny"`` for the embedded default.
 
         dtype defaults to float32 on CPU and bfloat16 on CUDA. ``graph_mode`` (eager, local_mlp,
@@ -125,18 +151,47 @@ class HiggsTalker:
         register_hf_config()
         cfg = TalkerConfig.from_pretrained(path)
         tokenizer = TalkerTokenizer.from_pretrained(path, cfg)
-        engine_cfg = EngineConfig(max_num_seqs=max_num_seqs, num_blocks=num_blocks, max_model_len=max_model_len,
-                                  block_size=block_size)  # fmt: skip
-        with torch.device("meta"):
-            model = TalkerModel(cfg)
-        model = model.to_empty(device=device).to(dtype)
-        model.tie_weights()
-        model.kernels = default_kernels(device)
-        _init_buffers(model, cfg, device)
+        engine_cfg = EngineConfig(
+            max_num_seqs=max_num_seqs, num_blocks=num_blocks, max_model_len=max_model_len, block_size=block_size
+        )
+        model = _empty_model(cfg, device, dtype)
         checkpoint.load_into(model, checkpoint.iter_tensors(path, cfg, device, dtype), cfg)
         model.eval().requires_grad_(False)
         logger.info("loaded %s on %s (%s, kernels=%s)", path, device, dtype, model.kernels.name)
-        return cls(model, cfg, tokenizer, engine_cfg)
+        return cls(model, cfg, tokenizer, engine_cfg, graph_mode=mode)
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: TalkerConfig,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype | None = None,
+        *,
+        seed: int = 0,
+        tokenizer_path: str | Path | None = None,
+        graph_mode: str | None = None,
+        **engine_kwargs,
+    ) -> HiggsTalker:
+        """A talker of any shape with random weights (benchmarks, tests); the tokenizer defaults to the tiny one.
+
+        Weights are drawn on the device (normal, std 0.02; norms 1), so a 4B-shaped model builds in seconds.
+        """
+        device = _check_device(device)
+        dtype = _check_dtype(dtype, device)
+        mode = GraphMode.parse(graph_mode or (GraphMode.AUTO if device.type == "cuda" else GraphMode.EAGER))
+        if device.type != "cuda" and mode is not GraphMode.EAGER:
+            raise ValueError(f"graph_mode {mode.value!r} needs a CUDA device; on {device} use graph_mode='eager'")
+        model = _empty_model(cfg, device, dtype)
+        g = torch.Generator(device=device).manual_seed(seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                else:
+                    param.normal_(0.0, 0.02, generator=g)
+        model.eval().requires_grad_(False)
+        tokenizer = TalkerTokenizer.from_pretrained(tokenizer_path or tiny_checkpoint(), cfg)
+        return cls(model, cfg, tokenizer, EngineConfig(**engine_kwargs), graph_mode=mode)
 
     # ------------------------------------------------------------------ prompts
 
@@ -149,9 +204,14 @@ class HiggsTalker:
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, text: str | Sequence[str], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                 reference: Reference | None = None, max_frames: int | None = None,
-                 progress=None) -> GenerationResult | list[GenerationResult]:  # fmt: skip
+    def generate(
+        self,
+        text: str | Sequence[str],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        reference: Reference | None = None,
+        max_frames: int | None = None,
+        progress=None,
+    ) -> GenerationResult | list[GenerationResult]:
         """Generate codes for one text (-> one result) or a list of texts batched together (-> a list).
 
         ``sampling`` may be one ``SamplingParams`` for all texts or one per text; ``max_frames`` overrides
@@ -176,11 +236,18 @@ class HiggsTalker:
         results = [self._result(self.engine.pop_finished(i), t) for i, t in zip(ids, texts, strict=True)]
         return results[0] if single else results
 
-    def generate_batch(self, texts: Sequence[str], sampling=None, max_frames: int | None = None) -> list[GenerationResult]:
+    def generate_batch(
+        self, texts: Sequence[str], sampling=None, max_frames: int | None = None
+    ) -> list[GenerationResult]:
         return self.generate(list(texts), sampling, max_frames=max_frames)
 
-    def stream(self, text: str, sampling: SamplingParams | None = None, reference: Reference | None = None,
-               max_frames: int | None = None) -> Iterator[Tensor]:  # fmt: skip
+    def stream(
+        self,
+        text: str,
+        sampling: SamplingParams | None = None,
+        reference: Reference | None = None,
+        max_frames: int | None = None,
+    ) -> Iterator[Tensor]:
         """Yield aligned frames [N] int64 as soon as each is final; together they equal ``generate().codes``.
 
         Frame t needs delayed rows up to t + N - 1; it is yielded once row t + N exists (so it is known not
@@ -226,10 +293,16 @@ class HiggsTalker:
         rows = torch.stack(req.rows).long() if req.rows else torch.zeros(0, self.cfg.num_codebooks, dtype=torch.long)
         decode_ms = ((req.finished_at or 0) - (req.first_row_at or 0)) * 1e3 if req.rows else 0.0
         return GenerationResult(
-            request_id=req.id, text=text, codes=codec_frames(rows, self.cfg.num_real_codes), rows=rows,
-            finish_reason=req.finish_reason or "", prompt_tokens=len(req.prompt), prefill_ms=req.prefill_ms,
-            decode_ms=decode_ms, frame_rate=self.cfg.frame_rate,
-        )  # fmt: skip
+            request_id=req.id,
+            text=text,
+            codes=codec_frames(rows, self.cfg.num_real_codes),
+            rows=rows,
+            finish_reason=req.finish_reason or "",
+            prompt_tokens=len(req.prompt),
+            prefill_ms=req.prefill_ms,
+            decode_ms=decode_ms,
+            frame_rate=self.cfg.frame_rate,
+        )
 
 
 def _check_device(device: str | torch.device) -> torch.device:
@@ -256,10 +329,14 @@ def _check_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch
     return dtype
 
 
-def _init_buffers(model: TalkerModel, cfg: TalkerConfig, device: torch.device) -> None:
-    """Non-persistent buffers are not in the checkpoint; rebuild them after ``to_empty``."""
-    from .ops import rope_cache
-
+def _empty_model(cfg: TalkerConfig, device: torch.device, dtype: torch.dtype) -> TalkerModel:
+    """The model with uninitialised weights on ``device`` (built on the meta device: no host copy)."""
+    with torch.device("meta"):
+        model = TalkerModel(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    model.kernels = default_kernels(device)
     t = cfg.text
     model.cos_sin = rope_cache(t.head_dim, t.max_position_embeddings, t.rope_theta, device)
     model.multimodal_embedding.offsets = torch.arange(cfg.num_codebooks, device=device) * cfg.codebook_size
+    return model

@@ -172,7 +172,9 @@ def read_header(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], str
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                     if key in header:
-                        raise ValueError(f"checkpoint key {key!r} appears in both {header[key][0].name} and {file.name}")
+                        raise ValueError(
+                            f"checkpoint key {key!r} appears in both {header[key][0].name} and {file.name}"
+                        )
                     sl = f.get_slice(key)
                     header[key] = (file, tuple(sl.get_shape()), sl.get_dtype())
         except SafetensorError as exc:
@@ -199,7 +201,7 @@ def validate(header: dict[str, tuple[Path, tuple[int, ...], str]], cfg: TalkerCo
     missing = sorted(k for k in expected if k not in header)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} required key(s): {', '.join(missing)}")
-    for key, (file, shape, dtype) in header.items():
+    for key, (_file, shape, dtype) in header.items():
         if key.startswith(CODEC_PREFIX):
             continue
         want = expected.get(key)
@@ -212,8 +214,9 @@ def validate(header: dict[str, tuple[Path, tuple[int, ...], str]], cfg: TalkerCo
             raise ValueError(f"checkpoint key {key!r} has dtype {dtype}; expected a float dtype")
 
 
-def iter_tensors(path: str | Path, cfg: TalkerConfig, device: str | torch.device = "cpu",
-                 dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+def iter_tensors(
+    path: str | Path, cfg: TalkerConfig, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Validated (checkpoint key, tensor) pairs, memory-mapped, moved straight to ``device`` and ``dtype``.
 
     Skipped keys (codec, tied heads) are not read at all.

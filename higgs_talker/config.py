@@ -127,10 +127,20 @@ class TalkerConfig:
         codebook_size = audio.get("vocab_size", raw.get("codebook_size", DEFAULT_CODEBOOK_SIZE))
         tie_modality = audio.get("tie_word_embeddings", raw.get("tie_modality_embeddings", True))
         known = {
-            "model_type", "text_config", "audio_encoder_config", "num_codebooks", "codebook_size",
-            "tie_modality_embeddings", "audio_stream_bos_id", "audio_stream_eos_id", "sample_rate",
-            "frame_rate", "audio_token_id", "eos_token_id", "audio_hidden_size",
-        }  # fmt: skip
+            "model_type",
+            "text_config",
+            "audio_encoder_config",
+            "num_codebooks",
+            "codebook_size",
+            "tie_modality_embeddings",
+            "audio_stream_bos_id",
+            "audio_stream_eos_id",
+            "sample_rate",
+            "frame_rate",
+            "audio_token_id",
+            "eos_token_id",
+            "audio_hidden_size",
+        }
         return cls(
             text=text,
             num_codebooks=_int(num_codebooks, "audio_encoder_config.num_codebooks"),
@@ -226,8 +236,16 @@ def _text_config_from_dict(raw: dict[str, Any]) -> TextConfig:
 
 def _validate(cfg: TalkerConfig) -> None:
     t = cfg.text
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "max_position_embeddings"):  # fmt: skip
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+    ):
         value = getattr(t, name)
         if value <= 0:
             raise ValueError(f"text_config.{name} must be > 0, got {value}")
@@ -308,8 +326,9 @@ def hf_config_class() -> type:
             model_type = MODEL_TYPE
             is_composition = True
 
-            def __init__(self, text_config: dict | None = None, audio_encoder_config: dict | None = None,
-                         **kwargs: Any) -> None:  # fmt: skip
+            def __init__(
+                self, text_config: dict | None = None, audio_encoder_config: dict | None = None, **kwargs: Any
+            ) -> None:
                 if text_config is not None and hasattr(text_config, "to_dict"):
                     text_config = text_config.to_dict()
                 self.text_config = text_config or {}

@@ -102,8 +102,14 @@ class DecodeInputs:
 
 
 class Engine:
-    def __init__(self, model: TalkerModel, cfg: TalkerConfig, specials: SpecialTokens,
-                 engine_cfg: EngineConfig | None = None, attention: AttentionBackend | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: TalkerModel,
+        cfg: TalkerConfig,
+        specials: SpecialTokens,
+        engine_cfg: EngineConfig | None = None,
+        attention: AttentionBackend | None = None,
+    ) -> None:
         self.model, self.cfg, self.specials = model, cfg, specials
         self.ecfg = ec = engine_cfg or EngineConfig()
         param = next(model.parameters())
@@ -142,7 +148,9 @@ class Engine:
         if len(prompt) + 1 > self.max_model_len:
             raise ValueError(f"prompt of {len(prompt)} tokens leaves no room within max_model_len={self.max_model_len}")
         if self.allocator.blocks_for(len(prompt) + 1) > self.allocator.num_blocks:
-            raise ValueError(f"prompt of {len(prompt)} tokens does not fit the KV cache ({self.allocator.num_blocks} blocks)")
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens does not fit the KV cache ({self.allocator.num_blocks} blocks)"
+            )
         req = Request(request_id, prompt, params, params.resolved_seed(), submitted_at=time.perf_counter())
         self.requests[request_id] = req
         self.waiting.append(req)
@@ -343,9 +351,13 @@ class Engine:
         state = self.state.gather(rows)
         apply_delay_mask(logits, state.delay, state.countdown, cfg.boc_id, cfg.eoc_id)
         codes = sample_codes(
-            logits, self.temperature.index_select(0, rows), self.top_k.index_select(0, rows),
-            self.top_p.index_select(0, rows), self.seeds.index_select(0, rows), steps,
-        )  # fmt: skip
+            logits,
+            self.temperature.index_select(0, rows),
+            self.top_k.index_select(0, rows),
+            self.top_p.index_select(0, rows),
+            self.seeds.index_select(0, rows),
+            steps,
+        )
         active = torch.ones_like(state.done)
         emitted, new = update_state(codes, state, active, cfg.boc_id, cfg.eoc_id)
         self.state.scatter(rows, new)

@@ -49,12 +49,15 @@ def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) 
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
-def allocate_kv_caches(cfg: TextConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device | str) -> list[Tensor]:  # fmt: skip
+def allocate_kv_caches(
+    cfg: TextConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+) -> list[Tensor]:
     """One ``[num_blocks, 2, block_size, kv_heads, head_dim]`` tensor per layer (NHD paged layout)."""
     shape = (num_blocks, 2, block_size, cfg.num_key_value_heads, cfg.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
 
 
 def kv_bytes_per_token(cfg: TextConfig, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
+    return (
+        2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
+    )

@@ -33,15 +33,20 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, layer: int, positions: Tensor, hidden: Tensor, attn: AttentionBackend,
-                kernels: Kernels, cos_sin: Tensor) -> Tensor:  # fmt: skip
+    def forward(
+        self, layer: int, positions: Tensor, hidden: Tensor, attn: AttentionBackend, kernels: Kernels, cos_sin: Tensor
+    ) -> Tensor:
         """hidden [N, H] -> [N, H]."""
         n = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -101,12 +106,15 @@ class TalkerModel(nn.Module):
             self.lm_head = nn.Linear(t.hidden_size, t.vocab_size, bias=False)
         self.multimodal_embedding = FusedCodebookEmbedding(cfg.num_codebooks, cfg.codebook_size, t.hidden_size)
         self.modality_head = FusedCodebookHead(
-            cfg.num_codebooks, cfg.codebook_size, t.hidden_size,
+            cfg.num_codebooks,
+            cfg.codebook_size,
+            t.hidden_size,
             tied_to=self.multimodal_embedding if cfg.tie_modality_embeddings else None,
-        )  # fmt: skip
+        )
         self.kernels = kernels or TorchKernels()
-        self.register_buffer("cos_sin", rope_cache(t.head_dim, t.max_position_embeddings, t.rope_theta),
-                             persistent=False)  # fmt: skip
+        self.register_buffer(
+            "cos_sin", rope_cache(t.head_dim, t.max_position_embeddings, t.rope_theta), persistent=False
+        )
 
     def tie_weights(self) -> None:
         """Re-share the fused table with the head (after ``to_empty`` or other re-materialisation)."""
@@ -122,8 +130,9 @@ class TalkerModel(nn.Module):
         """input_ids [N] -> [N, H]; negative ids (placeholders) embed as id 0 and must be replaced."""
         return self.model.embed_tokens(input_ids.clamp(min=0))
 
-    def forward(self, embeds: Tensor, positions: Tensor, attn: AttentionBackend,
-                post_attention: PostAttention | None = None) -> Tensor:  # fmt: skip
+    def forward(
+        self, embeds: Tensor, positions: Tensor, attn: AttentionBackend, post_attention: PostAttention | None = None
+    ) -> Tensor:
         """embeds [N, H], positions [N] -> final-normed hidden [N, H].
 
         ``post_attention`` replaces each layer's eager post-attention block (the local MLP graph hook).

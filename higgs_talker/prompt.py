@@ -55,8 +55,13 @@ class TalkerTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def build(self, text: str, reference_codes: Tensor | None = None, reference_text: str | None = None,
-              cfg: TalkerConfig | None = None) -> Prompt:  # fmt: skip
+    def build(
+        self,
+        text: str,
+        reference_codes: Tensor | None = None,
+        reference_text: str | None = None,
+        cfg: TalkerConfig | None = None,
+    ) -> Prompt:
         """Token ids for ``text`` (and an optional reference voice given as aligned codes [T, N])."""
         text = _check_text(text, "text", self._special_strings)
         sp = self.specials
@@ -103,9 +108,13 @@ def resolve_special_tokens(tokenizer, cfg: TalkerConfig) -> SpecialTokens:
         raise ValueError("neither the tokenizer nor config.json defines an eos token id")
     opt = {t: added.get(t) for t in OPTIONAL_SPECIAL_TOKENS}
     ids = SpecialTokens(
-        tts=added["<|tts|>"], text=added["<|text|>"], audio=added["<|audio|>"], eos=int(eos),
-        ref_audio=opt["<|ref_audio|>"], ref_text=opt["<|ref_text|>"],
-    )  # fmt: skip
+        tts=added["<|tts|>"],
+        text=added["<|text|>"],
+        audio=added["<|audio|>"],
+        eos=int(eos),
+        ref_audio=opt["<|ref_audio|>"],
+        ref_text=opt["<|ref_text|>"],
+    )
     vocab = cfg.text.vocab_size
     for name in ("tts", "text", "audio", "eos", "ref_audio", "ref_text"):
         value = getattr(ids, name)

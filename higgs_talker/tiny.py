@@ -30,15 +30,25 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|tts|>", "<|text|>", "<|audio|>", "<|ref_au
 def tiny_config(**overrides) -> TalkerConfig:
     """The tiny model's config: 3 layers, hidden 64, 4 query / 2 KV heads of dim 32 (GQA, q_size != hidden)."""
     text = dict(
-        vocab_size=320, hidden_size=64, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
         tie_word_embeddings=True,
-    )  # fmt: skip
+    )
     text.update(overrides.pop("text", {}))
     return TalkerConfig(text=TextConfig(**text), eos_token_id=256, **overrides)
 
 
-def tiny_weights(cfg: TalkerConfig, seed: int = 0, eoc_bias: float = 2.5, table_std: float = 0.25) -> dict[str, torch.Tensor]:
+def tiny_weights(
+    cfg: TalkerConfig, seed: int = 0, eoc_bias: float = 2.5, table_std: float = 0.25
+) -> dict[str, torch.Tensor]:
     """Deterministic checkpoint-named fp32 tensors for ``cfg`` (any shape, not only the tiny one)."""
     g = torch.Generator().manual_seed(seed)
     t = cfg.text
@@ -117,8 +127,9 @@ def write_tokenizer(directory: Path, vocab_size: int) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 
-def write_checkpoint(directory: str | Path, cfg: TalkerConfig | None = None, seed: int = 0, shards: int = 1,
-                     eoc_bias: float = 2.5) -> Path:  # fmt: skip
+def write_checkpoint(
+    directory: str | Path, cfg: TalkerConfig | None = None, seed: int = 0, shards: int = 1, eoc_bias: float = 2.5
+) -> Path:
     """Write a complete checkpoint directory (config, weights, tokenizer) for ``cfg`` (default: tiny)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -95,8 +95,9 @@ def decide(mode: GraphMode | str | None = None, vllm_config: Any = None) -> Grap
         return GraphDecision(m, True, False, False, "mode=local_mlp: per-layer MLP graphs, attention eager")
     if m is GraphMode.FULL_DECODE:
         return GraphDecision(m, False, True, False, "mode=full_decode: whole decode-step graphs, local MLP graphs off")
-    return GraphDecision(m, True, True, False,
-                         "mode=auto: full-decode graphs for small batches, local MLP graphs above the threshold")  # fmt: skip
+    return GraphDecision(
+        m, True, True, False, "mode=auto: full-decode graphs for small batches, local MLP graphs above the threshold"
+    )
 
 
 def stream_is_capturing() -> bool:

@@ -26,7 +26,9 @@ class FusedCodebookEmbedding(nn.Module):
         rows); CUDA inputs come from the sampler or from validated prompts and are not (no host sync).
         """
         if codes.shape[-1] != self.num_codebooks:
-            raise ValueError(f"codes must have {self.num_codebooks} codebooks in the last dim, got shape {list(codes.shape)}")
+            raise ValueError(
+                f"codes must have {self.num_codebooks} codebooks in the last dim, got shape {list(codes.shape)}"
+            )
         if codes.device.type == "cpu" and codes.numel():
             lo, hi = int(codes.min()), int(codes.max())
             if lo < 0 or hi >= self.codebook_size:
@@ -38,8 +40,9 @@ class FusedCodebookEmbedding(nn.Module):
 class FusedCodebookHead(nn.Module):
     """hidden [B, H] -> logits [B, num_codebooks, codebook_size] (model dtype)."""
 
-    def __init__(self, num_codebooks: int, codebook_size: int, hidden_size: int,
-                 tied_to: FusedCodebookEmbedding | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, num_codebooks: int, codebook_size: int, hidden_size: int, tied_to: FusedCodebookEmbedding | None = None
+    ) -> None:
         super().__init__()
         self.num_codebooks, self.codebook_size = num_codebooks, codebook_size
         if tied_to is not None:

@@ -83,8 +83,9 @@ def apply_delay_mask(logits: Tensor, delay: Tensor, countdown: Tensor, boc_id: i
     return logits.masked_fill_(~allowed, float("-inf"))
 
 
-def update_state(codes: Tensor, state: DelayState, active: Tensor, boc_id: int,
-                 eoc_id: int) -> tuple[Tensor, DelayState]:  # fmt: skip
+def update_state(
+    codes: Tensor, state: DelayState, active: Tensor, boc_id: int, eoc_id: int
+) -> tuple[Tensor, DelayState]:
     """Advance the delay state by one sampled frame.
 
     codes [B, N] int64 (sampled under ``apply_delay_mask``), ``state`` batch-ordered, ``active`` [B] bool

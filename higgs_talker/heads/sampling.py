@@ -104,8 +104,9 @@ def top_k_top_p_filter(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def sample_codes(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seeds: Tensor,
-                 steps: Tensor) -> Tensor:  # fmt: skip
+def sample_codes(
+    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seeds: Tensor, steps: Tensor
+) -> Tensor:
     """Masked codebook logits [B, N, V] -> codes [B, N] int64.
 
     temperature/top_p [B] float, top_k [B] int (codebook_size or more = off), seeds/steps [B] int64 (the
