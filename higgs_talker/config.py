@@ -83,6 +83,8 @@ class TalkerConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.audio_hidden_size is None:  # normalise, so from_dict(to_dict(cfg)) == cfg
+            object.__setattr__(self, "audio_hidden_size", self.text.hidden_size)
         _validate(self)
 
     @property
@@ -148,7 +150,9 @@ class TalkerConfig:
             boc_id=_int(raw.get("audio_stream_bos_id", DEFAULT_BOC_ID), "audio_stream_bos_id"),
             eoc_id=_int(raw.get("audio_stream_eos_id", DEFAULT_EOC_ID), "audio_stream_eos_id"),
             tie_modality_embeddings=_bool(tie_modality, "audio_encoder_config.tie_word_embeddings"),
-            audio_hidden_size=_int(audio.get("out_dim") or text.hidden_size, "audio_encoder_config.out_dim"),
+            audio_hidden_size=_int(
+                text.hidden_size if audio.get("out_dim") is None else audio["out_dim"], "audio_encoder_config.out_dim"
+            ),
             sample_rate=_int(raw.get("sample_rate", 24000), "sample_rate"),
             frame_rate=_int(raw.get("frame_rate", 25), "frame_rate"),
             audio_token_id=_int(raw.get("audio_token_id", -100), "audio_token_id"),
