@@ -15,6 +15,12 @@ from higgs_talker.config import TalkerConfig
 from higgs_talker.tiny import tiny_checkpoint, write_checkpoint
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--soak", type=int, default=None, metavar="N", help="requests in the engine soak test (default: the CI size)"
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # The models under test are tiny: intra-op threads only add contention on the small CI machines.
     torch.set_num_threads(1)
