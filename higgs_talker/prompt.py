@@ -29,6 +29,30 @@ class Prompt:
     audio_codes: Tensor | None = None  # [R, N] int64 delayed reference rows
     audio_positions: Tensor | None = None  # [R] int64 prompt positions of the placeholders
 
+    def __post_init__(self) -> None:
+        # Structural checks only (the vocabulary range needs the config): a malformed prompt must fail here,
+        # not in the middle of an engine step.
+        ids = self.input_ids
+        if not isinstance(ids, Tensor) or ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            what = f"{ids.dtype} {list(ids.shape)}" if isinstance(ids, Tensor) else type(ids).__name__
+            raise TypeError(f"Prompt.input_ids must be a 1-D integer tensor, got {what}")
+        if ids.numel() == 0:
+            raise ValueError("Prompt.input_ids is empty")
+        if int(ids.min()) < 0:
+            raise ValueError(f"Prompt.input_ids holds the negative id {int(ids.min())}")
+        codes, positions = self.audio_codes, self.audio_positions
+        if (codes is None) != (positions is None):
+            raise ValueError("Prompt.audio_codes and Prompt.audio_positions must be given together")
+        if codes is not None:
+            if codes.dim() != 2 or positions.dim() != 1 or codes.shape[0] != positions.shape[0]:
+                raise ValueError(
+                    f"Prompt.audio_codes [R, N] and audio_positions [R] disagree: {list(codes.shape)} vs "
+                    f"{list(positions.shape)}"
+                )
+            lo, hi = (int(positions.min()), int(positions.max())) if positions.numel() else (0, 0)
+            if lo < 0 or hi >= ids.numel():
+                raise ValueError(f"Prompt.audio_positions must lie in [0, {ids.numel()}), got {lo}..{hi}")
+
     def __len__(self) -> int:
         return int(self.input_ids.numel())
 
