@@ -117,10 +117,14 @@ class HiggsTalker:
         tokenizer: TalkerTokenizer,
         engine_cfg: EngineConfig | None = None,
         graph_mode: GraphMode | str = GraphMode.EAGER,
+        decode_kernel: str = "auto",
+        buckets: Sequence[int] | None = None,
     ) -> None:
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
         self.graph_mode = GraphMode.parse(graph_mode)
-        self.engine = Engine(model, cfg, tokenizer.specials, engine_cfg)
+        self.engine = Engine(model, cfg, tokenizer.specials, engine_cfg, decode_kernel=decode_kernel)
+        if self.engine.device.type == "cuda":
+            self.engine.warm_up(self.graph_mode, buckets)
 
     @classmethod
     def from_pretrained(
@@ -134,6 +138,8 @@ class HiggsTalker:
         max_model_len: int | None = None,
         block_size: int = 16,
         graph_mode: str | None = None,
+        decode_kernel: str = "auto",
+        buckets: Sequence[int] | None = None,
     ) -> HiggsTalker:
         """Load a checkpoint directory, or ``"tiny"`` for the embedded default.
 
@@ -158,7 +164,7 @@ class HiggsTalker:
         checkpoint.load_into(model, checkpoint.iter_tensors(path, cfg, device, dtype), cfg)
         model.eval().requires_grad_(False)
         logger.info("loaded %s on %s (%s, kernels=%s)", path, device, dtype, model.kernels.name)
-        return cls(model, cfg, tokenizer, engine_cfg, graph_mode=mode)
+        return cls(model, cfg, tokenizer, engine_cfg, graph_mode=mode, decode_kernel=decode_kernel, buckets=buckets)
 
     @classmethod
     def from_config(
@@ -170,6 +176,8 @@ class HiggsTalker:
         seed: int = 0,
         tokenizer_path: str | Path | None = None,
         graph_mode: str | None = None,
+        decode_kernel: str = "auto",
+        buckets: Sequence[int] | None = None,
         **engine_kwargs,
     ) -> HiggsTalker:
         """A talker of any shape with random weights (benchmarks, tests); the tokenizer defaults to the tiny one.
@@ -191,7 +199,15 @@ class HiggsTalker:
                     param.normal_(0.0, 0.02, generator=g)
         model.eval().requires_grad_(False)
         tokenizer = TalkerTokenizer.from_pretrained(tokenizer_path or tiny_checkpoint(), cfg)
-        return cls(model, cfg, tokenizer, EngineConfig(**engine_kwargs), graph_mode=mode)
+        return cls(
+            model,
+            cfg,
+            tokenizer,
+            EngineConfig(**engine_kwargs),
+            graph_mode=mode,
+            decode_kernel=decode_kernel,
+            buckets=buckets,
+        )
 
     # ------------------------------------------------------------------ prompts
 

@@ -28,6 +28,8 @@ class AttnMetadata:
     block_tables: Tensor  # [B, max_blocks] int32
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    slot_mapping_host: list[int] | None = None  # host copies for the FlashInfer planner
+    blocks_host: list[list[int]] | None = None
 
     @property
     def num_reqs(self) -> int:

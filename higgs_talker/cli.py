@@ -78,8 +78,9 @@ def _generate(args) -> int:
     from .api import Reference
     from .heads.sampling import SamplingParams
 
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            max_frames=args.max_frames)  # fmt: skip
+    params = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_frames=args.max_frames
+    )
     reference = None
     if args.reference is not None:
         if args.reference.suffix != ".npy":
@@ -105,8 +106,9 @@ def _demo(args) -> int:
 
     talker = _load(args)
     texts = ["Hello from the Higgs talker.", "A second request, batched with the first.", "And a third one."]
-    results = talker.generate(texts, [SamplingParams(seed=i, temperature=0.9) for i in range(len(texts))],
-                              max_frames=250)  # fmt: skip
+    results = talker.generate(
+        texts, [SamplingParams(seed=i, temperature=0.9) for i in range(len(texts))], max_frames=250
+    )
     for r in results:
         print(f"[{r.request_id}] {r.text!r}: {r.summary()}")
     results[0].save(args.out)

@@ -94,11 +94,14 @@ class EngineConfig:
 
 @dataclass
 class DecodeInputs:
-    """Device inputs of one decode step (the tensors a full-decode graph captures)."""
+    """Device inputs of one decode step (the tensors a full-decode graph captures), with host copies."""
 
     state_rows: Tensor  # [B] int64
     positions: Tensor  # [B] int64
     steps: Tensor  # [B] int64: row index each request is about to produce
+    state_rows_host: list[int] = field(default_factory=list)
+    positions_host: list[int] = field(default_factory=list)
+    steps_host: list[int] = field(default_factory=list)
 
 
 class Engine:
@@ -109,6 +112,7 @@ class Engine:
         specials: SpecialTokens,
         engine_cfg: EngineConfig | None = None,
         attention: AttentionBackend | None = None,
+        decode_kernel: str = "auto",
     ) -> None:
         self.model, self.cfg, self.specials = model, cfg, specials
         self.ecfg = ec = engine_cfg or EngineConfig()
@@ -116,24 +120,95 @@ class Engine:
         self.device, self.dtype = param.device, param.dtype
         self.max_model_len = min(ec.max_model_len or cfg.text.max_position_embeddings, cfg.text.max_position_embeddings)
         num_blocks = ec.num_blocks or ec.max_num_seqs * -(-self.max_model_len // ec.block_size)
-        self.allocator = BlockAllocator(num_blocks, ec.block_size)
-        self.kv_caches = allocate_kv_caches(cfg.text, num_blocks, ec.block_size, self.dtype, self.device)
+        # one extra block that no request owns: padded graph rows write their K/V there
+        self.allocator = BlockAllocator(num_blocks + 1, ec.block_size)
+        self.scratch_block = self.allocator.allocate(1)[0]
+        self.kv_caches = allocate_kv_caches(cfg.text, num_blocks + 1, ec.block_size, self.dtype, self.device)
         self.max_blocks_per_seq = -(-self.max_model_len // ec.block_size)
-        self.attn = attention or SdpaAttention(self.kv_caches, cfg.text.num_attention_heads, cfg.text.head_dim)
+        self.attn = attention or self._default_attention(decode_kernel)
+        self.graphs = None  # a cuda_graphs.runner.GraphRunner after warm_up()
 
-        r, dev = ec.max_num_seqs, self.device
+        # one extra state row that no request owns: padded graph rows read and write it
+        r, dev = ec.max_num_seqs + 1, self.device
+        self.scratch_row = ec.max_num_seqs
         self.state = DelayState.allocate(r, cfg.num_codebooks, cfg.boc_id, dev)
         self.temperature = torch.ones(r, device=dev)
         self.top_k = torch.full((r,), cfg.codebook_size, dtype=torch.long, device=dev)
         self.top_p = torch.ones(r, device=dev)
         self.seeds = torch.zeros(r, dtype=torch.long, device=dev)
-        self._free_rows = list(range(r - 1, -1, -1))
+        self._free_rows = list(range(ec.max_num_seqs - 1, -1, -1))
 
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
         self.num_steps = 0
+
+    def _default_attention(self, decode_kernel: str) -> AttentionBackend:
+        t = self.cfg.text
+        if self.device.type == "cuda":
+            try:
+                from .flashinfer_attention import FlashInferAttention
+
+                return FlashInferAttention(
+                    self.kv_caches,
+                    t.num_attention_heads,
+                    t.num_key_value_heads,
+                    t.head_dim,
+                    self.max_model_len,
+                    self.scratch_block,
+                    decode_kernel,
+                )
+            except ImportError:
+                logger.warning(
+                    "FlashInfer is not installed: CUDA attention falls back to torch SDPA (pip install "
+                    "'higgs-talker[gpu]')"
+                )
+        return SdpaAttention(self.kv_caches, t.num_attention_heads, t.head_dim)
+
+    def warm_up(self, graph_mode, buckets=None) -> None:
+        """CUDA only: measure the decode kernels and capture the graphs ``graph_mode`` needs (before serving)."""
+        from .cuda_graphs.buckets import DEFAULT_BUCKETS
+        from .cuda_graphs.runner import GraphRunner
+
+        runner = GraphRunner(self, graph_mode, buckets or DEFAULT_BUCKETS)
+        if hasattr(self.attn, "kernel_for_bucket"):
+            from .flashinfer_attention import measure_decode_kernels
+
+            self.kernel_table = measure_decode_kernels(self.attn, list(runner.buckets))
+        runner.warm_up()
+        self.graphs = runner
+
+    def eager_post_attention(self, layer: int, hidden: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        return self.model.model.layers[layer].post_attention(hidden, residual, self.model.kernels)
+
+    def pad_decode(self, inputs: DecodeInputs, meta: AttnMetadata, size: int) -> tuple[DecodeInputs, AttnMetadata]:
+        """A decode batch padded to ``size`` rows; padding rows use the scratch state row and scratch KV block."""
+        pad = size - len(inputs.state_rows_host)
+        if pad == 0:
+            return inputs, meta
+        bs, dev = self.ecfg.block_size, self.device
+        rows = inputs.state_rows_host + [self.scratch_row] * pad
+        pos, steps = inputs.positions_host + [0] * pad, inputs.steps_host + [0] * pad
+        as_t = lambda x: torch.tensor(x, dtype=torch.long).to(dev, non_blocking=True)  # noqa: E731
+        padded_inputs = DecodeInputs(as_t(rows), as_t(pos), as_t(steps), rows, pos, steps)
+        scratch_slot = self.scratch_block * bs
+        padded_meta = AttnMetadata(
+            slot_mapping=torch.cat([meta.slot_mapping, torch.full((pad,), scratch_slot, dtype=torch.long, device=dev)]),
+            query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.cat([meta.seq_lens, torch.ones(pad, dtype=torch.int32, device=dev)]),
+            block_tables=torch.cat(
+                [
+                    meta.block_tables,
+                    torch.full((pad, meta.block_tables.shape[1]), self.scratch_block, dtype=torch.int32, device=dev),
+                ]
+            ),
+            query_lens_host=[1] * size,
+            seq_lens_host=meta.seq_lens_host + [1] * pad,
+            slot_mapping_host=meta.slot_mapping_host + [scratch_slot] * pad,
+            blocks_host=meta.blocks_host + [[self.scratch_block]] * pad,
+        )
+        return padded_inputs, padded_meta
 
     # ------------------------------------------------------------------ requests
 
@@ -147,9 +222,9 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if len(prompt) + 1 > self.max_model_len:
             raise ValueError(f"prompt of {len(prompt)} tokens leaves no room within max_model_len={self.max_model_len}")
-        if self.allocator.blocks_for(len(prompt) + 1) > self.allocator.num_blocks:
+        if self.allocator.blocks_for(len(prompt) + 1) > self.allocator.num_blocks - 1:  # minus the scratch block
             raise ValueError(
-                f"prompt of {len(prompt)} tokens does not fit the KV cache ({self.allocator.num_blocks} blocks)"
+                f"prompt of {len(prompt)} tokens does not fit the KV cache ({self.allocator.num_blocks - 1} blocks)"
             )
         req = Request(request_id, prompt, params, params.resolved_seed(), submitted_at=time.perf_counter())
         self.requests[request_id] = req
@@ -221,7 +296,7 @@ class Engine:
             req = self.waiting[0]
             raise RuntimeError(
                 f"request {req.id!r} needs {self.allocator.blocks_for(req.num_tokens + 2)} KV blocks but the cache "
-                f"has {self.allocator.num_blocks} in all; raise num_blocks or lower max_frames"
+                f"has {self.allocator.num_blocks - 1} in all; raise num_blocks or lower max_frames"
             )
         self.running += batch
         return batch
@@ -283,6 +358,8 @@ class Engine:
             block_tables=tables.to(dev),
             query_lens_host=list(query_lens),
             seq_lens_host=seq_lens,
+            slot_mapping_host=slots,
+            blocks_host=[list(r.blocks) for r in batch],
         )
 
     def _prefill_embeds(self, req: Request) -> Tensor:
@@ -313,18 +390,19 @@ class Engine:
         return self._sample(last, rows, steps)
 
     def decode_inputs(self, batch: list[Request]) -> DecodeInputs:
+        rows, pos, steps = [r.state_row for r in batch], [r.num_computed for r in batch], [len(r.rows) for r in batch]
         dev = self.device
-        return DecodeInputs(
-            state_rows=torch.tensor([r.state_row for r in batch], dtype=torch.long, device=dev),
-            positions=torch.tensor([r.num_computed for r in batch], dtype=torch.long, device=dev),
-            steps=torch.tensor([len(r.rows) for r in batch], dtype=torch.long, device=dev),
-        )
+        as_t = lambda x: torch.tensor(x, dtype=torch.long).to(dev, non_blocking=True)  # noqa: E731
+        return DecodeInputs(as_t(rows), as_t(pos), as_t(steps), rows, pos, steps)
 
     def _run_decode(self, batch: list[Request]) -> Tensor:
         inputs = self.decode_inputs(batch)
         meta = self._attn_metadata(batch, [1] * len(batch))
-        self.attn.begin(meta)
-        rows = self.decode_forward(inputs)
+        if self.graphs is not None:
+            rows = self.graphs.decode(inputs, meta)
+        else:
+            self.attn.begin(meta)
+            rows = self.decode_forward(inputs)
         for req in batch:
             req.num_computed += 1
         return rows

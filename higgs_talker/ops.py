@@ -68,9 +68,7 @@ class FlashInferKernels:
         self._fi = flashinfer
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        if x.dim() == 3:  # per-head norm (QK-norm): FlashInfer wants 2-D input
-            return self._fi.norm.rmsnorm(x.reshape(-1, x.shape[-1]), weight, eps).view_as(x)
-        return self._fi.norm.rmsnorm(x, weight, eps)
+        return self._fi.norm.rmsnorm(x.contiguous(), weight, eps)  # 2-D, or 3-D per-head (QK-norm)
 
     def fused_add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
         self._fi.norm.fused_add_rmsnorm(x, residual, weight, eps)  # residual += x; x = norm(residual)

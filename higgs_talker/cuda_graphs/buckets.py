@@ -1,0 +1,38 @@
+"""Padded batch buckets: pure host-side arithmetic shared by the graph runners."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def normalize_buckets(buckets: Sequence[int], max_batch: int | None = None) -> tuple[int, ...]:
+    """Sorted, de-duplicated buckets; ``ValueError`` for a non-positive entry. Buckets above ``max_batch`` are
+    dropped, and ``max_batch`` itself is added so every batch the engine can form has a bucket."""
+    out = set()
+    for b in buckets:
+        if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
+            raise ValueError(f"graph bucket sizes must be integers > 0, got {b!r}")
+        out.add(b)
+    if not out:
+        raise ValueError("at least one graph bucket size is needed")
+    if max_batch is not None:
+        out = {b for b in out if b <= max_batch}
+        out.add(max_batch) if not out or max(out) < max_batch else None
+    return tuple(sorted(out))
+
+
+def bucket_for(batch: int, buckets: Sequence[int]) -> int | None:
+    """Smallest bucket that holds ``batch`` rows (buckets sorted ascending), or None when none does."""
+    for b in buckets:
+        if b >= batch:
+            return b
+    return None
+
+
+def pad_to(values: list[int], size: int, fill: int) -> list[int]:
+    """``values`` extended with ``fill`` to ``size`` entries."""
+    if len(values) > size:
+        raise ValueError(f"{len(values)} values do not fit a bucket of {size}")
+    return values + [fill] * (size - len(values))

@@ -1,0 +1,126 @@
+"""Full decode-step graphs: feedback embedding, every layer (FlashInfer decode), the codebook head, delay
+masks, sampling and the state update, captured as one CUDA graph per padded batch bucket.
+
+This is our engine's analogue of vLLM's FULL_DECODE_ONLY. Graphs are captured at warm-up, largest bucket
+first, in one shared pool, with every row pointing at the engine's scratch state row and scratch KV block, so
+capturing (and the warm-up run before it) touches no request's state. Each graph is replayed once right after
+capture and its output compared with an eager run on the same inputs; a bucket that fails either step is
+dropped with one warning and its batches run eagerly. Prefill steps never use these graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from .buckets import bucket_for, normalize_buckets
+from .policy import local_graphs_allowed_now
+
+if TYPE_CHECKING:
+    from ..attention import AttnMetadata
+    from ..engine import DecodeInputs, Engine
+
+logger = logging.getLogger(__name__)
+
+
+class _Slot:
+    def __init__(self, size: int, inputs: DecodeInputs) -> None:
+        self.size = size
+        self.inputs = inputs  # static device inputs the graph reads
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: Tensor | None = None  # [size, N] int64, written by each replay
+
+
+class FullDecodeGraphs:
+    def __init__(self, engine: Engine, buckets: Sequence[int], pool=None) -> None:
+        self.engine = engine
+        self.requested = normalize_buckets(buckets)
+        self.pool = pool
+        self.slots: dict[int, _Slot] = {}
+        self.failed: dict[int, str] = {}
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self.slots))
+
+    def bucket(self, batch: int) -> int | None:
+        return bucket_for(batch, self.sizes)
+
+    def padding_inputs(self, size: int) -> DecodeInputs:
+        from ..engine import DecodeInputs
+
+        dev, scratch = self.engine.device, self.engine.scratch_row
+        return DecodeInputs(
+            state_rows=torch.full((size,), scratch, dtype=torch.long, device=dev),
+            positions=torch.zeros(size, dtype=torch.long, device=dev),
+            steps=torch.zeros(size, dtype=torch.long, device=dev),
+        )
+
+    def capture(self, check: bool = True) -> None:
+        if not local_graphs_allowed_now():
+            raise RuntimeError("full decode graphs cannot be captured inside another capture")
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        for size in sorted(self.requested, reverse=True):
+            slot = _Slot(size, self.padding_inputs(size))
+            try:
+                self._capture(slot)
+                if check:
+                    self._check(slot)
+            except Exception as exc:  # noqa: BLE001 - any failure means: this bucket runs eagerly
+                self.failed[size] = f"{type(exc).__name__}: {exc}"
+                logger.warning(
+                    "full decode graph capture failed for batch bucket %d (%s); that bucket runs eagerly",
+                    size,
+                    self.failed[size],
+                )
+                continue
+            self.slots[size] = slot
+
+    def _capture(self, slot: _Slot) -> None:
+        eng = self.engine
+        eng.attn.begin_graph(None, slot.size)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            eng.decode_forward(slot.inputs)  # warm-up outside the capture (touches scratch rows only)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            slot.out = eng.decode_forward(slot.inputs)
+        slot.graph = graph
+
+    def _check(self, slot: _Slot) -> None:
+        """Replay once and compare with eager on identical inputs and scratch state."""
+        eng = self.engine
+        rows = torch.tensor([eng.scratch_row], device=eng.device)
+        saved = eng.state.gather(rows)
+        eng.attn.begin_graph(None, slot.size)
+        want = eng.decode_forward(slot.inputs).clone()
+        eng.state.scatter(rows, saved)
+        slot.graph.replay()
+        eng.state.scatter(rows, saved)
+        if not torch.equal(slot.out, want):
+            raise RuntimeError(
+                f"replay of bucket {slot.size} differs from eager: {slot.out.tolist()} vs {want.tolist()}"
+            )
+
+    def run(self, inputs: DecodeInputs, meta: AttnMetadata) -> Tensor:
+        """Replay the graph of a decode batch already padded to one of ``sizes``; returns rows [Bp, N] (a view
+        valid until the bucket's next replay)."""
+        size = inputs.state_rows.shape[0]
+        slot = self.slots[size]
+        static = slot.inputs
+        for dst, values in (
+            (static.state_rows, inputs.state_rows_host),
+            (static.positions, inputs.positions_host),
+            (static.steps, inputs.steps_host),
+        ):
+            dst.copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
+        self.engine.attn.begin_graph(meta, size)
+        slot.graph.replay()
+        return slot.out

@@ -1,0 +1,133 @@
+"""Local MLP graphs: per layer, ``post_attention_layernorm (fused add) + mlp`` replayed from a CUDA graph.
+
+Attention and everything else stay eager. Graphs are captured at warm-up for padded batch buckets (largest
+first, one shared memory pool), each replayed once right after capture and compared with eager before it is
+trusted; they are never captured in the serving path. Every bucket has one static input/output buffer set
+shared by all its layers. A bucket whose capture fails is dropped with one warning and runs eagerly.
+
+At run time ``run`` returns None (the caller runs eagerly) for a batch no bucket holds, for a bucket that
+failed, and whenever the current stream is capturing (an outer full-decode or vLLM graph): replaying inside
+a capture raises "Cannot prepare for replay during capturing stage".
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from .buckets import DEFAULT_BUCKETS, bucket_for, normalize_buckets
+from .policy import local_graphs_allowed_now
+
+logger = logging.getLogger(__name__)
+
+# (layer index, hidden [B, H], residual [B, H]) -> (mlp output [B, H], new residual [B, H])
+PostAttentionFn = Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+class _Bucket:
+    def __init__(self, size: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.size = size
+        self.hidden = torch.zeros(size, hidden_size, dtype=dtype, device=device)
+        self.residual = torch.zeros(size, hidden_size, dtype=dtype, device=device)
+        self.out = torch.zeros(size, hidden_size, dtype=dtype, device=device)
+        self.res_out = torch.zeros(size, hidden_size, dtype=dtype, device=device)
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+
+
+class LocalMLPGraphs:
+    """Graphs of ``post_attention(layer, hidden, residual)`` for every layer and bucket.
+
+    ``post_attention`` is the eager block (it may update its inputs in place, as FlashInfer's fused add +
+    RMSNorm does); the graph copies its results into the bucket's static outputs.
+    """
+
+    def __init__(
+        self,
+        post_attention: PostAttentionFn,
+        num_layers: int,
+        buckets: Sequence[int] = DEFAULT_BUCKETS,
+        pool=None,
+        forward_context: Callable[[], object] | None = None,
+    ) -> None:
+        self.post_attention = post_attention
+        self.num_layers = num_layers
+        self.requested = normalize_buckets(buckets)
+        self.pool = pool
+        self.forward_context = forward_context  # e.g. vLLM's get_forward_context, for the run-time guard
+        self.buckets: dict[int, _Bucket] = {}
+        self.failed: dict[int, str] = {}
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self.buckets))
+
+    def capture(self, hidden_size: int, dtype: torch.dtype, device: torch.device, check: bool = True) -> None:
+        """Capture all buckets, largest first. Must run outside any stream capture."""
+        if not local_graphs_allowed_now():
+            raise RuntimeError("local MLP graphs cannot be captured while another CUDA graph is being captured")
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        for size in sorted(self.requested, reverse=True):
+            bucket = _Bucket(size, hidden_size, dtype, device)
+            try:
+                for layer in range(self.num_layers):
+                    bucket.graphs.append(self._capture_layer(bucket, layer))
+                    if check:
+                        self._check_layer(bucket, layer)
+            except Exception as exc:  # noqa: BLE001 - any failure means: this bucket runs eagerly
+                self.failed[size] = f"{type(exc).__name__}: {exc}"
+                logger.warning(
+                    "local MLP graph capture failed for batch bucket %d (%s); that bucket runs eagerly",
+                    size,
+                    self.failed[size],
+                )
+                continue
+            self.buckets[size] = bucket
+
+    def _record(self, bucket: _Bucket, layer: int) -> None:
+        out, res = self.post_attention(layer, bucket.hidden, bucket.residual)
+        bucket.out.copy_(out)
+        bucket.res_out.copy_(res)
+
+    def _capture_layer(self, bucket: _Bucket, layer: int) -> torch.cuda.CUDAGraph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._record(bucket, layer)  # warm-up (lazy init, autotuning) outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._record(bucket, layer)
+        return graph
+
+    def _check_layer(self, bucket: _Bucket, layer: int) -> None:
+        """Replay on fresh random inputs and compare with the eager block (same kernels: near bit-equal)."""
+        g = torch.Generator(device=bucket.hidden.device).manual_seed(layer)
+        hidden = torch.randn(bucket.hidden.shape, generator=g, device=bucket.hidden.device).to(bucket.hidden.dtype)
+        residual = torch.randn(bucket.hidden.shape, generator=g, device=bucket.hidden.device).to(bucket.hidden.dtype)
+        want_out, want_res = (t.clone() for t in self.post_attention(layer, hidden.clone(), residual.clone()))
+        bucket.hidden.copy_(hidden)
+        bucket.residual.copy_(residual)
+        bucket.graphs[layer].replay()
+        for name, got, want in (("output", bucket.out, want_out), ("residual", bucket.res_out, want_res)):
+            if not torch.allclose(got.float(), want.float(), rtol=1e-3, atol=1e-3):
+                err = (got.float() - want.float()).abs().max().item()
+                raise RuntimeError(f"layer {layer} replay {name} differs from eager (max abs err {err:.3g})")
+
+    def run(self, layer: int, hidden: Tensor, residual: Tensor) -> tuple[Tensor, Tensor] | None:
+        """Replay ``layer``'s graph for a decode batch hidden/residual [B, H]; None means: run eagerly.
+
+        The returned tensors are views of the bucket's static outputs, valid until the next replay.
+        """
+        b = hidden.shape[0]
+        size = bucket_for(b, self.sizes)
+        if size is None or not local_graphs_allowed_now(self.forward_context() if self.forward_context else None):
+            return None
+        bucket = self.buckets[size]
+        bucket.hidden[:b].copy_(hidden)
+        bucket.residual[:b].copy_(residual)
+        bucket.graphs[layer].replay()
+        return bucket.out[:b], bucket.res_out[:b]
