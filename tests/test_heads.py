@@ -1,0 +1,576 @@
+"""Audio heads: the fused codebook table, the delay pattern (SPEC 4.5, 4.7, 8) and code sampling (SPEC 4.6)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from higgs_talker.heads.codebooks import FusedCodebookEmbedding, FusedCodebookHead
+from higgs_talker.heads.delay import (
+    DelayState,
+    apply_delay_mask,
+    apply_delay_pattern,
+    codec_frames,
+    forced_text_tokens,
+    revert_delay_pattern,
+    update_state,
+)
+from higgs_talker.heads.sampling import (
+    SamplingParams,
+    exponential_noise,
+    sample_codes,
+    top_k_top_p_filter,
+)
+
+N, V, BOC, EOC = 8, 1026, 1024, 1025
+NEG = float("-inf")
+
+# --------------------------------------------------------------------------------------------- fused table
+
+
+def fused(n=N, v=V, h=16, seed=0, tied=True):
+    g = torch.Generator().manual_seed(seed)
+    emb = FusedCodebookEmbedding(n, v, h)
+    with torch.no_grad():
+        emb.weight.copy_(torch.randn(n * v, h, generator=g))
+    head = FusedCodebookHead(n, v, h, tied_to=emb if tied else None)
+    if not tied:
+        with torch.no_grad():
+            head.weight.copy_(torch.randn(n * v, h, generator=g))
+    return emb, head
+
+
+def test_embedding_offsets_sum_one_row_per_codebook():
+    emb, _ = fused(n=2, v=5, h=4)
+    w = emb.weight.detach()
+    out = emb(torch.tensor([1, 2]))
+    torch.testing.assert_close(out, w[1] + w[5 + 2], rtol=0, atol=0)
+    assert emb.weight.shape == (10, 4)
+
+
+def test_embedding_shapes_and_independent_reference():
+    emb, _ = fused()
+    w = emb.weight.detach()
+    assert w.shape == (N * V, 16)
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, V, (3, 5, N), generator=g)
+    codes[0, 0] = BOC
+    codes[0, 1] = EOC  # BOC and EOC are valid rows of every codebook
+    out = emb(codes)
+    assert out.shape == (3, 5, 16)
+    ref = torch.zeros(3, 5, 16)
+    for i in range(3):
+        for j in range(5):
+            for c in range(N):
+                ref[i, j] += w[c * V + int(codes[i, j, c])]
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    assert emb(codes[0, 0]).shape == (16,)
+
+
+@pytest.mark.parametrize("bad", [V, V + 7, -1, -V])
+@pytest.mark.parametrize("codebook", [0, N - 1])
+def test_embedding_rejects_out_of_range_codes(bad, codebook):
+    emb, _ = fused()
+    codes = torch.zeros(2, N, dtype=torch.long)
+    codes[1, codebook] = bad
+    with pytest.raises(IndexError, match=str(bad)):
+        emb(codes)
+
+
+def test_embedding_rejects_wrong_codebook_count():
+    emb, _ = fused()
+    with pytest.raises(ValueError, match="codebooks"):
+        emb(torch.zeros(2, N - 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_head_logits(tied):
+    emb, head = fused(tied=tied)
+    hidden = torch.randn(4, 16)
+    logits = head(hidden)
+    assert logits.shape == (4, N, V)
+    w = head.weight.detach()
+    for c in (0, 3, N - 1):
+        torch.testing.assert_close(logits[:, c], hidden @ w[c * V : (c + 1) * V].T, rtol=1e-5, atol=1e-5)
+    if tied:
+        assert head.weight is emb.weight
+        assert head.weight.data_ptr() == emb.weight.data_ptr()
+        with torch.no_grad():
+            emb.weight[5, 0] += 1.0  # a write through the embedding is visible to the head
+        assert head.weight[5, 0] == emb.weight[5, 0]
+    else:
+        assert head.weight.data_ptr() != emb.weight.data_ptr()
+        assert not torch.equal(head.weight, emb.weight)
+
+
+# --------------------------------------------------------------------------------------------- delay pattern
+
+
+def real_code(t: int, c: int) -> int:
+    """The real code a hand-made logit vector prefers for codebook c at step t."""
+    return (37 * t + 101 * c + 3) % 1024
+
+
+def preference_logits(step: int, eoc_steps: list[int | None]) -> torch.Tensor:
+    """[B, N, V] logits that tempt every mistake: BOC and EOC score above the preferred real code everywhere
+    except codebook 0's EOC, which is only high at the row's chosen EOC step."""
+    b = len(eoc_steps)
+    logits = torch.zeros(b, N, V)
+    logits[:, :, BOC] = 5.0
+    logits[:, :, EOC] = 4.0
+    logits[:, 0, EOC] = -1.0
+    for i, s in enumerate(eoc_steps):
+        for c in range(N):
+            logits[i, c, real_code(step, c)] = 3.0
+        if s is not None and step == s:
+            logits[i, 0, EOC] = 10.0
+    return logits
+
+
+def expected_row(t: int, s: int | None) -> list[int]:
+    """SPEC 4.7 row t of a stream whose codebook 0 picks EOC at step s (None: never), for any s >= 0.
+
+    Column c is BOC before its start (t < c); codebook 0 is EOC from row s on; codebook c >= 1 keeps real
+    codes through row s + c (it lags c steps) and is EOC after. For s >= 7 this is the upstream table; for
+    s < 7 the codebooks that have not started stay BOC until their turn (we deliberately differ, item 7).
+    """
+    row = []
+    for c in range(N):
+        if t < c:
+            row.append(BOC)
+        elif s is not None and ((c == 0 and t >= s) or (c > 0 and t > s + c)):
+            row.append(EOC)
+        else:
+            row.append(real_code(t, c))
+    return row
+
+
+def drive(eoc_steps: list[int | None], steps: int):
+    """Run the mask -> greedy pick -> update loop; returns emitted rows [steps, B, N] and per-step done flags."""
+    b = len(eoc_steps)
+    state = DelayState.allocate(b, N, BOC)
+    rows, dones, countdowns = [], [], []
+    active = torch.ones(b, dtype=torch.bool)
+    for t in range(steps):
+        logits = apply_delay_mask(preference_logits(t, eoc_steps), state.delay, state.countdown, BOC, EOC)
+        codes = logits.argmax(dim=-1)
+        emitted, state = update_state(codes, state, active, BOC, EOC)
+        rows.append(emitted)
+        dones.append(state.done.clone())
+        countdowns.append(state.countdown.clone())
+    return torch.stack(rows), torch.stack(dones), torch.stack(countdowns)
+
+
+def test_spec_row_table_normal_utterance():
+    """s = 12: 7 ramp-up rows with BOC, EOC at step s on codebook 0, 7 ramp-down rows, terminal row done."""
+    s = 12
+    rows, dones, countdowns = drive([s], s + 8)
+    rows = rows[:, 0].tolist()
+    # ramp-up: row t has codebooks > t equal to BOC
+    for t in range(7):
+        assert rows[t][t + 1 :] == [BOC] * (N - t - 1)
+        assert BOC not in rows[t][: t + 1] and EOC not in rows[t]
+    for t in range(7, s):
+        assert all(0 <= x < 1024 for x in rows[t]), t
+    assert rows[s] == [EOC] + [real_code(s, c) for c in range(1, N)]
+    assert countdowns[s, 0] == 7
+    for j in range(1, 8):  # step s + j: EOC x j, then real codes
+        assert rows[s + j][:j] == [EOC] * j
+        assert all(0 <= x < 1024 for x in rows[s + j][j:])
+        assert countdowns[s + j, 0] == (7 - j if j < 7 else -1)
+    assert rows[s + 7] == [EOC] * 7 + [real_code(s + 7, 7)]
+    assert dones[:, 0].tolist() == [False] * (s + 7) + [True]
+    assert rows == [expected_row(t, s) for t in range(s + 8)]
+
+
+@pytest.mark.parametrize("s", [0, 1, 3, 6, 7, 8, 20])
+def test_delay_rows_for_any_eoc_step(s):
+    rows, dones, _ = drive([s], s + 8)
+    assert rows[:, 0].tolist() == [expected_row(t, s) for t in range(s + 8)]
+    assert dones[:, 0].nonzero().flatten().tolist() == [s + 7]  # done exactly once: the terminal row, s + 8 rows
+    # de-delayed, every codebook carries s real codes and then EOC (the trimmed residual frame)
+    frames = revert_delay_pattern(rows[:, 0])
+    assert frames.shape == (s + 1, N)
+    assert (frames[:s] < 1024).all()
+    assert frames[s, 0] == EOC and (frames[s, 1:] < 1024).all()
+
+
+def test_short_utterance_s0_hand_worked():
+    """EOC at the very first (prefill) step: not-started codebooks stay BOC until their turn."""
+    rows, dones, _ = drive([0], 8)
+    r = rows[:, 0].tolist()
+    assert r[0] == [EOC] + [BOC] * 7
+    assert r[1] == [EOC, real_code(1, 1)] + [BOC] * 6
+    assert r[3] == [EOC, EOC, EOC, real_code(3, 3)] + [BOC] * 4
+    assert r[7] == [EOC] * 7 + [real_code(7, 7)]
+    assert dones[:, 0].tolist() == [False] * 7 + [True]
+    # one frame: codebook 0 is EOC, the rest real; a single frame is not trimmed, its EOC becomes 0
+    assert codec_frames(rows[:, 0], 1024).tolist() == [[0] + [real_code(c, c) for c in range(1, N)]]
+
+
+def test_short_utterance_s3_hand_worked():
+    rows, _, _ = drive([3], 11)
+    r = rows[:, 0].tolist()
+    rc = real_code
+    assert r[2] == [rc(2, 0), rc(2, 1), rc(2, 2)] + [BOC] * 5
+    assert r[3] == [EOC, rc(3, 1), rc(3, 2), rc(3, 3)] + [BOC] * 4
+    assert r[4] == [EOC, rc(4, 1), rc(4, 2), rc(4, 3), rc(4, 4)] + [BOC] * 3
+    assert r[5] == [EOC, EOC, rc(5, 2), rc(5, 3), rc(5, 4), rc(5, 5)] + [BOC] * 2
+    assert r[6] == [EOC, EOC, EOC, rc(6, 3), rc(6, 4), rc(6, 5), rc(6, 6), BOC]
+    assert r[7] == [EOC] * 4 + [rc(7, c) for c in range(4, 8)]
+    assert r[10] == [EOC] * 7 + [rc(10, 7)]
+    assert codec_frames(rows[:, 0], 1024).shape == (3, N)
+
+
+def test_rows_of_a_batch_are_independent():
+    eoc_steps = [0, 3, 9, None]
+    rows, dones, _ = drive(eoc_steps, 17)
+    for i, s in enumerate(eoc_steps):
+        alone, _, _ = drive([s], 17)
+        end = 17 if s is None else s + 8
+        assert torch.equal(rows[:end, i], alone[:end, 0])
+        assert rows[:end, i].tolist() == [expected_row(t, s) for t in range(end)]
+
+
+def test_delay_mask_rules():
+    """SPEC 4.5 mask table on individual state rows."""
+    delay = torch.tensor([2, 7, 7, 7])
+    countdown = torch.tensor([-1, -1, 4, 7])
+    logits = apply_delay_mask(torch.zeros(4, N, V), delay, countdown, BOC, EOC)
+    finite = torch.isfinite(logits)
+    # row 0: delay 2 -> codebooks 3..7 forced to BOC; 0..2 real codes, EOC on codebook 0 only
+    for c in range(3, N):
+        assert finite[0, c].nonzero().flatten().tolist() == [BOC]
+    assert finite[0, 0, :1024].all() and finite[0, 0, EOC] and not finite[0, 0, BOC]
+    for c in (1, 2):
+        assert finite[0, c, :1024].all() and not finite[0, c, BOC] and not finite[0, c, EOC]
+    # row 1: all started; only codebook 0 may emit EOC
+    assert finite[1, 0, EOC] and not finite[1, 1:, EOC].any() and not finite[1, :, BOC].any()
+    # row 2: ramp rem 4 -> codebooks 0..3 locked to EOC, 4..7 real codes only
+    for c in range(4):
+        assert finite[2, c].nonzero().flatten().tolist() == [EOC]
+    assert finite[2, 4:, :1024].all() and not finite[2, 4:, 1024:].any()
+    # row 3: ramp rem 7 -> only codebook 0 locked
+    assert finite[3, 0].nonzero().flatten().tolist() == [EOC]
+    assert finite[3, 1:, :1024].all() and not finite[3, 1:, 1024:].any()
+    # kept entries keep their logits (the mask only writes -inf)
+    x = torch.randn(4, N, V)
+    y = apply_delay_mask(x.clone(), delay, countdown, BOC, EOC)
+    keep = torch.isfinite(y)
+    assert torch.equal(y[keep], x[keep])
+
+
+def test_update_state_late_eoc_on_a_higher_codebook():
+    """An EOC on codebook q > 0 of a normal row (only reachable without the mask) locks codebooks <= q."""
+    state = DelayState.allocate(1, N, BOC)
+    state.delay[:] = 7
+    codes = torch.tensor([[5, 6, EOC, 7, 8, 9, 10, 11]])
+    emitted, new = update_state(codes, state, torch.tensor([True]), BOC, EOC)
+    assert emitted.tolist() == [[EOC, EOC, EOC, 7, 8, 9, 10, 11]]
+    assert new.countdown.tolist() == [N - 2 - 1]
+
+
+def test_update_state_inactive_rows_untouched():
+    state = DelayState.allocate(2, N, BOC)
+    state.delay[:] = torch.tensor([3, 5])
+    codes = torch.arange(2 * N).view(2, N)
+    emitted, new = update_state(codes, state, torch.tensor([True, False]), BOC, EOC)
+    assert emitted[1].tolist() == [-1] * N
+    assert new.delay.tolist() == [4, 5]
+    assert new.last_codes[1].tolist() == [BOC] * N
+    assert new.last_codes[0].tolist() == [0, 1, 2, 3] + [BOC] * 4
+    assert new.has_codes.tolist() == [True, False]
+
+
+def test_state_reset_gather_scatter_keep_storage():
+    st = DelayState.allocate(4, N, BOC)
+    ptrs = [st.last_codes.data_ptr(), st.delay.data_ptr(), st.done.data_ptr()]
+    rows = torch.tensor([2, 0])
+    g = st.gather(rows)
+    g.delay[:] = torch.tensor([6, 1])
+    g.done[:] = torch.tensor([True, False])
+    st.scatter(rows, g)
+    assert st.delay.tolist() == [1, 0, 6, 0] and st.done.tolist() == [False, False, True, False]
+    st.reset(torch.tensor([2]), BOC)
+    assert st.delay.tolist() == [1, 0, 0, 0] and not st.done.any() and st.countdown.tolist() == [-1] * 4
+    assert [st.last_codes.data_ptr(), st.delay.data_ptr(), st.done.data_ptr()] == ptrs
+
+
+def test_forced_text_tokens():
+    assert forced_text_tokens(torch.tensor([False, True, False]), 7, 9).tolist() == [7, 9, 7]
+
+
+@pytest.mark.parametrize("frames", [1, 2, 5, 30])
+@pytest.mark.parametrize("n", [1, 4, 8])
+def test_apply_revert_round_trip(frames, n):
+    g = torch.Generator().manual_seed(frames * 10 + n)
+    codes = torch.randint(0, 1024, (frames, n), generator=g)
+    rows = apply_delay_pattern(codes, BOC, EOC)
+    assert rows.shape == (frames + n - 1, n)
+    for c in range(n):  # SPEC 3.2: BOC x c, then the codes, then EOC
+        col = rows[:, c].tolist()
+        assert col == [BOC] * c + codes[:, c].tolist() + [EOC] * (n - 1 - c)
+    assert torch.equal(revert_delay_pattern(rows), codes)
+
+
+def test_revert_delay_pattern_hand_example():
+    rows = torch.tensor([[1, BOC, BOC], [2, 5, BOC], [3, 6, 9], [EOC, 7, 10], [EOC, EOC, 11]])
+    assert revert_delay_pattern(rows).tolist() == [[1, 5, 9], [2, 6, 10], [3, 7, 11]]
+    with pytest.raises(ValueError, match="at least 3"):
+        revert_delay_pattern(rows[:2])
+    with pytest.raises(ValueError, match="rows"):
+        revert_delay_pattern(rows[0])
+
+
+def reference_codec_frames(rows: list[list[int]], n: int) -> list[list[int]]:
+    """SPEC 8.2 with plain lists: revert, replace >= 1024 or < 0 by 0, drop the last frame if >= 2 frames."""
+    if len(rows) < n:
+        return []
+    frames = [[rows[t + c][c] for c in range(n)] for t in range(len(rows) - n + 1)]
+    frames = [[0 if (x >= 1024 or x < 0) else x for x in f] for f in frames]
+    return frames[:-1] if len(frames) >= 2 else frames
+
+
+@pytest.mark.parametrize("num_rows", [0, 3, 7, 8, 9, 20])
+def test_codec_frames_matches_reference(num_rows):
+    g = torch.Generator().manual_seed(num_rows)
+    rows = torch.randint(-1, 1026, (num_rows, N), generator=g)
+    got = codec_frames(rows, 1024)
+    want = reference_codec_frames(rows.tolist(), N)
+    assert got.dtype == torch.long
+    assert got.shape == (len(want), N)
+    assert got.tolist() == want
+    assert ((got >= 0) & (got < 1024)).all()
+
+
+def test_codec_frames_never_clamps_eoc_to_a_real_code():
+    rows = apply_delay_pattern(torch.full((3, N), 1023), BOC, EOC)
+    rows = torch.cat([rows, torch.full((1, N), EOC)])
+    frames = codec_frames(rows, 1024)
+    assert frames.tolist() == [[1023] * N] * 3  # 4 frames: last one dropped; EOC became 0, not 1023
+    assert codec_frames(torch.full((N + 1, N), EOC), 1024).tolist() == [[0] * N]
+
+
+def test_codec_frames_of_a_full_stream():
+    """A generated stream of s + 8 rows gives exactly the s real frames per codebook."""
+    s = 10
+    rows, _, _ = drive([s], s + 8)
+    frames = codec_frames(rows[:, 0], 1024)
+    assert frames.shape == (s, N)
+    assert frames.tolist() == [[real_code(t + c, c) for c in range(N)] for t in range(s)]
+
+
+# --------------------------------------------------------------------------------------------- sampling
+
+
+def sample(logits, temperature=1.0, top_k=None, top_p=1.0, seeds=0, steps=None):
+    """sample_codes with per-row defaults; logits [B, N, V]."""
+    b, _, v = logits.shape
+    full = lambda x, dt: x if isinstance(x, torch.Tensor) else torch.full((b,), x, dtype=dt)  # noqa: E731
+    return sample_codes(
+        logits,
+        full(temperature, torch.float32),
+        full(v if top_k is None else top_k, torch.long),
+        full(top_p, torch.float32),
+        full(seeds, torch.long),
+        torch.arange(b) if steps is None else full(steps, torch.long),
+    )
+
+
+def test_masked_entries_are_never_sampled():
+    g = torch.Generator().manual_seed(0)
+    b, v = 500, 32
+    logits = torch.randn(b, N, v, generator=g) * 3
+    banned = torch.rand(b, N, v, generator=g) < 0.7
+    banned[..., 0] = False  # at least one allowed entry per row
+    logits[banned] = NEG
+    for temp, k, p in [(1.0, None, 1.0), (2.0, None, 1.0), (1.0, 5, 1.0), (1.0, None, 0.9), (0.7, 10, 0.5)]:
+        codes = sample(logits, temp, k, p, seeds=torch.arange(b) * 7919)
+        assert not banned.gather(2, codes[..., None]).any()
+
+
+def test_greedy_is_argmax():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(64, N, 50, generator=g)
+    want = logits.argmax(dim=-1)
+    assert torch.equal(sample(logits, temperature=0.0), want)
+    assert torch.equal(sample(logits, temperature=0.0, top_k=3, top_p=0.2, seeds=123), want)
+    assert torch.equal(sample(logits, temperature=1.0, top_k=1), want)  # top_k = 1 is greedy too
+    assert torch.equal(sample(logits, temperature=5.0, top_p=1e-6), want)  # so is a tiny nucleus
+    mixed = torch.tensor([0.0, 1.0] * 32)
+    out = sample(logits, temperature=mixed)
+    assert torch.equal(out[0::2], want[0::2])
+
+
+def reference_filter(row: list[float], k: int, p: float) -> list[bool]:
+    """Which entries of one logit row survive top-k (ties at the k-th value kept), then top-p on the renormalised
+    survivors (the smallest most-likely set whose mass reaches p; the most likely entry always stays)."""
+    v = len(row)
+    k = min(k, v) if k > 0 else v
+    kth = sorted(row, reverse=True)[k - 1]
+    keep = [x >= kth for x in row]
+    mx = max(row)
+    z = sum(math.exp(x - mx) for x, kept in zip(row, keep, strict=True) if kept)
+    probs = [math.exp(x - mx) / z if kept else 0.0 for x, kept in zip(row, keep, strict=True)]
+    order = sorted(range(v), key=lambda i: -probs[i])
+    before, out = 0.0, [False] * v
+    for i in order:
+        if keep[i] and before < p:
+            out[i] = True
+        before += probs[i]
+    return out
+
+
+def test_top_k_top_p_filter_matches_reference():
+    g = torch.Generator().manual_seed(2)
+    m, v = 300, 40
+    logits = torch.randn(m, v, generator=g) * 2
+    top_k = torch.randint(1, v + 5, (m,), generator=g).clamp(max=v)
+    top_k[::7] = v  # off
+    top_p = torch.rand(m, generator=g) * 0.98 + 0.02
+    top_p[::5] = 1.0
+    out = top_k_top_p_filter(logits, top_k, top_p)
+    assert out.shape == logits.shape
+    kept = torch.isfinite(out)
+    assert torch.equal(out[kept], logits[kept])  # survivors keep their logits
+    checked = 0
+    for i in range(m):
+        row, k, p = logits[i].tolist(), int(top_k[i]), float(top_p[i])
+        want = reference_filter(row, k, p)
+        # skip rows whose nucleus boundary sits within float error of p (either answer is right there)
+        topk_only = reference_filter(row, k, 1.0)
+        probs = torch.softmax(torch.tensor([x if w else NEG for x, w in zip(row, topk_only, strict=True)]), 0)
+        cum = probs.sort(descending=True).values.cumsum(0)
+        if p < 1.0 and (cum - p).abs().min() < 1e-5:
+            continue
+        assert kept[i].tolist() == want, (i, k, p)
+        checked += 1
+    assert checked > 250
+
+
+def test_top_k_keeps_ties():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, 0.0]])
+    out = top_k_top_p_filter(logits, torch.tensor([2]), torch.tensor([1.0]))
+    assert torch.isfinite(out).tolist() == [[False, True, True, False, True, False]]
+
+
+def test_noise_is_a_pure_function_of_seed_and_step():
+    seeds = torch.tensor([0, 1, 2**40 + 3, 2**63 - 1, 12345])
+    steps = torch.tensor([0, 5, 5, 100, 7])
+    a = exponential_noise(seeds, steps, N, 30)
+    assert a.shape == (5, N, 30) and (a > 0).all() and torch.isfinite(a).all()
+    perm = torch.tensor([3, 0, 4, 1, 2])
+    b = exponential_noise(seeds[perm], steps[perm], N, 30)
+    assert torch.equal(b, a[perm])
+    single = exponential_noise(seeds[2:3], steps[2:3], N, 30)
+    assert torch.equal(single[0], a[2])
+    # different seed or step -> different noise (also for seeds that differ only in their high 32 bits)
+    assert not torch.equal(exponential_noise(torch.tensor([1]), torch.tensor([0]), N, 30)[0], a[0])
+    assert not torch.equal(exponential_noise(torch.tensor([0]), torch.tensor([1]), N, 30)[0], a[0])
+    hi = exponential_noise(torch.tensor([3, 2**32 + 3]), torch.tensor([9, 9]), N, 30)
+    assert not torch.equal(hi[0], hi[1])
+
+
+def test_seeded_codes_do_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, N, 64, generator=g)
+    logits[5] = logits[0]
+    temp = torch.tensor([1.0, 0.8, 1.3, 1.0, 0.0, 1.0])
+    k = torch.tensor([64, 10, 64, 3, 64, 64])
+    p = torch.tensor([1.0, 1.0, 0.8, 1.0, 1.0, 1.0])
+    seeds = torch.tensor([11, 22, 33, 44, 55, 11])
+    steps = torch.tensor([0, 3, 3, 9, 1, 0])
+    full = sample_codes(logits, temp, k, p, seeds, steps)
+    for idx in ([0], [5, 2], [4, 3, 1], [2, 0, 5, 1]):
+        i = torch.tensor(idx)
+        part = sample_codes(logits[i], temp[i], k[i], p[i], seeds[i], steps[i])
+        assert torch.equal(part, full[i])
+    assert torch.equal(full[0], full[5])  # same logits row, seed and step -> same codes
+    # the same request at another step, or with another seed, draws differently somewhere
+    other = sample_codes(logits[:1].repeat(20, 1, 1), temp[:1].repeat(20), k[:1].repeat(20), p[:1].repeat(20),
+                         torch.arange(20), torch.zeros(20, dtype=torch.long))  # fmt: skip
+    assert len({tuple(r) for r in other.tolist()}) > 1
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k",
+    [(1.0, None), (0.5, None), (1.0, 3)],
+    ids=["t1", "t0.5", "top3"],
+)
+def test_sampled_distribution_matches_softmax(temperature, top_k):
+    logits_row = torch.tensor([0.5, -1.0, 1.5, 0.0, -0.3, 1.0])
+    v = logits_row.numel()
+    draws = 4000
+    logits = logits_row.repeat(draws, N, 1)
+    codes = sample(logits, temperature, top_k, seeds=torch.full((draws,), 99), steps=torch.arange(draws))
+    want = torch.softmax(logits_row / temperature, 0)
+    if top_k is not None:
+        keep = logits_row >= logits_row.topk(top_k).values[-1]
+        want = torch.softmax((logits_row / temperature).masked_fill(~keep, NEG), 0)
+        assert (codes[..., None] == torch.nonzero(~keep).flatten()).sum() == 0
+        want, idx = want[keep], torch.nonzero(keep).flatten()
+        counts = torch.stack([(codes == i).sum() for i in idx]).float()
+    else:
+        counts = torch.bincount(codes.flatten(), minlength=v).float()
+    # 32000 draws; the 99.99th percentile of chi-square with <= 5 degrees of freedom is about 25.7
+    assert chi_square(counts, want) < 26.0, (counts / counts.sum(), want)
+    # the 8 codebooks of a frame are drawn independently: they agree with probability sum(p^2)
+    agree = (codes[:, 0] == codes[:, 1]).float().mean()
+    assert abs(float(agree) - float((want**2).sum())) < 0.03
+
+
+def test_sampling_is_deterministic_per_seed_and_varies_across_seeds():
+    logits = torch.zeros(200, N, 16)
+    a = sample(logits, seeds=5)
+    assert torch.equal(a, sample(logits, seeds=5))
+    b = sample(logits, seeds=6)
+    assert (a != b).float().mean() > 0.8  # uniform over 16 codes: mostly different
+
+
+# --------------------------------------------------------------------------------------------- SamplingParams
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": -0.1}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": "1"}, "temperature"),
+        ({"temperature": True}, "temperature"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"max_frames": 0}, "max_frames"),
+        ({"max_frames": -3}, "max_frames"),
+        ({"max_frames": 10.0}, "max_frames"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": 1.5}, "seed"),
+        ({"seed": "42"}, "seed"),
+    ],
+)
+def test_sampling_params_validation(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_valid_edges():
+    assert SamplingParams(temperature=0).greedy
+    assert SamplingParams(temperature=0.0).greedy
+    assert not SamplingParams(temperature=1e-3).greedy
+    SamplingParams(top_p=1.0, top_k=-1, seed=0, max_frames=1)
+    SamplingParams(top_p=1e-9, top_k=0, seed=2**63 - 1)
+    assert SamplingParams(seed=17).resolved_seed() == 17
+    # no seed pinned by default: unseeded requests get fresh seeds
+    assert len({SamplingParams().resolved_seed() for _ in range(8)}) > 1
