@@ -1,0 +1,291 @@
+"""CUDA tests (run on the H200; skipped without CUDA): fused kernels, FlashInfer attention, graph modes."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+flashinfer = pytest.importorskip("flashinfer") if torch.cuda.is_available() else None
+
+from higgs_talker import HiggsTalker, SamplingParams  # noqa: E402
+from higgs_talker.config import TalkerConfig, TextConfig  # noqa: E402
+from higgs_talker.ops import FlashInferKernels, TorchKernels, rope_cache  # noqa: E402
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return ((got - want).norm() / want.norm()).item()
+
+
+def medium_config(**text) -> TalkerConfig:
+    base = dict(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+    )
+    base.update(text)
+    return TalkerConfig(text=TextConfig(**base), eos_token_id=256)
+
+
+# --------------------------------------------------------------------------------------------------- kernels
+
+
+def test_fused_ops_match_torch_reference():
+    fi, ref = FlashInferKernels(), TorchKernels()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(37, 512, generator=g, device="cuda").bfloat16()
+    r = torch.randn(37, 512, generator=g, device="cuda").bfloat16()
+    w = (1 + 0.1 * torch.randn(512, generator=g, device="cuda")).bfloat16()
+    assert rel_err(fi.rms_norm(x, w, 1e-6), ref.rms_norm(x.float(), w.float(), 1e-6)) < 1e-2
+    qkv = torch.randn(37, 8 * 64 + 2 * 2 * 64, generator=g, device="cuda").bfloat16()
+    q = qkv[:, : 8 * 64].reshape(37, 8, 64)  # a strided view, as the model passes it
+    wq = (1 + 0.1 * torch.randn(64, generator=g, device="cuda")).bfloat16()
+    assert rel_err(fi.rms_norm(q, wq, 1e-6), ref.rms_norm(q.float(), wq.float(), 1e-6)) < 1e-2
+    want_h, want_r = ref.fused_add_rms_norm(x.float(), r.float(), w.float(), 1e-6)
+    got_h, got_r = fi.fused_add_rms_norm(x.clone(), r.clone(), w, 1e-6)
+    assert rel_err(got_h, want_h) < 1e-2 and rel_err(got_r, want_r) < 1e-2
+    cos_sin = rope_cache(64, 4096, 1e6, "cuda")
+    pos = torch.randint(0, 4096, (37,), generator=g, device="cuda")
+    qh = torch.randn(37, 8, 64, generator=g, device="cuda").bfloat16()
+    kh = torch.randn(37, 2, 64, generator=g, device="cuda").bfloat16()
+    wq_, wk_ = ref.rope(pos, qh.float(), kh.float(), cos_sin)
+    gq, gk = fi.rope(pos, qh.clone(), kh.clone(), cos_sin)
+    assert rel_err(gq, wq_) < 1e-2 and rel_err(gk, wk_) < 1e-2
+    gu = torch.randn(37, 2 * 384, generator=g, device="cuda").bfloat16()
+    assert rel_err(fi.silu_and_mul(gu), ref.silu_and_mul(gu.float())) < 1e-2
+
+
+# --------------------------------------------------------------------------------------------------- attention
+
+
+def _attention(kernel: str, max_model_len: int = 8192):
+    from higgs_talker.flashinfer_attention import FlashInferAttention
+
+    cache = torch.zeros(1, 2, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+    return FlashInferAttention([cache], 32, 8, 128, max_model_len, decode_kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", ["native", "xqa"])
+@pytest.mark.parametrize("batch", [1, 4, 16, 64])
+@pytest.mark.parametrize("ctx", [256, 1024, 4096])
+def test_decode_kernels_vs_float64(kernel, batch, ctx):
+    """Each decode kernel, through our backend's graph buffers, against a float64 reference (bf16 <= 5e-3)."""
+    from higgs_talker.attention import AttnMetadata
+
+    g = torch.Generator(device="cuda").manual_seed(batch * 7 + ctx)
+    bs, per_seq = 16, -(-ctx // 16)
+    cache = torch.randn(batch * per_seq + 1, 2, bs, 8, 128, generator=g, device="cuda").bfloat16()
+    attn = _attention(kernel)
+    attn.kv_caches = [cache]
+    attn.scratch_block = batch * per_seq
+    attn.kernel_for_bucket = {batch: kernel}
+    blocks = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    # the new token sits at position ctx - 1; its K/V are written by forward() before attending
+    slots = [b[(ctx - 1) // bs] * bs + (ctx - 1) % bs for b in blocks]
+    meta = AttnMetadata(
+        slot_mapping=torch.tensor(slots, device="cuda"),
+        query_start_loc=torch.arange(batch + 1),
+        seq_lens=torch.full((batch,), ctx),
+        block_tables=torch.tensor(blocks),
+        query_lens_host=[1] * batch,
+        seq_lens_host=[ctx] * batch,
+        slot_mapping_host=slots,
+        blocks_host=blocks,
+    )
+    q = torch.randn(batch, 32, 128, generator=g, device="cuda").bfloat16()
+    k = torch.randn(batch, 8, 128, generator=g, device="cuda").bfloat16()
+    v = torch.randn(batch, 8, 128, generator=g, device="cuda").bfloat16()
+    attn.begin_graph(meta, batch)
+    out = attn.forward(0, q, k, v).view(batch, 32, 128)
+    kv = cache[: batch * per_seq].view(batch, per_seq * bs, 2, 8, 128)[:, :ctx].double()
+    keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, 8, ctx, 128]
+    keys, values = keys.repeat_interleave(4, dim=1), values.repeat_interleave(4, dim=1)
+    scores = torch.einsum("bhd,bhtd->bht", q.double(), keys) / 128**0.5
+    want = torch.einsum("bht,bhtd->bhd", scores.softmax(-1), values)
+    assert rel_err(out, want) <= 5e-3
+
+
+def test_prefill_matches_sdpa_reference():
+    from higgs_talker.attention import AttnMetadata, SdpaAttention
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    lens = [5, 33, 17]
+    bs = 16
+    blocks, nxt = [], 1
+    for n in lens:
+        k = -(-n // bs)
+        blocks.append(list(range(nxt, nxt + k)))
+        nxt += k
+    cache_fi = torch.zeros(nxt, 2, bs, 8, 128, dtype=torch.bfloat16, device="cuda")
+    cache_ref = cache_fi.clone()
+    attn = _attention("native")
+    attn.kv_caches = [cache_fi]
+    slots = [b[p // bs] * bs + p % bs for b, n in zip(blocks, lens, strict=True) for p in range(n)]
+    table = torch.zeros(3, max(len(b) for b in blocks), dtype=torch.int32)
+    for i, b in enumerate(blocks):
+        table[i, : len(b)] = torch.tensor(b)
+    meta = AttnMetadata(
+        slot_mapping=torch.tensor(slots, device="cuda"),
+        query_start_loc=torch.tensor([0, 5, 38, 55], dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
+        block_tables=table.cuda(),
+        query_lens_host=lens,
+        seq_lens_host=lens,
+        slot_mapping_host=slots,
+        blocks_host=blocks,
+    )
+    n = sum(lens)
+    q = torch.randn(n, 32, 128, generator=g, device="cuda").bfloat16()
+    k = torch.randn(n, 8, 128, generator=g, device="cuda").bfloat16()
+    v = torch.randn(n, 8, 128, generator=g, device="cuda").bfloat16()
+    attn.begin(meta)
+    got = attn.forward(0, q, k, v)
+    ref = SdpaAttention([cache_ref], 32, 128)
+    ref.begin(meta)
+    want = ref.forward(0, q.float(), k.float(), v.float())
+    assert rel_err(got, want) <= 5e-3
+
+
+# --------------------------------------------------------------------------------------------------- graph modes
+
+MODES = ("eager", "local_mlp", "full_decode", "auto")
+
+
+@pytest.fixture(scope="module")
+def talkers():
+    cfg = medium_config()
+    return {
+        m: HiggsTalker.from_config(cfg, device="cuda", graph_mode=m, max_num_seqs=64, max_model_len=1024, seed=0)
+        for m in MODES
+    }
+
+
+def _run_schedule(talker: HiggsTalker, batch: int) -> dict[str, list]:
+    """Half the requests start at once, the rest join after 7 steps; max_frames differ, so some finish early."""
+    eng = talker.engine
+    params = [SamplingParams(temperature=0, max_frames=64 + (i * 5) % 23) for i in range(batch)]
+    prompts = [talker.build_prompt(f"request number {i} " * (1 + i % 3)) for i in range(batch)]
+    ids, first = [], (batch + 1) // 2
+    for i in range(first):
+        ids.append(eng.add_request(prompts[i], params[i], request_id=f"r{i}"))
+    steps = 0
+    while eng.has_unfinished() or len(ids) < batch:
+        if steps == 7:
+            for i in range(first, batch):
+                ids.append(eng.add_request(prompts[i], params[i], request_id=f"r{i}"))
+        eng.step()
+        steps += 1
+    return {i: [r.tolist() for r in eng.pop_finished(i).rows] for i in ids}
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8, 13, 37, 64])
+def test_graph_modes_give_identical_greedy_codes(talkers, batch):
+    results = {m: _run_schedule(talkers[m], batch) for m in MODES}
+    assert min(len(r) for r in results["eager"].values()) >= 8
+    for m in MODES[1:]:
+        for rid, rows in results["eager"].items():
+            assert results[m][rid] == rows, f"mode {m} differs from eager for request {rid} at batch {batch}"
+
+
+def test_graphs_were_captured(talkers):
+    local = talkers["local_mlp"].engine.graphs
+    full = talkers["full_decode"].engine.graphs
+    assert local.local is not None and not local.local.failed and len(local.local.buckets) == 7
+    assert full.full is not None and not full.full.failed and len(full.full.slots) == 7
+    assert full.local is None  # policy: the local path is off under full-decode graphs
+    auto = talkers["auto"].engine.graphs
+    assert set(auto.choice) == set(auto.buckets)
+
+
+def test_first_decode_step_after_capture_equals_eager():
+    """A fresh talker's very first decode step of a new batch size uses replayed (computed) outputs."""
+    cfg = medium_config()
+    out = {}
+    for mode in ("eager", "local_mlp", "full_decode"):
+        t = HiggsTalker.from_config(cfg, device="cuda", graph_mode=mode, max_num_seqs=8, max_model_len=512, seed=3)
+        res = t.generate(["first step check", "another"], SamplingParams(temperature=0), max_frames=2)
+        out[mode] = [r.rows.tolist() for r in res]
+    assert out["local_mlp"] == out["eager"] and out["full_decode"] == out["eager"]
+
+
+def test_outer_capture_with_local_path_on_runs_eager_inside(talkers):
+    """Capturing a whole decode step while the local MLP path is on must not try to replay the local graphs."""
+    t = talkers["local_mlp"]
+    eng, runner = t.engine, t.engine.graphs
+    inputs = runner.full.padding_inputs(4) if runner.full else None
+    if inputs is None:
+        from higgs_talker.cuda_graphs.full_decode import FullDecodeGraphs
+
+        inputs = FullDecodeGraphs(eng, [4]).padding_inputs(4)
+    rows = torch.tensor([eng.scratch_row], device="cuda")
+    saved = eng.state.gather(rows)
+    eng.attn.begin_graph(None, 4)
+    want = eng.decode_forward(inputs, runner.post_attention).clone()
+    eng.state.scatter(rows, saved)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        eng.decode_forward(inputs, runner.post_attention)
+    torch.cuda.current_stream().wait_stream(side)
+    eng.state.scatter(rows, saved)
+    with torch.cuda.graph(graph):
+        out = eng.decode_forward(inputs, runner.post_attention)  # guard: local graphs are not replayed here
+    eng.state.scatter(rows, saved)
+    graph.replay()
+    eng.state.scatter(rows, saved)
+    assert torch.equal(out, want)
+
+
+def test_capture_failure_falls_back_to_eager_with_one_warning(caplog, monkeypatch):
+    cfg = medium_config(num_hidden_layers=2)
+    ref = HiggsTalker.from_config(cfg, device="cuda", graph_mode="eager", max_num_seqs=4, max_model_len=512, seed=5)
+    want = ref.generate("fault injection", SamplingParams(temperature=0), max_frames=20).rows
+
+    original = FlashInferKernels.silu_and_mul
+
+    def failing(self, x):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("injected capture failure")
+        return original(self, x)
+
+    monkeypatch.setattr(FlashInferKernels, "silu_and_mul", failing)
+    with caplog.at_level(logging.WARNING):
+        t = HiggsTalker.from_config(
+            cfg, device="cuda", graph_mode="local_mlp", max_num_seqs=4, max_model_len=512, seed=5, buckets=[4]
+        )
+    warnings = [r for r in caplog.records if "capture failed" in r.getMessage()]
+    assert len(warnings) == 1
+    assert t.engine.graphs.local.failed and not t.engine.graphs.local.buckets
+    got = t.generate("fault injection", SamplingParams(temperature=0), max_frames=20).rows
+    assert torch.equal(got, want)
+
+
+def test_cancel_between_graph_steps_leaves_other_requests_unchanged(talkers):
+    t = talkers["full_decode"]
+    eng = t.engine
+    params = SamplingParams(temperature=0.8, seed=11, max_frames=40)
+    prompts = [t.build_prompt(f"cancel test {i}") for i in range(5)]
+
+    def run(cancel: bool) -> list:
+        ids = [eng.add_request(p, params) for p in prompts]
+        for step in range(200):
+            if not eng.has_unfinished():
+                break
+            eng.step()
+            if cancel and step == 10:
+                assert eng.cancel(ids[2])
+        rows = [torch.stack(eng.pop_finished(i).rows) for i in ids]
+        return rows[:2] + rows[3:]
+
+    for want, got in zip(run(False), run(True), strict=True):
+        assert torch.equal(want, got)
