@@ -1,0 +1,73 @@
+"""Checks shared by the reliability tests: an engine back at idle, and the delay pattern of published rows."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from higgs_talker.api import HiggsTalker
+from higgs_talker.engine import Engine
+
+_IDLE: weakref.WeakKeyDictionary[Engine, tuple[int, frozenset[int]]] = weakref.WeakKeyDictionary()
+
+
+def remember_idle(talker: HiggsTalker) -> HiggsTalker:
+    """Record the free KV blocks and state rows of a talker's engine while it holds no request.
+
+    Counted, not assumed: the engine may keep a scratch block or row for itself.
+    """
+    e = talker.engine
+    assert not e.requests and not e.waiting and not e.running, "remember_idle needs an idle engine"
+    _IDLE[e] = (e.allocator.num_free, frozenset(e._free_rows))
+    return talker
+
+
+def assert_idle(talker: HiggsTalker) -> None:
+    """No request is known, queued or running, and every KV block and state row is free again."""
+    e = talker.engine
+    assert not e.requests, f"requests left behind: {list(e.requests)}"
+    assert not e.waiting, f"requests left waiting: {[r.id for r in e.waiting]}"
+    assert not e.running, f"requests left running: {[r.id for r in e.running]}"
+    blocks, rows = _IDLE[e]
+    assert e.allocator.num_free == blocks, f"KV blocks leaked: {e.allocator.num_free} free, {blocks} when idle"
+    assert frozenset(e._free_rows) == rows, f"state rows leaked: {sorted(rows - frozenset(e._free_rows))}"
+    assert len(e._free_rows) == len(rows), "a state row was freed twice"
+
+
+def check_delay_pattern(
+    rows: torch.Tensor, finish_reason: str | None, boc: int = 1024, eoc: int = 1025, num_real: int = 1024
+) -> None:
+    """Assert the delay pattern (SPEC 4.7) on a request's published rows [L, N] (a prefix when cut short).
+
+    Row r, codebook c: BOC exactly when c > r (ramp-up, which continues through an early ramp-down); with
+    ``s`` the single row where codebook 0 first emits EOC, EOC exactly at (s, 0) and at (s + j, c < j) for
+    j = 1 .. N - 1; a real code in [0, num_real) everywhere else. A request that ended on EOC has exactly
+    s + N rows (the last one is the terminal row); one cut short by max_frames / max_model_len / a
+    cancellation has not yet reached the terminal row.
+    """
+    assert rows.dim() == 2, f"rows must be [L, N], got {list(rows.shape)}"
+    length, n = rows.shape
+    rows = rows.long()
+    r = torch.arange(length)[:, None]
+    c = torch.arange(n)[None, :]
+    onsets = (rows[:, 0] == eoc).nonzero().flatten()
+    s = int(onsets[0]) if onsets.numel() else None
+    want_boc = c > r
+    if s is None:
+        want_eoc = torch.zeros_like(want_boc)
+    else:
+        j = r - s
+        want_eoc = ((j == 0) & (c == 0)) | ((j > 0) & (c < j))
+        assert not (want_boc & want_eoc).any()
+    real = ~want_boc & ~want_eoc
+    where = lambda m: [tuple(x) for x in m.nonzero().tolist()[:5]]  # noqa: E731
+    assert (rows[want_boc] == boc).all(), f"ramp-up broken at (row, codebook) {where(want_boc & (rows != boc))}"
+    assert (rows[want_eoc] == eoc).all(), f"ramp-down broken at {where(want_eoc & (rows != eoc))} (onset {s})"
+    bad_real = real & ((rows < 0) | (rows >= num_real))
+    assert not bad_real.any(), f"BOC/EOC/invalid code where a real code belongs: {where(bad_real)} (onset {s})"
+    if finish_reason == "eoc":
+        assert s is not None, "finished on EOC without an EOC onset"
+        assert length == s + n, f"EOC onset at row {s}: expected {s + n} rows (terminal row done), got {length}"
+    elif s is not None:
+        assert length < s + n, f"rows continue past the terminal row (onset {s}, {length} rows, {finish_reason})"

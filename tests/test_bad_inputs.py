@@ -1,0 +1,632 @@
+"""Bad inputs: each one raises a clear error naming the bad value, and leaves nothing behind.
+
+Two matrices. *Loader* cases corrupt a copy of the tiny checkpoint (config, weights, tokenizer) or pass bad
+``from_pretrained`` arguments; after the error no model built by the failed call is still alive, and the
+good checkpoint still loads and generates the same codes. *Call* cases misuse a loaded talker (prompts,
+reference codes, sampling, the engine API); after the error the engine holds no request, every KV block and
+state row is free, and the same seeded request still generates the same codes.
+
+Known bugs are kept at the end as strict xfails, each with a minimal reproduction in its reason.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import re
+import shutil
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _engine_invariants import assert_idle, remember_idle
+from safetensors.torch import load_file, save_file
+
+from higgs_talker import api
+from higgs_talker.api import HiggsTalker, Reference
+from higgs_talker.config import TalkerConfig
+from higgs_talker.engine import EngineConfig
+from higgs_talker.heads.sampling import SamplingParams
+from higgs_talker.prompt import Prompt
+from higgs_talker.tiny import write_checkpoint
+
+BOC, EOC = 1024, 1025
+SMALL = dict(max_num_seqs=4, max_model_len=256)  # the engine of the talker under test
+PROBE_TEXT = "Hello there."
+PROBE = SamplingParams(seed=7, temperature=0.9, max_frames=12)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fixtures and checks
+
+
+@pytest.fixture(scope="module")
+def own_talker(tiny_dir: Path) -> HiggsTalker:
+    """A talker private to this module, so the 'nothing left behind' checks see only our own requests."""
+    return remember_idle(HiggsTalker.from_pretrained(tiny_dir, **SMALL))
+
+
+@pytest.fixture(scope="module")
+def probe_rows(own_talker: HiggsTalker) -> torch.Tensor:
+    """The rows of one short seeded request on a clean engine: what 'still works' must reproduce."""
+    return own_talker.generate(PROBE_TEXT, PROBE).rows
+
+
+def assert_still_generates(talker: HiggsTalker, probe_rows: torch.Tensor) -> None:
+    assert torch.equal(talker.generate(PROBE_TEXT, PROBE).rows, probe_rows)
+    assert_idle(talker)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# loader matrix: a corrupted copy of the tiny checkpoint, or bad from_pretrained arguments
+
+
+def edit_config(**changes) -> Callable[[Path], None]:
+    """Set (or, with value ``...``, delete) dotted keys of config.json."""
+
+    def mutate(d: Path) -> None:
+        raw = json.loads((d / "config.json").read_text())
+        for dotted, value in changes.items():
+            *parents, leaf = dotted.split("__")
+            node = raw
+            for p in parents:
+                node = node[p]
+            if value is ...:
+                del node[leaf]
+            else:
+                node[leaf] = value
+        (d / "config.json").write_text(json.dumps(raw))
+
+    return mutate
+
+
+def read_weights(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, copied out of the memory map (the file is rewritten next)."""
+    return {k: v.clone() for k, v in load_file(file).items()}
+
+
+def edit_weights(fn: Callable[[dict[str, torch.Tensor]], None]) -> Callable[[Path], None]:
+    def mutate(d: Path) -> None:
+        file = d / "model.safetensors"
+        tensors = read_weights(file)
+        fn(tensors)
+        save_file(tensors, file, metadata={"format": "pt"})
+
+    return mutate
+
+
+def drop_key(key: str):
+    return edit_weights(lambda t: t.pop(key))
+
+
+def set_key(key: str, value: torch.Tensor):
+    return edit_weights(lambda t: t.__setitem__(key, value))
+
+
+def truncate_weights(d: Path) -> None:
+    file = d / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+
+
+def garble_header(d: Path) -> None:
+    file = d / "model.safetensors"
+    data = bytearray(file.read_bytes())
+    data[8:40] = b"#" * 32  # inside the JSON header
+    file.write_bytes(bytes(data))
+
+
+def empty_weights(d: Path) -> None:
+    (d / "model.safetensors").write_bytes(b"")
+
+
+def pickle_instead(d: Path) -> None:
+    tensors = read_weights(d / "model.safetensors")
+    (d / "model.safetensors").unlink()
+    torch.save(tensors, d / "pytorch_model.bin")
+
+
+def pickle_named_safetensors(d: Path) -> None:
+    torch.save(read_weights(d / "model.safetensors"), d / "model.safetensors")
+
+
+def no_weights(d: Path) -> None:
+    (d / "model.safetensors").unlink()
+
+
+def sharded(mutate_sharded: Callable[[Path], None]) -> Callable[[Path], None]:
+    """Replace the single file by a 3-shard checkpoint with an index, then apply ``mutate_sharded``."""
+
+    def mutate(d: Path) -> None:
+        (d / "model.safetensors").unlink()
+        write_checkpoint(d, TalkerConfig.from_pretrained(d), shards=3)
+        mutate_sharded(d)
+
+    return mutate
+
+
+def delete_shard(d: Path) -> None:
+    (d / "model-00002-of-00003.safetensors").unlink()
+
+
+def garble_index(d: Path) -> None:
+    (d / "model.safetensors.index.json").write_text("{not json")
+
+
+def duplicate_across_shards(d: Path) -> None:
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    key = "body.norm.weight"
+    owner = index["weight_map"][key]
+    other = next(f for f in sorted(set(index["weight_map"].values())) if f != owner)
+    tensors = read_weights(d / other)
+    tensors[key] = torch.ones(64)
+    save_file(tensors, d / other, metadata={"format": "pt"})
+
+
+def drop_special_token(token: str) -> Callable[[Path], None]:
+    def mutate(d: Path) -> None:
+        raw = json.loads((d / "tokenizer.json").read_text())
+        raw["added_tokens"] = [t for t in raw["added_tokens"] if t["content"] != token]
+        (d / "tokenizer.json").write_text(json.dumps(raw))
+
+    return mutate
+
+
+def no_tokenizer(d: Path) -> None:
+    (d / "tokenizer.json").unlink()
+    (d / "tokenizer_config.json").unlink()
+
+
+def garble_config(d: Path) -> None:
+    (d / "config.json").write_text('{"model_type": "higgs_multimodal_qwen3",')
+
+
+def no_config(d: Path) -> None:
+    (d / "config.json").unlink()
+
+
+def nothing(d: Path) -> None:
+    pass
+
+
+E = re.escape
+LOADER_CASES = [
+    # config.json
+    pytest.param(edit_config(model_type="qwen3"), ValueError, "model_type is 'qwen3'", id="cfg-model-type"),
+    pytest.param(edit_config(text_config=...), ValueError, "'text_config'", id="cfg-no-text-config"),
+    pytest.param(edit_config(text_config__model_type="llama"), ValueError, "'llama'", id="cfg-text-model-type"),
+    pytest.param(
+        edit_config(text_config__num_key_value_heads=3),
+        ValueError,
+        E("num_attention_heads (4) is not a multiple of num_key_value_heads (3)"),
+        id="cfg-heads",
+    ),
+    pytest.param(
+        edit_config(audio_encoder_config__vocab_size=1024),
+        ValueError,
+        E("boc_id (1024) must lie in [0, codebook_size=1024)"),
+        id="cfg-codebook-size-not-above-boc",
+    ),
+    pytest.param(
+        edit_config(audio_encoder_config__vocab_size=1025),
+        ValueError,
+        E("eoc_id (1025) must lie in [0, codebook_size=1025)"),
+        id="cfg-codebook-size-not-above-eoc",
+    ),
+    pytest.param(edit_config(audio_stream_eos_id=1024), ValueError, "both are 1024", id="cfg-boc-equals-eoc"),
+    pytest.param(
+        edit_config(audio_encoder_config__num_codebooks=0), ValueError, "num_codebooks must be > 0, got 0", id="cfg-n0"
+    ),
+    pytest.param(edit_config(text_config__head_dim=31), ValueError, "got 31", id="cfg-odd-head-dim"),
+    pytest.param(edit_config(text_config__hidden_size="64"), ValueError, "got '64'", id="cfg-str-hidden"),
+    pytest.param(
+        edit_config(text_config__rope_parameters={"rope_type": "yarn", "factor": 4.0}),
+        ValueError,
+        "'yarn'",
+        id="cfg-rope-type",
+    ),
+    pytest.param(edit_config(audio_encoder_config__out_dim=128), ValueError, E("out_dim (128)"), id="cfg-out-dim"),
+    pytest.param(
+        edit_config(audio_encoder_config__encoder_type="continuous"), ValueError, "'continuous'", id="cfg-encoder"
+    ),
+    pytest.param(garble_config, ValueError, "config.json is not valid JSON", id="cfg-not-json"),
+    pytest.param(no_config, FileNotFoundError, "no config.json", id="cfg-missing"),
+    # weights
+    pytest.param(
+        drop_key("body.layers.1.mlp.up_proj.weight"), ValueError, E("body.layers.1.mlp.up_proj.weight"), id="w-missing"
+    ),
+    pytest.param(
+        set_key("vision_tower.proj.weight", torch.zeros(2, 2)), ValueError, E("vision_tower.proj.weight"), id="w-extra"
+    ),
+    pytest.param(
+        set_key("body.layers.0.self_attn.q_proj.bias", torch.zeros(128)),
+        ValueError,
+        E("'body.layers.0.self_attn.q_proj.bias'"),
+        id="w-extra-bias",
+    ),
+    pytest.param(
+        set_key("body.norm.weight", torch.ones(63)), ValueError, E("'body.norm.weight' has shape [63]"), id="w-shape"
+    ),
+    pytest.param(
+        set_key("tied.embedding.modality_embeddings.0.embedding.weight", torch.zeros(8 * 1024, 64)),
+        ValueError,
+        E("has shape [8192, 64], expected [8208, 64]"),
+        id="w-table-shape",
+    ),
+    pytest.param(
+        set_key("body.layers.0.input_layernorm.weight", torch.ones(64, dtype=torch.int32)),
+        ValueError,
+        "dtype I32",
+        id="w-int-dtype",
+    ),
+    pytest.param(truncate_weights, ValueError, "model.safetensors is not a readable safetensors", id="w-truncated"),
+    pytest.param(garble_header, ValueError, "model.safetensors is not a readable safetensors", id="w-garbled-header"),
+    pytest.param(empty_weights, ValueError, "model.safetensors is not a readable safetensors", id="w-empty-file"),
+    pytest.param(pickle_instead, ValueError, E("only pickle checkpoints (pytorch_model.bin)"), id="w-pickle-bin"),
+    pytest.param(
+        pickle_named_safetensors, ValueError, "model.safetensors is not a readable safetensors", id="w-pickle-renamed"
+    ),
+    pytest.param(no_weights, FileNotFoundError, "no safetensors weights in", id="w-none"),
+    pytest.param(sharded(delete_shard), FileNotFoundError, "model-00002-of-00003.safetensors", id="w-shard-missing"),
+    pytest.param(sharded(garble_index), ValueError, "model.safetensors.index.json", id="w-index-not-json"),
+    pytest.param(
+        sharded(duplicate_across_shards), ValueError, E("'body.norm.weight' appears in both"), id="w-shard-duplicate"
+    ),
+    # tokenizer
+    pytest.param(drop_special_token("<|audio|>"), ValueError, E("<|audio|>"), id="tok-no-audio"),
+    pytest.param(drop_special_token("<|tts|>"), ValueError, E("<|tts|>"), id="tok-no-tts"),
+    pytest.param(drop_special_token("<|text|>"), ValueError, E("<|text|>"), id="tok-no-text"),
+    pytest.param(no_tokenizer, ValueError, "could not load a tokenizer from", id="tok-missing"),
+    pytest.param(
+        edit_config(text_config__vocab_size=258),
+        ValueError,
+        E("has id 258, outside the text vocabulary [0, 258)"),
+        id="tok-id-outside-vocab",
+    ),
+    # from_pretrained arguments on a good checkpoint
+    pytest.param(nothing, ValueError, "unknown graph mode 'bogus'", id="api-graph-mode", marks=()),
+    pytest.param(nothing, ValueError, "unknown dtype 'int8'", id="api-dtype"),
+    pytest.param(nothing, ValueError, "unknown device 'tpu0'", id="api-device"),
+    pytest.param(nothing, ValueError, "max_num_seqs must be > 0, got 0", id="api-max-num-seqs"),
+    pytest.param(nothing, ValueError, "num_blocks must be > 0, got -4", id="api-num-blocks"),
+]
+API_KWARGS = {
+    "api-graph-mode": dict(graph_mode="bogus"),
+    "api-dtype": dict(dtype="int8"),
+    "api-device": dict(device="tpu0"),
+    "api-max-num-seqs": dict(max_num_seqs=0),
+    "api-num-blocks": dict(num_blocks=-4),
+}
+
+
+@pytest.fixture
+def model_tracker(monkeypatch: pytest.MonkeyPatch) -> list[weakref.ref]:
+    """Weak references to every model ``from_pretrained`` builds during the test."""
+    built: list[weakref.ref] = []
+    real = api._empty_model
+
+    def tracking(*args, **kwargs):
+        model = real(*args, **kwargs)
+        built.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(api, "_empty_model", tracking)
+    return built
+
+
+@pytest.mark.parametrize(("mutate", "exc", "match"), LOADER_CASES)
+def test_bad_checkpoint_or_load_argument(
+    request, mutate, exc, match, tiny_dir: Path, tmp_path: Path, model_tracker, own_talker, probe_rows
+) -> None:
+    bad = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir, bad)
+    mutate(bad)
+    kwargs = {**SMALL, **API_KWARGS.get(request.node.callspec.id, {})}
+    with pytest.raises(exc, match=match):
+        HiggsTalker.from_pretrained(bad, **kwargs)
+    # no partially loaded model survives the failed call
+    gc.collect()
+    assert all(ref() is None for ref in model_tracker), "a model built by the failed load is still alive"
+    # the loader still works on the good checkpoint, and what it loads generates the same codes
+    model_tracker.clear()
+    assert_still_generates(remember_idle(HiggsTalker.from_pretrained(tiny_dir, **SMALL)), probe_rows)
+    assert_idle(own_talker)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusals")
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(device="cuda"), "device 'cuda' requested but CUDA is not available"),
+        (dict(device="cuda:1", dtype="bf16"), "device 'cuda:1' requested but CUDA is not available"),
+        (dict(graph_mode="full_decode"), "graph_mode 'full_decode' needs a CUDA device"),
+        (dict(graph_mode="local_mlp"), "graph_mode 'local_mlp' needs a CUDA device"),
+        (dict(graph_mode="auto"), "graph_mode 'auto' needs a CUDA device"),
+    ],
+    ids=["cuda", "cuda1-bf16", "full-decode", "local-mlp", "auto"],
+)
+def test_cuda_request_on_cpu_only_machine(kwargs, match, tiny_dir: Path, model_tracker, probe_rows) -> None:
+    with pytest.raises(ValueError, match=re.escape(match)):
+        HiggsTalker.from_pretrained(tiny_dir, **SMALL, **kwargs)
+    gc.collect()
+    assert all(ref() is None for ref in model_tracker)
+    assert_still_generates(remember_idle(HiggsTalker.from_pretrained(tiny_dir, **SMALL)), probe_rows)
+
+
+def test_failed_load_into_leaves_model_unchanged(own_talker: HiggsTalker, probe_rows) -> None:
+    """load_into stages every tensor first: a bad tensor late in the stream must not have written earlier ones."""
+    from higgs_talker import checkpoint
+
+    model, cfg = own_talker.model, own_talker.cfg
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    good = checkpoint.export_state(model, cfg)
+
+    def weights():
+        for key, tensor in sorted(good.items()):
+            yield key, tensor + 1.0  # would change the model if written
+        yield "body.norm.weight", torch.ones(63)
+
+    with pytest.raises(ValueError, match=re.escape("'body.norm.weight' has shape [63]")):
+        checkpoint.load_into(model, weights(), cfg)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert_still_generates(own_talker, probe_rows)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# call matrix: a loaded talker misused
+
+
+def ref_codes(frames: int = 10, fill: int | None = None, shape: tuple[int, ...] | None = None, dtype=torch.long):
+    g = torch.Generator().manual_seed(frames)
+    codes = torch.randint(0, 1024, shape or (frames, 8), generator=g).to(dtype)
+    if fill is not None:
+        codes[frames // 2, 3] = fill
+    return codes
+
+
+def gen(text="Hi.", **kwargs):
+    return lambda t: t.generate(text, **kwargs)
+
+
+def params(**kwargs):
+    return lambda t: SamplingParams(**kwargs)
+
+
+def add_twice(t: HiggsTalker) -> None:
+    e = t.engine
+    e.add_request(t.build_prompt("first"), SamplingParams(max_frames=4), request_id="dup")
+    try:
+        e.add_request(t.build_prompt("second"), SamplingParams(max_frames=4), request_id="dup")
+    finally:
+        e.cancel("dup")
+        e.pop_finished("dup")
+
+
+def pop_unfinished(t: HiggsTalker) -> None:
+    e = t.engine
+    rid = e.add_request(t.build_prompt("still running"), SamplingParams(max_frames=4), request_id="live")
+    try:
+        e.pop_finished(rid)
+    finally:
+        e.cancel(rid)
+        e.pop_finished(rid)
+
+
+CALL_CASES = [
+    # prompt text
+    pytest.param(gen(""), ValueError, "empty or whitespace only: ''", id="text-empty"),
+    pytest.param(gen(" \t\n "), ValueError, E(repr(" \t\n ")), id="text-whitespace"),
+    pytest.param(gen(["fine", "   "]), ValueError, E("'   '"), id="text-whitespace-in-batch"),
+    pytest.param(gen("a" * 5000), ValueError, "prompt is 5003 tokens; the model's maximum length is 4096", id="long"),
+    pytest.param(gen("b" * 300), ValueError, "prompt of 303 tokens .* max_model_len=256", id="text-over-engine-len"),
+    pytest.param(gen([1234]), ValueError, "text must be a string, got int", id="text-not-str"),
+    pytest.param(
+        gen(1234),
+        TypeError,
+        r"text.*\bint\b",
+        id="text-int",
+        marks=pytest.mark.xfail(
+            strict=True,
+            reason="BUG (api.py generate): generate(1234) calls list(1234) and raises TypeError \"'int' object is "
+            "not iterable\", which does not say that `text` is wrong; generate(b'hi') even iterates the bytes",
+        ),
+    ),
+    pytest.param(gen("say <|audio|> now"), ValueError, E("'<|audio|>'"), id="text-special-token"),
+    pytest.param(gen([]), ValueError, "no text to generate", id="text-empty-list"),
+    # reference codes
+    pytest.param(
+        gen(reference=Reference(ref_codes(shape=(10, 7)))), ValueError, E("got [10, 7]"), id="ref-wrong-codebooks"
+    ),
+    pytest.param(gen(reference=Reference(ref_codes(shape=(8,)))), ValueError, E("got [8]"), id="ref-1d"),
+    pytest.param(gen(reference=Reference(ref_codes(shape=(0, 8)))), ValueError, E("got [0, 8]"), id="ref-empty"),
+    pytest.param(gen(reference=Reference(ref_codes(fill=BOC))), ValueError, "reference code 1024 ", id="ref-boc"),
+    pytest.param(gen(reference=Reference(ref_codes(fill=5000))), ValueError, "reference code 5000 ", id="ref-big"),
+    pytest.param(gen(reference=Reference(ref_codes(fill=-1))), ValueError, "reference code -1 ", id="ref-negative"),
+    pytest.param(
+        gen(reference=Reference(ref_codes(dtype=torch.float32))), ValueError, "dtype torch.float32", id="ref-float"
+    ),
+    pytest.param(
+        gen(reference=Reference(np.array([["a"] * 8]))), ValueError, "reference codes must be", id="ref-strings"
+    ),
+    pytest.param(gen(reference=ref_codes()), TypeError, "reference must be a Reference, got Tensor", id="ref-type"),
+    pytest.param(
+        gen(reference=Reference(ref_codes(), text="  ")), ValueError, E("reference_text is empty"), id="ref-text"
+    ),
+    # sampling parameters (constructor, and through generate)
+    pytest.param(params(top_k=-2), ValueError, "got -2", id="top-k-negative"),
+    pytest.param(params(top_k=2.5), ValueError, "got 2.5", id="top-k-float"),
+    pytest.param(params(top_p=0.0), ValueError, E("top_p must lie in (0, 1], got 0.0"), id="top-p-zero"),
+    pytest.param(params(top_p=1.5), ValueError, "got 1.5", id="top-p-above-one"),
+    pytest.param(params(top_p=math.nan), ValueError, "got nan", id="top-p-nan"),
+    pytest.param(params(temperature=math.nan), ValueError, "got nan", id="temperature-nan"),
+    pytest.param(params(temperature=math.inf), ValueError, "got inf", id="temperature-inf"),
+    pytest.param(params(temperature=-0.5), ValueError, "got -0.5", id="temperature-negative"),
+    pytest.param(params(max_frames=-3), ValueError, "max_frames must be an integer > 0, got -3", id="max-frames-neg"),
+    pytest.param(params(seed=-1), ValueError, "got -1", id="seed-negative"),
+    pytest.param(params(seed=2**63), ValueError, E(f"got {2**63}"), id="seed-too-big"),
+    pytest.param(gen(max_frames=0), ValueError, "max_frames must be an integer > 0, got 0", id="generate-max-frames-0"),
+    pytest.param(
+        gen(["a", "b", "c"], sampling=[SamplingParams(), SamplingParams()]),
+        ValueError,
+        "got 2 SamplingParams for 3 texts",
+        id="sampling-count",
+    ),
+    pytest.param(gen(sampling=[0.5]), TypeError, "sampling must be SamplingParams, got float", id="sampling-type"),
+    pytest.param(
+        gen(sampling={"temperature": 0.5}),
+        TypeError,
+        "dict",
+        id="sampling-dict",
+        marks=pytest.mark.xfail(
+            strict=True,
+            reason="BUG (api.py _params): a dict passed as `sampling` is iterated, so the error names its first key's "
+            "type: generate('hi', sampling={'temperature': 0.5}) -> TypeError 'sampling must be SamplingParams, got "
+            "str' instead of naming the dict",
+        ),
+    ),
+    # the engine API
+    pytest.param(add_twice, ValueError, "request id 'dup' is already in use", id="engine-duplicate-id"),
+    pytest.param(
+        lambda t: t.engine.add_request(t.build_prompt("x"), {"seed": 1}), TypeError, "got dict", id="engine-params"
+    ),
+    pytest.param(pop_unfinished, ValueError, "request 'live' has not finished", id="engine-pop-unfinished"),
+    pytest.param(lambda t: Prompt([1, 2, 3]), TypeError, "got list", id="prompt-list"),
+    pytest.param(lambda t: Prompt(torch.tensor([257.0])), TypeError, "torch.float32", id="prompt-float"),
+    pytest.param(lambda t: Prompt(torch.zeros(0, dtype=torch.long)), ValueError, "empty", id="prompt-empty"),
+    pytest.param(lambda t: Prompt(torch.tensor([257, -100, 259])), ValueError, "-100", id="prompt-negative"),
+    pytest.param(
+        lambda t: Prompt(torch.tensor([257, 257, 259]), torch.zeros(2, 8, dtype=torch.long), torch.tensor([1, 5])),
+        ValueError,
+        E("[0, 3), got 1..5"),
+        id="prompt-ref-positions",
+    ),
+    pytest.param(lambda t: EngineConfig(block_size=0), ValueError, "block_size must be > 0, got 0", id="engine-cfg"),
+    pytest.param(lambda t: t.generate_batch(["ok"], max_frames=-1), ValueError, "got -1", id="batch-max-frames"),
+    pytest.param(
+        lambda t: next(t.stream("x", max_frames=0)), ValueError, "max_frames must be an integer > 0, got 0", id="stream"
+    ),
+    pytest.param(lambda t: next(t.stream("   ")), ValueError, "empty or whitespace", id="stream-empty-text"),
+]
+
+
+@pytest.mark.parametrize(("call", "exc", "match"), CALL_CASES)
+def test_bad_call(call, exc, match, own_talker: HiggsTalker, probe_rows) -> None:
+    assert_idle(own_talker)
+    with pytest.raises(exc, match=match):
+        call(own_talker)
+    assert_idle(own_talker)
+    assert_still_generates(own_talker, probe_rows)
+
+
+def test_matrix_size() -> None:
+    """The issue asks for at least 25 distinct bad inputs."""
+    assert len(LOADER_CASES) + 5 + len(CALL_CASES) >= 25
+
+
+# ---------------------------------------------------------------------------------------------------------
+# known bugs (strict xfails: they start passing, and so fail, once fixed)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "BUG (api.py HiggsTalker.generate): when a step raises, generate() cancels its requests but never pops "
+        "them, so they stay in engine.requests for good. Repro: t = HiggsTalker.from_pretrained(d, "
+        "num_blocks=2); t.generate('hello world hello world', SamplingParams(temperature=0, max_frames=200)) "
+        "-> RuntimeError (needs 3 KV blocks); then t.engine.requests == {'0': <cancelled Request>}"
+    ),
+)
+def test_generate_error_leaves_no_request(tiny_dir: Path) -> None:
+    t = remember_idle(HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=2, num_blocks=2, max_model_len=256))
+    with pytest.raises(RuntimeError, match="needs 3 KV blocks but the cache has 2"):
+        t.generate("hello world hello world", SamplingParams(temperature=0, max_frames=200))
+    assert_idle(t)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "BUG (api.py HiggsTalker.generate): prompts are queued one by one outside the try block, so when "
+        "engine.add_request rejects a later prompt (e.g. longer than max_model_len), the earlier ones stay "
+        "queued: they run inside the next generate() call and are never popped. Repro: t = "
+        "HiggsTalker.from_pretrained(d, max_model_len=256); t.generate(['hi', 'b' * 300]) -> ValueError; "
+        "then list(t.engine.waiting) holds the request for 'hi'"
+    ),
+)
+def test_generate_rejected_prompt_queues_nothing(own_talker: HiggsTalker) -> None:
+    with pytest.raises(ValueError, match="prompt of 303 tokens"):
+        own_talker.generate(["hi", "b" * 300], SamplingParams(max_frames=4))
+    try:
+        assert_idle(own_talker)
+    finally:  # do not let the leak spill into the other tests of this module
+        for rid in list(own_talker.engine.requests):
+            own_talker.engine.cancel(rid)
+            own_talker.engine.pop_finished(rid)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "BUG (engine.py Engine.add_request): token ids are not checked against the text vocabulary. A Prompt "
+        "with id 5000 (vocab 320) is accepted; the next step() raises IndexError inside the prefill after the "
+        "request was admitted, and the request stays RUNNING with num_computed=0, so the following step() "
+        "decodes it against an empty KV cache and publishes rows that are silently wrong. Repro: "
+        "e.add_request(Prompt(torch.tensor([257, 258, 5000, 259]))); e.step() -> IndexError; e.step() -> a row"
+    ),
+)
+def test_engine_rejects_token_outside_vocab(own_talker: HiggsTalker) -> None:
+    e = own_talker.engine
+    try:
+        with pytest.raises(ValueError, match="5000"):
+            e.add_request(Prompt(torch.tensor([257, 258, 5000, 259])), SamplingParams(max_frames=4))
+        assert_idle(own_talker)
+    finally:
+        for rid in list(e.requests):
+            e.cancel(rid)
+            e.pop_finished(rid)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "BUG (engine.py Engine.step): a prefill that raises leaves its requests admitted (RUNNING, KV blocks and "
+        "state row held, num_computed=0) instead of re-queuing or failing them; the next step() decodes them as "
+        "if prefilled and publishes wrong codes. Repro: make model.forward raise once during a prefill step, "
+        "catch it, keep stepping: the request finishes normally with rows that differ from a clean run"
+    ),
+)
+def test_prefill_fault_is_loud_or_harmless(own_talker: HiggsTalker, probe_rows, monkeypatch) -> None:
+    e = own_talker.engine
+    model = own_talker.model
+    real_forward = type(model).forward
+    calls = {"n": 0}
+
+    def flaky(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected fault")
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", flaky)
+    rid = e.add_request(own_talker.build_prompt(PROBE_TEXT), PROBE)
+    try:
+        with pytest.raises(RuntimeError, match="injected fault"):
+            e.step()
+        for _ in range(200):
+            if not e.has_unfinished():
+                break
+            e.step()
+        req = e.requests[rid]
+        # either the request failed loudly, or it completed with the codes of a clean run
+        failed = req.finish_reason not in ("eoc", "max_frames", "max_model_len")
+        assert failed or torch.equal(torch.stack(req.rows).long(), probe_rows)
+    finally:
+        monkeypatch.undo()
+        for r in list(e.requests):
+            e.cancel(r)
+            e.pop_finished(r)
