@@ -43,7 +43,8 @@ def tiny_config(**overrides) -> TalkerConfig:
         tie_word_embeddings=True,
     )
     text.update(overrides.pop("text", {}))
-    return TalkerConfig(text=TextConfig(**text), eos_token_id=256, **overrides)
+    overrides.setdefault("eos_token_id", 256)
+    return TalkerConfig(text=TextConfig(**text), **overrides)
 
 
 def tiny_weights(

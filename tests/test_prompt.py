@@ -1,0 +1,244 @@
+"""Prompt layouts and their validation (SPEC 1.3, 3.1-3.2)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from higgs_talker.prompt import TalkerTokenizer, check_reference_codes
+from higgs_talker.tiny import tiny_config
+
+BOC, EOC, N = 1024, 1025, 8
+CFG = tiny_config()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dir) -> TalkerTokenizer:
+    return TalkerTokenizer.from_pretrained(tiny_dir, CFG)
+
+
+def ref_codes(frames: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 1024, (frames, N), generator=torch.Generator().manual_seed(seed))
+
+
+def delayed(codes: torch.Tensor) -> list[list[int]]:
+    """SPEC 3.2 by hand: column c is BOC x c, the T codes, then EOC x (7 - c)."""
+    t = codes.shape[0]
+    cols = [[BOC] * c + codes[:, c].tolist() + [EOC] * (N - 1 - c) for c in range(N)]
+    return [[cols[c][r] for c in range(N)] for r in range(t + N - 1)]
+
+
+def test_special_ids_resolved_from_added_vocab(tok):
+    added = tok.tokenizer.get_added_vocab()
+    sp = tok.specials
+    assert (sp.tts, sp.text, sp.audio) == (added["<|tts|>"], added["<|text|>"], added["<|audio|>"])
+    assert (sp.ref_audio, sp.ref_text) == (added["<|ref_audio|>"], added["<|ref_text|>"])
+    assert sp.eos == tok.tokenizer.eos_token_id == added["<|endoftext|>"]
+    assert len({sp.tts, sp.text, sp.audio, sp.eos, sp.ref_audio, sp.ref_text}) == 6
+
+
+@pytest.mark.parametrize("text", ["Hello world", "a", "Grüße, 世界!", "  padded  "])
+def test_plain_layout(tok, text):
+    sp = tok.specials
+    prompt = tok.build(text)
+    ids = prompt.input_ids.tolist()
+    assert prompt.input_ids.dtype == torch.long
+    assert ids[:2] == [sp.tts, sp.text] and ids[-1] == sp.audio
+    body = ids[2:-1]
+    assert body == tok.tokenizer.encode(text, add_special_tokens=False)
+    assert len(body) == len(text.encode("utf-8"))  # byte-level, no merges: one token per byte
+    assert tok.tokenizer.decode(body) == text
+    assert prompt.audio_codes is None and prompt.audio_positions is None
+    assert len(prompt) == len(ids)
+    assert sp.ref_audio not in ids and sp.ref_text not in ids
+
+
+@pytest.mark.parametrize("frames", [1, 4])
+def test_voice_clone_layout_without_ref_text(tok, frames):
+    sp = tok.specials
+    codes = ref_codes(frames)
+    prompt = tok.build("Hi there", codes, cfg=CFG)
+    ids = prompt.input_ids.tolist()
+    rows = frames + 7
+    enc = tok.encode("Hi there")
+    assert ids == [sp.tts, sp.ref_audio] + [sp.tts] * rows + [sp.text, *enc, sp.audio]
+    assert prompt.audio_positions.tolist() == list(range(2, 2 + rows))
+    assert prompt.audio_positions.dtype == torch.long
+    assert prompt.audio_codes.tolist() == delayed(codes)
+    assert prompt.audio_codes.shape == (rows, N)
+    assert all(ids[p] == sp.tts for p in prompt.audio_positions.tolist())  # placeholders are the tts id
+    assert min(ids) >= 0 and max(ids) < CFG.text.vocab_size  # no -100 sentinel left
+
+
+def test_voice_clone_layout_with_ref_text(tok):
+    sp = tok.specials
+    codes = ref_codes(3, seed=1)
+    prompt = tok.build("Say this.", codes, reference_text="Ref words", cfg=CFG)
+    ids = prompt.input_ids.tolist()
+    ref_enc, enc = tok.encode("Ref words"), tok.encode("Say this.")
+    start = 2 + len(ref_enc) + 1
+    assert ids == [sp.tts, sp.ref_text, *ref_enc, sp.ref_audio] + [sp.tts] * 10 + [sp.text, *enc, sp.audio]
+    assert prompt.audio_positions.tolist() == list(range(start, start + 10))
+    assert prompt.audio_codes.tolist() == delayed(codes)
+
+
+def test_reference_codes_accept_lists_numpy_and_int32(tok):
+    codes = ref_codes(2, seed=2)
+    want = tok.build("x", codes, cfg=CFG)
+    for alt in (codes.tolist(), codes.numpy(), codes.to(torch.int32), codes.numpy().astype(np.int16)):
+        got = tok.build("x", alt, cfg=CFG)
+        assert torch.equal(got.input_ids, want.input_ids)
+        assert torch.equal(got.audio_codes, want.audio_codes)
+        assert got.audio_codes.dtype == torch.long
+
+
+@pytest.mark.parametrize("text", ["", " ", "\n\t  "])
+def test_empty_text_rejected(tok, text):
+    with pytest.raises(ValueError, match="empty"):
+        tok.build(text)
+    with pytest.raises(ValueError, match="reference_text.*empty"):
+        tok.build("fine", ref_codes(1), reference_text=text, cfg=CFG)
+
+
+def test_non_string_text_rejected(tok):
+    with pytest.raises(ValueError, match="string"):
+        tok.build(123)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("special", ["<|audio|>", "<|tts|>", "<|endoftext|>", "<|ref_audio|>"])
+def test_text_with_special_token_rejected(tok, special):
+    with pytest.raises(ValueError, match="special token"):
+        tok.build(f"say {special} now")
+    with pytest.raises(ValueError, match="reference_text.*special token"):
+        tok.build("fine", ref_codes(1), reference_text=f"x{special}", cfg=CFG)
+
+
+@pytest.mark.parametrize(
+    "codes, match",
+    [
+        (torch.zeros(4, 7, dtype=torch.long), "shape"),
+        (torch.zeros(4, 9, dtype=torch.long), "shape"),
+        (torch.zeros(8, dtype=torch.long), "shape"),
+        (torch.zeros(0, 8, dtype=torch.long), "shape"),
+        (torch.zeros(2, 8, 1, dtype=torch.long), "shape"),
+        (torch.full((2, 8), 1024), "1024"),
+        (torch.full((2, 8), 1025), "1025"),
+        (torch.tensor([[0] * 7 + [-1]]), "-1"),
+        (torch.zeros(3, 8), "integers"),
+        (torch.zeros(3, 8, dtype=torch.float16), "integers"),
+        (torch.zeros(3, 8, dtype=torch.bool), "integers"),
+        ([[1, 2], [3]], "integer array"),
+        ("codes", "integer"),
+    ],
+    ids=[
+        "7_codebooks",
+        "9_codebooks",
+        "1d",
+        "no_frames",
+        "3d",
+        "boc",
+        "eoc",
+        "negative",
+        "float32",
+        "float16",
+        "bool",
+        "ragged",
+        "string",
+    ],
+)
+def test_bad_reference_codes(tok, codes, match):
+    with pytest.raises(ValueError, match=match):
+        tok.build("hello", codes, cfg=CFG)
+    with pytest.raises(ValueError):
+        check_reference_codes(codes, CFG)
+
+
+def test_reference_text_without_codes_rejected(tok):
+    with pytest.raises(ValueError, match="reference_text"):
+        tok.build("hello", reference_text="ref")
+
+
+def test_voice_clone_needs_config(tok):
+    with pytest.raises(ValueError, match="TalkerConfig"):
+        tok.build("hello", ref_codes(1))
+
+
+def test_prompt_longer_than_context_rejected(tiny_dir):
+    small = tiny_config(text={"max_position_embeddings": 32})
+    tok = TalkerTokenizer.from_pretrained(tiny_dir, small)
+    tok.build("x" * 20)  # 23 tokens fit
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        tok.build("x" * 40)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        tok.build("x", ref_codes(30), cfg=small)  # 37 placeholder rows alone overflow
+
+
+def test_special_id_outside_vocab_rejected(tiny_dir):
+    with pytest.raises(ValueError, match="outside the text vocabulary"):
+        TalkerTokenizer.from_pretrained(tiny_dir, tiny_config(text={"vocab_size": 258}))
+
+
+# --------------------------------------------------------------------------------------------- custom tokenizers
+
+
+def write_tokenizer(directory, specials: list[str], eos: str | None) -> None:
+    """A word-level tokenizer with the given added special tokens."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(s, special=True) for s in specials])
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    if eos is not None:
+        config["eos_token"] = eos
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def test_tokenizer_missing_audio_token_rejected(tmp_path):
+    write_tokenizer(tmp_path, ["<|eos|>", "<|tts|>", "<|text|>"], "<|eos|>")
+    with pytest.raises(ValueError, match=r"<\|audio\|>"):
+        TalkerTokenizer.from_pretrained(tmp_path, CFG)
+
+
+def test_tokenizer_missing_several_required_tokens_lists_them(tmp_path):
+    write_tokenizer(tmp_path, ["<|eos|>", "<|text|>"], "<|eos|>")
+    with pytest.raises(ValueError, match=r"<\|tts\|>.*<\|audio\|>"):
+        TalkerTokenizer.from_pretrained(tmp_path, CFG)
+
+
+def test_tokenizer_without_optional_specials(tmp_path):
+    write_tokenizer(tmp_path, ["<|eos|>", "<|tts|>", "<|text|>", "<|audio|>"], "<|eos|>")
+    tok = TalkerTokenizer.from_pretrained(tmp_path, CFG)
+    assert tok.specials.ref_audio is None and tok.specials.ref_text is None
+    sp = tok.specials
+    assert tok.build("hello world").input_ids.tolist() == [sp.tts, sp.text, 1, 2, sp.audio]
+    with pytest.raises(ValueError, match="ref_audio"):
+        tok.build("hello", ref_codes(1), cfg=CFG)
+
+
+def test_tokenizer_without_ref_text_token(tmp_path):
+    write_tokenizer(tmp_path, ["<|eos|>", "<|tts|>", "<|text|>", "<|audio|>", "<|ref_audio|>"], "<|eos|>")
+    tok = TalkerTokenizer.from_pretrained(tmp_path, CFG)
+    tok.build("hello", ref_codes(1), cfg=CFG)  # cloning without a transcript works
+    with pytest.raises(ValueError, match="ref_text"):
+        tok.build("hello", ref_codes(1), reference_text="world", cfg=CFG)
+
+
+def test_eos_falls_back_to_config_then_errors(tmp_path):
+    write_tokenizer(tmp_path, ["<|tts|>", "<|text|>", "<|audio|>"], None)
+    tok = TalkerTokenizer.from_pretrained(tmp_path, CFG)  # CFG.eos_token_id == 256
+    assert tok.specials.eos == CFG.eos_token_id
+    no_eos = tiny_config(eos_token_id=None)
+    with pytest.raises(ValueError, match="eos"):
+        TalkerTokenizer.from_pretrained(tmp_path, no_eos)
+
+
+def test_missing_tokenizer_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match="tokenizer"):
+        TalkerTokenizer.from_pretrained(tmp_path, CFG)
