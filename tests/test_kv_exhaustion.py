@@ -1,0 +1,141 @@
+"""KV-cache exhaustion: a pool too small for the offered load queues and preempts, and changes no code.
+
+A preempted request gives its blocks back and is later recomputed (prompt plus every fed-back row in one
+prefill), so its codes must not change. A request that could not fit even with the whole pool to itself
+must fail with a clear error instead of spinning forever.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from _engine_invariants import assert_idle, check_delay_pattern, remember_idle
+
+from higgs_talker.api import HiggsTalker
+from higgs_talker.heads.sampling import SamplingParams
+
+TEXTS = [
+    "Hello there.",
+    "A somewhat longer sentence to make a longer prompt.",
+    "Short.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Numbers: one two three four five six.",
+    "Is this thing on?",
+    "Another one.",
+    "And the last one of the batch, a little longer than most.",
+]
+
+
+def offered_load() -> list[SamplingParams]:
+    # sampled runs end on EOC or at max_frames; one greedy run always goes to max_frames
+    temps = [1.0, 0.8, 1.0, 0.0, 1.2, 1.0, 0.9, 1.0]
+    return [
+        SamplingParams(temperature=t, top_k=[-1, 50][i % 2], seed=1000 + i, max_frames=30 + 5 * i)
+        for i, t in enumerate(temps)
+    ]
+
+
+def drive(talker: HiggsTalker, params: list[SamplingParams], max_steps: int = 5000) -> tuple[dict, dict]:
+    """Run every text at once through the engine; returns ({text index: (rows, reason)}, figures)."""
+    e = talker.engine
+    ids = [e.add_request(talker.build_prompt(t), p) for t, p in zip(TEXTS, params, strict=True)]
+    figures = {"queued_while_running": 0, "preemptions": 0, "steps": 0}
+    for _ in range(max_steps):
+        if not e.has_unfinished():
+            break
+        if e.waiting and e.running:
+            figures["queued_while_running"] += 1
+        e.step()
+        figures["steps"] += 1
+    else:
+        pytest.fail(f"no progress after {max_steps} steps")
+    out = {}
+    for i, rid in enumerate(ids):
+        req = e.pop_finished(rid)
+        figures["preemptions"] += req.preemptions
+        out[i] = (torch.stack(req.rows).long(), req.finish_reason)
+    assert_idle(talker)
+    return out, figures
+
+
+@pytest.fixture(scope="module")
+def unconstrained(tiny_dir: Path) -> dict:
+    talker = remember_idle(HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=8, max_model_len=256))
+    results, figures = drive(talker, offered_load())
+    assert figures["preemptions"] == 0 and figures["queued_while_running"] == 0
+    return results
+
+
+@pytest.mark.parametrize(
+    ("block_size", "num_blocks"),
+    [(16, 8), (16, 13), (4, 34), (8, 36)],
+    ids=["16x8-one-at-a-time", "16x13", "4x34", "8x36"],
+)
+def test_small_pool_gives_the_same_codes(tiny_dir: Path, unconstrained, block_size: int, num_blocks: int) -> None:
+    talker = remember_idle(
+        HiggsTalker.from_pretrained(
+            tiny_dir, max_num_seqs=8, max_model_len=256, block_size=block_size, num_blocks=num_blocks
+        )
+    )
+    longest = max(len(talker.build_prompt(t)) + p.max_frames for t, p in zip(TEXTS, offered_load(), strict=True))
+    assert longest + 1 <= block_size * num_blocks, "every request must fit the pool when it has it to itself"
+    results, figures = drive(talker, offered_load())
+    assert figures["queued_while_running"] + figures["preemptions"] > 0, "the pool was not too small"
+    for i, (rows, reason) in results.items():
+        want_rows, want_reason = unconstrained[i]
+        assert reason == want_reason, f"request {i}: {reason} vs {want_reason}"
+        assert torch.equal(rows, want_rows), f"request {i}: codes changed under KV pressure ({figures})"
+        check_delay_pattern(rows, reason)
+
+
+def test_small_pool_preempts(tiny_dir: Path, unconstrained) -> None:
+    """The tightest pool above must actually preempt (not only queue), or the recompute path is untested."""
+    talker = remember_idle(HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=8, max_model_len=256, num_blocks=13))
+    results, figures = drive(talker, offered_load())
+    assert figures["preemptions"] > 0, figures
+    assert all(torch.equal(results[i][0], unconstrained[i][0]) for i in results)
+
+
+def test_small_pool_through_generate(tiny_dir: Path, unconstrained) -> None:
+    """The public batch API on a small pool returns the codes of the unconstrained engine."""
+    talker = remember_idle(HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=8, max_model_len=256, num_blocks=10))
+    results = talker.generate(TEXTS, offered_load())
+    for i, res in enumerate(results):
+        assert torch.equal(res.rows, unconstrained[i][0])
+        assert res.finish_reason == unconstrained[i][1]
+    assert_idle(talker)
+
+
+def test_prompt_larger_than_the_pool_is_refused(tiny_dir: Path) -> None:
+    talker = remember_idle(HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=2, max_model_len=256, num_blocks=2))
+    prompt = talker.build_prompt("x" * 40)  # 43 tokens > 2 blocks of 16
+    with pytest.raises(ValueError, match="prompt of 43 tokens does not fit the KV cache"):
+        talker.engine.add_request(prompt, SamplingParams(max_frames=4))
+    assert_idle(talker)
+
+
+def test_request_that_can_never_fit_fails_clearly(tiny_dir: Path) -> None:
+    """Prompt fits, but its generation outgrows the whole pool: a clear error within a bounded number of steps.
+
+    A second request that fits keeps running meanwhile and gets exactly the codes it gets alone.
+    """
+    talker = remember_idle(HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=2, max_model_len=256, num_blocks=4))
+    e = talker.engine
+    fits = SamplingParams(temperature=1.0, seed=5, max_frames=30)
+    alone = talker.generate("Fine.", fits).rows  # 9 prompt tokens + 30 rows: 3 blocks
+    assert_idle(talker)
+
+    small = e.add_request(talker.build_prompt("Fine."), fits)
+    big = e.add_request(talker.build_prompt("hello world hello world"), SamplingParams(temperature=0, max_frames=200))
+    with pytest.raises(RuntimeError, match=f"request '{big}' needs 5 KV blocks but the cache has 4 in all"):
+        for _ in range(500):
+            e.step()
+    assert e.requests[small].finish_reason is not None
+    assert torch.equal(torch.stack(e.pop_finished(small).rows).long(), alone)
+    # the failed request is still cancellable, and then everything is free again
+    assert e.cancel(big)
+    e.pop_finished(big)
+    assert_idle(talker)
+    assert torch.equal(talker.generate("Fine.", fits).rows, alone)
