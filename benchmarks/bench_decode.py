@@ -1,0 +1,623 @@
+"""Decode-step time per graph mode x batch x context, against the HBM floor and transformers in the same run.
+
+For each graph mode the talker is built once through the public API (``HiggsTalker.from_config``: the 4B shape
+with random bf16 weights by default; ``--model DIR`` loads a checkpoint), then for each (context, batch):
+B requests whose prompts are ``context`` tokens long are added (greedy, ``max_frames`` far away), stepped
+until every one is decoding, warmed up, and ``talker.engine.step()`` is timed with CUDA events, one step at
+a time (median over ``--steps`` steps; steps where a request dropped out are excluded).
+
+The floor is the bytes one decode step must read over the device-to-device copy bandwidth measured at the
+start of the run: every layer's weights + the final norm + the codebook table (the text embedding is only
+gathered, the text head is never read in audio decode) + the KV cache (batch x context x layers x 2 x
+kv_heads x head_dim x element size).
+
+Peers (``--no-peers`` to skip): transformers ``Qwen3ForCausalLM`` with the same shape and weights (ours copied
+in; its head is the codebook table), eager with its dynamic cache and with ``StaticCache`` +
+``torch.compile(mode="reduce-overhead")``.
+
+With random weights the codebook-0 EOC row of the table is zeroed, so greedy decoding never ends a request
+early (its logit is exactly 0 while the max of 1024 random logits is positive); ``meta.eoc_suppressed`` says so.
+
+    python benchmarks/bench_decode.py --out $OUT                       # 4B shape, all modes (H200: ~5-7 min)
+    python benchmarks/bench_decode.py --modes eager,auto --batches 1,64 --contexts 512 --no-peers
+    python benchmarks/bench_decode.py --device cpu --tiny              # smoke test, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import random
+import string
+import time
+from collections.abc import Sequence
+
+import torch
+from common import (
+    ResultFile,
+    StepTimer,
+    copy_bandwidth,
+    environment,
+    error_text,
+    free_memory,
+    log,
+    median,
+    percentile,
+    print_table,
+    resolve_device,
+    sync,
+)
+
+from higgs_talker import HiggsTalker, SamplingParams, TalkerConfig, TextConfig
+from higgs_talker.tiny import tiny_config
+
+SHAPE_4B = dict(
+    vocab_size=151936,
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=32768,
+)
+MODES = ("eager", "local_mlp", "full_decode", "auto")
+PEER_RESERVE_S = 100.0  # the time budget keeps this much for the transformers rows
+
+
+# ---------------------------------------------------------------------------------------------------------
+# model, prompts, floor
+
+
+def model_config(args: argparse.Namespace) -> TalkerConfig:
+    if args.model:
+        return TalkerConfig.from_pretrained(args.model)
+    if args.tiny:
+        return tiny_config()
+    return TalkerConfig(text=TextConfig(**SHAPE_4B))
+
+
+def build_talker(args: argparse.Namespace, cfg: TalkerConfig, mode: str, num_blocks: int) -> HiggsTalker:
+    common = dict(graph_mode=mode, max_num_seqs=args.max_num_seqs, num_blocks=num_blocks)
+    if args.max_model_len:
+        common["max_model_len"] = args.max_model_len
+    if args.model:
+        return HiggsTalker.from_pretrained(args.model, device=args.device, dtype=args.dtype, **common)
+    return HiggsTalker.from_config(cfg, device=args.device, dtype=args.dtype, seed=args.seed, **common)
+
+
+def suppress_eoc(talker: HiggsTalker) -> None:
+    """Zero codebook 0's EOC row of the head so greedy decoding never stops (random weights only)."""
+    with torch.no_grad():
+        talker.model.modality_head.weight[talker.cfg.eoc_id].zero_()
+
+
+def make_prompt(talker: HiggsTalker, tokens: int, seed: int):
+    """A plain TTS prompt of exactly ``tokens`` tokens (random letters; resized until the count matches)."""
+    rng = random.Random(seed)
+    letters = string.ascii_lowercase
+    n = max(1, tokens - 3)
+    for _ in range(12):
+        text = "".join(rng.choice(letters) for _ in range(n))
+        prompt = talker.build_prompt(text)
+        have = len(prompt)
+        if have == tokens:
+            return prompt
+        n = max(1, n + (tokens - have) * max(1, round(n / max(have - 3, 1))))
+    return prompt  # a real BPE tokenizer may not hit the count exactly; rows record the actual lengths
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Parameter bytes a decode step reads: all decoder layers, the final norm, the codebook head table."""
+    tensors = [*model.model.layers.parameters(), model.model.norm.weight, model.modality_head.weight]
+    seen, total = set(), 0
+    for t in tensors:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def kv_bytes(cfg: TalkerConfig, batch: int, context: float, elem: int) -> float:
+    t = cfg.text
+    return batch * context * t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim * elem
+
+
+def floor_ms(weights: float, kv: float, gathered: float, copy_bytes_per_s: float) -> float:
+    return (weights + kv + gathered) / copy_bytes_per_s * 1e3
+
+
+def graph_info(talker: HiggsTalker) -> dict:
+    """What the engine reports about its graphs (duck-typed: the graph code is still changing)."""
+    eng = talker.engine
+    mode = getattr(talker, "graph_mode", None)
+    info = {
+        "graph_mode": getattr(mode, "value", str(mode)),
+        "attention": type(getattr(eng, "attn", None)).__name__,
+        "kernels": getattr(getattr(talker.model, "kernels", None), "name", None),
+        "graph_runner": None,
+    }
+    for name, value in vars(eng).items():
+        if hasattr(value, "warm_up") and hasattr(value, "decision"):
+            info["graph_runner"] = name
+            info["graph_warmup_s"] = getattr(value, "warmup_s", None)
+            info["graph_reason"] = getattr(value.decision, "reason", None)
+            choice = getattr(value, "choice", None)
+            if choice:
+                info["auto_choice"] = {str(k): v for k, v in choice.items()}
+    return info
+
+
+# ---------------------------------------------------------------------------------------------------------
+# our engine
+
+
+def time_engine(talker: HiggsTalker, batch: int, context: int, args: argparse.Namespace, wb: int, bw: float) -> dict:
+    """Add ``batch`` requests of ``context`` tokens, prefill, warm up, time decode steps; returns the row."""
+    eng, device = talker.engine, torch.device(args.device)
+    params = SamplingParams(temperature=0.0, max_frames=args.warmup + args.steps + 64)
+    prompts = [make_prompt(talker, context, seed=context * 1000 + i) for i in range(batch)]
+    ids = [eng.add_request(p, params) for p in prompts]
+    try:
+        t0 = time.perf_counter()
+        prefill_steps = 0
+        while any(not eng.requests[i].rows for i in ids):
+            eng.step()
+            prefill_steps += 1
+            if prefill_steps > batch + 16:
+                raise RuntimeError(f"requests still waiting after {prefill_steps} steps (KV cache too small?)")
+        sync(device)
+        prefill_s = time.perf_counter() - t0
+        for _ in range(args.warmup):
+            eng.step()
+        reqs = [eng.requests[i] for i in ids]
+        ctx_start = sum(r.num_computed for r in reqs) / batch
+        timer, sizes = StepTimer(device), []
+        for _ in range(args.steps):
+            with timer:
+                outs = eng.step()
+            sizes.append(sum(1 for o in outs if o.row is not None))
+        ms_all, host = timer.ms(), timer.host_ms()
+        ctx_end = sum(r.num_computed for r in reqs) / batch
+        finished = sorted({r.finish_reason for r in reqs if r.finish_reason})
+    finally:
+        for i in ids:
+            eng.cancel(i)
+            eng.requests.pop(i, None)
+    full = [t for t, n in zip(ms_all, sizes, strict=True) if n == batch]
+    if not full:
+        raise RuntimeError(f"no step decoded the full batch of {batch} (finish reasons: {finished})")
+    ms = median(full)
+    kv_ctx = (ctx_start + ctx_end) / 2
+    elem = torch.empty(0, dtype=eng.dtype).element_size()
+    kvb = kv_bytes(talker.cfg, batch, kv_ctx, elem)
+    gathered = batch * (1 + talker.cfg.num_codebooks) * talker.cfg.hidden_size * elem
+    fl = floor_ms(wb, kvb, gathered, bw)
+    return {
+        "batch": batch,
+        "context": context,
+        "prompt_tokens": sum(len(p) for p in prompts) / batch,
+        "ms_per_step": ms,
+        "ms_p10": percentile(full, 10),
+        "ms_p90": percentile(full, 90),
+        "host_ms_per_step": median(h for h, n in zip(host, sizes, strict=True) if n == batch),
+        "steps_timed": len(full),
+        "steps_dropped": len(ms_all) - len(full),
+        "floor_ms": fl,
+        "ratio_to_floor": ms / fl,
+        "frames_per_s": batch / (ms / 1e3),
+        "audio_s_per_s": batch / (ms / 1e3) / talker.cfg.frame_rate,
+        "kv_context_mean": kv_ctx,
+        "weight_gb": wb / 1e9,
+        "kv_gb": kvb / 1e9,
+        "prefill_s": prefill_s,
+        "prefill_steps": prefill_steps,
+        "finish_reasons": finished,
+        "status": "ok",
+    }
+
+
+def run_mode(mode: str, cfg: TalkerConfig, args, writer: ResultFile, bw: float, deadline: float) -> None:
+    points = [(c, b) for c in args.contexts for b in args.batches]
+    base = {"mode": mode}
+    t0 = time.perf_counter()
+    try:
+        talker = build_talker(args, cfg, mode, num_blocks_for(args))
+        if not args.model:
+            suppress_eoc(talker)
+        sync(torch.device(args.device))
+    except Exception as exc:  # noqa: BLE001 - e.g. a graph mode the engine does not support yet
+        for c, b in points:
+            writer.add(base | {"batch": b, "context": c, "status": "error", "error": f"build: {error_text(exc)}"})
+        log(f"{mode}: build failed: {error_text(exc)}")
+        free_memory(torch.device(args.device))
+        return
+    build_s = time.perf_counter() - t0
+    info = graph_info(talker)
+    log(f"{mode}: built in {build_s:.1f} s ({info})")
+    wb = weight_bytes(talker.model)
+    for c, b in points:
+        if time.perf_counter() > deadline:
+            writer.add(base | {"batch": b, "context": c, "status": "skipped", "error": "time budget"})
+            continue
+        try:
+            row = base | time_engine(talker, b, c, args, wb, bw) | {"build_s": build_s} | info
+        except Exception as exc:  # noqa: BLE001 - one shape's failure must not lose the others
+            row = base | {"batch": b, "context": c, "status": "error", "error": error_text(exc)} | info
+        writer.add(row)
+        log(
+            f"{mode:12s} b={b:<3d} ctx={c:<5d} {row.get('ms_per_step', float('nan')):7.2f} ms/step "
+            f"(floor {row.get('floor_ms', float('nan')):.2f}) {row['status']} {row.get('error', '')}"
+        )
+    del talker
+    free_memory(torch.device(args.device))
+
+
+def num_blocks_for(args: argparse.Namespace) -> int:
+    per_seq = -(-(max(args.contexts) + args.warmup + args.steps + 80) // 16)
+    return max(args.batches) * per_seq + 64
+
+
+# ---------------------------------------------------------------------------------------------------------
+# transformers peers
+
+
+def build_hf_peer(talker: HiggsTalker, dtype: torch.dtype, device: torch.device):
+    """transformers Qwen3ForCausalLM with our shape and weights; lm_head is our codebook table [8 * V, H]."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    t = talker.cfg.text
+    kw = dict(
+        vocab_size=t.vocab_size,
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.num_hidden_layers,
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads,
+        head_dim=t.head_dim,
+        max_position_embeddings=t.max_position_embeddings,
+        rms_norm_eps=t.rms_norm_eps,
+        attention_bias=t.attention_bias,
+        tie_word_embeddings=False,
+    )
+    try:
+        hcfg = Qwen3Config(**kw, rope_parameters={"rope_type": "default", "rope_theta": t.rope_theta})
+    except (TypeError, ValueError):
+        hcfg = Qwen3Config(**kw, rope_theta=t.rope_theta)
+    ours = talker.model
+    table = ours.modality_head.weight
+    with torch.device("meta"):
+        hf = Qwen3ForCausalLM(hcfg)
+        hf.lm_head = torch.nn.Linear(t.hidden_size, table.shape[0], bias=False)
+    hf = hf.to(dtype).to_empty(device=device)
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(hcfg).to(device)  # to_empty left its buffers garbage
+
+    params = dict(hf.named_parameters())
+    done: set[str] = set()
+
+    def put(name: str, value: torch.Tensor) -> None:
+        params[name].data.copy_(value)
+        done.add(name)
+
+    qs, kvs, inter = t.q_size, t.kv_size, t.intermediate_size
+    put("model.embed_tokens.weight", ours.model.embed_tokens.weight)
+    for i, layer in enumerate(ours.model.layers):
+        p = f"model.layers.{i}."
+        q, k, v = layer.self_attn.qkv_proj.weight.split([qs, kvs, kvs])
+        gate, up = layer.mlp.gate_up_proj.weight.split([inter, inter])
+        for name, value in {
+            "input_layernorm.weight": layer.input_layernorm.weight,
+            "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
+            "self_attn.q_proj.weight": q,
+            "self_attn.k_proj.weight": k,
+            "self_attn.v_proj.weight": v,
+            "self_attn.o_proj.weight": layer.self_attn.o_proj.weight,
+            "self_attn.q_norm.weight": layer.self_attn.q_norm.weight,
+            "self_attn.k_norm.weight": layer.self_attn.k_norm.weight,
+            "mlp.gate_proj.weight": gate,
+            "mlp.up_proj.weight": up,
+            "mlp.down_proj.weight": layer.mlp.down_proj.weight,
+        }.items():
+            put(p + name, value)
+        if t.attention_bias:
+            qb, kb, vb = layer.self_attn.qkv_proj.bias.split([qs, kvs, kvs])
+            put(p + "self_attn.q_proj.bias", qb)
+            put(p + "self_attn.k_proj.bias", kb)
+            put(p + "self_attn.v_proj.bias", vb)
+    put("model.norm.weight", ours.model.norm.weight)
+    put("lm_head.weight", table)
+    missing = sorted(set(params) - done)
+    if missing:
+        raise RuntimeError(f"peer parameters not copied from ours: {missing[:5]}")
+    return hf.eval().requires_grad_(False)
+
+
+@torch.inference_mode()
+def peer_check(talker: HiggsTalker, hf, device: torch.device, tokens: int = 48) -> float:
+    """Relative difference of the codebook logits of the last prompt position, ours vs the peer."""
+    from higgs_talker.attention import AttnMetadata, SdpaAttention
+    from higgs_talker.kv_cache import allocate_kv_caches
+
+    t = talker.cfg.text
+    ids = torch.randint(0, min(t.vocab_size, 256), (tokens,), device=device, generator=None)
+    blocks = -(-tokens // 16)
+    caches = allocate_kv_caches(t, blocks, 16, talker.engine.dtype, device)
+    attn = SdpaAttention(caches, t.num_attention_heads, t.head_dim)
+    meta = AttnMetadata(
+        slot_mapping=torch.arange(tokens, device=device),
+        query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
+        block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
+        query_lens_host=[tokens],
+        seq_lens_host=[tokens],
+    )
+    attn.begin(meta)
+    model = talker.model
+    hidden = model(model.embed_text(ids), torch.arange(tokens, device=device), attn)
+    ours = model.modality_head(hidden[-1:]).float().flatten()
+    theirs = hf(input_ids=ids[None], logits_to_keep=1).logits[0, -1].float()
+    return float((ours - theirs).norm() / theirs.norm())
+
+
+def _forward_kwargs(hf) -> tuple[str, bool]:
+    """The cache keyword of this transformers version and whether forward takes cache_position."""
+    params = inspect.signature(type(hf).forward).parameters
+    return ("past_key_values" if "past_key_values" in params else "cache"), "cache_position" in params
+
+
+@torch.inference_mode()
+def time_hf(hf, mode: str, batch: int, context: int, args, bw: float, cfg: TalkerConfig) -> dict:
+    """Prefill ``batch`` x ``context`` random tokens, then time greedy decode steps (one host read per step)."""
+    from transformers import DynamicCache, StaticCache
+
+    device = torch.device(args.device)
+    cache_kw, takes_cache_pos = _forward_kwargs(hf)
+    max_len = context + args.warmup + args.steps + 16
+    compiled = mode == "hf_static_compile"
+    warmup = max(args.warmup, 4) if compiled else args.warmup
+    if compiled:
+        try:
+            cache = StaticCache(config=hf.config, max_cache_len=max_len)
+        except TypeError:
+            cache = StaticCache(config=hf.config, max_batch_size=batch, max_cache_len=max_len, device=device,
+                                dtype=next(hf.parameters()).dtype)  # fmt: skip
+    else:
+        try:
+            cache = DynamicCache(config=hf.config)
+        except TypeError:
+            cache = DynamicCache()
+    ids = torch.randint(0, min(cfg.text.vocab_size, 256), (batch, context), device=device)
+
+    def call(fn, tokens, start):
+        n = tokens.shape[1]
+        kw = {cache_kw: cache, "use_cache": True, "logits_to_keep": 1}
+        kw["position_ids"] = torch.arange(start, start + n, device=device)[None].expand(batch, n)
+        if takes_cache_pos:
+            kw["cache_position"] = torch.arange(start, start + n, device=device)
+        return fn(input_ids=tokens, **kw)
+
+    t0 = time.perf_counter()
+    out = call(hf, ids, 0)  # prefill, eager in both modes
+    tok = out.logits[:, -1].argmax(-1, keepdim=True) % cfg.text.vocab_size
+    sync(device)
+    prefill_s = time.perf_counter() - t0
+    fn, fullgraph = (_compile(hf, fullgraph=True), True) if compiled else (hf, None)
+
+    def step(fn, tok, pos):
+        if compiled:
+            torch.compiler.cudagraph_mark_step_begin()
+        # the head is the codebook table: fold its argmax into the text vocabulary (the tiny one is smaller)
+        return call(fn, tok, pos).logits[:, -1].argmax(-1, keepdim=True) % cfg.text.vocab_size
+
+    pos = context
+    t0 = time.perf_counter()
+    for j in range(warmup):
+        try:
+            tok = step(fn, tok, pos)
+        except Exception:  # noqa: BLE001 - a graph break under fullgraph: compile again without it
+            if not (compiled and fullgraph and j == 0):
+                raise
+            torch._dynamo.reset()
+            fn, fullgraph = _compile(hf, fullgraph=False), False
+            tok = step(fn, tok, pos)
+        pos += 1
+    sync(device)
+    warm_s = time.perf_counter() - t0
+    timer = StepTimer(device)
+    for _ in range(args.steps):
+        with timer:
+            tok = step(fn, tok, pos)
+            tok.cpu()  # the per-step host read our engine also does
+        pos += 1
+    times = timer.ms()
+    ms = median(times)
+    elem = next(hf.parameters()).element_size()
+    wb = sum(p.numel() * p.element_size() for p in hf.model.layers.parameters())
+    wb += hf.model.norm.weight.numel() * elem + hf.lm_head.weight.numel() * elem
+    kv_ctx = context + warmup + args.steps / 2
+    kvb = kv_bytes(cfg, batch, kv_ctx, elem)
+    fl = floor_ms(wb, kvb, batch * cfg.hidden_size * elem, bw)
+    return {
+        "batch": batch,
+        "context": context,
+        "ms_per_step": ms,
+        "ms_p10": percentile(times, 10),
+        "ms_p90": percentile(times, 90),
+        "steps_timed": len(times),
+        "floor_ms": fl,
+        "ratio_to_floor": ms / fl,
+        "frames_per_s": batch / (ms / 1e3),
+        "audio_s_per_s": batch / (ms / 1e3) / cfg.frame_rate,
+        "kv_context_mean": kv_ctx,
+        "prefill_s": prefill_s,
+        "warmup_s": warm_s,
+        "fullgraph": fullgraph,
+        "status": "ok",
+    }
+
+
+def _compile(hf, fullgraph: bool):
+    """torch.compile(mode="reduce-overhead") of the peer's forward (transformers' static-cache recipe)."""
+    return torch.compile(hf.forward, mode="reduce-overhead", fullgraph=fullgraph)
+
+
+def run_peers(cfg: TalkerConfig, args, writer: ResultFile, bw: float) -> None:
+    device = torch.device(args.device)
+    try:
+        talker = build_talker(args, cfg, "eager", num_blocks=64)
+        if not args.model:
+            suppress_eoc(talker)
+        dtype = next(talker.model.parameters()).dtype
+        hf = build_hf_peer(talker, dtype, device)
+        try:
+            writer.meta["peer_rel_err"] = peer_check(talker, hf, device)
+        except Exception as exc:  # noqa: BLE001
+            writer.meta["peer_rel_err"] = f"check failed: {error_text(exc)}"
+        log(f"peer built; logits rel. diff vs ours: {writer.meta['peer_rel_err']}")
+        del talker
+        free_memory(device)
+    except Exception as exc:  # noqa: BLE001
+        for mode in ("hf_eager", "hf_static_compile"):
+            writer.add({"mode": mode, "batch": args.peer_batches[0], "context": args.contexts[0], "status": "error",
+                        "error": f"peer build: {error_text(exc)}"})  # fmt: skip
+        return
+    plan = [("hf_eager", c, b) for c in args.contexts for b in args.peer_batches]
+    plan += [("hf_static_compile", c, b) for c in args.peer_contexts for b in args.peer_batches]
+    for mode, c, b in plan:
+        base = {"mode": mode, "batch": b, "context": c}
+        if mode == "hf_static_compile" and device.type != "cuda":
+            writer.add(base | {"status": "skipped", "error": "reduce-overhead needs CUDA graphs"})
+            continue
+        try:
+            row = base | time_hf(hf, mode, b, c, args, bw, cfg)
+        except Exception as exc:  # noqa: BLE001
+            row = base | {"status": "error", "error": error_text(exc)}
+            if mode == "hf_static_compile":
+                torch._dynamo.reset()
+        writer.add(row)
+        log(f"{mode:18s} b={b:<3d} ctx={c:<5d} {row.get('ms_per_step', float('nan')):7.2f} ms/step {row['status']} "
+            f"{row.get('error', '')}")  # fmt: skip
+    del hf
+    torch._dynamo.reset()
+    free_memory(device)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# output
+
+
+def final_table(rows: list[dict], modes: Sequence[str]) -> None:
+    """One row per (context, batch): ms/step of every mode, the floor, the best mode's ratio to it."""
+    by = {(r["mode"], r["context"], r["batch"]): r for r in rows if r.get("status") == "ok"}
+    points = sorted({(r["context"], r["batch"]) for r in rows if r.get("mode") in modes})
+    table = []
+    for c, b in points:
+        row = {"context": c, "batch": b}
+        best, floor = None, None
+        for m in modes:
+            r = by.get((m, c, b))
+            row[m] = r["ms_per_step"] if r else None
+            if r:
+                floor = r["floor_ms"]
+                best = r if best is None or r["ms_per_step"] < best["ms_per_step"] else best
+        for peer in ("hf_eager", "hf_static_compile"):
+            r = by.get((peer, c, b))
+            if r:
+                row[peer] = r["ms_per_step"]
+        row["floor"] = floor
+        row["best/floor"] = best["ratio_to_floor"] if best else None
+        row["best_audio_s/s"] = best["audio_s_per_s"] if best else None
+        table.append(row)
+    cols = ["context", "batch", *modes]
+    cols += [p for p in ("hf_eager", "hf_static_compile") if any(p in r for r in table)]
+    cols += ["floor", "best/floor", "best_audio_s/s"]
+    print_table(table, cols, title="\nms per decode step")
+    for c, b in points:
+        ours = [by[(m, c, b)]["ms_per_step"] for m in modes if (m, c, b) in by]
+        for peer in ("hf_eager", "hf_static_compile"):
+            if ours and (peer, c, b) in by:
+                ratio = by[(peer, c, b)]["ms_per_step"] / min(ours)
+                print(f"  {peer} / best of ours at batch {b}, context {c}: {ratio:.2f}x")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: random weights)")
+    p.add_argument("--tiny", action="store_true", help="the tiny config, small sizes, few steps")
+    p.add_argument("--modes", type=_strs, default=list(MODES))
+    p.add_argument("--batches", type=_ints, default=None, help="default 1,2,4,8,13,16,32,64")
+    p.add_argument("--contexts", type=_ints, default=None, help="default 512,2048")
+    p.add_argument("--steps", type=int, default=None, help="timed decode steps per point (default 24)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed decode steps first (default 6)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the engine's (max_position_embeddings)")
+    p.add_argument("--no-peers", action="store_true", help="skip the transformers rows")
+    p.add_argument("--peer-batches", type=_ints, default=[1])
+    p.add_argument("--peer-contexts", type=_ints, default=None, help="contexts of the compiled peer (default: first)")
+    p.add_argument("--budget-s", type=float, default=480.0, help="skip remaining points after this many seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="output directory (default benchmarks/results)")
+    args = p.parse_args(argv)
+    bad = [m for m in args.modes if m not in MODES]
+    if bad:
+        p.error(f"unknown mode(s) {bad}; choose from {list(MODES)}")
+    if args.tiny:
+        args.batches = args.batches or [1, 3]
+        args.contexts = args.contexts or [24, 48]
+        args.steps = args.steps or 5
+        args.warmup = args.warmup if args.warmup is not None else 2
+    args.batches = args.batches or [1, 2, 4, 8, 13, 16, 32, 64]
+    args.contexts = args.contexts or [512, 2048]
+    args.steps = args.steps or 24
+    args.warmup = args.warmup if args.warmup is not None else 6
+    args.peer_contexts = args.peer_contexts or args.contexts[:1]
+    args.max_num_seqs = max(args.max_num_seqs, max(args.batches))
+    return args
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _strs(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
+def main(argv: Sequence[str] | None = None) -> ResultFile:
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    t_start = time.perf_counter()
+    cfg = model_config(args)
+    bw = copy_bandwidth(device)
+    meta = environment(device, "bench_decode.py", argv)
+    meta |= {
+        "copy_tb_per_s": bw["tb_per_s"],
+        "model": args.model or ("tiny (random)" if args.tiny else "4B shape (random)"),
+        "shape": dataclasses.asdict(cfg.text),
+        "num_codebooks": cfg.num_codebooks,
+        "codebook_size": cfg.codebook_size,
+        "eoc_suppressed": not args.model,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "max_model_len": args.max_model_len,
+        "floor_counts": "layers + final norm + codebook table + gathered embedding rows + KV (batch x context)",
+    }
+    writer = ResultFile(args.out, "decode", meta)
+    log(f"copy ceiling {bw['tb_per_s']:.2f} TB/s; writing {writer.path}")
+    deadline = t_start + args.budget_s - (0 if args.no_peers else PEER_RESERVE_S)
+    for mode in args.modes:
+        run_mode(mode, cfg, args, writer, bw["bytes_per_s"], deadline)
+    if not args.no_peers:
+        run_peers(cfg, args, writer, bw["bytes_per_s"])
+    writer.meta["wall_s"] = time.perf_counter() - t_start
+    writer.save()
+    final_table(writer.rows, args.modes)
+    print(f"\nwrote {writer.path} ({writer.meta['wall_s']:.0f} s)")
+    return writer
+
+
+if __name__ == "__main__":
+    main()
