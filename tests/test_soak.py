@@ -1,0 +1,214 @@
+"""Randomized soak of the engine: many overlapping requests against the same requests run alone.
+
+A seeded driver feeds ``Engine.add_request / step / cancel`` a stream of requests with random texts (and some
+reference voices), seeds, temperatures (greedy included), top-k, top-p and ``max_frames``, arriving at random
+steps, some cancelled mid-flight, most ending on their own EOC. The KV pool is small enough that requests
+queue and get preempted. Invariants:
+
+* every request that finished is identical (rows and finish reason) to the same request run alone with the
+  same seed on a fresh engine; a cancelled one got a prefix of those rows: no request receives another's rows;
+* the rows a step publishes are owned: they equal the request's final rows after all later steps;
+* every published row follows the delay pattern (ramp-up BOCs, one EOC onset, the 7-row ramp-down);
+* at every step each KV block and state row is either free or held by exactly one live request, and at the
+  end everything is free again.
+
+``pytest tests/test_soak.py --soak 2000 -s`` runs a larger soak and prints its figures.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from _engine_invariants import assert_idle, check_delay_pattern, remember_idle
+
+from higgs_talker.api import HiggsTalker, Reference
+from higgs_talker.engine import Status
+from higgs_talker.heads.sampling import SamplingParams
+from higgs_talker.prompt import Prompt
+
+CI_REQUESTS = 80
+MAX_NUM_SEQS = 6
+MAX_MODEL_LEN = 384
+NUM_BLOCKS = 40  # 640 token slots for up to 6 sequences of up to 384 tokens: requests queue and get preempted
+SENTENCE = "the quick brown fox jumps over a lazy dog while seven tired owls hum softly near old stone walls"
+WORDS = SENTENCE.split()
+
+
+@dataclass
+class Plan:
+    """One request of the soak: what to send, when, and whether to cancel it."""
+
+    rid: str
+    text: str
+    reference: Reference | None
+    params: SamplingParams
+    arrival: int  # engine step before which it is added
+    cancel_after: int | None  # steps after arrival at which it is cancelled (if still live)
+
+    def key(self, prompt: Prompt) -> tuple:
+        ref = None if self.reference is None else (self.reference.codes.numpy().tobytes(), self.reference.text)
+        return (tuple(prompt.input_ids.tolist()), ref, self.params)
+
+
+def make_plans(n: int, seed: int) -> list[Plan]:
+    rng = random.Random(seed)
+    spread = max(1, n * 9)  # arrival window (steps): a few more requests than seats are live at a time
+    plans = []
+    for i in range(n):
+        words = rng.randint(1, 40)
+        text = " ".join(rng.choice(WORDS) for _ in range(words))
+        if rng.random() < 0.1:
+            text = text.capitalize() + rng.choice([".", "!", "?", " ..."])
+        reference = None
+        if rng.random() < 0.15:
+            g = torch.Generator().manual_seed(rng.randrange(2**31))
+            codes = torch.randint(0, 1024, (rng.randint(1, 24), 8), generator=g)
+            reference = Reference(codes, rng.choice([None, "a short reference line"]))
+        u = rng.random()
+        max_frames = rng.randint(1, 16) if u < 0.25 else rng.randint(17, 160) if u < 0.85 else rng.randint(160, 420)
+        params = SamplingParams(
+            temperature=rng.choice([0.0, 0.5, 0.8, 1.0, 1.0, 1.0, 1.2]),
+            top_k=rng.choice([-1, -1, 0, 1, 5, 50, 1026, 5000]),
+            top_p=rng.choice([1.0, 1.0, 1.0, 0.9, 0.5, 0.05]),
+            seed=rng.randrange(2**63),
+            max_frames=max_frames,
+        )
+        cancel_after = rng.randint(0, 120) if rng.random() < 0.15 else None
+        plans.append(Plan(f"r{i}", text, reference, params, rng.randint(0, spread), cancel_after))
+    return sorted(plans, key=lambda p: p.arrival)
+
+
+def run_alone(solo: HiggsTalker, prompt: Prompt, params: SamplingParams) -> tuple[torch.Tensor, str]:
+    """The request's rows [L, N] and finish reason on an engine that runs nothing else."""
+    e = solo.engine
+    rid = e.add_request(prompt, params)
+    while e.has_unfinished():
+        e.step()
+    req = e.pop_finished(rid)
+    assert_idle(solo)
+    return torch.stack(req.rows).long(), req.finish_reason
+
+
+def check_accounting(talker: HiggsTalker, idle_blocks: int, idle_rows: int) -> None:
+    """Every KV block and state row is free or held by exactly one live request."""
+    e = talker.engine
+    live = [r for r in e.requests.values() if r.status is not Status.FINISHED]
+    held_blocks = [b for r in live for b in r.blocks]
+    assert len(held_blocks) == len(set(held_blocks)), "a KV block is held by two requests"
+    assert e.allocator.num_free + len(held_blocks) == idle_blocks, "KV blocks lost or double-counted"
+    held_rows = [r.state_row for r in live if r.state_row >= 0]
+    assert len(held_rows) == len(set(held_rows)), "a state row is held by two requests"
+    assert not set(held_rows) & set(e._free_rows), "a held state row is also on the free list"
+    assert len(e._free_rows) + len(held_rows) == idle_rows, "state rows lost or double-counted"
+    assert len(e.running) <= e.ecfg.max_num_seqs
+    finished_by_status = [r.id for r in e.requests.values() if r.status is Status.FINISHED and r.blocks]
+    assert not finished_by_status, f"finished requests still hold blocks: {finished_by_status}"
+
+
+def soak(talker: HiggsTalker, solo: HiggsTalker, n: int, seed: int) -> Counter:
+    """Run ``n`` planned requests through ``talker``'s engine, checking every invariant; returns the figures."""
+    e = talker.engine
+    idle_blocks, idle_rows = e.allocator.num_free, len(e._free_rows)
+    plans = make_plans(n, seed)
+    cache: dict[tuple, tuple[torch.Tensor, str]] = {}
+    stats: Counter = Counter(requests=n)
+    published: dict[str, list[torch.Tensor]] = {}
+    prompts: dict[str, Prompt] = {}
+    by_id = {p.rid: p for p in plans}
+    cancel_at: dict[int, list[str]] = {}
+    pending = list(reversed(plans))  # pop() takes the earliest arrival
+    step = 0
+    while pending or e.has_unfinished():
+        if not e.has_unfinished() and pending:
+            step = max(step, pending[-1].arrival)  # idle: jump to the next arrival
+        while pending and pending[-1].arrival <= step:
+            plan = pending.pop()
+            prompts[plan.rid] = prompt = talker.build_prompt(plan.text, plan.reference)
+            e.add_request(prompt, plan.params, request_id=plan.rid)
+            published[plan.rid] = []
+            if plan.cancel_after is not None:
+                cancel_at.setdefault(step + plan.cancel_after, []).append(plan.rid)
+        due = [rid for t in sorted(t for t in cancel_at if t <= step) for rid in cancel_at.pop(t)]
+        for rid in due:
+            if e.cancel(rid):
+                stats["cancelled"] += 1
+                _check_request(e.pop_finished(rid), by_id[rid], prompts[rid], published, solo, cache, stats)
+        if e.has_unfinished():
+            live = {rid for rid, r in e.requests.items() if r.status is not Status.FINISHED}
+            outputs = e.step()
+            stats["steps"] += 1
+            seen = set()
+            for out in outputs:
+                assert out.request_id in live, f"step output for {out.request_id!r}, which was not live"
+                assert out.request_id not in seen, f"two outputs for {out.request_id!r} in one step"
+                seen.add(out.request_id)
+                if out.row is not None:
+                    assert out.row.shape == (1, talker.cfg.num_codebooks) and out.row.dtype == torch.int32
+                    published[out.request_id].append(out.row)
+                    stats["rows"] += 1
+                if out.finished:
+                    req = e.pop_finished(out.request_id)
+                    assert req.finish_reason == out.finish_reason
+                    _check_request(req, by_id[req.id], prompts[req.id], published, solo, cache, stats)
+            stats["max_batch"] = max(stats["max_batch"], len(outputs))
+            check_accounting(talker, idle_blocks, idle_rows)
+        step += 1
+    assert_idle(talker)
+    return stats
+
+
+def _check_request(req, plan: Plan, prompt: Prompt, published, solo, cache, stats: Counter) -> None:
+    rows = torch.stack(req.rows).long() if req.rows else torch.zeros(0, 8, dtype=torch.long)
+    pub = published.pop(req.id)
+    pub = torch.cat(pub).long() if pub else torch.zeros(0, 8, dtype=torch.long)
+    assert torch.equal(pub, rows), f"{req.id}: published rows changed after publication (not owned)"
+    key = plan.key(prompt)
+    if key not in cache:
+        cache[key] = run_alone(solo, prompt, plan.params)
+        stats["solo_rows"] += len(cache[key][0])
+    alone, alone_reason = cache[key]
+    stats["preempted"] += req.preemptions > 0
+    if req.finish_reason == "cancelled":
+        assert torch.equal(rows, alone[: len(rows)]), f"{req.id} (cancelled): rows are not a prefix of its solo run"
+        check_delay_pattern(rows, "cancelled")
+        return
+    stats[f"finish_{req.finish_reason}"] += 1
+    assert req.finish_reason == alone_reason, f"{req.id}: finished by {req.finish_reason}, alone by {alone_reason}"
+    if not torch.equal(rows, alone):
+        diff = (rows != alone).any(dim=1).nonzero() if rows.shape == alone.shape else None
+        first = None if diff is None or not diff.numel() else int(diff[0])
+        pytest.fail(
+            f"{req.id}: rows differ from the same request run alone ({len(rows)} vs {len(alone)} rows, first "
+            f"differing row {first}, preemptions {req.preemptions}, params {plan.params})"
+        )
+    check_delay_pattern(rows, req.finish_reason)
+    if req.finish_reason == "max_frames":
+        assert len(rows) == plan.params.max_frames
+
+
+@pytest.fixture(scope="module")
+def soak_talkers(tiny_dir: Path) -> tuple[HiggsTalker, HiggsTalker]:
+    busy = HiggsTalker.from_pretrained(
+        tiny_dir, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS
+    )
+    solo = HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=1, max_model_len=MAX_MODEL_LEN)
+    return remember_idle(busy), remember_idle(solo)
+
+
+def test_soak(soak_talkers, request) -> None:
+    n = request.config.getoption("--soak") or CI_REQUESTS
+    busy, solo = soak_talkers
+    t0 = time.perf_counter()
+    stats = soak(busy, solo, n, seed=20240617)
+    stats["seconds"] = round(time.perf_counter() - t0)
+    print(f"\nsoak: {dict(stats)}")
+    # the run exercised what it claims to
+    assert stats["finish_eoc"] >= max(1, n // 10), stats
+    assert stats["finish_max_frames"] >= 1 and stats["cancelled"] >= 1, stats
+    assert stats["preempted"] >= 1 and stats["max_batch"] == MAX_NUM_SEQS, stats
