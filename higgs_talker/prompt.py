@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .config import OPTIONAL_SPECIAL_TOKENS, REQUIRED_SPECIAL_TOKENS, SpecialTokens, TalkerConfig
+from .config import OPTIONAL_SPECIAL_TOKENS, REQUIRED_SPECIAL_TOKENS, SpecialTokens, TalkerConfig, register_hf_config
 from .heads.delay import apply_delay_pattern
 
 
@@ -70,6 +70,7 @@ class TalkerTokenizer:
     def from_pretrained(cls, path: str | Path, cfg: TalkerConfig) -> TalkerTokenizer:
         from transformers import AutoTokenizer
 
+        register_hf_config()  # AutoTokenizer reads config.json; let it know our model_type
         try:
             tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
         except (OSError, ValueError) as exc:

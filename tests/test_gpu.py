@@ -106,8 +106,9 @@ def test_decode_kernels_vs_float64(kernel, batch, ctx):
     v = torch.randn(batch, 8, 128, generator=g, device="cuda").bfloat16()
     attn.begin_graph(meta, batch)
     out = attn.forward(0, q, k, v).view(batch, 32, 128)
-    kv = cache[: batch * per_seq].view(batch, per_seq * bs, 2, 8, 128)[:, :ctx].double()
-    keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, 8, ctx, 128]
+    kv = cache[: batch * per_seq].view(batch, per_seq, 2, bs, 8, 128).double()
+    keys = kv[:, :, 0].reshape(batch, per_seq * bs, 8, 128)[:, :ctx].transpose(1, 2)  # [B, 8, ctx, 128]
+    values = kv[:, :, 1].reshape(batch, per_seq * bs, 8, 128)[:, :ctx].transpose(1, 2)
     keys, values = keys.repeat_interleave(4, dim=1), values.repeat_interleave(4, dim=1)
     scores = torch.einsum("bhd,bhtd->bht", q.double(), keys) / 128**0.5
     want = torch.einsum("bht,bhtd->bhd", scores.softmax(-1), values)
