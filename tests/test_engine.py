@@ -227,6 +227,20 @@ def test_state_rows_are_reused_cleanly(talker):
     assert sorted(engine._free_rows) == [0, 1]
 
 
+def test_prefill_budget_admits_in_several_steps(talker):
+    """max_prefill_tokens smaller than the prompts: one prefill per step, codes unchanged."""
+    cases = [(t, SamplingParams(seed=80 + i, max_frames=15)) for i, t in enumerate(TEXTS)]
+    prompts = [talker.build_prompt(t) for t, _ in cases]
+    engine = make_engine(talker, max_prefill_tokens=12)
+    ids = [engine.add_request(p, s) for p, (_, s) in zip(prompts, cases, strict=True)]
+    first = [{o.request_id for o in engine.step()} for _ in range(3)]
+    assert first == [{ids[0]}, {ids[1]}, {ids[2]}]  # each prompt alone exceeds the budget
+    outs = drain(engine)
+    for rid, p, (_, s) in zip(ids, prompts, cases, strict=True):
+        rows = torch.cat([engine.requests[rid].rows[0][None].long(), rows_of(outs[rid])])
+        assert torch.equal(rows, run_alone(talker, p, s)[0]), rid
+
+
 def test_api_batch_generate_matches_single(talker):
     params = [SamplingParams(seed=3, max_frames=80), SamplingParams(seed=40, max_frames=20)]
     texts = [TEXTS[1], TEXTS[2]]
@@ -315,6 +329,26 @@ def test_natural_eoc_ending_has_spec_structure(talker):
         assert rows[-1, :7].eq(EOC).all() and rows[-1, 7] < 1024  # the terminal row
         frames = codec_frames(rows, 1024)
         assert frames.shape == (s, N)
+
+
+def test_short_utterances_keep_the_delay_pattern(make_checkpoint):
+    """Codebook 0 ending during the ramp-up (s < 7, SPEC "differs" 7), forced by a checkpoint whose EOC row
+    dominates: every stream still has the SPEC 4.7 shape, not-started codebooks stay BOC until their turn."""
+    ends = []
+    for bias in (30.0, 5.0):
+        talker = HiggsTalker.from_pretrained(
+            make_checkpoint(name=f"eoc{bias}", eoc_bias=bias), max_num_seqs=1, max_model_len=128
+        )
+        prompt = talker.build_prompt("Hello world")
+        for seed in range(6 if bias < 30 else 1):
+            rows, reason = run_alone(talker, prompt, SamplingParams(seed=seed, max_frames=80))
+            assert reason == "eoc"
+            assert_spec_structure(rows)
+            s = rows.shape[0] - 8
+            ends.append(s)
+            assert codec_frames(rows, 1024).shape == (max(s, 1), N)
+    assert ends[0] == 0  # EOC at the prefill step: 8 rows, one (kept) frame
+    assert any(0 < s < 7 for s in ends), ends
 
 
 def test_finished_request_frees_its_resources(talker):
@@ -444,8 +478,10 @@ def test_request_larger_than_the_cache_is_refused(talker):
         SamplingParams(seed=3, max_frames=200),
         SamplingParams(seed=70, max_frames=30),
         SamplingParams(seed=1, max_frames=9),
+        SamplingParams(seed=1, max_frames=8),
+        SamplingParams(seed=1, max_frames=5),
     ],
-    ids=["natural_end", "cut", "two_frames"],
+    ids=["natural_end", "cut", "two_frames_one_kept", "one_frame", "no_frames"],
 )
 def test_stream_equals_generate(talker, params):
     frames = list(talker.stream("Hello world", params))
