@@ -1,0 +1,70 @@
+"""vLLM / vllm-omni plugin: registers our talker for the Higgs-Audio V3 architectures.
+
+``register()`` is the entry point of both ``vllm.general_plugins`` and ``vllm_omni.general_plugins``. It
+registers the architectures by lazy ``"module:Class"`` strings (nothing heavy is imported until vLLM builds
+the model) with vllm-omni's ``OmniModelRegistry`` when vllm-omni is installed and with vLLM's
+``ModelRegistry`` in any case, and registers the ``higgs_multimodal_qwen3`` HF config if nothing has. It is
+idempotent and cheap, and logs once which registries it touched.
+
+Importing this package imports neither vLLM nor vllm-omni; ``import higgs_talker`` does not import it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+logger = logging.getLogger(__name__)
+
+TALKER_CLASS = "higgs_talker.vllm_plugin.talker:HiggsTalkerForConditionalGeneration"
+# The Stage-0 architecture vllm-omni's pipeline names, the checkpoint's HF architecture, and an alias that
+# only this plugin registers (nothing else can overwrite it).
+ARCHITECTURES = (
+    "HiggsAudioV3TalkerForConditionalGeneration",
+    "HiggsMultimodalQwen3ForConditionalGeneration",
+    "HiggsTalkerForConditionalGeneration",
+)
+# The text-only bridge for plain vLLM: pass ``logits_processors=[TEXT_ONLY_BRIDGE]`` to ``vllm.LLM``.
+TEXT_ONLY_BRIDGE = "higgs_talker.vllm_plugin.bridge:TextOnlyBridge"
+
+_touched: tuple[str, ...] | None = None
+
+
+def register() -> tuple[str, ...]:
+    """Register our talker class for ``ARCHITECTURES``; returns the registries touched (idempotent)."""
+    global _touched
+    touched: list[str] = []
+    # vllm-omni first: importing it registers its own HF config for higgs_multimodal_qwen3 (which would raise
+    # if ours were registered before it).
+    if importlib.util.find_spec("vllm_omni") is not None:
+        from vllm_omni.model_executor.models import registry as omni_registry
+
+        for arch in ARCHITECTURES:
+            omni_registry.OmniModelRegistry.register_model(arch, TALKER_CLASS)
+            # vllm-omni's own vllm.general_plugins entry copies its model table into vLLM's ModelRegistry and
+            # may run after us (entry-point order is not defined); drop our architectures from that table so
+            # it cannot put its talker back over ours.
+            getattr(omni_registry, "_OMNI_MODELS", {}).pop(arch, None)
+        touched.append("vllm_omni.OmniModelRegistry")
+    if importlib.util.find_spec("vllm") is not None:
+        from vllm.model_executor.models import ModelRegistry
+
+        for arch in ARCHITECTURES:
+            ModelRegistry.register_model(arch, TALKER_CLASS)
+        touched.append("vllm.ModelRegistry")
+    from ..config import register_hf_config
+
+    if register_hf_config():
+        touched.append("transformers.AutoConfig")
+    if _touched is None:
+        logger.info(
+            "higgs_talker vLLM plugin: %s -> %s (registries: %s)",
+            ", ".join(ARCHITECTURES),
+            TALKER_CLASS,
+            ", ".join(touched) or "none",
+        )
+    _touched = tuple(touched) if _touched is None else tuple(dict.fromkeys(_touched + tuple(touched)))
+    return _touched
+
+
+__all__ = ["ARCHITECTURES", "TALKER_CLASS", "TEXT_ONLY_BRIDGE", "register"]

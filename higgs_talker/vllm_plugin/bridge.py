@@ -1,0 +1,106 @@
+"""Text-only bridge: plain vLLM (no vllm-omni runner) driving the talker through a v1 logits processor.
+
+Plain vLLM samples with its own sampler and never tells the model which request a row belongs to. A v1
+logits processor is told exactly that: ``update_state`` receives every batch change (added with its
+``SamplingParams``, removed, moved/swapped) before the forward, and ``apply`` runs on the step's logits
+before sampling. The bridge turns those into the adapter's runner calls:
+
+    update_state  -> request keys in batch order + their seeds   (the runner's req_ids)
+    apply         -> codes of the step with per-request temperature/top_k/top_p/seed   (the model sampler)
+    removed       -> on_requests_finished
+
+The text token comes out of vLLM's sampler: ``compute_logits`` already left only the forced token finite.
+A request's key is ``SamplingParams.extra_args["higgs_request_key"]`` when given (to fetch its codes later
+with ``talker.finished_codes(key)``), else a generated one. Use: ``vllm.LLM(..., logits_processors=
+[TEXT_ONLY_BRIDGE])``. Limits: a preempted request restarts its audio stream when resumed (the recomputed
+positions are not re-fed), and ``min_tokens`` must not mask EOS.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+from ..heads.sampling import MAX_SEED
+from .talker import live_talkers
+
+REQUEST_KEY = "higgs_request_key"
+
+
+@dataclass(frozen=True)
+class _Row:
+    key: str
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+
+
+class TextOnlyBridge(LogitsProcessor):
+    _ids = itertools.count()
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        self.device = device
+        self.rows: dict[int, _Row] = {}  # batch index -> request
+        self.batch_size = 0
+        self.armed = False
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # it decides the codes of every row, greedy or not
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        model = _model()
+        if batch_update is not None:
+            finished = []
+            for index in batch_update.removed:
+                row = self.rows.pop(index, None)
+                if row is not None:
+                    finished.append(row.key)
+            for index, params, _prompt, _output in batch_update.added:
+                old = self.rows.get(index)
+                if old is not None:
+                    finished.append(old.key)
+                extra = params.extra_args or {}
+                key = str(extra.get(REQUEST_KEY) or f"vllm-bridge-{next(self._ids)}")
+                seed = None if params.seed is None else params.seed % (MAX_SEED + 1)
+                self.rows[index] = _Row(key, float(params.temperature), int(params.top_k), float(params.top_p), seed)
+            for a, b, direction in batch_update.moved:
+                ra, rb = self.rows.pop(a, None), self.rows.pop(b, None)
+                if ra is not None:
+                    self.rows[b] = ra
+                if direction == MoveDirectionality.SWAP and rb is not None:
+                    self.rows[a] = rb
+            self.batch_size = batch_update.batch_size
+            if model is not None and finished:
+                model.on_requests_finished(finished)
+        self.armed = False
+        if model is None or self.batch_size == 0:
+            return
+        batch = [self.rows[i] for i in range(self.batch_size)]
+        model.pool.keep_finished = max(model.pool.keep_finished, 256)
+        model.set_bridge_requests([r.key for r in batch], {i: r.seed for i, r in enumerate(batch) if r.seed is not None})
+        self.armed = True
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        model = _model()
+        if not self.armed or model is None or model._pending is None:
+            return logits
+        self.armed = False
+        batch = [self.rows[i] for i in range(self.batch_size)]
+        if logits.shape[0] != len(batch):
+            return logits
+        dev = logits.device
+        greedy = [r.temperature < 1e-5 for r in batch]
+        temperature = torch.tensor([0.0 if g else r.temperature for g, r in zip(greedy, batch)], device=dev)
+        top_k = torch.tensor([r.top_k if r.top_k > 0 else 0 for r in batch], dtype=torch.long, device=dev)
+        top_p = torch.tensor([r.top_p for r in batch], device=dev)
+        model.sample_codes(temperature, top_k, top_p)
+        return logits
+
+
+def _model():
+    talkers = live_talkers()
+    return talkers[0] if len(talkers) == 1 else None

@@ -1,0 +1,72 @@
+"""Serve the tiny checkpoint with plain ``vllm.LLM`` through the higgs_talker plugin; print codes as JSON.
+
+Run as a script (the CPU backend spawns workers): ``python serve_tiny.py CKPT_DIR SPEC_JSON``. SPEC_JSON is a
+list of requests ``{"key", "text", "temperature", "top_k", "top_p", "seed", "max_tokens"}``. Prints one JSON
+line ``{"results": [...], "arch_class": ..., "loaded": ...}`` prefixed with ``RESULT:``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main(ckpt: str, spec: list[dict]) -> dict:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model lives in this process
+    import vllm
+
+    from higgs_talker.config import TalkerConfig
+    from higgs_talker.prompt import TalkerTokenizer
+    from higgs_talker.vllm_plugin import TEXT_ONLY_BRIDGE
+    from higgs_talker.vllm_plugin.talker import live_talkers
+
+    cfg = TalkerConfig.from_pretrained(ckpt)
+    tok = TalkerTokenizer.from_pretrained(ckpt, cfg)
+    llm = vllm.LLM(
+        model=ckpt,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=512,
+        max_num_seqs=8,
+        logits_processors=[TEXT_ONLY_BRIDGE],
+    )
+    prompts, params = [], []
+    for r in spec:
+        prompts.append({"prompt_token_ids": tok.build(r["text"]).input_ids.tolist()})
+        params.append(
+            vllm.SamplingParams(
+                temperature=r.get("temperature", 0.0),
+                top_k=r.get("top_k", -1),
+                top_p=r.get("top_p", 1.0),
+                seed=r.get("seed"),
+                max_tokens=r["max_tokens"],
+                detokenize=False,
+                extra_args={"higgs_request_key": r["key"]},
+            )
+        )
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    (talker,) = live_talkers()
+    results = []
+    for r, out in zip(spec, outputs, strict=True):
+        rows = talker.request_rows(r["key"])
+        results.append(
+            {
+                "key": r["key"],
+                "token_ids": list(out.outputs[0].token_ids),
+                "finish_reason": out.outputs[0].finish_reason,
+                "rows": rows.tolist() if rows is not None else None,
+            }
+        )
+    return {
+        "results": results,
+        "arch_class": type(talker).__module__ + ":" + type(talker).__qualname__,
+        "specials": {"audio": talker.specials.audio, "eos": talker.specials.eos},
+        "loaded": sorted(talker.loaded_weight_names),
+    }
+
+
+if __name__ == "__main__":
+    out = main(sys.argv[1], json.loads(sys.argv[2]))
+    print("RESULT:" + json.dumps(out))
