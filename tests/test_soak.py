@@ -31,8 +31,10 @@ from higgs_talker.api import HiggsTalker, Reference
 from higgs_talker.engine import Status
 from higgs_talker.heads.sampling import SamplingParams
 from higgs_talker.prompt import Prompt
+from higgs_talker.tiny import write_checkpoint
 
 CI_REQUESTS = 80
+CI_EARLY_EOC_REQUESTS = 40
 MAX_NUM_SEQS = 6
 MAX_MODEL_LEN = 384
 NUM_BLOCKS = 40  # 640 token slots for up to 6 sequences of up to 384 tokens: requests queue and get preempted
@@ -56,9 +58,9 @@ class Plan:
         return (tuple(prompt.input_ids.tolist()), ref, self.params)
 
 
-def make_plans(n: int, seed: int) -> list[Plan]:
+def make_plans(n: int, seed: int, pace: int = 9) -> list[Plan]:
     rng = random.Random(seed)
-    spread = max(1, n * 9)  # arrival window (steps): a few more requests than seats are live at a time
+    spread = max(1, n * pace)  # arrival window (steps); pace 9: a few more requests than seats are live
     plans = []
     for i in range(n):
         words = rng.randint(1, 40)
@@ -111,11 +113,11 @@ def check_accounting(talker: HiggsTalker, idle_blocks: int, idle_rows: int) -> N
     assert not finished_by_status, f"finished requests still hold blocks: {finished_by_status}"
 
 
-def soak(talker: HiggsTalker, solo: HiggsTalker, n: int, seed: int) -> Counter:
+def soak(talker: HiggsTalker, solo: HiggsTalker, n: int, seed: int, pace: int = 9) -> Counter:
     """Run ``n`` planned requests through ``talker``'s engine, checking every invariant; returns the figures."""
     e = talker.engine
     idle_blocks, idle_rows = e.allocator.num_free, len(e._free_rows)
-    plans = make_plans(n, seed)
+    plans = make_plans(n, seed, pace)
     cache: dict[tuple, tuple[torch.Tensor, str]] = {}
     stats: Counter = Counter(requests=n)
     published: dict[str, list[torch.Tensor]] = {}
@@ -188,27 +190,43 @@ def _check_request(req, plan: Plan, prompt: Prompt, published, solo, cache, stat
             f"differing row {first}, preemptions {req.preemptions}, params {plan.params})"
         )
     check_delay_pattern(rows, req.finish_reason)
+    onset = (rows[:, 0] == 1025).nonzero()
+    stats["early_eoc"] += bool(onset.numel()) and int(onset[0]) < rows.shape[1] - 1
     if req.finish_reason == "max_frames":
         assert len(rows) == plan.params.max_frames
 
 
-@pytest.fixture(scope="module")
-def soak_talkers(tiny_dir: Path) -> tuple[HiggsTalker, HiggsTalker]:
+def talkers(checkpoint: Path) -> tuple[HiggsTalker, HiggsTalker]:
+    """A busy engine with a small KV pool, and a one-seat engine for the solo runs."""
     busy = HiggsTalker.from_pretrained(
-        tiny_dir, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS
+        checkpoint, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS
     )
-    solo = HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=1, max_model_len=MAX_MODEL_LEN)
+    solo = HiggsTalker.from_pretrained(checkpoint, max_num_seqs=1, max_model_len=MAX_MODEL_LEN)
     return remember_idle(busy), remember_idle(solo)
 
 
-def test_soak(soak_talkers, request) -> None:
+def test_soak(tiny_dir: Path, request) -> None:
     n = request.config.getoption("--soak") or CI_REQUESTS
-    busy, solo = soak_talkers
     t0 = time.perf_counter()
-    stats = soak(busy, solo, n, seed=20240617)
+    stats = soak(*talkers(tiny_dir), n, seed=20240617)
     stats["seconds"] = round(time.perf_counter() - t0)
     print(f"\nsoak: {dict(stats)}")
     # the run exercised what it claims to
     assert stats["finish_eoc"] >= max(1, n // 10), stats
     assert stats["finish_max_frames"] >= 1 and stats["cancelled"] >= 1, stats
     assert stats["preempted"] >= 1 and stats["max_batch"] == MAX_NUM_SEQS, stats
+
+
+def test_soak_early_eoc(tmp_path: Path, request) -> None:
+    """The same soak on a checkpoint whose codebook 0 favours EOC: many utterances end inside the ramp-up.
+
+    Codebook 0 then samples EOC at a row s < 7, and the codebooks that have not started must stay BOC until
+    their turn while the ramp-down runs (SPEC "deliberately differs" 7); ``check_delay_pattern`` checks it.
+    """
+    n = max(CI_EARLY_EOC_REQUESTS, (request.config.getoption("--soak") or 0) // 4)
+    checkpoint = write_checkpoint(tmp_path / "early-eoc", eoc_bias=5.0)
+    t0 = time.perf_counter()
+    stats = soak(*talkers(checkpoint), n, seed=7, pace=2)
+    stats["seconds"] = round(time.perf_counter() - t0)
+    print(f"\nearly-EOC soak: {dict(stats)}")
+    assert stats["early_eoc"] >= max(1, n // 5), stats
