@@ -463,6 +463,19 @@ def test_preemption_keeps_codes_exact(talker):
     assert engine.allocator.num_free == free0
 
 
+def test_preemption_of_a_voice_clone_request(talker):
+    """A resumed voice-clone request recomputes its reference rows at the recorded positions."""
+    ref = torch.randint(0, 1024, (6, N), generator=torch.Generator().manual_seed(1))
+    prompts = [talker.build_prompt("Hi"), talker.build_prompt("Hello there", Reference(ref))]
+    params = [SamplingParams(seed=6, max_frames=40), SamplingParams(seed=7, max_frames=40)]
+    engine = make_engine(talker, block_size=4, num_blocks=16)
+    ids = [engine.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
+    outs = drain(engine)
+    assert engine.requests[ids[1]].preemptions > 0
+    for rid, p, s in zip(ids, prompts, params, strict=True):
+        assert torch.equal(rows_of(outs[rid]), run_alone(talker, p, s)[0]), rid
+
+
 def test_request_larger_than_the_cache_is_refused(talker):
     engine = make_engine(talker, block_size=4, num_blocks=3)
     with pytest.raises(ValueError, match="KV cache"):
