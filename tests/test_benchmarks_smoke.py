@@ -1,0 +1,102 @@
+"""The benchmark scripts' CPU smoke modes (``--device cpu --tiny``), run in-process so the scripts cannot rot.
+
+Each writes its JSON into a temporary directory; the tests check the fields other tools read, not timings.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: pytest.TempPathFactory):
+    """Import a benchmark script by name, with the tiny tokenizer cached in a temp dir (never ~/.cache)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+        mp.syspath_prepend(str(BENCH_DIR))
+        yield importlib.import_module
+
+
+def load(result) -> dict:
+    data = json.loads(Path(result.path).read_text())
+    assert data["rows"], "no rows written"
+    for key in ("date", "command", "torch", "flashinfer", "gpu"):
+        assert key in data["meta"], key
+    return data
+
+
+def test_attention_smoke(bench, tmp_path: Path) -> None:
+    mod = bench("bench_attention")
+    data = load(mod.main(["--device", "cpu", "--tiny", "--contexts", "32", "--out", str(tmp_path)]))
+    rows = data["rows"]
+    sdpa = [r for r in rows if r["variant"].startswith("sdpa")]
+    assert {r["variant"] for r in sdpa} == {"sdpa_engine", "sdpa_dense"}
+    for r in sdpa:
+        assert r["status"] == "ok", r
+        assert r["us_per_call"] > 0 and r["rel_err"] < 2e-2
+    flashinfer = [r for r in rows if not r["variant"].startswith("sdpa")]
+    assert flashinfer and all(r["status"] == "skipped" for r in flashinfer)
+    assert "copy_tb_per_s" in data["meta"] and "summary" in data
+
+
+def test_decode_smoke(bench, tmp_path: Path) -> None:
+    mod = bench("bench_decode")
+    argv = ["--device", "cpu", "--tiny", "--modes", "eager,auto", "--batches", "2", "--contexts", "24",
+            "--steps", "3", "--warmup", "1", "--out", str(tmp_path)]  # fmt: skip
+    data = load(mod.main(argv))
+    assert data["meta"]["copy_tb_per_s"] > 0
+    assert Path(data["meta"]["command"].split()[1]).name == "bench_decode.py"
+    by_mode = {r["mode"]: r for r in data["rows"]}
+    eager = by_mode["eager"]
+    assert eager["status"] == "ok", eager
+    for key in ("batch", "context", "ms_per_step", "floor_ms", "ratio_to_floor", "frames_per_s", "audio_s_per_s"):
+        assert isinstance(eager[key], int | float), key
+    assert eager["batch"] == 2 and eager["context"] == 24 and eager["prompt_tokens"] == 24
+    assert eager["ratio_to_floor"] == pytest.approx(eager["ms_per_step"] / eager["floor_ms"])
+    assert by_mode["auto"]["status"] == "error"  # graph modes need CUDA: recorded, not raised
+    assert by_mode["hf_eager"]["status"] == "ok", by_mode["hf_eager"]
+    assert by_mode["hf_static_compile"]["status"] == "skipped"
+    assert data["meta"]["peer_rel_err"] < 1e-3  # same weights: the peer computes the same logits
+
+
+def test_e2e_smoke(bench, tmp_path: Path) -> None:
+    mod = bench("bench_e2e")
+    argv = ["--device", "cpu", "--tiny", "--modes", "eager", "--levels", "1,2", "--requests", "2",
+            "--audio-s", "0.3,0.4", "--out", str(tmp_path)]  # fmt: skip
+    data = load(mod.main(argv))
+    assert [r["concurrency"] for r in data["rows"]] == [1, 2]
+    for r in data["rows"]:
+        assert r["status"] == "ok", r
+        assert r["ttfp_ms_p50"] > 0 and r["rtf_p50"] > 0 and r["ttfp_ms_p50"] <= r["ttfp_ms_p99"]
+    for req in data["requests"]:
+        assert req["finish_reason"] == "max_frames" and req["frames"] == req["target_frames"]
+
+
+def test_plot_smoke(bench, tmp_path: Path) -> None:
+    """plot.py turns the JSONs into PNGs, or says matplotlib is missing and writes nothing."""
+    plot = bench("plot")
+    decode = {"meta": {"date": "2026-01-01"}, "rows": [
+        {"mode": m, "batch": b, "context": 512, "ms_per_step": 2.0 * b, "floor_ms": 1.0, "status": "ok"}
+        for m in ("eager", "hf_eager") for b in (1, 4)]}  # fmt: skip
+    e2e = {"meta": {}, "rows": [
+        {"mode": "auto", "concurrency": c, "status": "ok", **{f"{m}_p{q}": 1.0 * c for m in ("ttfp_ms", "rtf")
+                                                              for q in (50, 90, 99)}} for c in (1, 4)]}  # fmt: skip
+    attention = {"meta": {}, "rows": [
+        {"variant": v, "batch": 1, "context": c, "page_size": 16, "layout": "NHD", "us_per_call": 10.0, "status": "ok"}
+        for v in ("fi_native", "xqa_own", "xqa_1block") for c in (256, 1024)]}  # fmt: skip
+    files = []
+    for name, data in (("decode_x.json", decode), ("e2e_x.json", e2e), ("attention_x.json", attention)):
+        files.append(tmp_path / name)
+        files[-1].write_text(json.dumps(data))
+    written = plot.main([str(f) for f in files])
+    if "matplotlib" in sys.modules:
+        assert sorted(p.name for p in written) == ["attention_x.png", "decode_x.png", "e2e_x.png"]
+    else:
+        assert written == []
