@@ -160,6 +160,9 @@ def check_reference_codes(codes, cfg: TalkerConfig) -> Tensor:
     n = cfg.num_codebooks
     if codes.dim() != 2 or codes.shape[1] != n or codes.shape[0] == 0:
         raise ValueError(f"reference codes must have shape [frames >= 1, {n}], got {list(codes.shape)}")
+    if codes.dtype in (torch.uint16, torch.uint32, torch.uint64):
+        # torch has no min/max for these; a uint64 above 2**63 wraps negative here and is rejected below
+        codes = codes.to(torch.int64)
     lo, hi = int(codes.min()), int(codes.max())
     if lo < 0 or hi >= cfg.num_real_codes:
         bad = lo if lo < 0 else hi

@@ -88,7 +88,11 @@ def test_voice_clone_layout_with_ref_text(tok):
 def test_reference_codes_accept_lists_numpy_and_int32(tok):
     codes = ref_codes(2, seed=2)
     want = tok.build("x", codes, cfg=CFG)
-    for alt in (codes.tolist(), codes.numpy(), codes.to(torch.int32), codes.numpy().astype(np.int16)):
+    alts = [codes.tolist(), codes.numpy(), codes.to(torch.int32), codes.numpy().astype(np.int16)]
+    # codecs often store codes unsigned; torch lacks min/max for uint16/32/64, which must not matter here
+    alts += [codes.numpy().astype(dt) for dt in (np.uint16, np.uint32, np.uint64)]
+    alts += [codes.to(dt) for dt in (torch.uint16, torch.uint32)]
+    for alt in alts:
         got = tok.build("x", alt, cfg=CFG)
         assert torch.equal(got.input_ids, want.input_ids)
         assert torch.equal(got.audio_codes, want.audio_codes)
@@ -154,6 +158,18 @@ def test_bad_reference_codes(tok, codes, match):
         tok.build("hello", codes, cfg=CFG)
     with pytest.raises(ValueError):
         check_reference_codes(codes, CFG)
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32, np.uint64])
+def test_unsigned_reference_codes_out_of_range(tok, dtype):
+    codes = np.zeros((2, N), dtype=dtype)
+    codes[1, 3] = 2000
+    with pytest.raises(ValueError, match="2000"):
+        tok.build("hello", codes, cfg=CFG)
+    if dtype is np.uint64:
+        codes[1, 3] = 2**64 - 1  # wraps to -1 in int64: still refused
+        with pytest.raises(ValueError, match="outside the real code range"):
+            tok.build("hello", codes, cfg=CFG)
 
 
 def test_reference_text_without_codes_rejected(tok):
