@@ -238,9 +238,9 @@ def iter_tensors(
 def load_into(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], cfg: TalkerConfig) -> set[str]:
     """Copy checkpoint-named tensors into ``model``'s parameters; returns the parameter names written.
 
-    Every tensor is staged first and checked against the parameter it targets; the model is modified only
-    after all of them passed, so a failure leaves it as it was. Parameters the checkpoint must fill but did
-    not are reported in one error.
+    Every tensor is staged first and checked against the parameter it targets (shape, finite values); the
+    model is modified only after all of them passed, so a failure leaves it as it was. Parameters the
+    checkpoint must fill but did not are reported in one error.
     """
     params = dict(model.named_parameters())
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -255,6 +255,11 @@ def load_into(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]
         dest = param.data if target.shard is None else _shard_view(param.data, target.param, target.shard, cfg)
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ValueError(f"checkpoint key {key!r} has shape {list(tensor.shape)}, expected {list(dest.shape)}")
+        # A corrupt weight would otherwise decode silently to garbage codes. amax/amin propagate NaN and keep
+        # inf, and allocate nothing the size of the tensor.
+        if tensor.numel() and not bool(torch.isfinite(torch.stack([tensor.amax(), tensor.amin()])).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ValueError(f"checkpoint key {key!r} holds {bad} non-finite value(s) (NaN/inf)")
         shards = filled.setdefault(target.param, set())
         if target.shard in shards:
             raise ValueError(f"checkpoint key {key!r} fills {target.param!r} twice")

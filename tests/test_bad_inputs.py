@@ -107,6 +107,15 @@ def set_key(key: str, value: torch.Tensor):
     return edit_weights(lambda t: t.__setitem__(key, value))
 
 
+def poison(key: str, value: float):
+    """One non-finite entry in an otherwise good tensor (a corrupt download, a bad conversion)."""
+
+    def fn(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[key].view(-1)[5] = value
+
+    return edit_weights(fn)
+
+
 def truncate_weights(d: Path) -> None:
     file = d / "model.safetensors"
     data = file.read_bytes()
@@ -262,6 +271,18 @@ LOADER_CASES = [
         ValueError,
         "dtype I32",
         id="w-int-dtype",
+    ),
+    pytest.param(
+        poison("body.layers.1.mlp.down_proj.weight", math.nan),
+        ValueError,
+        E("down_proj.weight' holds 1 non-finite"),
+        id="w-nan",
+    ),
+    pytest.param(
+        poison("tied.embedding.modality_embeddings.0.embedding.weight", -math.inf),
+        ValueError,
+        "embedding.weight' holds 1 non-finite",
+        id="w-inf",
     ),
     pytest.param(truncate_weights, ValueError, "model.safetensors is not a readable safetensors", id="w-truncated"),
     pytest.param(garble_header, ValueError, "model.safetensors is not a readable safetensors", id="w-garbled-header"),
