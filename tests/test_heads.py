@@ -391,6 +391,18 @@ def test_masked_entries_are_never_sampled():
         assert not banned.gather(2, codes[..., None]).any()
 
 
+@pytest.mark.parametrize("temperature", [1e-3, 1e-20, 1e-37, 1e-40, 1e-45])
+def test_tiny_temperature_never_samples_masked_codes(temperature):
+    """Logits / a tiny temperature overflow to inf (softmax -> NaN); the result must still be the argmax."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.full((16, N, 64), NEG)
+    allowed = torch.randint(1, 64, (16, N, 2), generator=g)
+    logits.scatter_(2, allowed, torch.rand(16, N, 2, generator=g) * 100 - 50)
+    codes = sample(logits, temperature=temperature, seeds=torch.arange(16))
+    assert torch.isfinite(logits.gather(2, codes[..., None])).all()
+    assert torch.equal(codes, logits.argmax(dim=-1))
+
+
 def test_greedy_is_argmax():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(64, N, 50, generator=g)

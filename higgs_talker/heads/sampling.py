@@ -120,4 +120,7 @@ def sample_codes(
     x = top_k_top_p_filter(x.view(b * n, v), top_k.repeat_interleave(n), top_p.repeat_interleave(n)).view(b, n, v)
     probs = x.softmax(dim=-1)
     drawn = (probs / exponential_noise(seeds, steps, n, v)).argmax(dim=-1)
-    return torch.where(greedy[:, None], logits.argmax(dim=-1), drawn)
+    # A tiny temperature can overflow x to +inf; softmax then gives NaN and the race would pick a masked code.
+    # That is the temperature -> 0 limit, so those rows take the argmax (no host sync: a where, not a branch).
+    overflow = ~torch.isfinite(probs).all(dim=-1)  # [B, N]
+    return torch.where(greedy[:, None] | overflow, logits.argmax(dim=-1), drawn)
