@@ -252,3 +252,16 @@ def test_register_hf_config_makes_autoconfig_work(tiny_dir):
     assert hf.model_type == MODEL_TYPE
     assert type(hf).__name__ == "HiggsAudioV3Config"
     assert hf.to_talker_config() == TalkerConfig.from_pretrained(tiny_dir)
+
+
+def test_hf_config_save_pretrained_round_trip(tiny_dir, tmp_path):
+    from transformers import AutoConfig, Qwen3Config
+
+    register_hf_config()
+    hf = AutoConfig.from_pretrained(str(tiny_dir))
+    hf.save_pretrained(str(tmp_path))
+    assert TalkerConfig.from_pretrained(tmp_path) == TalkerConfig.from_pretrained(tiny_dir)
+    # a text_config given as a transformers Qwen3Config object is accepted as well
+    text = Qwen3Config(**{k: v for k, v in text_cfg(rope_theta=321.0).items() if k != "model_type"})
+    cfg = type(hf)(text_config=text).to_talker_config()
+    assert cfg.text.rope_theta == 321.0 and cfg.text.head_dim == 32 and cfg.num_codebooks == 8
