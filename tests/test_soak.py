@@ -230,3 +230,41 @@ def test_soak_early_eoc(tmp_path: Path, request) -> None:
     stats["seconds"] = round(time.perf_counter() - t0)
     print(f"\nearly-EOC soak: {dict(stats)}")
     assert stats["early_eoc"] >= max(1, n // 5), stats
+
+
+def synthetic_rows(onset: int | None, length: int, n: int = 8) -> torch.Tensor:
+    """Rows [length, n] that follow the delay pattern, with codebook 0's EOC at row ``onset`` (None: never)."""
+    rows = torch.randint(0, 1024, (length, n), generator=torch.Generator().manual_seed(length))
+    for r in range(length):
+        for c in range(n):
+            if c > r:
+                rows[r, c] = 1024
+            elif onset is not None and ((r == onset and c == 0) or (r > onset and c < r - onset)):
+                rows[r, c] = 1025
+    return rows
+
+
+@pytest.mark.parametrize("onset", [0, 3, 6, 7, 40])
+def test_delay_pattern_checker(onset: int) -> None:
+    """The checker the soak relies on accepts the pattern (also with s < 7) and catches each kind of break."""
+    rows = synthetic_rows(onset, onset + 8)
+    check_delay_pattern(rows, "eoc")
+    check_delay_pattern(rows[: onset + 3], "max_frames")
+    check_delay_pattern(synthetic_rows(None, onset + 8), "max_frames")
+    breaks = {
+        "stray BOC": (onset + 7, 7, 1024),
+        "missing ramp-up BOC": (0, 7, 5),
+        "stray EOC": (onset + 7, 7, 1025),
+        "second onset": (onset + 2, 0, 17),
+        "EOC on a late codebook": (max(onset - 1, 0), 0, 1025) if onset else (onset + 3, 5, 1025),
+    }
+    for what, (r, c, value) in breaks.items():
+        bad = rows.clone()
+        bad[r, c] = value
+        with pytest.raises(AssertionError):
+            check_delay_pattern(bad, "eoc")
+            pytest.fail(f"missed: {what}")
+    with pytest.raises(AssertionError):  # a row after the terminal one
+        check_delay_pattern(torch.cat([rows, torch.full((1, 8), 1025)]), "max_frames")
+    with pytest.raises(AssertionError, match="expected"):
+        check_delay_pattern(rows[:-1], "eoc")
