@@ -441,6 +441,18 @@ def test_engine_rejects_bad_requests(talker):
             EngineConfig(**bad)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: Engine.add_request does not check that prompt is a Prompt; a list or tensor of ids is queued "
+    "(len() works) and the next step() fails with AttributeError: 'list' object has no attribute 'input_ids'",
+)
+@pytest.mark.parametrize("bad", [[257, 258, 65, 259], torch.tensor([257, 258, 65, 259])], ids=["list", "tensor"])
+def test_engine_rejects_a_non_prompt(talker, bad):
+    engine = make_engine(talker)
+    with pytest.raises(TypeError, match="Prompt"):
+        engine.add_request(bad, SamplingParams(max_frames=2))
+
+
 def test_preemption_keeps_codes_exact(talker):
     cases = [
         (TEXTS[0], SamplingParams(seed=60, max_frames=45)),
