@@ -343,7 +343,7 @@ class SdpaEngine(Variant):
 
     def call(self, i: int) -> None:
         k, v = self.new_kv[i]
-        self.outs[i] = self.attn.forward(i, self.case.queries[i], k, v).view_as(self.case.queries[i])
+        self.outs[i] = self.attn.forward(i, self.case.queries[i], k, v).reshape(self.case.queries[i].shape)
 
 
 class SdpaDense(Variant):
@@ -401,20 +401,18 @@ def build_grid(args: argparse.Namespace) -> list[Item]:
         return [Item(group, b, c, page, layout, tuple(variants)) for b in bs for c in cs]
 
     core = ("fi_native", "xqa_own", "xqa_shared", "sdpa_engine", "sdpa_dense")
+    mb_batches = [b for b in (1, 2, 4, 8, 16) if not args.batches or b in args.batches]
+    mb_contexts = args.contexts or ([1024, 8192] if quick else [256, 512, 1024, 2048, 4096, 8192])
+    extra_contexts = [c for c in contexts if c in (256, 1024, 4096)] or contexts
     if 16 in pages:
         groups.append(("core", grid("core", 16, "NHD", core)))
+        groups.append(("multiblock", grid("multiblock", 16, "NHD", ("xqa_own", "xqa_1block"), mb_batches, mb_contexts)))
+        extras = ("fi_native", "fi_native_tc", "xqa_own", "xqa_wide")
+        groups.append(("extras", grid("extras", 16, "NHD", extras, cs=extra_contexts)))
         groups.append(("layout", grid("layout", 16, "HND", ("fi_native", "xqa_own"))))
-    for page in (p for p in pages if p != 16):
-        groups.append((f"page{page}", grid(f"page{page}", page, "NHD", ("fi_native", "xqa_own"))))
-        if not quick:
-            groups.append((f"page{page}", grid(f"page{page}", page, "HND", ("fi_native", "xqa_own"))))
-    mb_batches = [b for b in (1, 2, 4, 8, 16) if not args.batches or b in args.batches]
-    mb_contexts = [1024, 8192] if quick else [256, 512, 1024, 2048, 4096, 8192]
-    if args.contexts:
-        mb_contexts = args.contexts
-    groups.append(("multiblock", grid("multiblock", 16, "NHD", ("xqa_own", "xqa_1block"), mb_batches, mb_contexts)))
-    extra_contexts = [c for c in contexts if c in (256, 1024, 4096)] or contexts
-    groups.append(("extras", grid("extras", 16, "NHD", ("fi_native", "fi_native_tc", "xqa_wide"), cs=extra_contexts)))
+    for page in (p for p in pages if p != 16):  # HND at page 32 only on request (--layouts-32 NHD,HND)
+        for layout in args.layouts_32:
+            groups.append((f"page{page}", grid(f"page{page}", page, layout, ("fi_native", "xqa_own"))))
     items = []
     for name, group in groups:
         if args.groups and name not in args.groups and not any(name.startswith(g) for g in args.groups):
@@ -585,6 +583,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batches", type=_ints, default=None)
     p.add_argument("--contexts", type=_ints, default=None)
     p.add_argument("--pages", type=_ints, default=None, help="page sizes (default 16,32)")
+    p.add_argument("--layouts-32", type=_strs, default=["NHD"], help="layouts timed at page sizes other than 16")
     p.add_argument("--variants", type=_strs, default=None, help=f"subset of {','.join(ALL_VARIANTS)}")
     p.add_argument("--groups", type=_strs, default=None, help="core,layout,page32,multiblock,extras")
     p.add_argument("--wide-len", type=int, default=32768, help="max_model_len the xqa_wide block table is sized for")

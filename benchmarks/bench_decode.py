@@ -608,8 +608,9 @@ def main(argv: Sequence[str] | None = None) -> ResultFile:
     writer = ResultFile(args.out, "decode", meta)
     log(f"copy ceiling {bw['tb_per_s']:.2f} TB/s; writing {writer.path}")
     deadline = t_start + args.budget_s - (0 if args.no_peers else PEER_RESERVE_S)
-    for mode in args.modes:
-        run_mode(mode, cfg, args, writer, bw["bytes_per_s"], deadline)
+    for n, mode in enumerate(args.modes):  # each mode gets an equal share of the time left
+        now = time.perf_counter()
+        run_mode(mode, cfg, args, writer, bw["bytes_per_s"], now + (deadline - now) / (len(args.modes) - n))
     if not args.no_peers:
         run_peers(cfg, args, writer, bw["bytes_per_s"])
     writer.meta["wall_s"] = time.perf_counter() - t_start

@@ -74,12 +74,16 @@ def run_level(talker: HiggsTalker, concurrency: int, jobs: list[tuple]) -> tuple
         rid = eng.add_request(prompt, params)
         live[rid] = {"t_submit": t, "rows": 0, "prompt_tokens": tokens, "target_frames": frames}
 
+    max_steps = sum(job[1].max_frames for job in jobs) + 10 * len(jobs) + 100  # a hang guard, never reached
     t0 = time.perf_counter()
     for _ in range(min(concurrency, len(queue))):
         submit()
-    records = []
+    records, steps = [], 0
     try:
         while live:
+            steps += 1
+            if steps > max_steps:
+                raise RuntimeError(f"{len(live)} requests still live after {max_steps} steps")
             outs = eng.step()
             now = time.perf_counter()
             for o in outs:
@@ -160,7 +164,7 @@ def warm_up(talker: HiggsTalker, concurrency: int) -> float:
     return time.perf_counter() - t0
 
 
-def run_mode(mode: str, cfg, args, writer: ResultFile) -> None:
+def run_mode(mode: str, cfg, args, writer: ResultFile, deadline: float) -> None:
     device = torch.device(args.device)
     levels = args.levels
     try:
@@ -178,6 +182,9 @@ def run_mode(mode: str, cfg, args, writer: ResultFile) -> None:
         return
     log(f"{mode}: built in {build_s:.1f} s, warm-up {warm_s:.1f} s")
     for c in levels:
+        if time.perf_counter() > deadline:
+            writer.add({"mode": mode, "concurrency": c, "status": "skipped", "error": "time budget"})
+            continue
         n = args.requests or max(2 * c, 8)
         try:
             jobs = make_jobs(talker, n, args, seed=args.seed + 1000 * c)
@@ -214,6 +221,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--budget-s", type=float, default=420.0, help="skip the remaining levels after this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output directory (default benchmarks/results)")
     args = p.parse_args(argv)
@@ -258,8 +266,9 @@ def main(argv: Sequence[str] | None = None) -> ResultFile:
     }
     writer = ResultFile(args.out, "e2e", meta)
     log(f"writing {writer.path}")
+    deadline = t_start + args.budget_s
     for mode in args.modes:
-        run_mode(mode, cfg, args, writer)
+        run_mode(mode, cfg, args, writer, deadline)
     writer.meta["wall_s"] = time.perf_counter() - t_start
     writer.save()
     cols = ["mode", "concurrency", "requests", "ttfp_ms_p50", "ttfp_ms_p90", "ttfp_ms_p99", "rtf_p50", "rtf_p90",
