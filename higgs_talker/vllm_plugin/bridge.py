@@ -67,6 +67,8 @@ class TextOnlyBridge(LogitsProcessor):
                 key = str(extra.get(REQUEST_KEY) or f"vllm-bridge-{next(self._ids)}")
                 seed = None if params.seed is None else params.seed % (MAX_SEED + 1)
                 self.rows[index] = _Row(key, float(params.temperature), int(params.top_k), float(params.top_p), seed)
+            if model is not None and batch_update.moved:
+                model.stats["bridge_moves"] += len(batch_update.moved)
             for a, b, direction in batch_update.moved:
                 ra, rb = self.rows.pop(a, None), self.rows.pop(b, None)
                 if ra is not None:

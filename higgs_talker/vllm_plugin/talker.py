@@ -100,6 +100,8 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         self._fb_codes = torch.zeros(self._fb_capacity, cfg.num_codebooks, dtype=torch.long, device=device)
         self.specials: SpecialTokens | None = None
         self.loaded_weight_names: frozenset[str] = frozenset()
+        # what the steps did (tests and logs read these): text head skipped/computed, frames sampled
+        self.stats = {"text_head_skipped": 0, "text_head_full": 0, "sample_steps": 0, "bridge_moves": 0}
         self.supports_omni_decode_step_metadata = True
         self.requires_full_prefix_cached_hidden_states = False
         self.deferred_prefix_cache_mm_keys = {"codes.audio"}
@@ -128,6 +130,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         """Called by the vllm-omni runner before every forward (outside any graph replay)."""
         if req_ids is None or input_ids is None or positions is None or omni_query_start_loc is None:
             self._batch = None
+            self._fb_use.zero_()
             return
         self._begin_step(list(req_ids), input_ids, positions, omni_query_start_loc)
 
@@ -229,7 +232,9 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         modes = S.row_modes(batch, self.pool, sp.audio, sp.eos)
         self._pending = (hidden_states, modes)
         if self.pool.all_forced(batch.req_ids):  # pure audio step: the text head is not computed
+            self.stats["text_head_skipped"] += 1
             return S.forced_only_logits(modes, self.cfg.text.vocab_size, hidden_states.dtype)
+        self.stats["text_head_full"] += 1
         logits = self.logits_processor(self.lm_head, hidden_states)
         return S.force_text_logits(logits, modes)
 
@@ -267,6 +272,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
             return []
         hidden, modes = self._pending
         batch, self._pending = self._batch, None
+        self.stats["sample_steps"] += 1
         emitted, new = S.sample_step(
             hidden, batch, modes, self.pool, self.modality_head, self.cfg, temperature, top_k, top_p
         )
@@ -277,6 +283,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
             batch.req_ids, host[:, :n], host[:, n].bool(), host[:, n + 1].bool(), host[:, n + 2].bool()
         )
         self._cursor = 0
+        self._batch = None  # consumed: a dummy run before the next step's metadata sees no batch
         return self._published
 
     # ------------------------------------------------------------------ publishing codes.audio

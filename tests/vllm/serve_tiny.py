@@ -1,6 +1,6 @@
 """Serve the tiny checkpoint with plain ``vllm.LLM`` through the higgs_talker plugin; print codes as JSON.
 
-Run as a script (the CPU backend spawns workers): ``python serve_tiny.py CKPT_DIR SPEC_JSON``. SPEC_JSON is a
+Run as a script (the CPU backend spawns workers): ``python serve_tiny.py CKPT_DIR SPEC_JSON [MAX_BATCHED]``. SPEC_JSON is a
 list of requests ``{"key", "text", "temperature", "top_k", "top_p", "seed", "max_tokens"}``. Prints one JSON
 line ``{"results": [...], "arch_class": ..., "loaded": ...}`` prefixed with ``RESULT:``.
 """
@@ -12,7 +12,7 @@ import os
 import sys
 
 
-def main(ckpt: str, spec: list[dict]) -> dict:
+def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model lives in this process
     import vllm
@@ -30,6 +30,7 @@ def main(ckpt: str, spec: list[dict]) -> dict:
         dtype="float32",
         max_model_len=512,
         max_num_seqs=8,
+        max_num_batched_tokens=max_num_batched_tokens,
         logits_processors=[TEXT_ONLY_BRIDGE],
     )
     prompts, params = [], []
@@ -64,9 +65,11 @@ def main(ckpt: str, spec: list[dict]) -> dict:
         "arch_class": type(talker).__module__ + ":" + type(talker).__qualname__,
         "specials": {"audio": talker.specials.audio, "eos": talker.specials.eos},
         "loaded": sorted(talker.loaded_weight_names),
+        "stats": talker.stats,
+        "graph_decision": talker.graph_decision.reason,
     }
 
 
 if __name__ == "__main__":
-    out = main(sys.argv[1], json.loads(sys.argv[2]))
+    out = main(sys.argv[1], json.loads(sys.argv[2]), *(int(a) for a in sys.argv[3:4]))
     print("RESULT:" + json.dumps(out))

@@ -1,0 +1,275 @@
+"""The adapter's runner contract (SPEC 6), driven directly like the vllm-omni runner drives it.
+
+The vllm-omni runner does not run on CPU, so these tests build the adapter in-process with a real vLLM config
+(a one-rank gloo group) and call the runner's methods in its order: ``update_decode_step_metadata`` ->
+(forward) -> ``compute_logits`` -> ``sample`` -> ``postprocess`` / ``post_sample_multimodal_outputs`` ->
+``on_requests_finished``. Hidden rows are fed directly (no attention), one deterministic vector per request and
+step, so a request's codes must not depend on its batch neighbours or position.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import socket  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import torch  # noqa: E402
+
+from higgs_talker.checkpoint import iter_tensors  # noqa: E402
+from higgs_talker.config import TalkerConfig  # noqa: E402
+from higgs_talker.heads.delay import apply_delay_pattern  # noqa: E402
+from higgs_talker.vllm_plugin import step as S  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_dir):
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+    from vllm.engine.arg_utils import EngineArgs
+
+    from higgs_talker.vllm_plugin import register
+    from higgs_talker.vllm_plugin.talker import HiggsTalkerForConditionalGeneration
+
+    register()
+    vc = EngineArgs(
+        model=str(tiny_dir), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8
+    ).create_engine_config()
+    with set_current_vllm_config(vc):
+        if not model_parallel_is_initialized():
+            init_distributed_environment(1, 0, f"tcp://127.0.0.1:{_free_port()}", 0, backend="gloo")
+            initialize_model_parallel(1, 1)
+        with torch.device("cpu"):
+            model = HiggsTalkerForConditionalGeneration(vllm_config=vc)
+    cfg = TalkerConfig.from_pretrained(tiny_dir)
+    loaded = model.load_weights(iter_tensors(tiny_dir, cfg))
+    assert loaded == {n for n, _ in model.named_parameters()}
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    with set_current_vllm_config(vc):
+        process_weights_after_loading(model, vc.model_config, torch.device("cpu"))
+    return model
+
+
+def _meta(n: int, temperature=None, generators=None):
+    return SimpleNamespace(
+        temperature=temperature,
+        all_greedy=temperature is None,
+        top_k=None,
+        top_p=None,
+        generators=generators or {},
+        max_num_logprobs=None,
+    )
+
+
+def _hidden(key: str, step: int, h: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(hash((key, step)) % (2**31))
+    return torch.randn(h, generator=g) * 3
+
+
+class Driver:
+    """Plays the vllm-omni runner: one token per request and step (the prompt is a single <|audio|>)."""
+
+    def __init__(self, model) -> None:
+        self.m = model
+        self.pos: dict[str, int] = {}
+        self.steps: dict[str, int] = {}
+        self.rows: dict[str, list[list[int]]] = {}
+        self.tokens: dict[str, list[int]] = {}
+
+    def step(self, req_ids: list[str], finished: set[str] | None = None) -> None:
+        m, sp = self.m, self.m.specials
+        if finished:
+            m.on_requests_finished(finished)
+        ids, pos = [], []
+        for r in req_ids:
+            first = r not in self.pos
+            self.pos.setdefault(r, 5)  # the prompt's last token (<|audio|>) sits at position 5
+            self.steps.setdefault(r, 0)
+            ids.append(sp.audio if first else self.tokens[r][-1])
+            pos.append(self.pos[r])
+        qsl = torch.arange(len(req_ids) + 1)
+        m.update_decode_step_metadata(
+            input_ids=torch.tensor(ids), positions=torch.tensor(pos), inputs_embeds=None,
+            omni_query_start_loc=qsl, req_ids=list(req_ids),
+        )  # fmt: skip
+        hidden = torch.stack([_hidden(r, self.steps[r], m.cfg.text.hidden_size) for r in req_ids])
+        logits = m.compute_logits(hidden)
+        out = m.sample(logits, _meta(len(req_ids)))
+        for i, r in enumerate(req_ids):
+            tok = int(out.sampled_token_ids[i, 0])
+            self.tokens.setdefault(r, []).append(tok)
+            upd = m.postprocess(hidden)
+            if upd:
+                row = upd["codes"]["audio"]
+                assert row.shape == (1, 8) and row.dtype == torch.int32
+                self.rows.setdefault(r, []).append(row[0].tolist())
+            self.pos[r] += 1
+            self.steps[r] += 1
+
+
+def test_state_follows_request_ids_across_reorder_join_and_finish(adapter):
+    a = Driver(adapter)
+    for _ in range(12):
+        a.step(["A", "B"])
+    a.m.on_requests_finished({"A", "B"})
+    b = Driver(adapter)
+    orders = [["B", "A"], ["C", "B", "A"], ["A", "C", "B"], ["B", "A", "C"], ["A", "B"], ["B", "A"]]
+    for i in range(12):
+        b.step(orders[i % len(orders)] if i < 6 else ["B", "A"], finished={"C"} if i == 6 else None)
+    b.m.on_requests_finished({"A", "B"})
+    assert a.rows["A"] == b.rows["A"] and a.rows["B"] == b.rows["B"]
+    assert len(a.rows["A"]) == 12
+    # ramp-up: row t has codebooks > t equal to BOC
+    cfg = adapter.cfg
+    for t, row in enumerate(a.rows["A"][:8]):
+        assert all(c == cfg.boc_id for c in row[t + 1 :])
+    assert adapter.pool.requests == {}
+
+
+def test_reused_request_id_starts_fresh(adapter):
+    d = Driver(adapter)
+    for _ in range(3):
+        d.step(["X"])
+    adapter.on_requests_finished({"X"})
+    e = Driver(adapter)
+    for _ in range(3):
+        e.step(["X"])
+    adapter.on_requests_finished({"X"})
+    assert d.rows["X"] == e.rows["X"]
+
+
+def test_pure_audio_steps_skip_the_text_head_and_force_tokens(adapter, monkeypatch):
+    d = Driver(adapter)
+    d.step(["P"])  # prefill-like step: the full head runs (the row is not yet in a stream)
+    calls = []
+    real = adapter.logits_processor.forward
+    monkeypatch.setattr(adapter.logits_processor, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for _ in range(3):
+        d.step(["P"])
+    assert calls == []
+    assert d.tokens["P"] == [adapter.specials.audio] * 4
+    adapter.on_requests_finished({"P"})
+
+
+def test_done_row_forces_eos_and_closes_the_stream(adapter):
+    d = Driver(adapter)
+    d.step(["E"])
+    slot = adapter.pool.requests["E"].slot
+    adapter.pool.state.done[slot] = True  # as after the terminal ramp row
+    adapter.pool.requests["E"].done = True
+    before = len(d.rows["E"])
+    d.step(["E"])
+    assert d.tokens["E"][-1] == adapter.specials.eos
+    assert len(d.rows["E"]) == before  # no frame on the EOS step
+    assert not bool(adapter.pool.state.has_codes[slot]) and not bool(adapter.pool.state.done[slot])
+    adapter.on_requests_finished({"E"})
+
+
+def test_seeded_requests_are_batch_independent(adapter):
+    def run(order):
+        d = Driver(adapter)
+        for _ in range(6):
+            ids = order
+            m = adapter
+            m.update_decode_step_metadata(
+                input_ids=torch.tensor([m.specials.audio if r not in d.pos else d.tokens[r][-1] for r in ids]),
+                positions=torch.tensor([d.pos.setdefault(r, 5) for r in ids]),
+                omni_query_start_loc=torch.arange(len(ids) + 1), req_ids=ids,
+            )  # fmt: skip
+            hidden = torch.stack([_hidden(r, d.steps.setdefault(r, 0), m.cfg.text.hidden_size) for r in ids])
+            logits = m.compute_logits(hidden)
+            gens = {i: torch.Generator().manual_seed(100 + int(r[1:])) for i, r in enumerate(ids)}
+            out = m.sample(logits, _meta(len(ids), temperature=torch.ones(len(ids)), generators=gens))
+            for i, r in enumerate(ids):
+                d.tokens.setdefault(r, []).append(int(out.sampled_token_ids[i, 0]))
+                d.rows.setdefault(r, []).append(m._published[i][0].tolist())
+                d.pos[r] += 1
+                d.steps[r] += 1
+        m.on_requests_finished(set(ids))
+        return d.rows
+
+    alone = run(["S1"])
+    together = run(["S2", "S1", "S3"])
+    assert alone["S1"] == together["S1"]
+    assert adapter.pool.seeds.numel() > 0
+
+
+def test_publication_is_owned_and_per_step(adapter):
+    d = Driver(adapter)
+    d.step(["O", "Q"])
+    rows = adapter.post_sample_multimodal_outputs(req_ids=["O", "Q"], invalid_req_indices=[1])
+    audio = rows["codes"]["audio"]
+    assert audio[0].shape == (1, 8) and audio[1].shape == (0, 8)
+    audio[0].fill_(-7)  # a consumer writing into its row must not change our records
+    assert adapter.pool.requests["O"].rows[-1].min() >= 0
+    out = adapter.make_omni_output(torch.zeros(2, 4), model_intermediate_buffer=[{"codes": {"audio": audio[0]}}, {}])
+    assert out.multimodal_outputs["codes"]["audio"][1].numel() == 0
+    assert adapter.make_omni_output(torch.zeros(1, 4), model_intermediate_buffer=[{}]).multimodal_outputs is None
+    adapter.on_requests_finished({"O", "Q"})
+
+
+def test_feedback_replaces_only_decode_tokens_of_streams(adapter):
+    d = Driver(adapter)
+    d.step(["F"])  # F now has a frame to feed back
+    m = adapter
+    # mixed step: G prefills 3 tokens, F decodes one
+    ids = torch.tensor([1, 2, m.specials.audio, m.specials.audio])
+    m.update_decode_step_metadata(
+        input_ids=ids, positions=torch.tensor([0, 1, 2, 6]), omni_query_start_loc=torch.tensor([0, 3, 4]),
+        req_ids=["G", "F"],
+    )  # fmt: skip
+    embeds = m.embed_input_ids(ids)
+    fed = S.apply_feedback(embeds, m._fb_use, m._fb_codes, m.multimodal_embedding)
+    slot = m.pool.requests["F"].slot
+    want = m.multimodal_embedding(m.pool.state.last_codes[slot][None])[0]
+    assert torch.equal(fed[:3], embeds[:3])
+    assert torch.allclose(fed[3], want)
+    m.on_requests_finished({"F", "G"})
+    m._batch = None
+
+
+def test_voice_clone_reference_rows_replace_placeholders_by_position(adapter):
+    m = adapter
+    cfg = m.cfg
+    ref = apply_delay_pattern(torch.randint(0, 1024, (2, 8)), cfg.boc_id, cfg.eoc_id)  # [9, 8]
+    prompt_len = 14
+    where = torch.arange(2, 11)
+    ids = torch.full((prompt_len,), m.specials.tts)
+    info = {"audio_input_ids": ref, "audio_input_ids_mask": torch.ones(9, dtype=torch.bool),
+            "audio_placeholder_positions": where}  # fmt: skip
+    # chunked prefill: the first chunk covers positions 0..5, the second 6..13
+    for lo, hi in ((0, 6), (6, prompt_len)):
+        batch = S.StepBatch(["V"], torch.tensor([0]), torch.tensor([0, hi - lo]), ids[lo:hi], torch.arange(lo, hi), [])
+        embeds = m.embed_input_ids(ids[lo:hi])
+        out = m._substitute_reference(embeds, batch, [info])
+        for j, p in enumerate(range(lo, hi)):
+            if 2 <= p <= 10:
+                assert torch.allclose(out[j], m.multimodal_embedding(ref[p - 2][None])[0])
+            else:
+                assert torch.equal(out[j], embeds[j])
+
+
+def test_load_weights_rejects_unexpected_and_missing_keys(adapter, tiny_dir):
+    from vllm.config import set_current_vllm_config
+
+    from higgs_talker.vllm_plugin.talker import HiggsTalkerForConditionalGeneration
+
+    cfg = adapter.cfg
+    weights = list(iter_tensors(tiny_dir, cfg))
+    with set_current_vllm_config(adapter.vllm_config), torch.device("cpu"):
+        fresh = HiggsTalkerForConditionalGeneration(vllm_config=adapter.vllm_config, prefix="fresh")
+    with pytest.raises(ValueError, match="unexpected checkpoint key"):
+        fresh.load_weights([("body.extra.weight", torch.zeros(1)), *weights])
+    with pytest.raises(ValueError, match="missing 1 required key.*body.norm.weight"):
+        fresh.load_weights([w for w in weights if w[0] != "body.norm.weight"])
+    assert fresh.load_weights(weights) == {n for n, _ in fresh.named_parameters()}
