@@ -163,7 +163,7 @@ class Case:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# variants: prepare() once per case, call(i) runs on cache copy i and writes self.outs[i]
+# variants: set up in __init__ (plans, tables, workspaces); call(i) runs on cache copy i into self.outs[i]
 
 
 class Variant:
@@ -522,24 +522,46 @@ def run_item(it: Item, ctx: Context, writer: ResultFile, seed: int) -> None:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """XQA / native time ratios per (page, layout), and where outputs were wrong."""
-    ok = {(r["variant"], r["batch"], r["context"], r["page_size"], r["layout"]): r for r in rows if "us_per_call" in r}
-    ratios: dict[str, list[float]] = {}
-    for (var, b, c, p, lay), r in ok.items():
-        nat = ok.get(("fi_native", b, c, p, lay))
-        if var.startswith("xqa") and nat is not None:
-            ratios.setdefault(f"{var}/fi_native page{p} {lay}", []).append(r["us_per_call"] / nat["us_per_call"])
+    """Time ratios of paired variants (measured on the same data, same grid point), the XQA multi-block
+    threshold per batch, and every wrong output."""
+    us = {(r["group"], r["variant"], r["batch"], r["context"], r["page_size"], r["layout"]): r["us_per_call"]
+          for r in rows if r.get("us_per_call") is not None}  # fmt: skip
+    points: dict[str, list[tuple[int, int, float]]] = {}
+
+    def pair(name: str, num: tuple, den: tuple) -> None:
+        if num in us and den in us:
+            points.setdefault(name, []).append((num[2], num[3], us[num] / us[den]))
+
+    for g, v, b, c, p, lay in list(us):
+        if v == "xqa_own":
+            pair(f"xqa_own/fi_native page{p} {lay}", (g, v, b, c, p, lay), (g, "fi_native", b, c, p, lay))
+        for num, den in (("xqa_shared", "xqa_own"), ("xqa_1block", "xqa_own"), ("xqa_wide", "xqa_own"),
+                         ("fi_native_tc", "fi_native")):  # fmt: skip
+            if v == num:
+                pair(f"{num}/{den}", (g, v, b, c, p, lay), (g, den, b, c, p, lay))
+        if v in ("fi_native", "xqa_own") and g == "core":
+            pair(f"{v} HND/NHD", ("layout", v, b, c, 16, "HND"), (g, v, b, c, 16, "NHD"))
+            pair(f"{v} page32/page16", ("page32", v, b, c, 32, "NHD"), (g, v, b, c, 16, "NHD"))
+    ratios = {
+        name: {"median": median(r for _, _, r in pts), "min": min(r for _, _, r in pts),
+               "max": max(r for _, _, r in pts), "n": len(pts), "points": sorted(pts)}
+        for name, pts in sorted(points.items())
+    }  # fmt: skip
+    threshold = {}
+    sub_seqs = {(r["batch"], r["context"]): r.get("xqa_sub_seqs") for r in rows
+                if r.get("group") == "multiblock" and r.get("variant") == "xqa_own"}  # fmt: skip
+    for b in sorted({b for b, _, _ in points.get("xqa_1block/xqa_own", [])}):
+        pts = sorted((c, r) for bb, c, r in points["xqa_1block/xqa_own"] if bb == b)
+        gain_from = next((c for c, r in pts if r >= 1.1), None)
+        threshold[str(b)] = {"multiblock_10pct_faster_from_context": gain_from,
+                             "ratio_1block_over_own": {str(c): r for c, r in pts},
+                             "predicted_sub_seqs": {str(c): sub_seqs.get((b, c)) for c, _ in pts}}  # fmt: skip
     wrong = [
-        {k: r.get(k) for k in ("variant", "batch", "context", "page_size", "layout", "rel_err")}
+        {k: r.get(k) for k in ("group", "variant", "batch", "context", "page_size", "layout", "rel_err")}
         for r in rows
         if r.get("status") == "wrong"
     ]
-    return {
-        "ratio_median": {k: median(v) for k, v in sorted(ratios.items())},
-        "ratio_min": {k: min(v) for k, v in sorted(ratios.items())},
-        "ratio_max": {k: max(v) for k, v in sorted(ratios.items())},
-        "wrong": wrong,
-    }
+    return {"ratios": ratios, "multiblock": threshold, "wrong": wrong}
 
 
 def final_table(rows: list[dict]) -> None:
@@ -570,9 +592,16 @@ def final_table(rows: list[dict]) -> None:
         })  # fmt: skip
     print_table(table, list(table[0].keys()) if table else ["batch"], title=f"\nattention per call, page {page}")
     s = summarize(rows)
-    for k, v in s["ratio_median"].items():
-        print(f"  {k}: median {v:.2f} (min {s['ratio_min'][k]:.2f}, max {s['ratio_max'][k]:.2f})")
-    print(f"  wrong outputs: {len(s['wrong'])}" + (f" {s['wrong'][:6]}" if s["wrong"] else ""))
+    print("time ratios of paired variants (same data, same grid point):")
+    for k, v in s["ratios"].items():
+        print(f"  {k:32s} median {v['median']:.2f}  (min {v['min']:.2f}, max {v['max']:.2f}, n={v['n']})")
+    for b, v in s["multiblock"].items():
+        print(f"  XQA batch {b}: multi-block >=10% faster from context {v['multiblock_10pct_faster_from_context']}"
+              f" (sub-sequences per context: {v['predicted_sub_seqs']})")  # fmt: skip
+    print(
+        f"  wrong outputs (rel. err > {WRONG_REL_ERR}): {len(s['wrong'])}"
+        + (f" {s['wrong'][:6]}" if s["wrong"] else "")
+    )
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
