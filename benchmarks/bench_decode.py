@@ -557,7 +557,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-peers", action="store_true", help="skip the transformers rows")
     p.add_argument("--peer-batches", type=_ints, default=[1])
     p.add_argument("--peer-contexts", type=_ints, default=None, help="contexts of the compiled peer (default: first)")
-    p.add_argument("--budget-s", type=float, default=480.0, help="skip remaining points after this many seconds")
+    p.add_argument("--budget-s", type=float, default=420.0, help="skip remaining points after this many seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output directory (default benchmarks/results)")
     args = p.parse_args(argv)
