@@ -166,6 +166,7 @@ class Engine:
                 )
         return SdpaAttention(self.kv_caches, t.num_attention_heads, t.head_dim)
 
+    @torch.inference_mode()
     def warm_up(self, graph_mode, buckets=None) -> None:
         """CUDA only: measure the decode kernels and capture the graphs ``graph_mode`` needs (before serving)."""
         from .cuda_graphs.buckets import DEFAULT_BUCKETS

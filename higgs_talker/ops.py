@@ -68,7 +68,11 @@ class FlashInferKernels:
         self._fi = flashinfer
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        return self._fi.norm.rmsnorm(x.contiguous(), weight, eps)  # 2-D, or 3-D per-head (QK-norm)
+        # 2-D rows, or 3-D per-head (QK-norm); the kernels take row/head strides, so the strided q/k views of
+        # the fused qkv output need no copy. The output is a new contiguous tensor.
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return self._fi.norm.rmsnorm(x, weight, eps, out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
 
     def fused_add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
         self._fi.norm.fused_add_rmsnorm(x, residual, weight, eps)  # residual += x; x = norm(residual)

@@ -218,6 +218,7 @@ def test_first_decode_step_after_capture_equals_eager():
     assert out["local_mlp"] == out["eager"] and out["full_decode"] == out["eager"]
 
 
+@torch.inference_mode()
 def test_outer_capture_with_local_path_on_runs_eager_inside(talkers):
     """Capturing a whole decode step while the local MLP path is on must not try to replay the local graphs."""
     t = talkers["local_mlp"]
