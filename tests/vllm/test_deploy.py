@@ -1,0 +1,79 @@
+"""Deploy profiles: parsed by vllm-omni's own loader, pinning what the profiles promise; the CLI prints them."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from pathlib import Path  # noqa: E402
+
+from higgs_talker.vllm_plugin import ARCHITECTURES  # noqa: E402
+from higgs_talker.vllm_plugin.deploy import PROFILES, deploy_config_path  # noqa: E402
+
+
+def _load(name: str):
+    from vllm_omni.config.stage_config import load_deploy_config
+
+    return load_deploy_config(deploy_config_path(name))
+
+
+def _stage(cfg, stage_id: int):
+    (stage,) = [s for s in cfg.stages if s.stage_id == stage_id]
+    return stage
+
+
+@pytest.mark.parametrize("name", list(PROFILES))
+def test_every_profile_parses_and_pins_stage0(name):
+    cfg = _load(name)
+    assert cfg.async_chunk is True
+    assert sorted(s.stage_id for s in cfg.stages) == [0, 1]
+    s0, s1 = _stage(cfg, 0), _stage(cfg, 1)
+    extras = s0.engine_extras
+    assert extras["model_arch"] in ARCHITECTURES
+    assert extras["attention_backend"] == "FLASHINFER"
+    assert extras["attention_config"] == {"use_trtllm_attention": False}
+    for s in (s0, s1):
+        assert "seed" not in (s.default_sampling_params or {}), f"stage {s.stage_id} pins a seed"
+        assert "seed" not in s.engine_extras
+    assert s0.output_connectors and s1.input_connectors
+    assert set(s0.output_connectors.values()) <= set(cfg.connectors)
+
+
+def test_high_throughput_keeps_stage0_eager():
+    for name in ("high-throughput", "default"):
+        s0 = _stage(_load(name), 0)
+        assert s0.enforce_eager is True
+        assert not s0.compilation_config
+
+
+def test_default_is_the_high_throughput_profile():
+    assert _load("default") == _load("high-throughput")
+
+
+def test_low_latency_uses_vllm_full_decode_graphs():
+    s0 = _stage(_load("low-latency"), 0)
+    assert s0.enforce_eager is False
+    assert s0.compilation_config == {
+        "cudagraph_mode": "FULL_DECODE_ONLY",
+        "cudagraph_capture_sizes": [1, 2, 4, 8, 16],
+        "cudagraph_num_of_warmups": 1,
+    }
+    assert max(s0.compilation_config["cudagraph_capture_sizes"]) <= s0.max_num_seqs
+
+
+def test_deploy_config_path_names_and_errors():
+    for name in PROFILES:
+        assert deploy_config_path(name).is_file()
+    assert deploy_config_path("high_throughput") == deploy_config_path("high-throughput")
+    with pytest.raises(ValueError, match="unknown deploy profile"):
+        deploy_config_path("fastest")
+
+
+@pytest.mark.parametrize("name", ["high-throughput", "low-latency"])
+def test_cli_prints_an_existing_path(name, capsys):
+    from higgs_talker.cli import main
+
+    assert main(["deploy-config", name]) == 0
+    path = Path(capsys.readouterr().out.strip())
+    assert path.is_file() and path == deploy_config_path(name)
