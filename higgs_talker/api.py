@@ -234,22 +234,28 @@ class HiggsTalker:
         its ``max_frames``. ``progress(done_rows)`` is called after every step when given.
         """
         single = isinstance(text, str)
+        if not single and (isinstance(text, bytes | bytearray) or not isinstance(text, Sequence)):
+            raise TypeError(f"text must be a str or a list of str, got {type(text).__name__}: {text!r:.80}")
         texts = [text] if single else list(text)
         if not texts:
             raise ValueError("no text to generate")
         params = self._params(sampling, len(texts), max_frames)
         prompts = [self.build_prompt(t, reference) for t in texts]  # validate all before queueing any
-        ids = [self.engine.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
+        ids: list[str] = []
+        eng = self.engine
         try:
-            while any(self.engine.requests[i].finished_at is None for i in ids):
-                self.engine.step()
+            for p, s in zip(prompts, params, strict=True):
+                ids.append(eng.add_request(p, s))
+            while any(eng.requests[i].finished_at is None for i in ids):
+                eng.step()
                 if progress is not None:
-                    progress(sum(len(self.engine.requests[i].rows) for i in ids))
+                    progress(sum(len(eng.requests[i].rows) for i in ids))
         except BaseException:
-            for i in ids:
-                self.engine.cancel(i)
+            for i in ids:  # leave nothing of this call behind
+                eng.cancel(i)
+                eng.requests.pop(i, None)
             raise
-        results = [self._result(self.engine.pop_finished(i), t) for i, t in zip(ids, texts, strict=True)]
+        results = [self._result(eng.pop_finished(i), t) for i, t in zip(ids, texts, strict=True)]
         return results[0] if single else results
 
     def generate_batch(
@@ -295,7 +301,14 @@ class HiggsTalker:
     def _params(self, sampling, count: int, max_frames: int | None) -> list[SamplingParams]:
         if sampling is None:
             sampling = SamplingParams()
-        items = [sampling] * count if isinstance(sampling, SamplingParams) else list(sampling)
+        if isinstance(sampling, SamplingParams):
+            items = [sampling] * count
+        elif isinstance(sampling, Sequence) and not isinstance(sampling, str | bytes):
+            items = list(sampling)
+        else:
+            raise TypeError(
+                f"sampling must be a SamplingParams or a list of them, got {type(sampling).__name__}: {sampling!r:.80}"
+            )
         if len(items) != count:
             raise ValueError(f"got {len(items)} SamplingParams for {count} texts")
         for s in items:

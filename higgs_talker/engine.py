@@ -215,6 +215,12 @@ class Engine:
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue a prompt; returns its request id. Raises ``ValueError`` for a prompt that can never fit."""
+        if not isinstance(prompt, Prompt):
+            raise TypeError(f"prompt must be a Prompt (see HiggsTalker.build_prompt), got {type(prompt).__name__}")
+        ids = prompt.input_ids
+        if len(prompt) and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.text.vocab_size):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise ValueError(f"prompt token id {bad} is outside the text vocabulary [0, {self.cfg.text.vocab_size})")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -261,7 +267,12 @@ class Engine:
         prefill = self._schedule_prefill()
         if prefill:
             t0 = time.perf_counter()
-            rows = self._run_prefill(prefill)
+            try:
+                rows = self._run_prefill(prefill)
+            except BaseException:
+                for req in prefill:  # never decode a request whose prefill did not complete
+                    self._finish(req, "error")
+                raise
             outputs += self._publish(prefill, rows)
             ms = (time.perf_counter() - t0) * 1e3
             for req in prefill:
@@ -269,7 +280,13 @@ class Engine:
         elif self.running:
             batch = self._schedule_decode(outputs)
             if batch:
-                outputs += self._publish(batch, self._run_decode(batch))
+                try:
+                    rows = self._run_decode(batch)
+                except BaseException:
+                    for req in batch:  # their KV and state may be half-written: do not go on with them
+                        self._finish(req, "error")
+                    raise
+                outputs += self._publish(batch, rows)
         self.num_steps += 1
         return outputs
 
@@ -450,7 +467,8 @@ class Engine:
         now = time.perf_counter()
         outputs = []
         for i, req in enumerate(batch):
-            row = host[i].clone()
+            with torch.inference_mode(False):
+                row = host[i].clone()  # an ordinary (not inference-mode) tensor the caller owns
             req.rows.append(row)
             if req.first_row_at is None:
                 req.first_row_at = now
@@ -463,7 +481,9 @@ class Engine:
                 reason = "max_model_len"
             if reason:
                 self._finish(req, reason)
-            outputs.append(StepOutput(req.id, row[None, :].clone(), reason is not None, reason))
+            with torch.inference_mode(False):
+                published = row[None, :].clone()
+            outputs.append(StepOutput(req.id, published, reason is not None, reason))
         return outputs
 
     def _finish(self, req: Request, reason: str) -> None:

@@ -6,7 +6,7 @@ good checkpoint still loads and generates the same codes. *Call* cases misuse a 
 reference codes, sampling, the engine API); after the error the engine holds no request, every KV block and
 state row is free, and the same seeded request still generates the same codes.
 
-Known bugs are kept at the end as strict xfails, each with a minimal reproduction in its reason.
+Bugs these tests found are kept at the end as regression tests.
 """
 
 from __future__ import annotations
@@ -451,11 +451,6 @@ CALL_CASES = [
         TypeError,
         r"text.*\bint\b",
         id="text-int",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="BUG (api.py generate): generate(1234) calls list(1234) and raises TypeError \"'int' object is "
-            "not iterable\", which does not say that `text` is wrong; generate(b'hi') even iterates the bytes",
-        ),
     ),
     pytest.param(gen("say <|audio|> now"), ValueError, E("'<|audio|>'"), id="text-special-token"),
     pytest.param(gen([]), ValueError, "no text to generate", id="text-empty-list"),
@@ -503,12 +498,6 @@ CALL_CASES = [
         TypeError,
         "dict",
         id="sampling-dict",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="BUG (api.py _params): a dict passed as `sampling` is iterated, so the error names its first key's "
-            "type: generate('hi', sampling={'temperature': 0.5}) -> TypeError 'sampling must be SamplingParams, got "
-            "str' instead of naming the dict",
-        ),
     ),
     # the engine API
     pytest.param(add_twice, ValueError, "request id 'dup' is already in use", id="engine-duplicate-id"),
@@ -550,18 +539,9 @@ def test_matrix_size() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# known bugs (strict xfails: they start passing, and so fail, once fixed)
+# bugs found by these tests (fixed; kept as regression tests)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG (api.py HiggsTalker.generate): when a step raises, generate() cancels its requests but never pops "
-        "them, so they stay in engine.requests for good. Repro: t = HiggsTalker.from_pretrained(d, "
-        "num_blocks=2); t.generate('hello world hello world', SamplingParams(temperature=0, max_frames=200)) "
-        "-> RuntimeError (needs 3 KV blocks); then t.engine.requests == {'0': <cancelled Request>}"
-    ),
-)
 def test_generate_error_leaves_no_request(tiny_dir: Path) -> None:
     t = remember_idle(HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=2, num_blocks=2, max_model_len=256))
     with pytest.raises(RuntimeError, match="needs 3 KV blocks but the cache has 2"):
@@ -569,16 +549,6 @@ def test_generate_error_leaves_no_request(tiny_dir: Path) -> None:
     assert_idle(t)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG (api.py HiggsTalker.generate): prompts are queued one by one outside the try block, so when "
-        "engine.add_request rejects a later prompt (e.g. longer than max_model_len), the earlier ones stay "
-        "queued: they run inside the next generate() call and are never popped. Repro: t = "
-        "HiggsTalker.from_pretrained(d, max_model_len=256); t.generate(['hi', 'b' * 300]) -> ValueError; "
-        "then list(t.engine.waiting) holds the request for 'hi'"
-    ),
-)
 def test_generate_rejected_prompt_queues_nothing(own_talker: HiggsTalker) -> None:
     with pytest.raises(ValueError, match="prompt of 303 tokens"):
         own_talker.generate(["hi", "b" * 300], SamplingParams(max_frames=4))
@@ -590,16 +560,6 @@ def test_generate_rejected_prompt_queues_nothing(own_talker: HiggsTalker) -> Non
             own_talker.engine.pop_finished(rid)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG (engine.py Engine.add_request): token ids are not checked against the text vocabulary. A Prompt "
-        "with id 5000 (vocab 320) is accepted; the next step() raises IndexError inside the prefill after the "
-        "request was admitted, and the request stays RUNNING with num_computed=0, so the following step() "
-        "decodes it against an empty KV cache and publishes rows that are silently wrong. Repro: "
-        "e.add_request(Prompt(torch.tensor([257, 258, 5000, 259]))); e.step() -> IndexError; e.step() -> a row"
-    ),
-)
 def test_engine_rejects_token_outside_vocab(own_talker: HiggsTalker) -> None:
     e = own_talker.engine
     try:
@@ -612,15 +572,6 @@ def test_engine_rejects_token_outside_vocab(own_talker: HiggsTalker) -> None:
             e.pop_finished(rid)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG (engine.py Engine.step): a prefill that raises leaves its requests admitted (RUNNING, KV blocks and "
-        "state row held, num_computed=0) instead of re-queuing or failing them; the next step() decodes them as "
-        "if prefilled and publishes wrong codes. Repro: make model.forward raise once during a prefill step, "
-        "catch it, keep stepping: the request finishes normally with rows that differ from a clean run"
-    ),
-)
 def test_prefill_fault_is_loud_or_harmless(own_talker: HiggsTalker, probe_rows, monkeypatch) -> None:
     e = own_talker.engine
     model = own_talker.model
