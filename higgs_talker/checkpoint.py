@@ -145,6 +145,12 @@ def checkpoint_files(path: str | Path) -> list[Path]:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise ValueError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {exc}") from exc
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: 'weight_map' must map tensor names to shard file names")
+        for name in set(weight_map.values()):
+            # shards live beside the index; judge the name itself (hub caches symlink their shards)
+            if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts or "/" in name:
+                raise ValueError(f"{index} names shard {name!r}, which is not a file name inside {path}")
         files = sorted({path / name for name in weight_map.values()})
         missing = [str(f.name) for f in files if not f.is_file()]
         if missing:

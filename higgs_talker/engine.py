@@ -311,7 +311,8 @@ class Engine:
         if not batch and self.waiting and not self.running and not self._free_rows:
             raise RuntimeError("no free state rows and nothing running")  # internal invariant
         if not batch and self.waiting and not self.running:
-            req = self.waiting[0]
+            req = self.waiting.popleft()
+            self._finish(req, "error")  # it can never fit: fail it once instead of blocking every later step
             raise RuntimeError(
                 f"request {req.id!r} needs {self.allocator.blocks_for(req.num_tokens + 2)} KV blocks but the cache "
                 f"has {self.allocator.num_blocks - 1} in all; raise num_blocks or lower max_frames"
