@@ -27,7 +27,7 @@ from .attention import AttentionBackend, AttnMetadata, SdpaAttention
 from .config import SpecialTokens, TalkerConfig
 from .heads.delay import DelayState, apply_delay_mask, update_state
 from .heads.sampling import SamplingParams, sample_codes
-from .kv_cache import BlockAllocator, allocate_kv_caches, slot_mapping
+from .kv_cache import BlockAllocator, allocate_kv_caches, kv_bytes_per_token, slot_mapping
 from .model import TalkerModel
 from .prompt import Prompt
 
@@ -81,6 +81,7 @@ class EngineConfig:
     num_blocks: int | None = None  # None: enough for max_num_seqs sequences of max_model_len
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_prefill_tokens: int = 8192
+    kv_memory_fraction: float = 0.6  # CUDA: share of the free memory the default KV cache may take
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_prefill_tokens"):
@@ -88,6 +89,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {self.num_blocks}")
+        if not 0 < self.kv_memory_fraction <= 0.95:
+            raise ValueError(f"kv_memory_fraction must lie in (0, 0.95], got {self.kv_memory_fraction}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
 
@@ -119,7 +122,7 @@ class Engine:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.max_model_len = min(ec.max_model_len or cfg.text.max_position_embeddings, cfg.text.max_position_embeddings)
-        num_blocks = ec.num_blocks or ec.max_num_seqs * -(-self.max_model_len // ec.block_size)
+        num_blocks = ec.num_blocks or self._default_num_blocks()
         # one extra block that no request owns: padded graph rows write their K/V there
         self.allocator = BlockAllocator(num_blocks + 1, ec.block_size)
         self.scratch_block = self.allocator.allocate(1)[0]
@@ -143,6 +146,31 @@ class Engine:
         self.running: list[Request] = []
         self._ids = itertools.count()
         self.num_steps = 0
+
+    def _default_num_blocks(self) -> int:
+        """Enough blocks for max_num_seqs full-length sequences; on CUDA at most what ``kv_memory_fraction`` of
+        the free device memory holds (the rest stays for activations, graphs and workspaces)."""
+        ec = self.ecfg
+        want = ec.max_num_seqs * -(-self.max_model_len // ec.block_size)
+        if self.device.type != "cuda":
+            return want
+        free, _ = torch.cuda.mem_get_info(self.device)
+        per_block = kv_bytes_per_token(self.cfg.text, self.dtype) * ec.block_size
+        fits = int(free * ec.kv_memory_fraction) // per_block
+        if fits < -(-self.max_model_len // ec.block_size):
+            raise ValueError(
+                f"the KV cache for one {self.max_model_len}-token sequence does not fit in "
+                f"{ec.kv_memory_fraction:.0%} of the free GPU memory ({free / 2**30:.1f} GiB); lower max_model_len"
+            )
+        if fits < want:
+            logger.info(
+                "KV cache: %d blocks (%.1f GiB) fit, fewer than the %d for %d full-length sequences",
+                fits,
+                fits * per_block / 2**30,
+                want,
+                ec.max_num_seqs,
+            )
+        return min(want, fits)
 
     def _default_attention(self, decode_kernel: str) -> AttentionBackend:
         t = self.cfg.text
