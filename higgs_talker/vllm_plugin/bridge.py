@@ -83,7 +83,9 @@ class TextOnlyBridge(LogitsProcessor):
             return
         batch = [self.rows[i] for i in range(self.batch_size)]
         model.pool.keep_finished = max(model.pool.keep_finished, 256)
-        model.set_bridge_requests([r.key for r in batch], {i: r.seed for i, r in enumerate(batch) if r.seed is not None})
+        model.set_bridge_requests(
+            [r.key for r in batch], {i: r.seed for i, r in enumerate(batch) if r.seed is not None}
+        )
         self.armed = True
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -95,8 +97,8 @@ class TextOnlyBridge(LogitsProcessor):
         if logits.shape[0] != len(batch):
             return logits
         dev = logits.device
-        greedy = [r.temperature < 1e-5 for r in batch]
-        temperature = torch.tensor([0.0 if g else r.temperature for g, r in zip(greedy, batch)], device=dev)
+        # vLLM treats a temperature below 1e-5 as greedy; sample_codes takes 0 for greedy
+        temperature = torch.tensor([r.temperature if r.temperature >= 1e-5 else 0.0 for r in batch], device=dev)
         top_k = torch.tensor([r.top_k if r.top_k > 0 else 0 for r in batch], dtype=torch.long, device=dev)
         top_p = torch.tensor([r.top_p for r in batch], device=dev)
         model.sample_codes(temperature, top_k, top_p)

@@ -127,7 +127,9 @@ class RequestStatePool:
             return torch.zeros(0, self.num_codebooks, dtype=torch.int32)
         return torch.stack(req.rows)
 
-    def record(self, req_ids: list[str], rows: Tensor, valid: Tensor, active: Tensor, done: Tensor) -> list[Tensor | None]:
+    def record(
+        self, req_ids: list[str], rows: Tensor, valid: Tensor, active: Tensor, done: Tensor
+    ) -> list[Tensor | None]:
         """Store one step's host results (batch order); returns per request an owned [1, N] row or None.
 
         rows [B, N] int32, valid/active/done [B] bool, all on the CPU.

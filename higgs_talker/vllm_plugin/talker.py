@@ -299,7 +299,9 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         invalid = set(invalid_req_indices or ())
         empty = torch.zeros(0, self.cfg.num_codebooks, dtype=torch.int32)
         rows = [
-            row if (i < len(self._published) and (row := self._published[i]) is not None and i not in invalid) else empty
+            row
+            if (i < len(self._published) and (row := self._published[i]) is not None and i not in invalid)
+            else empty
             for i in range(len(req_ids))
         ]
         return {"codes": {"audio": rows}}
@@ -435,7 +437,9 @@ def _reference_rows(info: dict, num_codebooks: int) -> tuple[Tensor | None, Tens
         mask = torch.as_tensor(mask).reshape(-1).bool()
         codes, where = codes[mask.to(codes.device)], where[mask.to(where.device)]
     if where.numel() != codes.shape[0] or where.numel() == 0:
-        logger.debug("reference rows (%d) and placeholder positions (%d) differ; skipped", codes.shape[0], where.numel())
+        logger.debug(
+            "reference rows (%d) and placeholder positions (%d) differ; skipped", codes.shape[0], where.numel()
+        )
         return None, None
     where, order = where.sort()
     return codes[order.to(codes.device)], where

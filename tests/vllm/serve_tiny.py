@@ -1,8 +1,8 @@
 """Serve the tiny checkpoint with plain ``vllm.LLM`` through the higgs_talker plugin; print codes as JSON.
 
-Run as a script (the CPU backend spawns workers): ``python serve_tiny.py CKPT_DIR SPEC_JSON [MAX_BATCHED]``. SPEC_JSON is a
-list of requests ``{"key", "text", "temperature", "top_k", "top_p", "seed", "max_tokens"}``. Prints one JSON
-line ``{"results": [...], "arch_class": ..., "loaded": ...}`` prefixed with ``RESULT:``.
+Run as a script (the CPU backend spawns workers): ``python serve_tiny.py CKPT_DIR SPEC_JSON [MAX_BATCHED]``.
+SPEC_JSON is a list of requests ``{"key", "text", "temperature", "top_k", "top_p", "seed", "max_tokens"}``.
+Prints one JSON line ``{"results": [...], "arch_class": ..., "loaded": ...}`` prefixed with ``RESULT:``.
 """
 
 from __future__ import annotations

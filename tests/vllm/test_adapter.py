@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm")
+# "vllm.config", not "vllm": without vLLM installed, this very folder (tests/vllm) would import as a
+# namespace package named vllm, and importorskip("vllm") would not skip.
+pytest.importorskip("vllm.config")
 
 import socket  # noqa: E402
+import zlib  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import torch  # noqa: E402
@@ -72,7 +75,7 @@ def _meta(n: int, temperature=None, generators=None):
 
 
 def _hidden(key: str, step: int, h: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(hash((key, step)) % (2**31))
+    g = torch.Generator().manual_seed(zlib.crc32(f"{key}/{step}".encode()))
     return torch.randn(h, generator=g) * 3
 
 
@@ -88,8 +91,10 @@ class Driver:
 
     def step(self, req_ids: list[str], finished: set[str] | None = None) -> None:
         m, sp = self.m, self.m.specials
-        if finished:
-            m.on_requests_finished(finished)
+        stopped = {r for r in req_ids if self.tokens.get(r, [None])[-1] == sp.eos}  # vLLM stops them on EOS
+        req_ids = [r for r in req_ids if r not in stopped]
+        if finished or stopped:
+            m.on_requests_finished((finished or set()) | stopped)
         ids, pos = [], []
         for r in req_ids:
             first = r not in self.pos

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm")
+# "vllm.config", not "vllm": without vLLM installed, this very folder (tests/vllm) would import as a
+# namespace package named vllm, and importorskip("vllm") would not skip.
+pytest.importorskip("vllm.config")
 
 import json  # noqa: E402
 import os  # noqa: E402
@@ -34,8 +36,15 @@ SCRIPT = Path(__file__).with_name("serve_tiny.py")
 SPEC = [
     {"key": "seed3", "text": "Hello there.", "temperature": 1.0, "seed": 3, "max_tokens": 100},
     {"key": "seed1", "text": "Hello there.", "temperature": 1.0, "seed": 1, "max_tokens": 100},
-    {"key": "topkp", "text": "Top k and top p.", "temperature": 0.8, "top_k": 50, "top_p": 0.9, "seed": 7,
-     "max_tokens": 30},  # fmt: skip
+    {
+        "key": "topkp",
+        "text": "Top k and top p.",
+        "temperature": 0.8,
+        "top_k": 50,
+        "top_p": 0.9,
+        "seed": 7,
+        "max_tokens": 30,
+    },  # noqa: E501
     {"key": "short", "text": "Short.", "max_tokens": 12},
     {"key": "greedy-long", "text": "Hello there, this prompt is long enough to be chunked.", "max_tokens": 40},
 ]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm")
+# "vllm.config", not "vllm": without vLLM installed, this very folder (tests/vllm) would import as a
+# namespace package named vllm, and importorskip("vllm") would not skip.
+pytest.importorskip("vllm.config")
 
 import json  # noqa: E402
 import subprocess  # noqa: E402
