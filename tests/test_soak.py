@@ -6,7 +6,12 @@ steps, some cancelled mid-flight, most ending on their own EOC. The KV pool is s
 queue and get preempted. Invariants:
 
 * every request that finished is identical (rows and finish reason) to the same request run alone with the
-  same seed on a fresh engine; a cancelled one got a prefix of those rows: no request receives another's rows;
+  same seed on a fresh engine; a cancelled one got a prefix of those rows: no request receives another's rows.
+  One difference is accepted and counted (``near_tie_flips``): matrix products round differently for one row
+  than for a batch, so where the sampler's two best candidates for a code are within rounding noise the
+  batched run may take the other one, and the request's rows go their own way from there.
+  ``explain_divergence`` re-runs the solo request and proves that case (the batched code is the solo run's
+  runner-up, within a relative 1e-4 of the winner); anything else fails;
 * the rows a step publishes are owned: they equal the request's final rows after all later steps;
 * every published row follows the delay pattern (ramp-up BOCs, one EOC onset, the 7-row ramp-down);
 * at every step each KV block and state row is either free or held by exactly one live request, and at the
@@ -25,7 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _engine_invariants import assert_idle, check_delay_pattern, remember_idle
+from _engine_invariants import assert_idle, check_delay_pattern, explain_divergence, remember_idle
 
 from higgs_talker.api import HiggsTalker, Reference
 from higgs_talker.engine import Status
@@ -176,19 +181,23 @@ def _check_request(req, plan: Plan, prompt: Prompt, published, solo, cache, stat
         stats["solo_rows"] += len(cache[key][0])
     alone, alone_reason = cache[key]
     stats["preempted"] += req.preemptions > 0
-    if req.finish_reason == "cancelled":
-        assert torch.equal(rows, alone[: len(rows)]), f"{req.id} (cancelled): rows are not a prefix of its solo run"
+    cancelled = req.finish_reason == "cancelled"
+    same = torch.equal(rows, alone[: len(rows)]) if cancelled else torch.equal(rows, alone)
+    if not same:
+        # the only accepted difference: a code flipped at a floating-point near-tie (batched vs solo rounding)
+        flip = explain_divergence(solo, prompt, plan.params, rows, alone)
+        if flip is None:
+            pytest.fail(
+                f"{req.id}: rows differ from the same request run alone ({len(rows)} vs {len(alone)} rows, "
+                f"{req.finish_reason} vs {alone_reason}, preemptions {req.preemptions}, params {plan.params})"
+            )
+        stats["near_tie_flips"] += 1
+    if cancelled:
         check_delay_pattern(rows, "cancelled")
         return
     stats[f"finish_{req.finish_reason}"] += 1
-    assert req.finish_reason == alone_reason, f"{req.id}: finished by {req.finish_reason}, alone by {alone_reason}"
-    if not torch.equal(rows, alone):
-        diff = (rows != alone).any(dim=1).nonzero() if rows.shape == alone.shape else None
-        first = None if diff is None or not diff.numel() else int(diff[0])
-        pytest.fail(
-            f"{req.id}: rows differ from the same request run alone ({len(rows)} vs {len(alone)} rows, first "
-            f"differing row {first}, preemptions {req.preemptions}, params {plan.params})"
-        )
+    if same:
+        assert req.finish_reason == alone_reason, f"{req.id}: finished by {req.finish_reason}, alone by {alone_reason}"
     check_delay_pattern(rows, req.finish_reason)
     onset = (rows[:, 0] == 1025).nonzero()
     stats["early_eoc"] += bool(onset.numel()) and int(onset[0]) < rows.shape[1] - 1
@@ -268,3 +277,20 @@ def test_delay_pattern_checker(onset: int) -> None:
         check_delay_pattern(torch.cat([rows, torch.full((1, 8), 1025)]), "max_frames")
     with pytest.raises(AssertionError, match="expected"):
         check_delay_pattern(rows[:-1], "eoc")
+
+
+def test_divergence_explainer_is_strict(tiny_dir: Path) -> None:
+    """``explain_divergence`` must reject a code that is not a near-tie runner-up, or the soak proves nothing."""
+    _, solo = talkers(tiny_dir)
+    prompt = solo.build_prompt("An ordinary sentence.")
+    params = SamplingParams(seed=99, temperature=1.0, max_frames=30)
+    alone, _ = run_alone(solo, prompt, params)
+    assert explain_divergence(solo, prompt, params, alone, alone) is None
+    for t, c in [(3, 0), (12, 0), (20, 5)]:
+        wrong = alone.clone()
+        wrong[t, c] = (int(alone[t, c]) + 1) % 1024  # any other code, with no near-tie behind it
+        with pytest.raises(AssertionError, match=f"row {t} codebook {c}"):
+            explain_divergence(solo, prompt, params, wrong, alone)
+    another = run_alone(solo, solo.build_prompt("Someone else's text."), SamplingParams(seed=1, max_frames=30))[0]
+    with pytest.raises(AssertionError, match="not a near-tie flip|far above rounding noise"):
+        explain_divergence(solo, prompt, params, another, alone)  # another request's rows
