@@ -166,6 +166,15 @@ def garble_index(d: Path) -> None:
     (d / "model.safetensors.index.json").write_text("{not json")
 
 
+def index_escapes_directory(d: Path) -> None:
+    """The index names a shard outside the checkpoint directory (a path traversal)."""
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"]["body.norm.weight"]
+    shutil.copy(d / shard, d.parent / shard)
+    index["weight_map"] = {k: f"../{v}" if v == shard else v for k, v in index["weight_map"].items()}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
 def duplicate_across_shards(d: Path) -> None:
     index = json.loads((d / "model.safetensors.index.json").read_text())
     key = "body.norm.weight"
@@ -293,6 +302,9 @@ LOADER_CASES = [
     ),
     pytest.param(no_weights, FileNotFoundError, "no safetensors weights in", id="w-none"),
     pytest.param(sharded(delete_shard), FileNotFoundError, "model-00002-of-00003.safetensors", id="w-shard-missing"),
+    pytest.param(
+        sharded(index_escapes_directory), ValueError, E("names shard '../model-0000"), id="w-shard-outside-dir"
+    ),
     pytest.param(sharded(garble_index), ValueError, "model.safetensors.index.json", id="w-index-not-json"),
     pytest.param(
         sharded(duplicate_across_shards), ValueError, E("'body.norm.weight' appears in both"), id="w-shard-duplicate"
