@@ -7,6 +7,7 @@ transformers ``PretrainedConfig`` subclass registered for ``model_type == "higgs
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -321,10 +322,14 @@ def _optional_eos(value: Any) -> int | None:
 
 
 def hf_config_class() -> type:
-    """The ``PretrainedConfig`` subclass for ``higgs_multimodal_qwen3`` (built lazily, imports transformers)."""
+    """The ``PretrainedConfig`` subclass for ``higgs_multimodal_qwen3`` (built lazily, imports transformers).
+
+    ``text_config`` is held as a transformers ``Qwen3Config`` (what vLLM reads through ``get_text_config()``);
+    ``to_dict()`` writes it back as a plain dict, so the JSON form is unchanged.
+    """
     global _HF_CONFIG_CLASS
     if _HF_CONFIG_CLASS is None:
-        from transformers import PretrainedConfig
+        from transformers import PretrainedConfig, Qwen3Config
 
         class HiggsAudioV3Config(PretrainedConfig):
             model_type = MODEL_TYPE
@@ -333,9 +338,10 @@ def hf_config_class() -> type:
             def __init__(
                 self, text_config: dict | None = None, audio_encoder_config: dict | None = None, **kwargs: Any
             ) -> None:
-                if text_config is not None and hasattr(text_config, "to_dict"):
-                    text_config = text_config.to_dict()
-                self.text_config = text_config or {}
+                if not isinstance(text_config, PretrainedConfig):
+                    fields = {k: v for k, v in (text_config or {}).items() if k != "model_type"}
+                    text_config = Qwen3Config(**fields)
+                self.text_config = text_config
                 self.audio_encoder_config = audio_encoder_config or {
                     "encoder_type": "discrete",
                     "num_codebooks": DEFAULT_NUM_CODEBOOKS,
@@ -343,6 +349,15 @@ def hf_config_class() -> type:
                     "tie_word_embeddings": True,
                 }
                 super().__init__(**kwargs)
+
+            def get_text_config(self, *args: Any, **kwargs: Any) -> PretrainedConfig:
+                return self.text_config
+
+            def to_dict(self) -> dict[str, Any]:
+                out = super().to_dict()
+                if isinstance(self.text_config, PretrainedConfig):
+                    out["text_config"] = self.text_config.to_dict()
+                return out
 
             def to_talker_config(self) -> TalkerConfig:
                 return TalkerConfig.from_dict(self.to_dict())
@@ -364,5 +379,8 @@ def register_hf_config() -> bool:
 
     if MODEL_TYPE in CONFIG_MAPPING:
         return False
+    if importlib.util.find_spec("vllm_omni") is not None:
+        return False  # vllm-omni registers its own class on import and refuses an existing entry
+
     AutoConfig.register(MODEL_TYPE, hf_config_class())
     return True

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-# "vllm.config", not "vllm": without vLLM installed, this very folder (tests/vllm) would import as a
-# namespace package named vllm, and importorskip("vllm") would not skip.
+# skips the module cleanly where vLLM is not installed (the core test environment)
 pytest.importorskip("vllm.config")
 
 import json  # noqa: E402
