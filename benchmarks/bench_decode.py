@@ -265,26 +265,10 @@ def num_blocks_for(args: argparse.Namespace) -> int:
 
 def build_hf_peer(talker: HiggsTalker, dtype: torch.dtype, device: torch.device):
     """transformers Qwen3ForCausalLM with our shape and weights; lm_head is our codebook table [8 * V, H]."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     t = talker.cfg.text
-    kw = dict(
-        vocab_size=t.vocab_size,
-        hidden_size=t.hidden_size,
-        intermediate_size=t.intermediate_size,
-        num_hidden_layers=t.num_hidden_layers,
-        num_attention_heads=t.num_attention_heads,
-        num_key_value_heads=t.num_key_value_heads,
-        head_dim=t.head_dim,
-        max_position_embeddings=t.max_position_embeddings,
-        rms_norm_eps=t.rms_norm_eps,
-        attention_bias=t.attention_bias,
-        tie_word_embeddings=False,
-    )
-    try:
-        hcfg = Qwen3Config(**kw, rope_parameters={"rope_type": "default", "rope_theta": t.rope_theta})
-    except (TypeError, ValueError):
-        hcfg = Qwen3Config(**kw, rope_theta=t.rope_theta)
+    hcfg = t.to_qwen3_config(tie_word_embeddings=False)
     ours = talker.model
     table = ours.modality_head.weight
     with torch.device("meta"):

@@ -53,6 +53,29 @@ class TextConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    def to_qwen3_config(self, **overrides: Any):
+        """The same backbone as a transformers ``Qwen3Config`` (for vLLM's layers and reference models)."""
+        from transformers import Qwen3Config
+
+        fields = dict(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings,
+            attention_bias=self.attention_bias,
+        )
+        fields.update(overrides)
+        try:  # transformers >= 5 takes RoPE settings as rope_parameters, older releases as rope_theta
+            return Qwen3Config(**fields, rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta})
+        except (TypeError, ValueError):
+            return Qwen3Config(**fields, rope_theta=self.rope_theta)
+
 
 @dataclass(frozen=True)
 class SpecialTokens:

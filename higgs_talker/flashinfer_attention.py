@@ -89,6 +89,31 @@ class FlashInferAttention:
         as32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
         return as32(indptr), as32(indices), as32(last)
 
+    def _plan_native(self, wrapper, blocks: list[list[int]], seq_lens: list[int]) -> None:
+        """Host-side plan of FlashInfer's native paged decode for these block lists and lengths."""
+        indptr, indices, last = self._paged(blocks, seq_lens)
+        dtype = self.kv_caches[0].dtype
+        wrapper.plan(
+            indptr,
+            indices,
+            last,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.block_size,
+            pos_encoding_mode="NONE",
+            q_data_type=dtype,
+            kv_data_type=dtype,
+            sm_scale=self.scale,
+        )
+
+    def _block_table(self, blocks: list[list[int]]) -> Tensor:
+        """[rows, max_blocks] int32 block table (host); unused entries point at the scratch block."""
+        table = torch.full((len(blocks), self.max_blocks), self.scratch_block, dtype=torch.int32)
+        for i, bl in enumerate(blocks):
+            table[i, : len(bl)] = torch.tensor(bl, dtype=torch.int32)
+        return table
+
     def _kv_index(self, slots: list[int]) -> tuple[list[int], list[int]]:
         bs = self.block_size
         k = [(s // bs) * 2 * bs + s % bs for s in slots]
@@ -100,33 +125,18 @@ class FlashInferAttention:
         k, v = self._kv_index(meta.slot_mapping_host)
         self._k_index = torch.tensor(k, dtype=torch.long).to(self.device, non_blocking=True)
         self._v_index = torch.tensor(v, dtype=torch.long).to(self.device, non_blocking=True)
-        indptr, indices, last = self._paged(meta.blocks_host, meta.seq_lens_host)
-        dtype = self.kv_caches[0].dtype
         sizes = sorted(self.kernel_for_bucket)
         bucket = bucket_for(meta.num_reqs, sizes) if meta.is_decode_only else None
         if bucket is not None and self.kernel_for_bucket[bucket] == "xqa":
-            table = torch.full((meta.num_reqs, self.max_blocks), self.scratch_block, dtype=torch.int32)
-            for i, bl in enumerate(meta.blocks_host):
-                table[i, : len(bl)] = torch.tensor(bl, dtype=torch.int32)
-            self._xqa_tables = table.to(self.device, non_blocking=True)
+            self._xqa_tables = self._block_table(meta.blocks_host).to(self.device, non_blocking=True)
             self._xqa_lens = torch.tensor(meta.seq_lens_host, dtype=torch.int32).to(self.device, non_blocking=True)
             self._mode = "xqa"
         elif meta.is_decode_only:
-            self.decode.plan(
-                indptr,
-                indices,
-                last,
-                self.num_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                self.block_size,
-                pos_encoding_mode="NONE",
-                q_data_type=dtype,
-                kv_data_type=dtype,
-                sm_scale=self.scale,
-            )
+            self._plan_native(self.decode, meta.blocks_host, meta.seq_lens_host)
             self._mode = "decode"
         else:
+            indptr, indices, last = self._paged(meta.blocks_host, meta.seq_lens_host)
+            dtype = self.kv_caches[0].dtype
             qo = torch.tensor([0, *torch.tensor(meta.query_lens_host).cumsum(0).tolist()], dtype=torch.int32)
             self.prefill.plan(
                 qo,
@@ -190,26 +200,9 @@ class FlashInferAttention:
         slot.k_index.copy_(torch.tensor(k, dtype=torch.long), non_blocking=True)
         slot.v_index.copy_(torch.tensor(v, dtype=torch.long), non_blocking=True)
         if slot.kernel == "native":
-            indptr, indices, last = self._paged(blocks, lens)
-            dtype = self.kv_caches[0].dtype
-            slot.wrapper.plan(
-                indptr,
-                indices,
-                last,
-                self.num_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                self.block_size,
-                pos_encoding_mode="NONE",
-                q_data_type=dtype,
-                kv_data_type=dtype,
-                sm_scale=self.scale,
-            )
+            self._plan_native(slot.wrapper, blocks, lens)
         else:
-            table = torch.full((bucket, self.max_blocks), self.scratch_block, dtype=torch.int32)
-            for i, bl in enumerate(blocks):
-                table[i, : len(bl)] = torch.tensor(bl, dtype=torch.int32)
-            slot.block_tables.copy_(table, non_blocking=True)
+            slot.block_tables.copy_(self._block_table(blocks), non_blocking=True)
             slot.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
         self._mode, self._slot = "graph", slot
 

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from .attention import AttentionBackend
 from .config import TalkerConfig, TextConfig
-from .heads.codebooks import FusedCodebookEmbedding, FusedCodebookHead
+from .heads.codebooks import build_codebooks
 from .ops import TorchKernels, rope_cache
 
 Kernels = TorchKernels  # any object with the TorchKernels methods (see ops.FlashInferKernels)
@@ -104,13 +104,7 @@ class TalkerModel(nn.Module):
         self.model = Qwen3Model(t)
         if not t.tie_word_embeddings:
             self.lm_head = nn.Linear(t.hidden_size, t.vocab_size, bias=False)
-        self.multimodal_embedding = FusedCodebookEmbedding(cfg.num_codebooks, cfg.codebook_size, t.hidden_size)
-        self.modality_head = FusedCodebookHead(
-            cfg.num_codebooks,
-            cfg.codebook_size,
-            t.hidden_size,
-            tied_to=self.multimodal_embedding if cfg.tie_modality_embeddings else None,
-        )
+        self.multimodal_embedding, self.modality_head = build_codebooks(cfg)
         self.kernels = kernels or TorchKernels()
         self.register_buffer(
             "cos_sin", rope_cache(t.head_dim, t.max_position_embeddings, t.rope_theta), persistent=False

@@ -52,3 +52,15 @@ class FusedCodebookHead(nn.Module):
 
     def forward(self, hidden: Tensor) -> Tensor:
         return F.linear(hidden, self.weight).view(hidden.shape[0], self.num_codebooks, self.codebook_size)
+
+
+def build_codebooks(cfg) -> tuple[FusedCodebookEmbedding, FusedCodebookHead]:
+    """The fused table and its head for a ``TalkerConfig`` (the head shares the table when tied)."""
+    embedding = FusedCodebookEmbedding(cfg.num_codebooks, cfg.codebook_size, cfg.hidden_size)
+    head = FusedCodebookHead(
+        cfg.num_codebooks,
+        cfg.codebook_size,
+        cfg.hidden_size,
+        tied_to=embedding if cfg.tie_modality_embeddings else None,
+    )
+    return embedding, head

@@ -37,7 +37,7 @@ from vllm.v1.outputs import SamplerOutput
 from ..checkpoint import expected_shapes, map_key
 from ..config import SpecialTokens, TalkerConfig
 from ..cuda_graphs.policy import decide
-from ..heads.codebooks import FusedCodebookEmbedding, FusedCodebookHead
+from ..heads.codebooks import build_codebooks
 from ..heads.sampling import MAX_SEED
 from . import step as S
 from .graphs import LocalMLPPath
@@ -82,13 +82,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         else:
             self.lm_head = ParallelLMHead(t.vocab_size, t.hidden_size, prefix=_join(prefix, "lm_head"))
         self.logits_processor = LogitsProcessor(t.vocab_size)
-        self.multimodal_embedding = FusedCodebookEmbedding(cfg.num_codebooks, cfg.codebook_size, t.hidden_size)
-        self.modality_head = FusedCodebookHead(
-            cfg.num_codebooks,
-            cfg.codebook_size,
-            t.hidden_size,
-            tied_to=self.multimodal_embedding if cfg.tie_modality_embeddings else None,
-        )
+        self.multimodal_embedding, self.modality_head = build_codebooks(cfg)
         device = self.multimodal_embedding.weight.device
         sched = vllm_config.scheduler_config
         max_seqs = max(1, int(getattr(sched, "max_num_seqs", 64) or 64))
@@ -385,23 +379,7 @@ def _pure_decode(batch: S.StepBatch, embeds: Tensor) -> bool:
 
 def _backbone_config(vllm_config: VllmConfig, cfg: TalkerConfig) -> VllmConfig:
     """A shallow copy of the vLLM config whose model config describes only the Qwen3 backbone."""
-    from transformers import Qwen3Config
-
-    t = cfg.text
-    text = Qwen3Config(
-        vocab_size=t.vocab_size,
-        hidden_size=t.hidden_size,
-        intermediate_size=t.intermediate_size,
-        num_hidden_layers=t.num_hidden_layers,
-        num_attention_heads=t.num_attention_heads,
-        num_key_value_heads=t.num_key_value_heads,
-        head_dim=t.head_dim,
-        rms_norm_eps=t.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": t.rope_theta},
-        max_position_embeddings=t.max_position_embeddings,
-        tie_word_embeddings=t.tie_word_embeddings,
-        attention_bias=t.attention_bias,
-    )
+    text = cfg.text.to_qwen3_config()
     out = copy.copy(vllm_config)
     model_config = copy.copy(vllm_config.model_config)
     model_config.hf_config = text
