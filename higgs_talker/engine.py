@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -105,6 +106,8 @@ class DecodeInputs:
     state_rows_host: list[int] = field(default_factory=list)
     positions_host: list[int] = field(default_factory=list)
     steps_host: list[int] = field(default_factory=list)
+    draw: bool = True  # host-known: some row samples (temperature > 0); False: all greedy, skip the noise
+    filter: bool = True  # host-known: some sampled row has top-k / top-p on; False: skip the sort
 
 
 class Engine:
@@ -220,7 +223,7 @@ class Engine:
         rows = inputs.state_rows_host + [self.scratch_row] * pad
         pos, steps = inputs.positions_host + [0] * pad, inputs.steps_host + [0] * pad
         as_t = lambda x: torch.tensor(x, dtype=torch.long).to(dev, non_blocking=True)  # noqa: E731
-        padded_inputs = DecodeInputs(as_t(rows), as_t(pos), as_t(steps), rows, pos, steps)
+        padded_inputs = DecodeInputs(as_t(rows), as_t(pos), as_t(steps), rows, pos, steps, inputs.draw, inputs.filter)
         scratch_slot = self.scratch_block * bs
         padded_meta = AttnMetadata(
             slot_mapping=torch.cat([meta.slot_mapping, torch.full((pad,), scratch_slot, dtype=torch.long, device=dev)]),
@@ -391,18 +394,18 @@ class Engine:
     def _attn_metadata(self, batch: list[Request], query_lens: list[int]) -> AttnMetadata:
         bs = self.ecfg.block_size
         slots: list[int] = []
-        seq_lens, tables = [], torch.zeros(len(batch), self.max_blocks_per_seq, dtype=torch.int32)
+        seq_lens, tables = [], np.zeros((len(batch), self.max_blocks_per_seq), dtype=np.int32)
         for i, (req, n) in enumerate(zip(batch, query_lens, strict=True)):
             slots += slot_mapping(req.blocks, req.num_computed, req.num_computed + n, bs)
             seq_lens.append(req.num_computed + n)
-            tables[i, : len(req.blocks)] = torch.tensor(req.blocks, dtype=torch.int32)
+            tables[i, : len(req.blocks)] = req.blocks
         qsl = [0, *itertools.accumulate(query_lens)]
         dev = self.device
         return AttnMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=tables.to(dev),
+            block_tables=torch.from_numpy(tables).to(dev),
             query_lens_host=list(query_lens),
             seq_lens_host=seq_lens,
             slot_mapping_host=slots,
@@ -434,13 +437,23 @@ class Engine:
             req.num_computed += n
         rows = torch.tensor([r.state_row for r in batch], device=self.device)
         steps = torch.tensor([len(r.rows) for r in batch], device=self.device)
-        return self._sample(last, rows, steps)
+        return self._sample(last, rows, steps, *self._sampling_flags(batch))
 
     def decode_inputs(self, batch: list[Request]) -> DecodeInputs:
         rows, pos, steps = [r.state_row for r in batch], [r.num_computed for r in batch], [len(r.rows) for r in batch]
         dev = self.device
         as_t = lambda x: torch.tensor(x, dtype=torch.long).to(dev, non_blocking=True)  # noqa: E731
-        return DecodeInputs(as_t(rows), as_t(pos), as_t(steps), rows, pos, steps)
+        return DecodeInputs(as_t(rows), as_t(pos), as_t(steps), rows, pos, steps, *self._sampling_flags(batch))
+
+    def _sampling_flags(self, batch: list[Request]) -> tuple[bool, bool]:
+        """(draw, filter) for a batch, from host-side params: lets eager steps skip work no row needs.
+
+        Skipping is exact: an inactive top-k/top-p filter masks nothing, and greedy rows take the argmax either
+        way. Graphs are captured with both on, so they serve any batch.
+        """
+        v = self.cfg.codebook_size
+        sampled = [r.params for r in batch if r.params.temperature > 0]
+        return bool(sampled), any(0 < p.top_k < v or p.top_p < 1 for p in sampled)
 
     def _run_decode(self, batch: list[Request]) -> Tensor:
         inputs = self.decode_inputs(batch)
@@ -467,10 +480,12 @@ class Engine:
         fed = self.model.multimodal_embedding(st.last_codes.index_select(0, rows)).to(text.dtype)
         embeds = torch.where(st.has_codes.index_select(0, rows)[:, None], fed, text)  # audio feedback
         hidden = self.model(embeds, inputs.positions, self.attn, post_attention)
-        return self._sample(hidden, rows, inputs.steps)
+        return self._sample(hidden, rows, inputs.steps, inputs.draw, inputs.filter)
 
-    def _sample(self, last_hidden: Tensor, rows: Tensor, steps: Tensor) -> Tensor:
-        """last_hidden [B, H] -> emitted rows [B, N] int64; updates the state rows in place."""
+    def _sample(
+        self, last_hidden: Tensor, rows: Tensor, steps: Tensor, draw: bool = True, filter: bool = True
+    ) -> Tensor:
+        """last_hidden [B, H] -> [B, N + 1] int64: the emitted rows and a done flag; updates the state in place."""
         cfg = self.cfg
         logits = self.model.modality_head(last_hidden).float()  # [B, N, V]
         state = self.state.gather(rows)
@@ -482,27 +497,30 @@ class Engine:
             self.top_p.index_select(0, rows),
             self.seeds.index_select(0, rows),
             steps,
+            draw=draw,
+            filter=filter,
         )
         active = torch.ones_like(state.done)
         emitted, new = update_state(codes, state, active, cfg.boc_id, cfg.eoc_id)
         self.state.scatter(rows, new)
-        return emitted
+        return torch.cat([emitted, new.done[:, None].long()], dim=1)
 
     # ------------------------------------------------------------------ results
 
-    def _publish(self, batch: list[Request], rows: Tensor) -> list[StepOutput]:
-        host = rows.to("cpu", torch.int32)  # the one host sync of the step
-        done = self.state.done.index_select(0, torch.tensor([r.state_row for r in batch], device=self.device)).cpu()
+    def _publish(self, batch: list[Request], out: Tensor) -> list[StepOutput]:
+        """out [B, N + 1] (rows + done flag) -> per-request outputs; the one host sync of the step."""
+        with torch.inference_mode(False):  # ordinary tensors, which callers may modify
+            host = out.to("cpu", torch.int32)
+            rows, done = host[:, :-1], host[:, -1].tolist()
+            published = [row.clone() for row in rows.split(1)]  # one owned [1, N] tensor per request
         now = time.perf_counter()
         outputs = []
         for i, req in enumerate(batch):
-            with torch.inference_mode(False):
-                row = host[i].clone()  # an ordinary (not inference-mode) tensor the caller owns
-            req.rows.append(row)
+            req.rows.append(rows[i])
             if req.first_row_at is None:
                 req.first_row_at = now
             reason = None
-            if bool(done[i]):
+            if done[i]:
                 reason = "eoc"
             elif len(req.rows) >= req.params.max_frames:
                 reason = "max_frames"
@@ -510,9 +528,7 @@ class Engine:
                 reason = "max_model_len"
             if reason:
                 self._finish(req, reason)
-            with torch.inference_mode(False):
-                published = row[None, :].clone()
-            outputs.append(StepOutput(req.id, published, reason is not None, reason))
+            outputs.append(StepOutput(req.id, published[i], reason is not None, reason))
         return outputs
 
     def _finish(self, req: Request, reason: str) -> None:

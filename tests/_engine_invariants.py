@@ -117,10 +117,10 @@ def explain_divergence(
     captured = {}
     real = engine_module.sample_codes
 
-    def capture(logits, temperature, top_k, top_p, seeds, steps):
+    def capture(logits, temperature, top_k, top_p, seeds, steps, **shortcuts):
         if int(steps[0]) == t:
             captured["scores"] = race_scores(logits, temperature, top_k, top_p, seeds, steps)[0]
-        return real(logits, temperature, top_k, top_p, seeds, steps)
+        return real(logits, temperature, top_k, top_p, seeds, steps, **shortcuts)
 
     engine_module.sample_codes = capture
     try:

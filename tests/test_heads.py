@@ -586,3 +586,21 @@ def test_sampling_params_valid_edges():
     assert SamplingParams(seed=17).resolved_seed() == 17
     # no seed pinned by default: unseeded requests get fresh seeds
     assert len({SamplingParams().resolved_seed() for _ in range(8)}) > 1
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_host_known_sampling_shortcuts_change_nothing(temperature):
+    """draw=False (all greedy) and filter=False (top-k/top-p off) must give exactly the full path's codes."""
+    from higgs_talker.heads.sampling import sample_codes
+
+    g = torch.Generator().manual_seed(11)
+    b, n, v = 6, 8, 1026
+    logits = torch.randn(b, n, v, generator=g) * 3
+    logits[:, 1:, 1024:] = float("-inf")  # some masked entries, as the delay mask leaves them
+    temp = torch.full((b,), temperature)
+    top_k, top_p = torch.full((b,), v), torch.ones(b)
+    seeds, steps = torch.arange(b) * 1000 + 7, torch.arange(b) + 3
+    full = sample_codes(logits, temp, top_k, top_p, seeds, steps)
+    assert torch.equal(sample_codes(logits, temp, top_k, top_p, seeds, steps, filter=False), full)
+    if temperature == 0:
+        assert torch.equal(sample_codes(logits, temp, top_k, top_p, seeds, steps, draw=False), full)

@@ -105,19 +105,33 @@ def top_k_top_p_filter(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
 
 
 def sample_codes(
-    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seeds: Tensor, steps: Tensor
+    logits: Tensor,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    seeds: Tensor,
+    steps: Tensor,
+    *,
+    draw: bool = True,
+    filter: bool = True,
 ) -> Tensor:
     """Masked codebook logits [B, N, V] -> codes [B, N] int64.
 
     temperature/top_p [B] float, top_k [B] int (codebook_size or more = off), seeds/steps [B] int64 (the
     step is the request's row index, so its noise never repeats). Rows with temperature 0 take the argmax.
+    ``draw=False`` (every row greedy) and ``filter=False`` (no row has top-k/top-p on) are host-known
+    shortcuts that skip work without changing the result.
     """
+    if not draw:
+        return logits.argmax(dim=-1)
     b, n, v = logits.shape
     x = logits.float()
     greedy = temperature <= 0
     scale = torch.where(greedy, 1.0, temperature.float())
     x = x / scale[:, None, None]
-    x = top_k_top_p_filter(x.view(b * n, v), top_k.repeat_interleave(n), top_p.repeat_interleave(n)).view(b, n, v)
+    if filter:
+        x = top_k_top_p_filter(x.view(b * n, v), top_k.repeat_interleave(n), top_p.repeat_interleave(n))
+        x = x.view(b, n, v)
     probs = x.softmax(dim=-1)
     drawn = (probs / exponential_noise(seeds, steps, n, v)).argmax(dim=-1)
     # A tiny temperature can overflow x to +inf; softmax then gives NaN and the race would pick a masked code.
