@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -109,10 +110,10 @@ class FlashInferAttention:
 
     def _block_table(self, blocks: list[list[int]]) -> Tensor:
         """[rows, max_blocks] int32 block table (host); unused entries point at the scratch block."""
-        table = torch.full((len(blocks), self.max_blocks), self.scratch_block, dtype=torch.int32)
+        table = np.full((len(blocks), self.max_blocks), self.scratch_block, dtype=np.int32)
         for i, bl in enumerate(blocks):
-            table[i, : len(bl)] = torch.tensor(bl, dtype=torch.int32)
-        return table
+            table[i, : len(bl)] = bl
+        return torch.from_numpy(table)
 
     def _kv_index(self, slots: list[int]) -> tuple[list[int], list[int]]:
         bs = self.block_size
