@@ -45,11 +45,13 @@ from common import (
     environment,
     error_text,
     free_memory,
+    ints_arg,
     log,
     median,
     print_table,
     rel_err,
     resolve_device,
+    strs_arg,
     sync,
     time_fn,
 )
@@ -609,12 +611,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny heads (4/2, d=32) and sizes; SDPA only on CPU")
     p.add_argument("--quick", action="store_true", help="contexts 256/1024/4096 and a smaller extension grid")
-    p.add_argument("--batches", type=_ints, default=None)
-    p.add_argument("--contexts", type=_ints, default=None)
-    p.add_argument("--pages", type=_ints, default=None, help="page sizes (default 16,32)")
-    p.add_argument("--layouts-32", type=_strs, default=["NHD"], help="layouts timed at page sizes other than 16")
-    p.add_argument("--variants", type=_strs, default=None, help=f"subset of {','.join(ALL_VARIANTS)}")
-    p.add_argument("--groups", type=_strs, default=None, help="core,layout,page32,multiblock,extras")
+    p.add_argument("--batches", type=ints_arg, default=None)
+    p.add_argument("--contexts", type=ints_arg, default=None)
+    p.add_argument("--pages", type=ints_arg, default=None, help="page sizes (default 16,32)")
+    p.add_argument("--layouts-32", type=strs_arg, default=["NHD"], help="layouts timed at page sizes other than 16")
+    p.add_argument("--variants", type=strs_arg, default=None, help=f"subset of {','.join(ALL_VARIANTS)}")
+    p.add_argument("--groups", type=strs_arg, default=None, help="core,layout,page32,multiblock,extras")
     p.add_argument("--wide-len", type=int, default=32768, help="max_model_len the xqa_wide block table is sized for")
     p.add_argument("--rotate-mb", type=float, default=256.0, help="min MB of KV one graph replay cycles through")
     p.add_argument("--max-copies", type=int, default=256)
@@ -630,14 +632,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if bad:
         p.error(f"unknown variant(s) {bad}; choose from {list(ALL_VARIANTS)}")
     return args
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
-def _strs(text: str) -> list[str]:
-    return [x for x in text.split(",") if x]
 
 
 def main(argv: Sequence[str] | None = None) -> ResultFile:

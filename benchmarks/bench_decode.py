@@ -41,11 +41,13 @@ from common import (
     environment,
     error_text,
     free_memory,
+    ints_arg,
     log,
     median,
     percentile,
     print_table,
     resolve_device,
+    strs_arg,
     sync,
 )
 
@@ -531,16 +533,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--model", default=None, help="checkpoint directory (default: random weights)")
     p.add_argument("--tiny", action="store_true", help="the tiny config, small sizes, few steps")
-    p.add_argument("--modes", type=_strs, default=list(MODES))
-    p.add_argument("--batches", type=_ints, default=None, help="default 1,2,4,8,13,16,32,64")
-    p.add_argument("--contexts", type=_ints, default=None, help="default 512,2048")
+    p.add_argument("--modes", type=strs_arg, default=list(MODES))
+    p.add_argument("--batches", type=ints_arg, default=None, help="default 1,2,4,8,13,16,32,64")
+    p.add_argument("--contexts", type=ints_arg, default=None, help="default 512,2048")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps per point (default 24)")
     p.add_argument("--warmup", type=int, default=None, help="untimed decode steps first (default 6)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=None, help="default: the engine's (max_position_embeddings)")
     p.add_argument("--no-peers", action="store_true", help="skip the transformers rows")
-    p.add_argument("--peer-batches", type=_ints, default=[1])
-    p.add_argument("--peer-contexts", type=_ints, default=None, help="contexts of the compiled peer (default: first)")
+    p.add_argument("--peer-batches", type=ints_arg, default=[1])
+    p.add_argument(
+        "--peer-contexts", type=ints_arg, default=None, help="contexts of the compiled peer (default: first)"
+    )
     p.add_argument("--budget-s", type=float, default=420.0, help="skip remaining points after this many seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output directory (default benchmarks/results)")
@@ -560,14 +564,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.peer_contexts = args.peer_contexts or args.contexts[:1]
     args.max_num_seqs = max(args.max_num_seqs, max(args.batches))
     return args
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
-def _strs(text: str) -> list[str]:
-    return [x for x in text.split(",") if x]
 
 
 def main(argv: Sequence[str] | None = None) -> ResultFile:

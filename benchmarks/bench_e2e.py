@@ -33,11 +33,14 @@ from common import (
     ResultFile,
     environment,
     error_text,
+    floats_arg,
     free_memory,
+    ints_arg,
     log,
     percentile,
     print_table,
     resolve_device,
+    strs_arg,
     sync,
 )
 
@@ -213,11 +216,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None)
     p.add_argument("--model", default=None, help="checkpoint directory (default: random weights)")
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--modes", type=_strs, default=["auto"])
-    p.add_argument("--levels", type=_ints, default=None, help="concurrency levels (default 1,4,16,64)")
+    p.add_argument("--modes", type=strs_arg, default=["auto"])
+    p.add_argument("--levels", type=ints_arg, default=None, help="concurrency levels (default 1,4,16,64)")
     p.add_argument("--requests", type=int, default=None, help="requests per level (default max(2C, 8))")
-    p.add_argument("--prompt-tokens", type=_ints, default=None, help="min,max prompt tokens (default 30,200)")
-    p.add_argument("--audio-s", type=_floats, default=None, help="min,max seconds of audio (default 5,20)")
+    p.add_argument("--prompt-tokens", type=ints_arg, default=None, help="min,max prompt tokens (default 30,200)")
+    p.add_argument("--audio-s", type=floats_arg, default=None, help="min,max seconds of audio (default 5,20)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -235,18 +238,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.audio_s = args.audio_s or [5.0, 20.0]
     args.max_num_seqs = max(args.max_num_seqs, max(args.levels))
     return args
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x]
-
-
-def _strs(text: str) -> list[str]:
-    return [x for x in text.split(",") if x]
 
 
 def main(argv: Sequence[str] | None = None) -> ResultFile:

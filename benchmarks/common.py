@@ -315,3 +315,18 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str | tuple[st
 def log(msg: str) -> None:
     """Progress lines go to stderr so the table on stdout stays clean."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def ints_arg(text: str) -> list[int]:
+    """Comma-separated integers (argparse type)."""
+    return [int(x) for x in text.split(",") if x]
+
+
+def floats_arg(text: str) -> list[float]:
+    """Comma-separated numbers (argparse type)."""
+    return [float(x) for x in text.split(",") if x]
+
+
+def strs_arg(text: str) -> list[str]:
+    """Comma-separated names (argparse type)."""
+    return [x for x in text.split(",") if x]
