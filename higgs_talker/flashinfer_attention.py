@@ -21,6 +21,7 @@ from torch import Tensor
 
 from .attention import AttnMetadata
 from .cuda_graphs.buckets import bucket_for, pad_to
+from .cuda_graphs.capture import capture_graph
 
 logger = logging.getLogger(__name__)
 
@@ -250,14 +251,7 @@ class FlashInferAttention:
 
 def _time_graph(fn, iters: int = 20, repeats: int = 3) -> float:
     """Median microseconds per call of ``fn`` captured in a CUDA graph (warm-up excluded)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up / JIT outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph, _ = capture_graph(fn)
     graph.replay()
     times = []
     for _ in range(repeats):

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .buckets import bucket_for, normalize_buckets
+from .capture import capture_graph
 from .policy import local_graphs_allowed_now
 
 if TYPE_CHECKING:
@@ -84,15 +85,8 @@ class FullDecodeGraphs:
     def _capture(self, slot: _Slot) -> None:
         eng = self.engine
         eng.attn.begin_graph(None, slot.size)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            eng.decode_forward(slot.inputs)  # warm-up outside the capture (touches scratch rows only)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            slot.out = eng.decode_forward(slot.inputs)
-        slot.graph = graph
+        # the warm-up run before the capture touches the scratch rows only
+        slot.graph, slot.out = capture_graph(lambda: eng.decode_forward(slot.inputs), self.pool)
 
     def _check(self, slot: _Slot) -> None:
         """Replay once and compare with eager on identical inputs and scratch state."""

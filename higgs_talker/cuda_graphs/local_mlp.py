@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .buckets import DEFAULT_BUCKETS, bucket_for, normalize_buckets
+from .capture import capture_graph
 from .policy import local_graphs_allowed_now
 
 logger = logging.getLogger(__name__)
@@ -93,14 +94,7 @@ class LocalMLPGraphs:
         bucket.res_out.copy_(res)
 
     def _capture_layer(self, bucket: _Bucket, layer: int) -> torch.cuda.CUDAGraph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._record(bucket, layer)  # warm-up (lazy init, autotuning) outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._record(bucket, layer)
+        graph, _ = capture_graph(lambda: self._record(bucket, layer), self.pool)
         return graph
 
     def _check_layer(self, bucket: _Bucket, layer: int) -> None:
