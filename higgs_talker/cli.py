@@ -28,6 +28,7 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--max-frames", type=int, default=2048)
+    g.add_argument("--min-frames", type=int, default=0, help="no end of stream (EOC) before this many frames")
     g.add_argument("--reference", type=Path, help="reference voice: aligned codes [T, 8] in a .npy file")
     g.add_argument("--reference-text", help="transcript of the reference audio")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -79,7 +80,12 @@ def _generate(args) -> int:
     from .heads.sampling import SamplingParams
 
     params = SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_frames=args.max_frames
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_frames=args.max_frames,
+        min_frames=args.min_frames,
     )
     reference = None
     if args.reference is not None:

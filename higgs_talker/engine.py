@@ -68,6 +68,7 @@ class Engine:
         self.top_k = torch.full((r,), cfg.codebook_size, dtype=torch.long, device=dev)
         self.top_p = torch.ones(r, device=dev)
         self.seeds = torch.zeros(r, dtype=torch.long, device=dev)
+        self.min_frames = torch.zeros(r, dtype=torch.long, device=dev)
         self._free_rows = list(range(ec.max_num_seqs - 1, -1, -1))
 
         self.requests: dict[str, Request] = {}
@@ -314,6 +315,7 @@ class Engine:
         self.top_k[row] = p.top_k if p.top_k > 0 else self.cfg.codebook_size
         self.top_p[row] = float(p.top_p)
         self.seeds[row] = req.seed
+        self.min_frames[row] = p.min_frames
 
     # ------------------------------------------------------------------ model work
 
@@ -415,7 +417,8 @@ class Engine:
         cfg = self.cfg
         logits = self.model.modality_head(last_hidden).float()  # [B, N, V]
         state = self.state.gather(rows)
-        apply_delay_mask(logits, state.delay, state.countdown, cfg.boc_id, cfg.eoc_id)
+        eoc_allowed = steps >= self.min_frames.index_select(0, rows)  # steps: the row index about to be produced
+        apply_delay_mask(logits, state.delay, state.countdown, cfg.boc_id, cfg.eoc_id, eoc_allowed)
         codes = sample_codes(
             logits,
             self.temperature.index_select(0, rows),

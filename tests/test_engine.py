@@ -519,3 +519,28 @@ def test_unseeded_requests_differ(talker):
     a = talker.generate("Hello world", SamplingParams(max_frames=12))
     b = talker.generate("Hello world", SamplingParams(max_frames=12))
     assert not torch.equal(a.rows, b.rows)
+
+
+def test_min_frames_holds_the_end_of_stream_back(talker):
+    """A request that ends early on its own keeps going to at least min_frames rows before codebook 0 may
+    sample EOC; everything before that point is unchanged (the mask only removes EOC)."""
+    free = None
+    for seed in range(40):
+        res = talker.generate("Short.", SamplingParams(seed=seed, max_frames=300))
+        if res.finish_reason == "eoc" and res.num_rows < 60:
+            free = (seed, res)
+            break
+    assert free is not None, "no early-ending seed found for the tiny checkpoint"
+    seed, res = free
+    eoc_row = res.num_rows - 8  # the row where codebook 0 sampled EOC
+    held = talker.generate("Short.", SamplingParams(seed=seed, max_frames=300, min_frames=eoc_row + 20))
+    assert torch.equal(held.rows[:eoc_row], res.rows[:eoc_row])
+    onset = (held.rows[:, 0] == 1025).nonzero()
+    assert onset.numel() == 0 or int(onset[0]) >= eoc_row + 20
+    assert held.num_rows >= eoc_row + 20
+
+
+@pytest.mark.parametrize("bad", [-1, 301, 1.5, True])
+def test_min_frames_is_validated(bad):
+    with pytest.raises(ValueError, match="min_frames"):
+        SamplingParams(max_frames=300, min_frames=bad)

@@ -64,11 +64,14 @@ class DelayState:
             getattr(self, f.name).index_copy_(0, rows, getattr(new, f.name))
 
 
-def apply_delay_mask(logits: Tensor, delay: Tensor, countdown: Tensor, boc_id: int, eoc_id: int) -> Tensor:
+def apply_delay_mask(
+    logits: Tensor, delay: Tensor, countdown: Tensor, boc_id: int, eoc_id: int, eoc_allowed: Tensor | None = None
+) -> Tensor:
     """Mask codebook logits [B, N, V] in place by each row's delay/ramp state; returns ``logits``.
 
     Not-started codebooks may only emit BOC; codebooks locked by the ramp-down only EOC; during the
-    ramp-down the other codebooks emit real codes only; otherwise real codes, plus EOC on codebook 0.
+    ramp-down the other codebooks emit real codes only; otherwise real codes, plus EOC on codebook 0 where
+    ``eoc_allowed`` [B] bool (default: every row) lets the stream end (``SamplingParams.min_frames``).
     """
     b, n, v = logits.shape
     q = torch.arange(n, device=logits.device)
@@ -76,6 +79,8 @@ def apply_delay_mask(logits: Tensor, delay: Tensor, countdown: Tensor, boc_id: i
     ramp = countdown >= 0
     locked = ramp[:, None] & (q[None, :] < (n - countdown)[:, None])
     eoc_free = started & ~ramp[:, None] & (q[None, :] == 0)
+    if eoc_allowed is not None:
+        eoc_free = eoc_free & eoc_allowed[:, None]
     force = torch.where(~started, boc_id, torch.where(locked, eoc_id, -1))  # [B, N]; -1: not forced
     vocab = torch.arange(v, device=logits.device)
     free = (vocab != boc_id) & ((vocab != eoc_id) | eoc_free[..., None])  # [B, N, V]

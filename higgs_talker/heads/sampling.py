@@ -27,6 +27,8 @@ class SamplingParams:
     (-1 or 0: off). top_p: nucleus mass in (0, 1]. seed: makes the request reproducible and
     independent of its batch; None draws a fresh seed per request. max_frames: most delayed rows
     (decode steps) before the request is cut off; the aligned output then has up to max_frames - 8 frames.
+    min_frames: codebook 0 may not end the stream (sample EOC) before this many rows, so the aligned output
+    has at least min_frames frames unless max_frames cuts it first.
     """
 
     temperature: float = 1.0
@@ -34,6 +36,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     max_frames: int = 2048
+    min_frames: int = 0
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -51,6 +54,9 @@ class SamplingParams:
         m = self.max_frames
         if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
             raise ValueError(f"max_frames must be an integer > 0, got {m!r}")
+        lo = self.min_frames
+        if isinstance(lo, bool) or not isinstance(lo, int) or not 0 <= lo <= m:
+            raise ValueError(f"min_frames must be an integer in [0, max_frames={m}], got {lo!r}")
 
     @property
     def greedy(self) -> bool:
