@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 def capture_graph(fn: Callable[[], T], pool=None) -> tuple[torch.cuda.CUDAGraph, T]:
@@ -23,3 +25,9 @@ def capture_graph(fn: Callable[[], T], pool=None) -> tuple[torch.cuda.CUDAGraph,
     with torch.cuda.graph(graph, pool=pool):
         out = fn()
     return graph, out
+
+
+def record_capture_failure(failed: dict[int, str], what: str, size: int, exc: BaseException) -> None:
+    """A bucket whose capture (or replay check) failed: remember why and warn once; its batches run eagerly."""
+    failed[size] = f"{type(exc).__name__}: {exc}"
+    logger.warning("%s capture failed for batch bucket %d (%s); that bucket runs eagerly", what, size, failed[size])

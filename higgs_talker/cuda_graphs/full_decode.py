@@ -10,7 +10,6 @@ dropped with one warning and its batches run eagerly. Prefill steps never use th
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -18,14 +17,12 @@ import torch
 from torch import Tensor
 
 from .buckets import bucket_for, normalize_buckets
-from .capture import capture_graph
+from .capture import capture_graph, record_capture_failure
 from .policy import local_graphs_allowed_now
 
 if TYPE_CHECKING:
     from ..attention import AttnMetadata
     from ..engine import DecodeInputs, Engine
-
-logger = logging.getLogger(__name__)
 
 
 class _Slot:
@@ -73,12 +70,7 @@ class FullDecodeGraphs:
                 if check:
                     self._check(slot)
             except Exception as exc:  # noqa: BLE001 - any failure means: this bucket runs eagerly
-                self.failed[size] = f"{type(exc).__name__}: {exc}"
-                logger.warning(
-                    "full decode graph capture failed for batch bucket %d (%s); that bucket runs eagerly",
-                    size,
-                    self.failed[size],
-                )
+                record_capture_failure(self.failed, "full decode graph", size, exc)
                 continue
             self.slots[size] = slot
 

@@ -12,17 +12,14 @@ a capture raises "Cannot prepare for replay during capturing stage".
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from .buckets import DEFAULT_BUCKETS, bucket_for, normalize_buckets
-from .capture import capture_graph
+from .capture import capture_graph, record_capture_failure
 from .policy import local_graphs_allowed_now
-
-logger = logging.getLogger(__name__)
 
 # (layer index, hidden [B, H], residual [B, H]) -> (mlp output [B, H], new residual [B, H])
 PostAttentionFn = Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]]
@@ -79,12 +76,7 @@ class LocalMLPGraphs:
                     if check:
                         self._check_layer(bucket, layer)
             except Exception as exc:  # noqa: BLE001 - any failure means: this bucket runs eagerly
-                self.failed[size] = f"{type(exc).__name__}: {exc}"
-                logger.warning(
-                    "local MLP graph capture failed for batch bucket %d (%s); that bucket runs eagerly",
-                    size,
-                    self.failed[size],
-                )
+                record_capture_failure(self.failed, "local MLP graph", size, exc)
                 continue
             self.buckets[size] = bucket
 
