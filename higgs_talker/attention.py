@@ -20,12 +20,16 @@ from torch import Tensor
 
 @dataclass
 class AttnMetadata:
-    """One step's attention inputs. Device tensors plus host copies of the lengths (no syncs to read them)."""
+    """One step's attention inputs: device tensors plus host copies (read without a sync).
 
-    slot_mapping: Tensor  # [N] int64: cache slot (block * block_size + offset) of each new token
-    query_start_loc: Tensor  # [B+1] int32: token span of each request
-    seq_lens: Tensor  # [B] int32: context length of each request after this step
-    block_tables: Tensor  # [B, max_blocks] int32
+    The device tensors are ``None`` when the backend plans from the host lists alone (``plans_from_host``), as
+    FlashInfer's decode does: a decode step then makes no metadata tensors at all.
+    """
+
+    slot_mapping: Tensor | None  # [N] int64: cache slot (block * block_size + offset) of each new token
+    query_start_loc: Tensor | None  # [B+1] int32: token span of each request
+    seq_lens: Tensor | None  # [B] int32: context length of each request after this step
+    block_tables: Tensor | None  # [B, max_blocks] int32
     query_lens_host: list[int]
     seq_lens_host: list[int]
     slot_mapping_host: list[int] | None = None  # host copies for the FlashInfer planner
@@ -38,6 +42,33 @@ class AttnMetadata:
     @property
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.query_lens_host)
+
+    def padded(self, size: int, scratch_block: int, block_size: int) -> AttnMetadata:
+        """Decode metadata padded to ``size`` requests of one token each; padding requests have context 1 and
+        write their K/V into ``scratch_block``, which no request owns."""
+        pad = size - self.num_reqs
+        if pad < 0 or not self.is_decode_only:
+            raise ValueError(f"can only pad a decode batch up, got {self.num_reqs} requests -> {size}")
+        scratch_slot = scratch_block * block_size
+
+        def cat(t: Tensor | None, value: int, shape: tuple[int, ...]) -> Tensor | None:
+            if t is None:
+                return None
+            return torch.cat([t, torch.full(shape, value, dtype=t.dtype, device=t.device)])
+
+        qsl = self.query_start_loc
+        return AttnMetadata(
+            slot_mapping=cat(self.slot_mapping, scratch_slot, (pad,)),
+            query_start_loc=None if qsl is None else torch.arange(size + 1, dtype=qsl.dtype, device=qsl.device),
+            seq_lens=cat(self.seq_lens, 1, (pad,)),
+            block_tables=None
+            if self.block_tables is None
+            else cat(self.block_tables, scratch_block, (pad, self.block_tables.shape[1])),
+            query_lens_host=[1] * size,
+            seq_lens_host=self.seq_lens_host + [1] * pad,
+            slot_mapping_host=None if self.slot_mapping_host is None else self.slot_mapping_host + [scratch_slot] * pad,
+            blocks_host=None if self.blocks_host is None else self.blocks_host + [[scratch_block]] * pad,
+        )
 
 
 class AttentionBackend(Protocol):
@@ -67,6 +98,8 @@ def gather_kv(cache: Tensor, block_table: Tensor, length: int) -> tuple[Tensor, 
 
 class SdpaAttention:
     """Reference backend: torch SDPA over K/V gathered from the paged cache (CPU and CUDA)."""
+
+    plans_from_host = False  # reads the metadata's device tensors
 
     def __init__(self, kv_caches: list[Tensor], num_heads: int, head_dim: int) -> None:
         self.kv_caches = kv_caches

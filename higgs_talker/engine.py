@@ -142,32 +142,14 @@ class Engine:
         return self.model.model.layers[layer].post_attention(hidden, residual, self.model.kernels)
 
     def pad_decode(self, inputs: DecodeInputs, meta: AttnMetadata, size: int) -> tuple[DecodeInputs, AttnMetadata]:
-        """A decode batch padded to ``size`` rows; padding rows use the scratch state row and scratch KV block."""
-        pad = size - len(inputs.state_rows_host)
-        if pad == 0:
+        """A decode batch padded to ``size`` rows; padding rows use the scratch state row and scratch KV block.
+
+        The padded inputs are host-only (``decode_forward`` uploads them; a full-decode graph copies them into
+        its static buffers); the metadata keeps device tensors only where ``meta`` had them.
+        """
+        if size == len(inputs.state_rows_host):
             return inputs, meta
-        bs, dev = self.ecfg.block_size, self.device
-        rows = inputs.state_rows_host + [self.scratch_row] * pad
-        pos, steps = inputs.positions_host + [0] * pad, inputs.steps_host + [0] * pad
-        as_t = lambda x: torch.tensor(x, dtype=torch.long).to(dev, non_blocking=True)  # noqa: E731
-        padded_inputs = DecodeInputs(as_t(rows), as_t(pos), as_t(steps), rows, pos, steps, inputs.draw, inputs.filter)
-        scratch_slot = self.scratch_block * bs
-        padded_meta = AttnMetadata(
-            slot_mapping=torch.cat([meta.slot_mapping, torch.full((pad,), scratch_slot, dtype=torch.long, device=dev)]),
-            query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=dev),
-            seq_lens=torch.cat([meta.seq_lens, torch.ones(pad, dtype=torch.int32, device=dev)]),
-            block_tables=torch.cat(
-                [
-                    meta.block_tables,
-                    torch.full((pad, meta.block_tables.shape[1]), self.scratch_block, dtype=torch.int32, device=dev),
-                ]
-            ),
-            query_lens_host=[1] * size,
-            seq_lens_host=meta.seq_lens_host + [1] * pad,
-            slot_mapping_host=meta.slot_mapping_host + [scratch_slot] * pad,
-            blocks_host=meta.blocks_host + [[self.scratch_block]] * pad,
-        )
-        return padded_inputs, padded_meta
+        return inputs.padded(size, self.scratch_row), meta.padded(size, self.scratch_block, self.ecfg.block_size)
 
     # ------------------------------------------------------------------ requests
 
@@ -319,26 +301,34 @@ class Engine:
 
     # ------------------------------------------------------------------ model work
 
-    def _attn_metadata(self, batch: list[Request], query_lens: list[int]) -> AttnMetadata:
+    def _attn_metadata(self, batch: list[Request], query_lens: list[int], device_tensors: bool = True) -> AttnMetadata:
+        """The step's attention metadata; ``device_tensors=False`` leaves the device tensors out (host lists only)."""
         bs = self.ecfg.block_size
         slots: list[int] = []
-        seq_lens, tables = [], np.zeros((len(batch), self.max_blocks_per_seq), dtype=np.int32)
-        for i, (req, n) in enumerate(zip(batch, query_lens, strict=True)):
+        seq_lens = []
+        for req, n in zip(batch, query_lens, strict=True):
             slots += slot_mapping(req.blocks, req.num_computed, req.num_computed + n, bs)
             seq_lens.append(req.num_computed + n)
-            tables[i, : len(req.blocks)] = req.blocks
-        qsl = [0, *itertools.accumulate(query_lens)]
-        dev = self.device
-        return AttnMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev),
+        meta = AttnMetadata(
+            slot_mapping=None,
+            query_start_loc=None,
+            seq_lens=None,
+            block_tables=None,
             query_lens_host=list(query_lens),
             seq_lens_host=seq_lens,
             slot_mapping_host=slots,
             blocks_host=[list(r.blocks) for r in batch],
         )
+        if device_tensors:
+            tables = np.zeros((len(batch), self.max_blocks_per_seq), dtype=np.int32)
+            for i, req in enumerate(batch):
+                tables[i, : len(req.blocks)] = req.blocks
+            dev = self.device
+            meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
+            meta.query_start_loc = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=dev)
+            meta.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+            meta.block_tables = torch.from_numpy(tables).to(dev)
+        return meta
 
     def _prefill_embeds(self, req: Request) -> Tensor:
         """Embeddings of every position to (re)compute: prompt (+ reference rows) and fed-back rows."""
@@ -368,10 +358,13 @@ class Engine:
         return self._sample(last, rows, steps, *self._sampling_flags(batch))
 
     def decode_inputs(self, batch: list[Request]) -> DecodeInputs:
-        rows, pos, steps = [r.state_row for r in batch], [r.num_computed for r in batch], [len(r.rows) for r in batch]
-        dev = self.device
-        as_t = lambda x: torch.tensor(x, dtype=torch.long).to(dev, non_blocking=True)  # noqa: E731
-        return DecodeInputs(as_t(rows), as_t(pos), as_t(steps), rows, pos, steps, *self._sampling_flags(batch))
+        """Host-only inputs of a decode step (``decode_forward`` uploads them in one copy)."""
+        return DecodeInputs.from_host(
+            [r.state_row for r in batch],
+            [r.num_computed for r in batch],
+            [len(r.rows) for r in batch],
+            *self._sampling_flags(batch),
+        )
 
     def _sampling_flags(self, batch: list[Request]) -> tuple[bool, bool]:
         """(draw, filter) for a batch, from host-side params: lets eager steps skip work no row needs.
@@ -385,7 +378,7 @@ class Engine:
 
     def _run_decode(self, batch: list[Request]) -> Tensor:
         inputs = self.decode_inputs(batch)
-        meta = self._attn_metadata(batch, [1] * len(batch))
+        meta = self._attn_metadata(batch, [1] * len(batch), not getattr(self.attn, "plans_from_host", False))
         if self.graphs is not None:
             rows = self.graphs.decode(inputs, meta)
         else:
@@ -401,6 +394,7 @@ class Engine:
         Returns the emitted rows [B, N] int64.
         """
         st = self.state
+        inputs = inputs.to_device(self.device)  # a graph's static inputs are already there
         b = inputs.state_rows.shape[0]
         audio = torch.full((b,), self.specials.audio, dtype=torch.long, device=self.device)
         text = self.model.embed_text(audio)
@@ -441,7 +435,7 @@ class Engine:
         with torch.inference_mode(False):  # ordinary tensors, which callers may modify
             host = out.to("cpu", torch.int32)
             rows, done = host[:, :-1], host[:, -1].tolist()
-            published = [row.clone() for row in rows.split(1)]  # one owned [1, N] tensor per request
+            published = rows.clone().split(1)  # [1, N] each; not shared with req.rows, so callers may modify them
         now = time.perf_counter()
         outputs = []
         for i, req in enumerate(batch):

@@ -35,8 +35,7 @@ class _GraphDecode:
 
     batch: int
     kernel: str
-    k_index: Tensor  # [Bp] int64 flat cache row of each new K (V is k_index + block_size)
-    v_index: Tensor
+    kv_index: Tensor  # [2, Bp] int64: flat cache row of each new K (row 0) and V (row 1)
     wrapper: object | None = None  # native: a use_cuda_graph decode wrapper
     block_tables: Tensor | None = None  # xqa: [Bp, max_blocks] int32
     seq_lens: Tensor | None = None  # xqa: [Bp] int32
@@ -44,6 +43,8 @@ class _GraphDecode:
 
 class FlashInferAttention:
     """AttentionBackend for CUDA. ``scratch_block`` is a KV block no request owns (padding rows write there)."""
+
+    plans_from_host = True  # begin/begin_graph read only the metadata's host lists
 
     def __init__(
         self,
@@ -77,7 +78,7 @@ class FlashInferAttention:
         self.kernel_for_bucket: dict[int, str] = {}
         self._mode = "none"
         self._slot: _GraphDecode | None = None
-        self._k_index = self._v_index = None
+        self._kv_index: Tensor | None = None  # [2, N] of the current eager step
 
     # ------------------------------------------------------------------ host side
 
@@ -116,17 +117,17 @@ class FlashInferAttention:
             table[i, : len(bl)] = bl
         return torch.from_numpy(table)
 
-    def _kv_index(self, slots: list[int]) -> tuple[list[int], list[int]]:
+    def _kv_rows(self, slots: list[int]) -> Tensor:
+        """[2, N] int64 (host): the flat cache rows of each new token's K and V (cache viewed as [-1, Hk, D])."""
         bs = self.block_size
-        k = [(s // bs) * 2 * bs + s % bs for s in slots]
-        return k, [i + bs for i in k]
+        s = np.asarray(slots, dtype=np.int64)
+        k = (s // bs) * (2 * bs) + s % bs
+        return torch.from_numpy(np.stack([k, k + bs]))
 
     def begin(self, meta: AttnMetadata) -> None:
         """Eager step: plan prefill or decode for exactly this batch."""
         assert meta.blocks_host is not None, "FlashInfer needs the host block lists"
-        k, v = self._kv_index(meta.slot_mapping_host)
-        self._k_index = torch.tensor(k, dtype=torch.long).to(self.device, non_blocking=True)
-        self._v_index = torch.tensor(v, dtype=torch.long).to(self.device, non_blocking=True)
+        self._kv_index = self._kv_rows(meta.slot_mapping_host).to(self.device, non_blocking=True)
         sizes = sorted(self.kernel_for_bucket)
         bucket = bucket_for(meta.num_reqs, sizes) if meta.is_decode_only else None
         if bucket is not None and self.kernel_for_bucket[bucket] == "xqa":
@@ -167,12 +168,7 @@ class FlashInferAttention:
             or ("native" if self.decode_kernel == "auto" else self.decode_kernel)
         )
         dev = self.device
-        slot = _GraphDecode(
-            bucket,
-            kernel,
-            torch.zeros(bucket, dtype=torch.long, device=dev),
-            torch.zeros(bucket, dtype=torch.long, device=dev),
-        )
+        slot = _GraphDecode(bucket, kernel, torch.zeros(2, bucket, dtype=torch.long, device=dev))
         if kernel == "native":
             slot.wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace,
@@ -198,9 +194,7 @@ class FlashInferAttention:
         blocks += [[self.scratch_block]] * pad
         lens += [1] * pad
         slots = pad_to(slots, bucket, self.scratch_block * self.block_size)
-        k, v = self._kv_index(slots)
-        slot.k_index.copy_(torch.tensor(k, dtype=torch.long), non_blocking=True)
-        slot.v_index.copy_(torch.tensor(v, dtype=torch.long), non_blocking=True)
+        slot.kv_index.copy_(self._kv_rows(slots), non_blocking=True)
         if slot.kernel == "native":
             self._plan_native(slot.wrapper, blocks, lens)
         else:
@@ -215,10 +209,9 @@ class FlashInferAttention:
         cache = self.kv_caches[layer]
         flat = cache.view(-1, self.num_kv_heads, self.head_dim)
         slot = self._slot if self._mode == "graph" else None
-        k_index = slot.k_index if slot is not None else self._k_index
-        v_index = slot.v_index if slot is not None else self._v_index
-        flat.index_copy_(0, k_index, k.to(cache.dtype))
-        flat.index_copy_(0, v_index, v.to(cache.dtype))
+        kv_index = slot.kv_index if slot is not None else self._kv_index
+        flat.index_copy_(0, kv_index[0], k.to(cache.dtype))
+        flat.index_copy_(0, kv_index[1], v.to(cache.dtype))
         q = q.contiguous()
         if self._mode == "prefill":
             out = self.prefill.run(q, cache)

@@ -3,9 +3,10 @@ device inputs of one decode step."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
+import torch
 from torch import Tensor
 
 from .heads.sampling import SamplingParams
@@ -75,13 +76,52 @@ class EngineConfig:
 
 @dataclass
 class DecodeInputs:
-    """Device inputs of one decode step (the tensors a full-decode graph captures), with host copies."""
+    """One decode step's per-row inputs: host lists, and the device tensors a step (or a captured graph) reads.
 
-    state_rows: Tensor  # [B] int64
-    positions: Tensor  # [B] int64
-    steps: Tensor  # [B] int64: row index each request is about to produce
+    The device tensors are ``None`` until ``to_device`` uploads all three in one host-to-device copy; a graph's
+    static inputs are views of one packed ``[3, B]`` tensor, refreshed with one copy per replay.
+    """
+
+    state_rows: Tensor | None  # [B] int64
+    positions: Tensor | None  # [B] int64
+    steps: Tensor | None  # [B] int64: row index each request is about to produce
     state_rows_host: list[int] = field(default_factory=list)
     positions_host: list[int] = field(default_factory=list)
     steps_host: list[int] = field(default_factory=list)
     draw: bool = True  # host-known: some row samples (temperature > 0); False: all greedy, skip the noise
     filter: bool = True  # host-known: some sampled row has top-k / top-p on; False: skip the sort
+
+    @classmethod
+    def from_host(
+        cls, rows: list[int], positions: list[int], steps: list[int], draw: bool = True, filter: bool = True
+    ) -> DecodeInputs:
+        return cls(None, None, None, list(rows), list(positions), list(steps), draw, filter)
+
+    @classmethod
+    def static(cls, packed: Tensor) -> DecodeInputs:
+        """Inputs whose device tensors are the rows of ``packed`` [3, B] int64 (a graph's fixed buffers)."""
+        return cls(packed[0], packed[1], packed[2])
+
+    def host_packed(self) -> Tensor:
+        """[3, B] int64 CPU tensor of the host lists (rows, positions, steps)."""
+        return torch.tensor([self.state_rows_host, self.positions_host, self.steps_host], dtype=torch.long)
+
+    def to_device(self, device: torch.device) -> DecodeInputs:
+        """These inputs with device tensors (one copy); ``self`` when they are already there."""
+        if self.state_rows is not None:
+            return self
+        packed = self.host_packed().to(device, non_blocking=True)
+        return replace(self, state_rows=packed[0], positions=packed[1], steps=packed[2])
+
+    def padded(self, size: int, scratch_row: int) -> DecodeInputs:
+        """Host-only inputs padded to ``size`` rows; padding rows use ``scratch_row``, position 0, step 0."""
+        pad = size - len(self.state_rows_host)
+        if pad < 0:
+            raise ValueError(f"cannot pad a batch of {len(self.state_rows_host)} rows down to {size}")
+        return DecodeInputs.from_host(
+            self.state_rows_host + [scratch_row] * pad,
+            self.positions_host + [0] * pad,
+            self.steps_host + [0] * pad,
+            self.draw,
+            self.filter,
+        )

@@ -26,9 +26,12 @@ if TYPE_CHECKING:
 
 
 class _Slot:
-    def __init__(self, size: int, inputs: DecodeInputs) -> None:
+    def __init__(self, size: int, packed: Tensor) -> None:
+        from ..engine import DecodeInputs
+
         self.size = size
-        self.inputs = inputs  # static device inputs the graph reads
+        self.packed = packed  # [3, size] int64: state rows, positions, steps
+        self.inputs = DecodeInputs.static(packed)  # the static device inputs the graph reads (views of packed)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: Tensor | None = None  # [size, N] int64, written by each replay
 
@@ -48,15 +51,16 @@ class FullDecodeGraphs:
     def bucket(self, batch: int) -> int | None:
         return bucket_for(batch, self.sizes)
 
+    def padding_packed(self, size: int) -> Tensor:
+        """[3, size] int64 device inputs of an all-padding batch: scratch state row, position 0, step 0."""
+        packed = torch.zeros(3, size, dtype=torch.long, device=self.engine.device)
+        packed[0] = self.engine.scratch_row
+        return packed
+
     def padding_inputs(self, size: int) -> DecodeInputs:
         from ..engine import DecodeInputs
 
-        dev, scratch = self.engine.device, self.engine.scratch_row
-        return DecodeInputs(
-            state_rows=torch.full((size,), scratch, dtype=torch.long, device=dev),
-            positions=torch.zeros(size, dtype=torch.long, device=dev),
-            steps=torch.zeros(size, dtype=torch.long, device=dev),
-        )
+        return DecodeInputs.static(self.padding_packed(size))
 
     def capture(self, check: bool = True) -> None:
         if not local_graphs_allowed_now():
@@ -64,7 +68,7 @@ class FullDecodeGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         for size in sorted(self.requested, reverse=True):
-            slot = _Slot(size, self.padding_inputs(size))
+            slot = _Slot(size, self.padding_packed(size))
             try:
                 self._capture(slot)
                 if check:
@@ -98,15 +102,10 @@ class FullDecodeGraphs:
     def run(self, inputs: DecodeInputs, meta: AttnMetadata) -> Tensor:
         """Replay the graph of a decode batch already padded to one of ``sizes``; returns rows [Bp, N] (a view
         valid until the bucket's next replay)."""
-        size = inputs.state_rows.shape[0]
+        size = len(inputs.state_rows_host)
         slot = self.slots[size]
-        static = slot.inputs
-        for dst, values in (
-            (static.state_rows, inputs.state_rows_host),
-            (static.positions, inputs.positions_host),
-            (static.steps, inputs.steps_host),
-        ):
-            dst.copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
+        # state_rows, positions, steps are the rows of one buffer: one copy refreshes all three
+        slot.packed.copy_(inputs.host_packed(), non_blocking=True)
         self.engine.attn.begin_graph(meta, size)
         slot.graph.replay()
         return slot.out
