@@ -1,0 +1,158 @@
+"""Where a decode step's time goes: cProfile of the host side and torch.profiler's CUDA kernel table.
+
+CUDA only (not part of the CPU smoke tests). 4B shape, random bf16 weights, 512-token prompts:
+``full_decode`` at batch 1 and 64, ``local_mlp`` at batch 64 and 1; plus an XQA probe (block-table width and
+``max_seq_len`` vs time, native beside it). The H200 output of 2026-11-30 (taken on the commit before the
+decode host-path change) is ``benchmarks/results/h200_20261130/profile_prev_commit.log``.
+
+    python benchmarks/probes/profile_step.py [xqa] [full] [local]
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_decode import SHAPE_4B, make_prompt, suppress_eoc  # noqa: E402
+
+from higgs_talker import HiggsTalker, SamplingParams, TalkerConfig, TextConfig  # noqa: E402
+from higgs_talker.flashinfer_attention import _time_graph  # noqa: E402
+
+
+def start_requests(talker: HiggsTalker, b: int, ctx: int) -> list[str]:
+    eng = talker.engine
+    params = SamplingParams(temperature=0.0, max_frames=400)
+    ids = [eng.add_request(make_prompt(talker, ctx, seed=i), params) for i in range(b)]
+    while any(not eng.requests[i].rows for i in ids):
+        eng.step()
+    for _ in range(5):
+        eng.step()
+    torch.cuda.synchronize()
+    return ids
+
+
+def profile_case(talker: HiggsTalker, mode: str, b: int, ctx: int) -> None:
+    ids = start_requests(talker, b, ctx)
+    eng = talker.engine
+    times = []
+    for _ in range(10):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    print(f"=== {mode} b={b} ctx={ctx}: step median {times[5] * 1e3:.2f} ms", flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(10):
+        eng.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    for key in ("tottime", "cumtime"):
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats(key).print_stats(30)
+        print(s.getvalue()[-6000:])
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as kprof:
+        for _ in range(5):
+            eng.step()
+        torch.cuda.synchronize()
+    print(kprof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
+    for i in ids:
+        eng.cancel(i)
+        eng.requests.pop(i, None)
+
+
+def xqa_probe() -> None:
+    """XQA us per call in a CUDA graph vs block-table width / max_seq_len (8 caches per replay), native beside."""
+    import flashinfer as fi
+
+    dev, bs, hq, hk, d = "cuda", 16, 32, 8, 128
+    gen = torch.Generator(device=dev).manual_seed(0)
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+    ws_xqa = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+    for b in (1, 4, 16, 64):
+        for ctx in (256, 512, 2048):
+            per = -(-ctx // bs)
+            caches = [torch.randn(b * per + 1, 2, bs, hk, d, generator=gen, device=dev).bfloat16() for _ in range(8)]
+            q = torch.randn(b, hq, d, generator=gen, device=dev).bfloat16()
+            out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=dev)
+            lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+            res = []
+            for width, maxlen in ((per, ctx), (256, 4096), (256, ctx), (512, 8192), (2048, 32768)):
+                table = torch.full((b, width), b * per, dtype=torch.int32, device=dev)
+                table[:, :per] = torch.arange(b * per, dtype=torch.int32, device=dev).view(b, per)
+
+                def xqa(table=table, maxlen=maxlen, caches=caches, q=q, out=out, lens=lens):
+                    for c in caches:
+                        fi.decode.trtllm_batch_decode_with_kv_cache(
+                            q, c, ws_xqa, table, lens, maxlen, bmm1_scale=d**-0.5, bmm2_scale=1.0, out=out,
+                            kv_layout="NHD", backend="xqa",
+                        )  # fmt: skip
+
+                try:
+                    res.append(f"w{width}/m{maxlen}={_time_graph(xqa) / 8:.1f}")
+                except Exception as exc:  # noqa: BLE001 - record and go on
+                    res.append(f"w{width}/m{maxlen}=ERR {type(exc).__name__}")
+            w = fi.BatchDecodeWithPagedKVCacheWrapper(
+                ws,
+                "NHD",
+                use_cuda_graph=True,
+                paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=torch.int32, device=dev),
+                paged_kv_indices_buffer=torch.zeros(b * 2048, dtype=torch.int32, device=dev),
+                paged_kv_last_page_len_buffer=torch.zeros(b, dtype=torch.int32, device=dev),
+            )
+            w.plan(
+                torch.arange(0, b * per + 1, per, dtype=torch.int32),
+                torch.arange(b * per, dtype=torch.int32),
+                torch.full((b,), ctx - (per - 1) * bs, dtype=torch.int32),
+                hq, hk, d, bs, pos_encoding_mode="NONE", q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+                sm_scale=d**-0.5,
+            )  # fmt: skip
+
+            def native(w=w, caches=caches, q=q, out=out):
+                for c in caches:
+                    w.run(q, c, out=out)
+
+            res.append(f"native={_time_graph(native) / 8:.1f}")
+            print(f"xqa b={b} ctx={ctx}: " + " ".join(res), flush=True)
+            del caches
+
+
+def main() -> None:
+    what = sys.argv[1:] or ["xqa", "full", "local"]
+    torch.set_grad_enabled(False)
+    if "xqa" in what:
+        xqa_probe()
+    cfg = TalkerConfig(text=TextConfig(**SHAPE_4B))
+    for mode, cases in (("full_decode", [(1, 512), (64, 512)]), ("local_mlp", [(64, 512), (1, 512)])):
+        if mode.split("_")[0] not in what:
+            continue
+        t0 = time.perf_counter()
+        talker = HiggsTalker.from_config(
+            cfg,
+            device="cuda",
+            dtype="bfloat16",
+            graph_mode=mode,
+            max_num_seqs=64,
+            num_blocks=64 * 40 + 64,
+            max_model_len=4096,
+        )
+        suppress_eoc(talker)
+        print(f"built {mode} in {time.perf_counter() - t0:.1f} s", flush=True)
+        for b, ctx in cases:
+            profile_case(talker, mode, b, ctx)
+        del talker
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
