@@ -544,3 +544,67 @@ def test_min_frames_holds_the_end_of_stream_back(talker):
 def test_min_frames_is_validated(bad):
     with pytest.raises(ValueError, match="min_frames"):
         SamplingParams(max_frames=300, min_frames=bad)
+
+
+# --------------------------------------------------------------------------------------------- step inputs
+
+
+def test_decode_inputs_upload_once_and_pad_on_host():
+    from higgs_talker.request import DecodeInputs
+
+    host = DecodeInputs.from_host([3, 1], [40, 17], [5, 0], draw=False, filter=False)
+    assert host.state_rows is None and host.positions is None and host.steps is None
+    dev = host.to_device(torch.device("cpu"))
+    assert dev.state_rows.tolist() == [3, 1] and dev.positions.tolist() == [40, 17] and dev.steps.tolist() == [5, 0]
+    assert dev.state_rows.dtype == torch.long and (dev.draw, dev.filter) == (False, False)
+    assert dev.to_device(torch.device("cpu")) is dev  # already there: a graph's static inputs are never re-made
+    padded = host.padded(4, scratch_row=9)
+    assert padded.state_rows_host == [3, 1, 9, 9] and padded.positions_host == [40, 17, 0, 0]
+    assert padded.steps_host == [5, 0, 0, 0] and padded.state_rows is None
+    assert host.host_packed().tolist() == [[3, 1], [40, 17], [5, 0]]
+    with pytest.raises(ValueError, match="cannot pad a batch of 2 rows down to 1"):
+        host.padded(1, scratch_row=9)
+
+
+def test_static_decode_inputs_are_views_of_one_buffer():
+    from higgs_talker.request import DecodeInputs
+
+    packed = torch.zeros(3, 4, dtype=torch.long)
+    static = DecodeInputs.static(packed)
+    packed.copy_(DecodeInputs.from_host([1, 2, 3, 4], [5, 6, 7, 8], [0, 1, 2, 3]).host_packed())
+    assert static.state_rows.tolist() == [1, 2, 3, 4] and static.positions.tolist() == [5, 6, 7, 8]
+    assert static.steps.tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("device_tensors", [True, False])
+def test_attention_metadata_padding(talker, device_tensors):
+    engine = make_engine(talker)
+    params = [SamplingParams(seed=i, max_frames=4) for i in range(len(TEXTS))]
+    ids = [engine.add_request(talker.build_prompt(t), p) for t, p in zip(TEXTS, params, strict=True)]
+    engine.step()  # prefill all three
+    batch = [engine.requests[i] for i in ids]
+    full = engine._attn_metadata(batch, [1] * 3)
+    meta = engine._attn_metadata(batch, [1] * 3, device_tensors)
+    assert meta.seq_lens_host == full.seq_lens_host and meta.slot_mapping_host == full.slot_mapping_host
+    assert meta.blocks_host == full.blocks_host
+    padded = meta.padded(5, engine.scratch_block, engine.ecfg.block_size)
+    scratch_slot = engine.scratch_block * engine.ecfg.block_size
+    assert padded.num_reqs == 5 and padded.is_decode_only
+    assert padded.seq_lens_host == full.seq_lens_host + [1, 1]
+    assert padded.slot_mapping_host == full.slot_mapping_host + [scratch_slot] * 2
+    assert padded.blocks_host[3:] == [[engine.scratch_block]] * 2
+    if device_tensors:
+        assert padded.slot_mapping.tolist() == padded.slot_mapping_host
+        assert padded.seq_lens.tolist() == padded.seq_lens_host
+        assert padded.query_start_loc.tolist() == list(range(6))
+        assert padded.block_tables.shape == (5, full.block_tables.shape[1])
+        assert (padded.block_tables[3:] == engine.scratch_block).all()
+        assert torch.equal(padded.block_tables[:3], full.block_tables)
+    else:
+        assert meta.slot_mapping is None and meta.block_tables is None and meta.seq_lens is None
+        assert padded.slot_mapping is None and padded.query_start_loc is None and padded.block_tables is None
+    prefill = engine._attn_metadata(batch, [2, 1, 1], device_tensors)
+    with pytest.raises(ValueError, match="can only pad a decode batch up"):
+        prefill.padded(5, engine.scratch_block, engine.ecfg.block_size)
+    for i in ids:
+        engine.cancel(i)
