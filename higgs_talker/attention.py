@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .cuda_graphs.buckets import pad_to
+
 
 @dataclass
 class AttnMetadata:
@@ -56,7 +58,7 @@ class AttnMetadata:
                 return None
             return torch.cat([t, torch.full(shape, value, dtype=t.dtype, device=t.device)])
 
-        qsl = self.query_start_loc
+        qsl, slots, blocks = self.query_start_loc, self.slot_mapping_host, self.blocks_host
         return AttnMetadata(
             slot_mapping=cat(self.slot_mapping, scratch_slot, (pad,)),
             query_start_loc=None if qsl is None else torch.arange(size + 1, dtype=qsl.dtype, device=qsl.device),
@@ -65,9 +67,9 @@ class AttnMetadata:
             if self.block_tables is None
             else cat(self.block_tables, scratch_block, (pad, self.block_tables.shape[1])),
             query_lens_host=[1] * size,
-            seq_lens_host=self.seq_lens_host + [1] * pad,
-            slot_mapping_host=None if self.slot_mapping_host is None else self.slot_mapping_host + [scratch_slot] * pad,
-            blocks_host=None if self.blocks_host is None else self.blocks_host + [[scratch_block]] * pad,
+            seq_lens_host=pad_to(self.seq_lens_host, size, 1),
+            slot_mapping_host=None if slots is None else pad_to(slots, size, scratch_slot),
+            blocks_host=None if blocks is None else pad_to(blocks, size, [scratch_block]),
         )
 
 

@@ -9,6 +9,7 @@ from enum import Enum
 import torch
 from torch import Tensor
 
+from .cuda_graphs.buckets import pad_to
 from .heads.sampling import SamplingParams
 from .prompt import Prompt
 
@@ -119,9 +120,9 @@ class DecodeInputs:
         if pad < 0:
             raise ValueError(f"cannot pad a batch of {len(self.state_rows_host)} rows down to {size}")
         return DecodeInputs.from_host(
-            self.state_rows_host + [scratch_row] * pad,
-            self.positions_host + [0] * pad,
-            self.steps_host + [0] * pad,
+            pad_to(self.state_rows_host, size, scratch_row),
+            pad_to(self.positions_host, size, 0),
+            pad_to(self.steps_host, size, 0),
             self.draw,
             self.filter,
         )
