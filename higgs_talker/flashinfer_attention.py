@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .attention import AttnMetadata
-from .cuda_graphs.buckets import bucket_for, pad_to
+from .cuda_graphs.buckets import bucket_for
 from .cuda_graphs.capture import capture_graph
 
 logger = logging.getLogger(__name__)
@@ -185,21 +185,18 @@ class FlashInferAttention:
         return slot
 
     def begin_graph(self, meta: AttnMetadata | None, bucket: int) -> None:
-        """Set up ``bucket``'s fixed buffers for ``meta`` padded to the bucket (``None``: all padding rows)."""
+        """Set up ``bucket``'s fixed buffers for ``meta`` (``None``: all padding rows), padded to the bucket."""
         slot = self.graph_decode(bucket)
-        blocks = list(meta.blocks_host) if meta is not None else []
-        lens = list(meta.seq_lens_host) if meta is not None else []
-        slots = list(meta.slot_mapping_host) if meta is not None else []
-        pad = bucket - len(lens)
-        blocks += [[self.scratch_block]] * pad
-        lens += [1] * pad
-        slots = pad_to(slots, bucket, self.scratch_block * self.block_size)
-        slot.kv_index.copy_(self._kv_rows(slots), non_blocking=True)
+        if meta is None:
+            meta = AttnMetadata(None, None, None, None, [], [], [], [])
+        if meta.num_reqs != bucket:
+            meta = meta.padded(bucket, self.scratch_block, self.block_size)
+        slot.kv_index.copy_(self._kv_rows(meta.slot_mapping_host), non_blocking=True)
         if slot.kernel == "native":
-            self._plan_native(slot.wrapper, blocks, lens)
+            self._plan_native(slot.wrapper, meta.blocks_host, meta.seq_lens_host)
         else:
-            slot.block_tables.copy_(self._block_table(blocks), non_blocking=True)
-            slot.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
+            slot.block_tables.copy_(self._block_table(meta.blocks_host), non_blocking=True)
+            slot.seq_lens.copy_(torch.tensor(meta.seq_lens_host, dtype=torch.int32), non_blocking=True)
         self._mode, self._slot = "graph", slot
 
     # ------------------------------------------------------------------ device side
