@@ -102,8 +102,17 @@ def plot_attention(plt, data: dict, png: Path) -> Path:
     for ax, b in zip(axes[0], batches, strict=False):
         here = [r for r in core if r["batch"] == b]
         for var in dict.fromkeys(r["variant"] for r in here):
-            pts = sorted((r["context"], r["us_per_call"]) for r in here if r["variant"] == var)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=var, markersize=3)
+            # one point per context (a variant timed in two groups keeps its first, i.e. core, row)
+            per_ctx = {}
+            for r in here:
+                if r["variant"] == var:
+                    per_ctx.setdefault(r["context"], r)
+            pts = sorted(per_ctx.items())
+            line = ax.plot([c for c, _ in pts], [r["us_per_call"] for _, r in pts], "o-", label=var, markersize=3)
+            bad = [(c, r["us_per_call"]) for c, r in pts if r.get("status") == "wrong"]
+            if bad:  # timed, but the output was wrong: a time that must not be read as a result
+                ax.plot([c for c, _ in bad], [t for _, t in bad], "x", color=line[0].get_color(), markersize=9,
+                        label=f"{var}: wrong output")  # fmt: skip
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"batch {b}, page 16, NHD")
@@ -111,7 +120,9 @@ def plot_attention(plt, data: dict, png: Path) -> Path:
         ax.set_ylabel("us per call (graph replay)")
         _finish_axes(ax, [r["context"] for r in here])
     # XQA / native time ratio per (page, layout)
-    by = {(r["variant"], r["batch"], r["context"], r["page_size"], r["layout"]): r for r in rows}
+    by: dict[tuple, dict] = {}
+    for r in rows:  # first row per key: core before the extra groups that repeat a variant
+        by.setdefault((r["variant"], r["batch"], r["context"], r["page_size"], r["layout"]), r)
     for ax, b in zip(axes[1], batches, strict=False):
         combos = sorted({(r["page_size"], r["layout"]) for r in rows if r["batch"] == b})
         for page, layout in combos:

@@ -436,10 +436,11 @@ class Engine:
             host = out.to("cpu", torch.int32)
             rows, done = host[:, :-1], host[:, -1].tolist()
             published = rows.clone().split(1)  # [1, N] each; not shared with req.rows, so callers may modify them
+            kept = rows.unbind(0)  # [N] each, one call instead of B indexing ops
         now = time.perf_counter()
         outputs = []
         for i, req in enumerate(batch):
-            req.rows.append(rows[i])
+            req.rows.append(kept[i])
             if req.first_row_at is None:
                 req.first_row_at = now
             reason = None

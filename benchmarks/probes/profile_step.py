@@ -128,6 +128,8 @@ def xqa_probe() -> None:
 
 
 def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit(f"{Path(__file__).name} is a CUDA probe (FlashInfer, CUDA graphs): no CUDA device here")
     what = sys.argv[1:] or ["xqa", "full", "local"]
     torch.set_grad_enabled(False)
     if "xqa" in what:

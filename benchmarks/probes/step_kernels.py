@@ -39,6 +39,8 @@ def median_ms(fn, n: int = 20) -> tuple[float, float]:
 
 
 def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit(f"{Path(__file__).name} is a CUDA probe (FlashInfer, CUDA graphs): no CUDA device here")
     torch.set_grad_enabled(False)
     cfg = TalkerConfig(text=TextConfig(**SHAPE_4B))
     for kernel in ("native", "xqa", "auto"):
