@@ -23,7 +23,7 @@ Variants
 To keep KV reads out of L2 (as in a real step, where ~200 MB of weights pass between two layers' attention)
 each graph cycles through several copies of the cache, at least ``--rotate-mb`` in all.
 
-    python benchmarks/bench_attention.py --out $OUT            # full sweep (H200: ~3-4 min incl. JIT)
+    python benchmarks/bench_attention.py --out $OUT            # full sweep (H200: ~1 min + JIT when fresh)
     python benchmarks/bench_attention.py --quick --out $OUT    # the GPU.md grid plus a few extensions
     python benchmarks/bench_attention.py --device cpu --tiny   # smoke: tiny shape, SDPA only, seconds
 """

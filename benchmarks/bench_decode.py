@@ -18,7 +18,7 @@ in; its head is the codebook table), eager with its dynamic cache and with ``Sta
 With random weights the codebook-0 EOC row of the table is zeroed, so greedy decoding never ends a request
 early (its logit is exactly 0 while the max of 1024 random logits is positive); ``meta.eoc_suppressed`` says so.
 
-    python benchmarks/bench_decode.py --out $OUT                       # 4B shape, all modes (H200: ~5-7 min)
+    python benchmarks/bench_decode.py --out $OUT                       # 4B shape, all modes (H200: ~4 min incl. JIT)
     python benchmarks/bench_decode.py --modes eager,auto --batches 1,64 --contexts 512 --no-peers
     python benchmarks/bench_decode.py --device cpu --tiny              # smoke test, seconds
 """

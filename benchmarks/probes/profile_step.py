@@ -5,7 +5,7 @@ CUDA only (not part of the CPU smoke tests). 4B shape, random bf16 weights, 512-
 ``max_seq_len`` vs time, native beside it). The H200 output of 2026-11-30 (taken on the commit before the
 decode host-path change) is ``benchmarks/results/h200_20261130/profile_prev_commit.log``.
 
-    python benchmarks/probes/profile_step.py [xqa] [full] [local]
+    python benchmarks/probes/profile_step.py [xqa] [full] [local] [xqa_step]
 """
 
 from __future__ import annotations
@@ -127,6 +127,58 @@ def xqa_probe() -> None:
             del caches
 
 
+def xqa_in_step_probe(cfg: TalkerConfig) -> None:
+    """Why XQA is slower inside a decode step than alone: the engine's own caches, block tables and lengths after
+    real decode steps, timed in CUDA graphs as (a) 36 XQA calls (one per layer), (b) 36 x (qkv GEMM, o_proj GEMM),
+    (c) 36 x (qkv GEMM, XQA, o_proj GEMM); (c - b) / 36 is XQA's time between the GEMMs of a step."""
+    talker = HiggsTalker.from_config(
+        cfg, device="cuda", dtype="bfloat16", graph_mode="full_decode", decode_kernel="xqa", max_num_seqs=64,
+        num_blocks=64 * 40 + 64, max_model_len=4096,
+    )  # fmt: skip
+    suppress_eoc(talker)
+    fi = __import__("flashinfer")
+    attn, model = talker.engine.attn, talker.model.model
+    t, layers = cfg.text, list(model.layers)
+    for b in (1, 16, 64):
+        ids = start_requests(talker, b, 512)
+        slot = attn.graph_decodes[b]  # its tables were last set for this batch by the step before
+        gen = torch.Generator(device="cuda").manual_seed(b)
+        q = torch.randn(b, t.num_attention_heads, t.head_dim, generator=gen, device="cuda").bfloat16()
+        x = torch.randn(b, t.hidden_size, generator=gen, device="cuda").bfloat16()
+
+        def xqa(layer: int, q=q, slot=slot) -> torch.Tensor:
+            return fi.decode.trtllm_batch_decode_with_kv_cache(
+                q, attn.kv_caches[layer], attn.xqa_workspace, slot.block_tables, slot.seq_lens, attn.max_model_len,
+                bmm1_scale=attn.scale, bmm2_scale=1.0, kv_layout="NHD", backend="xqa",
+            )  # fmt: skip
+
+        def only_xqa() -> None:
+            for i in range(len(layers)):
+                xqa(i)
+
+        def gemms(with_xqa: bool, x=x, q=q) -> None:
+            for i, layer in enumerate(layers):
+                layer.self_attn.qkv_proj(x)
+                out = xqa(i) if with_xqa else q
+                layer.self_attn.o_proj(out.reshape(x.shape[0], -1))
+
+        n = len(layers)
+        a = _time_graph(only_xqa) / n
+        g = _time_graph(lambda: gemms(False)) / n
+        c = _time_graph(lambda: gemms(True)) / n
+        lens = slot.seq_lens[:b].tolist()
+        print(
+            f"xqa-in-step b={b} ctx~{lens[0]}: XQA alone on engine data {a:.1f} us/call; qkv+o_proj {g:.1f} us/layer; "
+            f"qkv+XQA+o_proj {c:.1f} us/layer -> XQA between GEMMs {c - g:.1f} us",
+            flush=True,
+        )
+        for i in ids:
+            talker.engine.cancel(i)
+            talker.engine.requests.pop(i, None)
+    del talker
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit(f"{Path(__file__).name} is a CUDA probe (FlashInfer, CUDA graphs): no CUDA device here")
@@ -135,6 +187,8 @@ def main() -> None:
     if "xqa" in what:
         xqa_probe()
     cfg = TalkerConfig(text=TextConfig(**SHAPE_4B))
+    if "xqa_step" in what:
+        xqa_in_step_probe(cfg)
     for mode, cases in (("full_decode", [(1, 512), (64, 512)]), ("local_mlp", [(64, 512), (1, 512)])):
         if mode.split("_")[0] not in what:
             continue
