@@ -608,3 +608,13 @@ def test_attention_metadata_padding(talker, device_tensors):
         prefill.padded(5, engine.scratch_block, engine.ecfg.block_size)
     for i in ids:
         engine.cancel(i)
+
+
+def test_full_decode_padding_inputs_point_at_the_scratch_row(talker):
+    """A full-decode graph is captured on all-padding inputs: scratch state row, position 0, step 0."""
+    from higgs_talker.cuda_graphs.full_decode import FullDecodeGraphs
+
+    engine = make_engine(talker)
+    packed = FullDecodeGraphs(engine, [4]).padding_packed(4)
+    assert packed.dtype == torch.long and packed.device == engine.device
+    assert packed.tolist() == [[engine.scratch_row] * 4, [0] * 4, [0] * 4]

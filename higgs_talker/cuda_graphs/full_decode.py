@@ -52,10 +52,11 @@ class FullDecodeGraphs:
         return bucket_for(batch, self.sizes)
 
     def padding_packed(self, size: int) -> Tensor:
-        """[3, size] int64 device inputs of an all-padding batch: scratch state row, position 0, step 0."""
-        packed = torch.zeros(3, size, dtype=torch.long, device=self.engine.device)
-        packed[0] = self.engine.scratch_row
-        return packed
+        """[3, size] int64 device inputs of an all-padding batch (``DecodeInputs.padded``'s padding rows)."""
+        from ..engine import DecodeInputs
+
+        empty = DecodeInputs.from_host([], [], [])
+        return empty.padded(size, self.engine.scratch_row).host_packed().to(self.engine.device)
 
     def padding_inputs(self, size: int) -> DecodeInputs:
         from ..engine import DecodeInputs
