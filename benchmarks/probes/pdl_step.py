@@ -21,11 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_decode import SHAPE_4B, suppress_eoc  # noqa: E402
-from profile_step import start_requests  # noqa: E402
+from profile_step import layer_sandwich, start_requests  # noqa: E402
 from step_kernels import median_ms  # noqa: E402
 
 from higgs_talker import HiggsTalker, TalkerConfig, TextConfig  # noqa: E402
-from higgs_talker.flashinfer_attention import _time_graph  # noqa: E402
 
 
 def set_pdl(off_modules: tuple[str, ...]) -> None:
@@ -36,40 +35,6 @@ def set_pdl(off_modules: tuple[str, ...]) -> None:
         if name.startswith("flashinfer") and hasattr(mod, "device_support_pdl"):
             off = any(name.startswith(p) for p in off_modules)
             mod.device_support_pdl = (lambda device: False) if off else fu._original_device_support_pdl
-
-
-def layer_sandwich(talker: HiggsTalker, b: int) -> str:
-    fi = sys.modules["flashinfer"]
-    attn, t = talker.engine.attn, talker.cfg.text
-    layers = list(talker.model.model.layers)
-    slot = attn.graph_decodes[b]
-    gen = torch.Generator(device="cuda").manual_seed(b)
-    q = torch.randn(b, t.num_attention_heads, t.head_dim, generator=gen, device="cuda").bfloat16()
-    x = torch.randn(b, t.hidden_size, generator=gen, device="cuda").bfloat16()
-    one = torch.zeros(1, device="cuda")
-
-    def xqa(layer: int) -> torch.Tensor:
-        return fi.decode.trtllm_batch_decode_with_kv_cache(
-            q, attn.kv_caches[layer], attn.xqa_workspace, slot.block_tables, slot.seq_lens, attn.max_model_len,
-            bmm1_scale=attn.scale, bmm2_scale=1.0, kv_layout="NHD", backend="xqa",
-        )  # fmt: skip
-
-    def run(between: str) -> None:
-        for i, layer in enumerate(layers):
-            layer.self_attn.qkv_proj(x)
-            out = q
-            if between == "xqa":
-                out = xqa(i)
-            elif between == "add":
-                one.add_(1.0)
-            layer.self_attn.o_proj(out.reshape(b, -1))
-
-    n = len(layers)
-    alone = _time_graph(lambda: [xqa(i) for i in range(n)]) / n
-    g, c, d = (_time_graph(lambda k=k: run(k)) / n for k in ("none", "xqa", "add"))
-    return (
-        f"XQA alone {alone:.1f} us; GEMMs {g:.1f}; GEMMs+XQA {c:.1f} (+{c - g:.1f}); GEMMs+add {d:.1f} (+{d - g:.1f})"
-    )
 
 
 def main() -> None:

@@ -127,51 +127,57 @@ def xqa_probe() -> None:
             del caches
 
 
+def layer_sandwich(talker: HiggsTalker, b: int) -> str:
+    """Per layer, in CUDA graphs on the engine's own caches and bucket-``b`` tables (set by the last step): 36 XQA
+    calls alone; qkv + o_proj GEMMs; the GEMMs with XQA between them; the GEMMs with a one-element add between
+    them (what any kernel costs there)."""
+    import flashinfer as fi
+
+    attn, t = talker.engine.attn, talker.cfg.text
+    layers = list(talker.model.model.layers)
+    slot = attn.graph_decodes[b]
+    gen = torch.Generator(device="cuda").manual_seed(b)
+    q = torch.randn(b, t.num_attention_heads, t.head_dim, generator=gen, device="cuda").bfloat16()
+    x = torch.randn(b, t.hidden_size, generator=gen, device="cuda").bfloat16()
+    one = torch.zeros(1, device="cuda")
+
+    def xqa(layer: int) -> torch.Tensor:
+        return fi.decode.trtllm_batch_decode_with_kv_cache(
+            q, attn.kv_caches[layer], attn.xqa_workspace, slot.block_tables, slot.seq_lens, attn.max_model_len,
+            bmm1_scale=attn.scale, bmm2_scale=1.0, kv_layout="NHD", backend="xqa",
+        )  # fmt: skip
+
+    def run(between: str) -> None:
+        for i, layer in enumerate(layers):
+            layer.self_attn.qkv_proj(x)
+            out = q
+            if between == "xqa":
+                out = xqa(i)
+            elif between == "add":
+                one.add_(1.0)
+            layer.self_attn.o_proj(out.reshape(b, -1))
+
+    n = len(layers)
+    alone = _time_graph(lambda: [xqa(i) for i in range(n)]) / n
+    g, c, d = (_time_graph(lambda k=k: run(k)) / n for k in ("none", "xqa", "add"))
+    return (
+        f"XQA alone {alone:.1f} us; GEMMs {g:.1f}; GEMMs+XQA {c:.1f} (+{c - g:.1f}); GEMMs+add {d:.1f} (+{d - g:.1f})"
+    )
+
+
 def xqa_in_step_probe(cfg: TalkerConfig) -> None:
-    """Why XQA is slower inside a decode step than alone: the engine's own caches, block tables and lengths after
-    real decode steps, timed in CUDA graphs as (a) 36 XQA calls (one per layer), (b) 36 x (qkv GEMM, o_proj GEMM),
-    (c) 36 x (qkv GEMM, XQA, o_proj GEMM); (c - b) / 36 is XQA's time between the GEMMs of a step."""
+    """Why XQA is slower inside a decode step than alone: ``layer_sandwich`` after real decode steps at batch
+    1/16/64 (XQA forced, 512-token prompts). (GEMMs+XQA - GEMMs) is XQA's time between the GEMMs of a step.
+    ``h200_20261130/xqa_in_step.log`` was written before the sandwich gained its one-element-add variant."""
     talker = HiggsTalker.from_config(
         cfg, device="cuda", dtype="bfloat16", graph_mode="full_decode", decode_kernel="xqa", max_num_seqs=64,
         num_blocks=64 * 40 + 64, max_model_len=4096,
     )  # fmt: skip
     suppress_eoc(talker)
-    fi = __import__("flashinfer")
-    attn, model = talker.engine.attn, talker.model.model
-    t, layers = cfg.text, list(model.layers)
     for b in (1, 16, 64):
         ids = start_requests(talker, b, 512)
-        slot = attn.graph_decodes[b]  # its tables were last set for this batch by the step before
-        gen = torch.Generator(device="cuda").manual_seed(b)
-        q = torch.randn(b, t.num_attention_heads, t.head_dim, generator=gen, device="cuda").bfloat16()
-        x = torch.randn(b, t.hidden_size, generator=gen, device="cuda").bfloat16()
-
-        def xqa(layer: int, q=q, slot=slot) -> torch.Tensor:
-            return fi.decode.trtllm_batch_decode_with_kv_cache(
-                q, attn.kv_caches[layer], attn.xqa_workspace, slot.block_tables, slot.seq_lens, attn.max_model_len,
-                bmm1_scale=attn.scale, bmm2_scale=1.0, kv_layout="NHD", backend="xqa",
-            )  # fmt: skip
-
-        def only_xqa() -> None:
-            for i in range(len(layers)):
-                xqa(i)
-
-        def gemms(with_xqa: bool, x=x, q=q) -> None:
-            for i, layer in enumerate(layers):
-                layer.self_attn.qkv_proj(x)
-                out = xqa(i) if with_xqa else q
-                layer.self_attn.o_proj(out.reshape(x.shape[0], -1))
-
-        n = len(layers)
-        a = _time_graph(only_xqa) / n
-        g = _time_graph(lambda: gemms(False)) / n
-        c = _time_graph(lambda: gemms(True)) / n
-        lens = slot.seq_lens[:b].tolist()
-        print(
-            f"xqa-in-step b={b} ctx~{lens[0]}: XQA alone on engine data {a:.1f} us/call; qkv+o_proj {g:.1f} us/layer; "
-            f"qkv+XQA+o_proj {c:.1f} us/layer -> XQA between GEMMs {c - g:.1f} us",
-            flush=True,
-        )
+        ctx = talker.engine.attn.graph_decodes[b].seq_lens[0].item()
+        print(f"xqa-in-step b={b} ctx~{ctx}: {layer_sandwich(talker, b)}", flush=True)
         for i in ids:
             talker.engine.cancel(i)
             talker.engine.requests.pop(i, None)
