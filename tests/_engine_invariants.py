@@ -9,6 +9,7 @@ from torch import Tensor
 
 from higgs_talker.api import HiggsTalker
 from higgs_talker.engine import Engine
+from higgs_talker.heads.sampling import race_scores
 
 _IDLE: weakref.WeakKeyDictionary[Engine, tuple[int, frozenset[int]]] = weakref.WeakKeyDictionary()
 
@@ -83,17 +84,6 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
     m = min(len(a), len(b))
     diff = (a[:m] != b[:m]).any(dim=1).nonzero()
     return int(diff[0]) if diff.numel() else None
-
-
-def race_scores(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seeds: Tensor, steps: Tensor):
-    """What ``sample_codes`` takes the argmax of, per row and codebook: [B, N, V] (masked logits when greedy)."""
-    from higgs_talker.heads.sampling import exponential_noise, top_k_top_p_filter
-
-    b, n, v = logits.shape
-    x = logits.float() / torch.where(temperature <= 0, 1.0, temperature.float())[:, None, None]
-    x = top_k_top_p_filter(x.view(b * n, v), top_k.repeat_interleave(n), top_p.repeat_interleave(n)).view(b, n, v)
-    race = x.softmax(dim=-1) / exponential_noise(seeds, steps, n, v)
-    return torch.where((temperature <= 0)[:, None, None], logits.float(), race)
 
 
 def explain_divergence(

@@ -20,8 +20,10 @@ from higgs_talker.heads.delay import (
 from higgs_talker.heads.sampling import (
     SamplingParams,
     exponential_noise,
+    race_scores,
     sample_codes,
     top_k_top_p_filter,
+    uniform_from_bits,
 )
 
 N, V, BOC, EOC = 8, 1026, 1024, 1025
@@ -536,6 +538,110 @@ def test_sampled_distribution_matches_softmax(temperature, top_k):
     # the 8 codebooks of a frame are drawn independently: they agree with probability sum(p^2)
     agree = (codes[:, 0] == codes[:, 1]).float().mean()
     assert abs(float(agree) - float((want**2).sum())) < 0.03
+
+
+def test_uniform_from_bits_stays_inside_the_open_interval():
+    """Every 32-bit word maps into (0, 1), so every noise value is finite and > 0 (the extremes included)."""
+    words = torch.tensor([0, 1, 2**9 - 1, 2**9, 2**31, 2**32 - 2**9, 2**32 - 2**8, 2**32 - 2, 2**32 - 1])
+    u = uniform_from_bits(words)
+    assert u.dtype == torch.float32
+    assert (u > 0).all() and (u < 1).all(), u.tolist()
+    assert u.max().item() == 1 - 2**-24 and u.min().item() == 2**-24
+    noise = -torch.log(u)
+    assert torch.isfinite(noise).all() and (noise > 0).all()
+
+
+# (seed, step, codebook, code) whose hash word has all top 24 bits set: the old 24-bit mapping rounded its
+# uniform to exactly 1.0, its noise to -0.0, and the race returned that code even where it was masked.
+EXTREME_WORDS = [(0, 789, 0, 862), (7, 108, 0, 656), (7, 2014, 6, 857), (0, 1993, 4, 664)]
+
+
+@pytest.mark.parametrize("seed, step, codebook, code", EXTREME_WORDS)
+def test_extreme_hash_word_never_samples_a_masked_code(seed, step, codebook, code):
+    noise = exponential_noise(torch.tensor([seed]), torch.tensor([step]), N, V)[0]
+    assert noise[codebook, code] == noise.min()  # the smallest noise value of the whole frame: the u -> 1 end
+    assert 0 < noise[codebook, code] < 1e-6
+    logits = torch.full((1, N, V), NEG)
+    logits[..., BOC] = 0.0  # only BOC allowed (a not-yet-started codebook), as the delay mask does
+    logits[0, :, code + 1] = 3.0  # ... and one more real code, not the extreme one
+    for temperature, top_k, top_p in [(1.0, None, 1.0), (0.8, 50, 1.0), (1.3, None, 0.95)]:
+        codes = sample(logits, temperature, top_k, top_p, seeds=seed, steps=step)
+        assert torch.isin(codes, torch.tensor([BOC, code + 1])).all(), codes.tolist()
+
+
+@pytest.mark.parametrize("value", [0.0, float("inf"), float("nan"), -1.0])
+def test_masked_codes_lose_whatever_the_noise(monkeypatch, value):
+    """The invariant is structural: masked or filtered codes score -inf, whatever the noise tensor holds."""
+    import higgs_talker.heads.sampling as sampling
+
+    monkeypatch.setattr(sampling, "exponential_noise", lambda seeds, steps, n, v: torch.full((len(seeds), n, v), value))
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(64, N, 40, generator=g)
+    banned = torch.rand(64, N, 40, generator=g) < 0.9
+    banned[..., 7] = False
+    logits[banned] = NEG
+    for top_k, top_p in [(None, 1.0), (3, 1.0), (None, 0.5)]:
+        codes = sample(logits, 1.0, top_k, top_p)
+        assert not banned.gather(2, codes[..., None]).any()
+        kept = torch.isfinite(top_k_top_p_filter(logits.view(-1, 40), torch.full((64 * N,), top_k or 40),
+                                                 torch.full((64 * N,), top_p))).view(64, N, 40)  # fmt: skip
+        assert kept.gather(2, codes[..., None]).all()
+
+
+def test_a_million_draws_from_an_almost_fully_masked_distribution():
+    """10^6 draws (125,000 rows x 8 codebooks), two allowed codes out of 16 each: no draw outside the allowed
+    pair, and the frequencies match the softmax of the pair (temperature, top-k and top-p on)."""
+    rows, v = 125_000, 16
+    g = torch.Generator().manual_seed(5)
+    first = torch.randint(0, v, (rows, N, 1), generator=g)
+    second = (first + torch.randint(1, v, (rows, N, 1), generator=g)) % v
+    logits = torch.full((rows, N, v), NEG)
+    logits.scatter_(2, first, 0.0)
+    logits.scatter_(2, second, 1.0)
+    temperature = torch.tensor([1.0, 0.5, 2.0, 1.0])[torch.arange(rows) % 4]
+    top_k = torch.tensor([v, v, 5, 2])[torch.arange(rows) % 4]
+    top_p = torch.tensor([1.0, 1.0, 1.0, 0.99])[torch.arange(rows) % 4]
+    codes = torch.cat(
+        [
+            sample(logits[i : i + 25_000], temperature[i : i + 25_000], top_k[i : i + 25_000],
+                   top_p[i : i + 25_000], seeds=torch.arange(i, i + 25_000) * 31 + 1, steps=torch.arange(25_000))
+            for i in range(0, rows, 25_000)
+        ]
+    )  # fmt: skip
+    picked_second = codes[..., None] == second
+    assert (picked_second | (codes[..., None] == first)).all(), "a draw left the allowed pair"
+    for phase, t in enumerate([1.0, 0.5, 2.0, 1.0]):
+        hits = picked_second[phase::4].float()
+        p = 1 / (1 + math.exp(-1.0 / t))  # P(second) under softmax([0, 1] / t)
+        n = hits.numel()
+        # a binomial proportion: 6 standard deviations is a 2e-9 two-sided tail
+        assert abs(hits.mean().item() - p) <= 6 * math.sqrt(p * (1 - p) / n), (t, hits.mean().item(), p)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiny_top_p_equals_greedy_exactly_even_with_ties(dtype):
+    """A nucleus so small that only the top code survives is greedy: the same code as argmax, ties included
+    (bf16 logits tie often; the stable sort keeps the lowest index, as argmax does)."""
+    g = torch.Generator().manual_seed(6)
+    logits = (torch.randn(256, N, V, generator=g) * 2).to(dtype).float()
+    logits[:, :, 100] = logits.amax(dim=-1)  # exact ties at the top: argmax picks the lower index
+    logits[:, :, BOC] = NEG
+    want = logits.argmax(dim=-1)
+    for temperature in (1.0, 0.7, 3.0):
+        got = sample(logits, temperature, top_p=1e-9, seeds=torch.arange(256) * 13)
+        assert torch.equal(got, want)
+
+
+def test_race_scores_are_what_the_sampler_takes_the_argmax_of():
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(16, N, 30, generator=g)
+    logits[..., :4] = NEG
+    temp, k, p = torch.rand(16) + 0.2, torch.randint(1, 31, (16,)), torch.rand(16) * 0.9 + 0.1
+    temp[::3] = 0.0
+    seeds, steps = torch.arange(16) * 5, torch.arange(16)
+    scores = race_scores(logits, temp, k, p, seeds, steps)
+    assert torch.equal(scores.argmax(dim=-1), sample_codes(logits, temp, k, p, seeds, steps))
+    assert torch.equal(scores[::3], logits[::3])  # greedy rows score their masked logits
 
 
 def test_sampling_is_deterministic_per_seed_and_varies_across_seeds():

@@ -3,7 +3,8 @@
 Randomness comes from a counter-based hash of ``(request seed, row index, codebook, code)``: the noise a
 request sees depends on nothing else, so a seeded request gives the same codes alone or in any batch, on CPU
 and CUDA alike, and the whole step can live in a CUDA graph (no ``torch.Generator`` per request). Sampling is
-the exponential race ``argmax(p / E)`` with ``E ~ Exp(1)``, which draws from ``p`` exactly.
+the exponential race ``argmax(p / E)`` with ``E ~ Exp(1)``, which draws from ``p`` exactly; it runs in log form
+(``argmax(log p - log E)``), where a code the masks or filters removed scores -inf and can never win.
 """
 
 from __future__ import annotations
@@ -82,32 +83,76 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
+def uniform_from_bits(bits: Tensor) -> Tensor:
+    """Random 32-bit words (int64 tensor, values < 2**32) -> uniform fp32 in the open interval (0, 1).
+
+    The top 23 bits ``k`` map to ``(k + 0.5) / 2**23``, which fp32 holds exactly: the result lies in
+    [2**-24, 1 - 2**-24], so ``-log(u)`` is finite and strictly positive for every word. (With 24 bits the
+    largest value, (2**24 - 0.5) / 2**24, rounds to 1.0 in fp32 and its noise to -0.0.)
+    """
+    return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
+
+
 def exponential_noise(seeds: Tensor, steps: Tensor, num_codebooks: int, codebook_size: int) -> Tensor:
-    """Exp(1) noise [B, N, V] fp32 that is a pure function of (seeds [B], steps [B]) int64."""
+    """Exp(1) noise [B, N, V] fp32, finite and > 0, that is a pure function of (seeds [B], steps [B]) int64."""
     h = _mix32(seeds & _M32)
     h = _mix32(h ^ ((seeds >> 32) & _M32))
     h = _mix32(h ^ (steps & _M32))  # [B]
     idx = torch.arange(num_codebooks * codebook_size, device=seeds.device, dtype=torch.long)
     bits = _mix32(h[:, None] ^ _mix32(idx + 0x9E3779B9)[None, :])
     bits = _mix32(bits ^ h[:, None])  # second round: decorrelates neighbouring (seed, step) pairs
-    u = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 random bits
-    return (-torch.log(u)).view(-1, num_codebooks, codebook_size)
+    return (-torch.log(uniform_from_bits(bits))).view(-1, num_codebooks, codebook_size)
 
 
 def top_k_top_p_filter(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     """Mask logits [M, V] outside each row's top-k (k [M], V = off), then outside its top-p nucleus (p [M]).
 
-    Ties at the k-th value are kept; the most likely entry always survives top-p. Returns a new tensor.
+    Ties at the k-th value are kept. The nucleus is the shortest most-likely prefix whose mass reaches p: an
+    entry stays while the mass ranked before it is below p. The sort is stable, so among equal logits the
+    lowest index ranks first, and the entry that always survives is the one ``argmax`` picks. Returns a new
+    tensor.
     """
     v = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
-    kth = sorted_logits.gather(1, (v - top_k.long()).clamp(0, v - 1)[:, None])
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    kth = sorted_logits.gather(1, (top_k.long() - 1).clamp(0, v - 1)[:, None])
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop = cum <= (1 - top_p.float())[:, None]
-    drop[:, -1] = False
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass ranked strictly before each entry
+    drop = before >= top_p.float()[:, None]
+    drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def race_scores(
+    logits: Tensor,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    seeds: Tensor,
+    steps: Tensor,
+    *,
+    filter: bool = True,
+) -> Tensor:
+    """What the sampler takes the argmax of: masked logits [B, N, V] -> scores [B, N, V] fp32.
+
+    Sampled rows race ``x / T - log(E)`` with ``E ~ Exp(1)`` (the Gumbel-max form of ``argmax(p / E)``, which
+    draws from ``softmax(x / T)`` exactly). Every code that the masks or the top-k/top-p filter removed scores
+    -inf whatever the noise, so it can never win. Greedy rows (temperature 0) score their masked logits, and so
+    does a row where ``x / T`` overflows (the temperature -> 0 limit: a finite logit became +-inf).
+    """
+    b, n, v = logits.shape
+    x = logits.float()
+    greedy = temperature <= 0
+    x = x / torch.where(greedy, 1.0, temperature.float())[:, None, None]
+    overflow = (x.isinf() & logits.isfinite()).any(dim=-1, keepdim=True)  # [B, N, 1]: a finite logit left range
+    if filter:
+        x = top_k_top_p_filter(x.view(b * n, v), top_k.repeat_interleave(n), top_p.repeat_interleave(n))
+        x = x.view(b, n, v)
+    lowest = torch.finfo(torch.float32).min  # any allowed code, whatever its noise, outranks every removed one
+    noisy = (x - exponential_noise(seeds, steps, n, v).log()).nan_to_num(nan=lowest, neginf=lowest)
+    noisy = torch.where(x == float("-inf"), float("-inf"), noisy)
+    return torch.where(greedy[:, None, None] | overflow, logits.float(), noisy)
 
 
 def sample_codes(
@@ -121,7 +166,7 @@ def sample_codes(
     draw: bool = True,
     filter: bool = True,
 ) -> Tensor:
-    """Masked codebook logits [B, N, V] -> codes [B, N] int64.
+    """Masked codebook logits [B, N, V] -> codes [B, N] int64 (``argmax`` of ``race_scores``).
 
     temperature/top_p [B] float, top_k [B] int (codebook_size or more = off), seeds/steps [B] int64 (the
     step is the request's row index, so its noise never repeats). Rows with temperature 0 take the argmax.
@@ -130,17 +175,4 @@ def sample_codes(
     """
     if not draw:
         return logits.argmax(dim=-1)
-    b, n, v = logits.shape
-    x = logits.float()
-    greedy = temperature <= 0
-    scale = torch.where(greedy, 1.0, temperature.float())
-    x = x / scale[:, None, None]
-    if filter:
-        x = top_k_top_p_filter(x.view(b * n, v), top_k.repeat_interleave(n), top_p.repeat_interleave(n))
-        x = x.view(b, n, v)
-    probs = x.softmax(dim=-1)
-    drawn = (probs / exponential_noise(seeds, steps, n, v)).argmax(dim=-1)
-    # A tiny temperature can overflow x to +inf; softmax then gives NaN and the race would pick a masked code.
-    # That is the temperature -> 0 limit, so those rows take the argmax (no host sync: a where, not a branch).
-    overflow = ~torch.isfinite(probs).all(dim=-1)  # [B, N]
-    return torch.where(greedy[:, None] | overflow, logits.argmax(dim=-1), drawn)
+    return race_scores(logits, temperature, top_k, top_p, seeds, steps, filter=filter).argmax(dim=-1)
