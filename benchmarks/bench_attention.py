@@ -322,26 +322,22 @@ class SdpaEngine(Variant):
 
     def __init__(self, case: Case, ctx: Context) -> None:
         super().__init__(case, ctx)
-        from higgs_talker.attention import AttnMetadata, SdpaAttention
+        from higgs_talker.attention import SdpaAttention
+        from higgs_talker.batch import StepBatch
 
         if case.item.layout != "NHD":
             raise ValueError("the engine's KV cache is NHD")
-        it, (hq, _, d) = case.item, case.heads
-        self.attn = SdpaAttention(case.caches, hq, d)  # the copies play the role of layers
+        it, (hq, hk, d) = case.item, case.heads
+        # the copies play the role of layers
+        self.attn = SdpaAttention(case.caches, hq, hk, d, it.context)
         pos = it.context - 1  # the new token is the last position: its K/V are already in the cache
+        tables = case.block_table.tolist()
         blocks = case.block_table[:, pos // it.page_size].long()
-        slots = blocks * it.page_size + pos % it.page_size
-        self.meta = AttnMetadata(
-            slot_mapping=slots,
-            query_start_loc=torch.arange(it.batch + 1, dtype=torch.int32, device=case.device),
-            seq_lens=case.seq_lens,
-            block_tables=case.block_table,
-            query_lens_host=[1] * it.batch,
-            seq_lens_host=[it.context] * it.batch,
-        )
+        slots = (blocks * it.page_size + pos % it.page_size).tolist()
+        n = it.batch
+        self.attn.plan(StepBatch([0] * n, [pos] * n, slots, [1] * n, [it.context] * n, tables))
         off = pos % it.page_size
         self.new_kv = [(c[blocks, 0, off].clone(), c[blocks, 1, off].clone()) for c in case.caches]
-        self.attn.begin(self.meta)
 
     def call(self, i: int) -> None:
         k, v = self.new_kv[i]

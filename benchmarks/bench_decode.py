@@ -131,23 +131,23 @@ def floor_ms(weights: float, kv: float, gathered: float, copy_bytes_per_s: float
 
 
 def graph_info(talker: HiggsTalker) -> dict:
-    """What the engine reports about its graphs (duck-typed: the graph code is still changing)."""
+    """What the engine reports about its attention backend, kernels and graphs."""
     eng = talker.engine
-    mode = getattr(talker, "graph_mode", None)
+    attn = eng.runner.attn
     info = {
-        "graph_mode": getattr(mode, "value", str(mode)),
-        "attention": type(getattr(eng, "attn", None)).__name__,
-        "kernels": getattr(getattr(talker.model, "kernels", None), "name", None),
+        "graph_mode": talker.graph_mode.value,
+        "attention": type(attn).__name__,
+        "kernels": talker.model.kernels.name,
+        "bucket_kernels": {str(k): v for k, v in getattr(attn, "bucket_kernel", {}).items()},
         "graph_runner": None,
     }
-    for name, value in vars(eng).items():
-        if hasattr(value, "warm_up") and hasattr(value, "decision"):
-            info["graph_runner"] = name
-            info["graph_warmup_s"] = getattr(value, "warmup_s", None)
-            info["graph_reason"] = getattr(value.decision, "reason", None)
-            choice = getattr(value, "choice", None)
-            if choice:
-                info["auto_choice"] = {str(k): v for k, v in choice.items()}
+    graphs = eng.graphs
+    if graphs is not None:
+        info["graph_runner"] = type(graphs).__name__
+        info["graph_warmup_s"] = graphs.warmup_s
+        info["graph_reason"] = graphs.decision.reason
+        if graphs.choice:
+            info["auto_choice"] = {str(k): v for k, v in graphs.choice.items()}
     return info
 
 
@@ -326,25 +326,20 @@ def build_hf_peer(talker: HiggsTalker, dtype: torch.dtype, device: torch.device)
 @torch.inference_mode()
 def peer_check(talker: HiggsTalker, hf, device: torch.device, tokens: int = 48) -> float:
     """Relative difference of the codebook logits of the last prompt position, ours vs the peer."""
-    from higgs_talker.attention import AttnMetadata, SdpaAttention
+    from higgs_talker.attention import SdpaAttention, use_backend
+    from higgs_talker.batch import StepBatch
     from higgs_talker.kv_cache import allocate_kv_caches
 
     t = talker.cfg.text
     ids = torch.randint(0, min(t.vocab_size, 256), (tokens,), device=device, generator=None)
     blocks = -(-tokens // 16)
     caches = allocate_kv_caches(t, blocks, 16, talker.engine.dtype, device)
-    attn = SdpaAttention(caches, t.num_attention_heads, t.head_dim)
-    meta = AttnMetadata(
-        slot_mapping=torch.arange(tokens, device=device),
-        query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
-        block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
-        query_lens_host=[tokens],
-        seq_lens_host=[tokens],
-    )
-    attn.begin(meta)
+    attn = SdpaAttention(caches, t.num_attention_heads, t.num_key_value_heads, t.head_dim, tokens)
+    positions = list(range(tokens))
+    attn.plan(StepBatch([0], positions, positions, [tokens], [tokens], [list(range(blocks))], token_ids=ids.tolist()))
     model = talker.model
-    hidden = model(model.embed_text(ids), torch.arange(tokens, device=device), attn)
+    with use_backend(attn):
+        hidden = model(model.embed_text(ids), torch.arange(tokens, device=device))
     ours = model.modality_head(hidden[-1:]).float().flatten()
     theirs = hf(input_ids=ids[None], logits_to_keep=1).logits[0, -1].float()
     return float((ours - theirs).norm() / theirs.norm())

@@ -60,7 +60,7 @@ def make_jobs(talker: HiggsTalker, n: int, args: argparse.Namespace, seed: int) 
         text = "".join(rng.choice(string.ascii_lowercase) for _ in range(max(1, words - 3)))
         prompt = talker.build_prompt(text)
         frames = round(rng.uniform(args.audio_s[0], args.audio_s[1]) * cfg.frame_rate)
-        params = SamplingParams(temperature=args.temperature, max_frames=frames + cfg.num_codebooks, seed=seed + i)
+        params = SamplingParams(temperature=args.temperature, max_frames=frames, seed=seed + i)
         jobs.append((prompt, params, len(prompt), frames))
     return jobs
 
@@ -77,7 +77,7 @@ def run_level(talker: HiggsTalker, concurrency: int, jobs: list[tuple]) -> tuple
         rid = eng.add_request(prompt, params)
         live[rid] = {"t_submit": t, "rows": 0, "prompt_tokens": tokens, "target_frames": frames}
 
-    max_steps = sum(job[1].max_frames for job in jobs) + 10 * len(jobs) + 100  # a hang guard, never reached
+    max_steps = sum(job[1].max_frames + n for job in jobs) + 10 * len(jobs) + 100  # a hang guard, never reached
     t0 = time.perf_counter()
     for _ in range(min(concurrency, len(queue))):
         submit()
@@ -156,12 +156,11 @@ def summarize(mode: str, concurrency: int, records: list[dict], wall_s: float) -
 
 def warm_up(talker: HiggsTalker, concurrency: int) -> float:
     """Requests with staggered lengths so the batch passes through every size 1..C once (graph buckets)."""
-    n = talker.cfg.num_codebooks
     t0 = time.perf_counter()
     jobs = []
     for i in range(concurrency):
         prompt = talker.build_prompt("warm up " + "x" * (i % 7))
-        jobs.append((prompt, SamplingParams(temperature=0.0, max_frames=n + 2 + i), len(prompt), 2 + i))
+        jobs.append((prompt, SamplingParams(temperature=0.0, max_frames=2 + i), len(prompt), 2 + i))
     run_level(talker, concurrency, jobs)
     sync(torch.device(talker.engine.device))
     return time.perf_counter() - t0

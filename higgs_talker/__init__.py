@@ -3,11 +3,12 @@
 ``import higgs_talker`` imports neither vLLM nor FlashInfer.
 """
 
-from .api import GenerationResult, HiggsTalker, Reference
+from .api import GenerationError, GenerationResult, HiggsTalker, Reference
 from .config import SpecialTokens, TalkerConfig, TextConfig
 from .heads.sampling import SamplingParams
 
 __all__ = [
+    "GenerationError",
     "GenerationResult",
     "HiggsTalker",
     "Reference",

@@ -1,9 +1,17 @@
-"""The direct Python API: load a checkpoint, generate or stream codes, batch many requests."""
+"""The direct Python API: load a checkpoint, generate or stream codes, batch many requests.
+
+Threads: one ``HiggsTalker`` may be shared. ``generate`` and ``stream`` queue their requests on the talker's
+engine and wait; a worker thread (started on demand, gone when idle) runs the steps, so concurrent callers'
+requests are batched together and each caller gets exactly its own codes. An interrupt or error in one caller
+(Ctrl-C in a ``stream`` loop, a ``progress`` callback that raises) cancels that caller's requests only. A step
+that fails fails the requests it was running, and their callers raise ``GenerationError`` with the cause.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -34,9 +42,13 @@ _DTYPES = {
 }
 
 
+class GenerationError(RuntimeError):
+    """A request failed inside a step (its cause is ``__cause__``); other requests are unaffected."""
+
+
 @dataclass(frozen=True)
 class Reference:
-    """A reference voice for cloning: aligned codec codes [T, N] and, optionally, what they say."""
+    """A reference voice for cloning: aligned codec codes [T, C] and, optionally, what they say."""
 
     codes: Tensor | np.ndarray
     text: str | None = None
@@ -48,9 +60,10 @@ class GenerationResult:
 
     request_id: str
     text: str
-    codes: Tensor  # [F, N] int64: aligned frames as the codec receives them (SPEC 8.2)
-    rows: Tensor  # [R, N] int64: the delayed rows as generated (BOC/EOC included)
+    codes: Tensor  # [F, C] int64: aligned frames as the codec receives them (SPEC 8.2)
+    rows: Tensor  # [R, C] int64: the delayed rows as generated (BOC/EOC included)
     finish_reason: str
+    seed: int  # the sampling seed used (the given one, or the one drawn): reproduces this result
     prompt_tokens: int
     prefill_ms: float
     decode_ms: float
@@ -79,7 +92,7 @@ class GenerationResult:
         return total / self.audio_seconds if self.audio_seconds else float("inf")
 
     def aligned(self) -> Tensor:
-        """All reverted frames [R - N + 1, N] with BOC/EOC kept (nothing trimmed)."""
+        """All reverted frames [R - C + 1, C] with BOC/EOC kept (nothing trimmed)."""
         return revert_delay_pattern(self.rows)
 
     def save(self, path: str | Path) -> Path:
@@ -93,7 +106,7 @@ class GenerationResult:
             save_file(
                 {"codes": self.codes.contiguous(), "rows": self.rows.contiguous()},
                 str(path),
-                metadata={"text": self.text, "frame_rate": str(self.frame_rate)},
+                metadata={"text": self.text, "frame_rate": str(self.frame_rate), "seed": str(self.seed)},
             )
         else:
             raise ValueError(f"unsupported output format {path.suffix!r}: use .npy or .safetensors")
@@ -102,9 +115,83 @@ class GenerationResult:
     def summary(self) -> str:
         return (
             f"{self.num_frames} frames, {self.audio_seconds:.2f} s audio, {self.num_rows} steps "
-            f"({self.finish_reason}), prefill {self.prefill_ms:.1f} ms, {self.ms_per_step:.2f} ms/step, "
-            f"RTF {self.rtf:.3f}"
+            f"({self.finish_reason}), seed {self.seed}, prefill {self.prefill_ms:.1f} ms, "
+            f"{self.ms_per_step:.2f} ms/step, RTF {self.rtf:.3f}"
         )
+
+
+class _Ticket:
+    """A caller waiting on some requests: woken when all have finished, and after every step if ``per_step``."""
+
+    def __init__(self, ids: list[str], per_step: bool) -> None:
+        self.ids, self.per_step = ids, per_step
+        self.event = threading.Event()
+        self.done = False
+        self.error: BaseException | None = None  # the worker thread itself failed (a bug): nothing will finish
+
+    def wait(self) -> None:
+        """Until the next wake-up; raises if the worker thread died."""
+        self.event.wait()
+        self.event.clear()
+        if self.error is not None:
+            raise GenerationError(f"the engine's worker thread failed: {self.error!r}") from self.error
+
+
+class _Driver:
+    """Steps an engine on one worker thread while any caller waits (started on demand, exits when idle)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._tickets: list[_Ticket] = []
+        self._thread: threading.Thread | None = None
+
+    def wait_for(self, ticket: _Ticket) -> None:
+        with self._lock:
+            self._tickets.append(ticket)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="higgs-talker-engine", daemon=True)
+                self._thread.start()
+
+    def withdraw(self, ticket: _Ticket) -> None:
+        with self._lock:
+            if ticket in self._tickets:
+                self._tickets.remove(ticket)
+
+    def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - a bug here must reach the waiting callers, not hang them
+            logger.exception("the engine's worker thread failed")
+            with self._lock:
+                for ticket in self._tickets:
+                    ticket.error = exc
+                    ticket.event.set()
+                self._tickets.clear()
+                self._thread = None
+
+    def _serve(self) -> None:
+        engine = self.engine
+        if engine.device.type == "cuda":
+            torch.cuda.set_device(engine.device)
+        while True:
+            with self._lock:
+                if not self._tickets:
+                    self._thread = None
+                    return
+            if engine.has_unfinished():
+                try:
+                    engine.step()
+                except Exception as exc:  # noqa: BLE001 - the step's own requests carry it; serve the rest
+                    logger.error("an engine step failed (its requests end with the error): %r", exc)
+            with self._lock:
+                for ticket in list(self._tickets):
+                    if all(engine.requests[i].finished for i in ticket.ids if i in engine.requests):
+                        ticket.done = True
+                        self._tickets.remove(ticket)
+                        ticket.event.set()
+                    elif ticket.per_step:
+                        ticket.event.set()
 
 
 class HiggsTalker:
@@ -115,16 +202,18 @@ class HiggsTalker:
         model: TalkerModel,
         cfg: TalkerConfig,
         tokenizer: TalkerTokenizer,
-        engine_cfg: EngineConfig | None = None,
+        engine_config: EngineConfig | None = None,
+        *,
         graph_mode: GraphMode | str = GraphMode.EAGER,
         decode_kernel: str = "auto",
         buckets: Sequence[int] | None = None,
     ) -> None:
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
         self.graph_mode = GraphMode.parse(graph_mode)
-        self.engine = Engine(model, cfg, tokenizer.specials, engine_cfg, decode_kernel=decode_kernel)
+        self.engine = Engine(model, cfg, tokenizer.specials, engine_config, decode_kernel=decode_kernel)
         if self.engine.device.type == "cuda":
             self.engine.warm_up(self.graph_mode, buckets)
+        self._driver = _Driver(self.engine)
 
     @classmethod
     def from_pretrained(
@@ -133,38 +222,30 @@ class HiggsTalker:
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype | None = None,
         *,
-        max_num_seqs: int = 64,
-        num_blocks: int | None = None,
-        max_model_len: int | None = None,
-        block_size: int = 16,
         graph_mode: str | None = None,
         decode_kernel: str = "auto",
         buckets: Sequence[int] | None = None,
+        **engine_options,
     ) -> HiggsTalker:
         """Load a checkpoint directory, or ``"tiny"`` for the embedded default.
 
-        dtype defaults to float32 on CPU and bfloat16 on CUDA. ``graph_mode`` (eager, local_mlp,
-        full_decode, auto) defaults to auto on CUDA; CPU runs eager only.
+        dtype defaults to float32 on CPU and bfloat16 on CUDA; ``graph_mode`` (eager, local_mlp, full_decode,
+        auto) defaults to auto on CUDA, and CPU runs eager only. ``engine_options`` are ``EngineConfig``
+        fields (max_num_seqs, block_size, num_blocks, max_model_len, max_prefill_tokens, kv_memory_fraction).
         """
-        device = _check_device(device)
-        dtype = _check_dtype(dtype, device)
-        mode = GraphMode.parse(graph_mode or (GraphMode.AUTO if device.type == "cuda" else GraphMode.EAGER))
-        if device.type != "cuda" and mode is not GraphMode.EAGER:
-            raise ValueError(f"graph_mode {mode.value!r} needs a CUDA device; on {device} use graph_mode='eager'")
+        device, dtype, mode = _resolve_runtime(device, dtype, graph_mode)
+        engine_config = _engine_config(engine_options)
         path = tiny_checkpoint() if str(path) == TINY_NAME else Path(path)
         if not Path(path).exists():
             raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist (use 'tiny' for the embedded default)")
         register_hf_config()
         cfg = TalkerConfig.from_pretrained(path)
         tokenizer = TalkerTokenizer.from_pretrained(path, cfg)
-        engine_cfg = EngineConfig(
-            max_num_seqs=max_num_seqs, num_blocks=num_blocks, max_model_len=max_model_len, block_size=block_size
-        )
         model = _empty_model(cfg, device, dtype)
         checkpoint.load_into(model, checkpoint.iter_tensors(path, cfg, device, dtype), cfg)
         model.eval().requires_grad_(False)
         logger.info("loaded %s on %s (%s, kernels=%s)", path, device, dtype, model.kernels.name)
-        return cls(model, cfg, tokenizer, engine_cfg, graph_mode=mode, decode_kernel=decode_kernel, buckets=buckets)
+        return cls(model, cfg, tokenizer, engine_config, graph_mode=mode, decode_kernel=decode_kernel, buckets=buckets)
 
     @classmethod
     def from_config(
@@ -178,17 +259,15 @@ class HiggsTalker:
         graph_mode: str | None = None,
         decode_kernel: str = "auto",
         buckets: Sequence[int] | None = None,
-        **engine_kwargs,
+        **engine_options,
     ) -> HiggsTalker:
         """A talker of any shape with random weights (benchmarks, tests); the tokenizer defaults to the tiny one.
 
         Weights are drawn on the device (normal, std 0.02; norms 1), so a 4B-shaped model builds in seconds.
+        ``engine_options`` as for ``from_pretrained``.
         """
-        device = _check_device(device)
-        dtype = _check_dtype(dtype, device)
-        mode = GraphMode.parse(graph_mode or (GraphMode.AUTO if device.type == "cuda" else GraphMode.EAGER))
-        if device.type != "cuda" and mode is not GraphMode.EAGER:
-            raise ValueError(f"graph_mode {mode.value!r} needs a CUDA device; on {device} use graph_mode='eager'")
+        device, dtype, mode = _resolve_runtime(device, dtype, graph_mode)
+        engine_config = _engine_config(engine_options)
         model = _empty_model(cfg, device, dtype)
         g = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():
@@ -199,15 +278,7 @@ class HiggsTalker:
                     param.normal_(0.0, 0.02, generator=g)
         model.eval().requires_grad_(False)
         tokenizer = TalkerTokenizer.from_pretrained(tokenizer_path or tiny_checkpoint(), cfg)
-        return cls(
-            model,
-            cfg,
-            tokenizer,
-            EngineConfig(**engine_kwargs),
-            graph_mode=mode,
-            decode_kernel=decode_kernel,
-            buckets=buckets,
-        )
+        return cls(model, cfg, tokenizer, engine_config, graph_mode=mode, decode_kernel=decode_kernel, buckets=buckets)
 
     # ------------------------------------------------------------------ prompts
 
@@ -226,12 +297,13 @@ class HiggsTalker:
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         reference: Reference | None = None,
         max_frames: int | None = None,
-        progress=None,
+        progress: Callable[[int], object] | None = None,
     ) -> GenerationResult | list[GenerationResult]:
         """Generate codes for one text (-> one result) or a list of texts batched together (-> a list).
 
-        ``sampling`` may be one ``SamplingParams`` for all texts or one per text; ``max_frames`` overrides
-        its ``max_frames``. ``progress(done_rows)`` is called after every step when given.
+        ``sampling`` may be one ``SamplingParams`` for all texts or one per text; ``max_frames`` (audio frames,
+        25 per second) overrides its ``max_frames``. ``progress(rows_so_far)`` is called as steps complete.
+        Raises ``GenerationError`` (with the cause) if a step fails one of these requests.
         """
         single = isinstance(text, str)
         if not single and (isinstance(text, bytes | bytearray) or not isinstance(text, Sequence)):
@@ -243,25 +315,22 @@ class HiggsTalker:
         prompts = [self.build_prompt(t, reference) for t in texts]  # validate all before queueing any
         ids: list[str] = []
         eng = self.engine
+        ticket = None
         try:
             for p, s in zip(prompts, params, strict=True):
                 ids.append(eng.add_request(p, s))
-            while any(eng.requests[i].finished_at is None for i in ids):
-                eng.step()
+            ticket = _Ticket(ids, per_step=progress is not None)
+            self._driver.wait_for(ticket)
+            while not ticket.done:
+                ticket.wait()
                 if progress is not None:
                     progress(sum(len(eng.requests[i].rows) for i in ids))
+            requests = [eng.pop_finished(i) for i in ids]
         except BaseException:
-            for i in ids:  # leave nothing of this call behind
-                eng.cancel(i)
-                eng.requests.pop(i, None)
+            self._forget(ids, ticket)  # leave nothing of this call behind
             raise
-        results = [self._result(eng.pop_finished(i), t) for i, t in zip(ids, texts, strict=True)]
+        results = [self._result(req, t) for req, t in zip(requests, texts, strict=True)]
         return results[0] if single else results
-
-    def generate_batch(
-        self, texts: Sequence[str], sampling=None, max_frames: int | None = None
-    ) -> list[GenerationResult]:
-        return self.generate(list(texts), sampling, max_frames=max_frames)
 
     def stream(
         self,
@@ -270,28 +339,42 @@ class HiggsTalker:
         reference: Reference | None = None,
         max_frames: int | None = None,
     ) -> Iterator[Tensor]:
-        """Yield aligned frames [N] int64 as soon as each is final; together they equal ``generate().codes``.
+        """Yield aligned frames [C] int64 as soon as each is final; together they equal ``generate().codes``.
 
-        Frame t needs delayed rows up to t + N - 1; it is yielded once row t + N exists (so it is known not
-        to be the trimmed last frame).
+        Frame t needs delayed rows up to t + C - 1; it is yielded once row t + C exists (so it is known not
+        to be the trimmed last frame). Closing the iterator early cancels the request.
         """
         (params,) = self._params(sampling, 1, max_frames)
-        rid = self.engine.add_request(self.build_prompt(text, reference), params)
-        req = self.engine.requests[rid]
+        eng = self.engine
+        rid = eng.add_request(self.build_prompt(text, reference), params)
+        req = eng.requests[rid]
+        ticket = _Ticket([rid], per_step=True)
         n, emitted = self.cfg.num_codebooks, 0
         try:
-            while req.finished_at is None:
-                self.engine.step()
+            self._driver.wait_for(ticket)
+            while True:
+                ticket.wait()
                 while len(req.rows) >= emitted + n + 1:
                     yield self._frame(req, emitted)
                     emitted += 1
-            final = codec_frames(torch.stack(req.rows).long(), self.cfg.num_real_codes)
-            while emitted < final.shape[0]:  # only the single-frame case is left here
+                if ticket.done:
+                    break
+            _raise_if_failed(req)
+            final = codec_frames(torch.stack(req.rows).long(), self.cfg.num_real_codes) if req.rows else None
+            while final is not None and emitted < final.shape[0]:  # only the single-frame case is left here
                 yield final[emitted]
                 emitted += 1
         finally:
-            self.engine.cancel(rid)
-            self.engine.requests.pop(rid, None)
+            self._forget([rid], ticket)
+
+    def _forget(self, ids: list[str], ticket: _Ticket | None) -> None:
+        """Cancel and drop this caller's requests (after an error, or when a stream is closed)."""
+        if ticket is not None:
+            self._driver.withdraw(ticket)
+        for i in ids:
+            self.engine.cancel(i)
+            if i in self.engine.requests:
+                self.engine.pop_finished(i)
 
     def _frame(self, req: Request, t: int) -> Tensor:
         n = self.cfg.num_codebooks
@@ -319,6 +402,7 @@ class HiggsTalker:
         return items
 
     def _result(self, req: Request, text: str) -> GenerationResult:
+        _raise_if_failed(req)
         rows = torch.stack(req.rows).long() if req.rows else torch.zeros(0, self.cfg.num_codebooks, dtype=torch.long)
         decode_ms = ((req.finished_at or 0) - (req.first_row_at or 0)) * 1e3 if req.rows else 0.0
         return GenerationResult(
@@ -327,6 +411,7 @@ class HiggsTalker:
             codes=codec_frames(rows, self.cfg.num_real_codes),
             rows=rows,
             finish_reason=req.finish_reason or "",
+            seed=req.seed,
             prompt_tokens=len(req.prompt),
             prefill_ms=req.prefill_ms,
             decode_ms=decode_ms,
@@ -334,7 +419,24 @@ class HiggsTalker:
         )
 
 
-def _check_device(device: str | torch.device) -> torch.device:
+def _raise_if_failed(req: Request) -> None:
+    if req.error is not None:
+        raise GenerationError(f"request {req.id!r} failed after {len(req.rows)} rows: {req.error}") from req.error
+
+
+def _engine_config(options: dict) -> EngineConfig:
+    try:
+        return EngineConfig(**options)
+    except TypeError:
+        known = ", ".join(EngineConfig.__dataclass_fields__)
+        unknown = ", ".join(sorted(k for k in options if k not in EngineConfig.__dataclass_fields__))
+        raise TypeError(f"unknown engine option(s) {unknown}; engine options are {known}") from None
+
+
+def _resolve_runtime(
+    device: str | torch.device, dtype: str | torch.dtype | None, graph_mode: str | None
+) -> tuple[torch.device, torch.dtype, GraphMode]:
+    """(device, dtype, graph mode) after the defaults: bf16 and auto graphs on CUDA, fp32 and eager on CPU."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
@@ -343,19 +445,20 @@ def _check_device(device: str | torch.device) -> torch.device:
         raise ValueError(f"device {device!r} requested but CUDA is not available on this machine")
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device {device!r} is not supported (use 'cpu' or 'cuda')")
-    return dev
-
-
-def _check_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, str):
+        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    elif isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
-        return _DTYPES[dtype]
-    if dtype not in _DTYPES.values():
+        dt = _DTYPES[dtype]
+    elif dtype in _DTYPES.values():
+        dt = dtype
+    else:
         raise ValueError(f"unsupported dtype {dtype}")
-    return dtype
+    mode = GraphMode.parse(graph_mode or (GraphMode.AUTO if dev.type == "cuda" else GraphMode.EAGER))
+    if dev.type != "cuda" and mode is not GraphMode.EAGER:
+        raise ValueError(f"graph_mode {mode.value!r} needs a CUDA device; on {dev} use graph_mode='eager'")
+    return dev, dt, mode
 
 
 def _empty_model(cfg: TalkerConfig, device: torch.device, dtype: torch.dtype) -> TalkerModel:
@@ -364,8 +467,8 @@ def _empty_model(cfg: TalkerConfig, device: torch.device, dtype: torch.dtype) ->
         model = TalkerModel(cfg)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
-    model.kernels = default_kernels(device)
+    model.use_kernels(default_kernels(device))
     t = cfg.text
-    model.cos_sin = rope_cache(t.head_dim, t.max_position_embeddings, t.rope_theta, device)
+    model.rotary_emb.cos_sin = rope_cache(t.head_dim, t.max_position_embeddings, t.rope_theta, device)
     model.multimodal_embedding.offsets = torch.arange(cfg.num_codebooks, device=device) * cfg.codebook_size
     return model

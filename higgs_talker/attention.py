@@ -1,82 +1,84 @@
-"""Attention over a paged KV cache: step metadata and the torch SDPA reference backend.
+"""Attention over a paged KV cache: the backend protocol, the step's backend context, and the torch SDPA
+reference backend.
 
-The KV cache of one layer is a tensor ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (FlashInfer's
-NHD paged layout, K at index 0 and V at 1). A step's tokens are flat: ``query_start_loc`` splits them into
-requests; ``slot_mapping`` says where each new token's K/V goes; ``block_tables`` lists each request's blocks.
+The KV cache of one layer is ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (FlashInfer's NHD paged
+layout; K at index 0, V at 1). A backend's life per step (the protocol, which SDPA and FlashInfer implement in
+full):
 
-Backends share one protocol: ``begin(meta)`` once per step on the host (FlashInfer plans there), then
-``forward(layer, q, k, v)`` per layer (graph-safe for the CUDA backends).
+    plan(batch)             host, eager steps: prefill or decode of exactly this ``StepBatch``
+    plan_bucket(batch)      host, graph-bucket decode steps: ``batch``, already padded to its bucket, goes into
+                            that bucket's fixed device buffers, which a captured graph reads at replay
+    forward(layer, q, k, v) device: writes the step's K/V into the cache, then attends (graph-safe after
+                            ``plan_bucket``); q [N, Hq, D], k/v [N, Hk, D] -> [N, Hq * D]
+    decode_kernels          the decode kernels ``plan_bucket`` may use (``cuda_graphs.kernels`` measures them)
+    set_bucket_kernel(size, kernel), fork(kv_caches)
+
+The model's attention layers find the step's backend through ``use_backend`` (a context variable, so two
+talkers in two threads never see each other's), as vLLM's layers find theirs in its forward context.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .cuda_graphs.buckets import pad_to
-
-
-@dataclass
-class AttnMetadata:
-    """One step's attention inputs: device tensors plus host copies (read without a sync).
-
-    The device tensors are ``None`` when the backend plans from the host lists alone (``plans_from_host``), as
-    FlashInfer's decode does: a decode step then makes no metadata tensors at all.
-    """
-
-    slot_mapping: Tensor | None  # [N] int64: cache slot (block * block_size + offset) of each new token
-    query_start_loc: Tensor | None  # [B+1] int32: token span of each request
-    seq_lens: Tensor | None  # [B] int32: context length of each request after this step
-    block_tables: Tensor | None  # [B, max_blocks] int32
-    query_lens_host: list[int]
-    seq_lens_host: list[int]
-    slot_mapping_host: list[int] | None = None  # host copies for the FlashInfer planner
-    blocks_host: list[list[int]] | None = None
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.seq_lens_host)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return all(n == 1 for n in self.query_lens_host)
-
-    def padded(self, size: int, scratch_block: int, block_size: int) -> AttnMetadata:
-        """Decode metadata padded to ``size`` requests of one token each; padding requests have context 1 and
-        write their K/V into ``scratch_block``, which no request owns."""
-        pad = size - self.num_reqs
-        if pad < 0 or not self.is_decode_only:
-            raise ValueError(f"can only pad a decode batch up, got {self.num_reqs} requests -> {size}")
-        scratch_slot = scratch_block * block_size
-
-        def cat(t: Tensor | None, value: int, shape: tuple[int, ...]) -> Tensor | None:
-            if t is None:
-                return None
-            return torch.cat([t, torch.full(shape, value, dtype=t.dtype, device=t.device)])
-
-        qsl, slots, blocks = self.query_start_loc, self.slot_mapping_host, self.blocks_host
-        return AttnMetadata(
-            slot_mapping=cat(self.slot_mapping, scratch_slot, (pad,)),
-            query_start_loc=None if qsl is None else torch.arange(size + 1, dtype=qsl.dtype, device=qsl.device),
-            seq_lens=cat(self.seq_lens, 1, (pad,)),
-            block_tables=None
-            if self.block_tables is None
-            else cat(self.block_tables, scratch_block, (pad, self.block_tables.shape[1])),
-            query_lens_host=[1] * size,
-            seq_lens_host=pad_to(self.seq_lens_host, size, 1),
-            slot_mapping_host=None if slots is None else pad_to(slots, size, scratch_slot),
-            blocks_host=None if blocks is None else pad_to(blocks, size, [scratch_block]),
-        )
+if TYPE_CHECKING:
+    from .batch import StepBatch
 
 
 class AttentionBackend(Protocol):
-    def begin(self, meta: AttnMetadata) -> None: ...
+    kv_caches: list[Tensor]
+    num_heads: int
+    scale: float
+    max_model_len: int
+    decode_kernels: tuple[str, ...]
+
+    def plan(self, batch: StepBatch) -> None: ...
+
+    def plan_bucket(self, batch: StepBatch) -> None: ...
 
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
+
+    def set_bucket_kernel(self, size: int, kernel: str) -> None: ...
+
+    def fork(self, kv_caches: list[Tensor]) -> AttentionBackend: ...
+
+
+_BACKEND: ContextVar[AttentionBackend] = ContextVar("higgs_talker_attention_backend")
+
+
+@contextmanager
+def use_backend(backend: AttentionBackend) -> Iterator[None]:
+    """Make ``backend`` the one the model's attention layers call (for the duration of a forward)."""
+    token = _BACKEND.set(backend)
+    try:
+        yield
+    finally:
+        _BACKEND.reset(token)
+
+
+def current_backend() -> AttentionBackend:
+    try:
+        return _BACKEND.get()
+    except LookupError:
+        raise RuntimeError("the model ran outside use_backend(...): no attention backend for this step") from None
+
+
+def block_table_array(tables: list[list[int]], width: int, fill: int) -> np.ndarray:
+    """[B, width] int32 block table (host) of each request's first ``width`` blocks; entries past a request's
+    blocks hold ``fill`` (a real block id, never read for a context that ends before them)."""
+    out = np.full((len(tables), width), fill, dtype=np.int32)
+    for i, blocks in enumerate(tables):
+        n = min(len(blocks), width)
+        out[i, :n] = blocks[:n]
+    return out
 
 
 def write_kv(cache: Tensor, slot_mapping: Tensor, k: Tensor, v: Tensor) -> None:
@@ -98,44 +100,96 @@ def gather_kv(cache: Tensor, block_table: Tensor, length: int) -> tuple[Tensor, 
     return k, v
 
 
+class _Decode:
+    """Device inputs of a decode over padded block tables: what ``SdpaAttention._decode`` reads."""
+
+    def __init__(self, slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor) -> None:
+        self.slot_mapping = slot_mapping  # [B] int64
+        self.block_tables = block_tables  # [B, W] int64
+        self.seq_lens = seq_lens  # [B] int64
+
+
 class SdpaAttention:
-    """Reference backend: torch SDPA over K/V gathered from the paged cache (CPU and CUDA)."""
+    """Reference backend: torch SDPA over K/V gathered from the paged cache (CPU and CUDA).
 
-    plans_from_host = False  # reads the metadata's device tensors
+    Eager decode steps gather each request's blocks up to the batch's longest context; a bucket's fixed buffers
+    span ``max_model_len`` (a graph cannot change shape), so graph-bucket steps gather every table entry.
+    Masked positions contribute exactly zero either way.
+    """
 
-    def __init__(self, kv_caches: list[Tensor], num_heads: int, head_dim: int) -> None:
+    decode_kernels = ("sdpa",)
+
+    def __init__(
+        self,
+        kv_caches: list[Tensor],
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_model_len: int,
+        scratch_block: int = 0,
+    ) -> None:
         self.kv_caches = kv_caches
-        self.num_heads = num_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.max_model_len, self.scratch_block = max_model_len, scratch_block
+        self.block_size = kv_caches[0].shape[2]
+        self.max_blocks = -(-max_model_len // self.block_size)
         self.scale = head_dim**-0.5
-        self.meta: AttnMetadata | None = None
-        self._decode_mask: Tensor | None = None
-        self._decode_index: Tensor | None = None
+        self.device = kv_caches[0].device
+        self._buckets: dict[int, _Decode] = {}
+        self._decode: _Decode | None = None
+        self._prefill: tuple[Tensor, Tensor, list[int], list[int]] | None = None
 
-    def begin(self, meta: AttnMetadata) -> None:
-        self.meta = meta
-        self._decode_mask = self._decode_index = None
-        if meta.is_decode_only:
-            # Decode: every request attends to its whole context; pad to the longest and mask the rest.
-            cache = self.kv_caches[0]
-            block_size = cache.shape[2]
-            max_len = max(meta.seq_lens_host)
-            n_blocks = -(-max_len // block_size)
-            pos = torch.arange(n_blocks * block_size, device=cache.device)
-            self._decode_mask = pos[None, :] < meta.seq_lens[:, None].to(pos.device)  # [B, L]
-            self._decode_index = meta.block_tables[:, :n_blocks].long()  # [B, nb]
+    def fork(self, kv_caches: list[Tensor]) -> SdpaAttention:
+        return SdpaAttention(kv_caches, self.num_heads, self.num_kv_heads, self.head_dim, self.max_model_len, 0)
+
+    def set_bucket_kernel(self, size: int, kernel: str) -> None:
+        if kernel not in self.decode_kernels:
+            raise ValueError(f"SDPA has no decode kernel {kernel!r}; it has {', '.join(self.decode_kernels)}")
+
+    def _tensor(self, values, dtype=torch.long) -> Tensor:
+        return torch.as_tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def plan(self, batch: StepBatch) -> None:
+        slots = self._tensor(batch.slot_mapping)
+        if batch.is_decode:
+            width = -(-max(batch.seq_lens) // self.block_size)
+            tables = block_table_array(batch.block_tables, width, self.scratch_block)
+            self._decode = _Decode(slots, self._tensor(tables), self._tensor(batch.seq_lens))
+            self._prefill = None
+        else:
+            width = max(len(t) for t in batch.block_tables)
+            tables = self._tensor(block_table_array(batch.block_tables, width, self.scratch_block))
+            self._prefill = (slots, tables, list(batch.query_lens), list(batch.seq_lens))
+            self._decode = None
+
+    def plan_bucket(self, batch: StepBatch) -> None:
+        size = batch.num_reqs
+        buf = self._buckets.get(size)
+        if buf is None:
+            buf = self._buckets[size] = _Decode(
+                torch.zeros(size, dtype=torch.long, device=self.device),
+                torch.zeros(size, self.max_blocks, dtype=torch.long, device=self.device),
+                torch.ones(size, dtype=torch.long, device=self.device),
+            )
+        tables = block_table_array(batch.block_tables, self.max_blocks, self.scratch_block)
+        buf.slot_mapping.copy_(self._tensor(batch.slot_mapping))
+        buf.block_tables.copy_(self._tensor(tables))
+        buf.seq_lens.copy_(self._tensor(batch.seq_lens))
+        self._decode, self._prefill = buf, None
 
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [N, Hq, D], k/v [N, Hk, D] -> attention output [N, Hq*D]."""
-        meta = self.meta
-        assert meta is not None, "begin() was not called for this step"
         cache = self.kv_caches[layer]
-        write_kv(cache, meta.slot_mapping, k, v)
-        if self._decode_mask is not None:
-            return self._decode(cache, q)
+        if self._decode is not None:
+            write_kv(cache, self._decode.slot_mapping, k, v)
+            return self._decode_attention(cache, q, self._decode)
+        assert self._prefill is not None, "plan() or plan_bucket() was not called for this step"
+        slots, tables, query_lens, seq_lens = self._prefill
+        write_kv(cache, slots, k, v)
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         start = 0
-        for i, (q_len, ctx) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
-            ck, cv = gather_kv(cache, meta.block_tables[i], ctx)
+        for i, (q_len, ctx) in enumerate(zip(query_lens, seq_lens, strict=True)):
+            ck, cv = gather_kv(cache, tables[i], ctx)
             qi = q[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
             ki, vi = ck.transpose(0, 1).to(q.dtype), cv.transpose(0, 1).to(q.dtype)
             if q_len == ctx:
@@ -148,11 +202,12 @@ class SdpaAttention:
             start += q_len
         return out
 
-    def _decode(self, cache: Tensor, q: Tensor) -> Tensor:
-        b, hk, d = q.shape[0], cache.shape[3], cache.shape[4]
-        kv = cache[self._decode_index]  # [B, nb, 2, bs, Hk, D]
-        k = kv[:, :, 0].reshape(b, -1, hk, d).transpose(1, 2).to(q.dtype)  # [B, Hk, L, D]
-        v = kv[:, :, 1].reshape(b, -1, hk, d).transpose(1, 2).to(q.dtype)
-        mask = self._decode_mask[:, None, None, :]  # [B, 1, 1, L]
+    def _decode_attention(self, cache: Tensor, q: Tensor, d: _Decode) -> Tensor:
+        b, hk, hd = q.shape[0], cache.shape[3], cache.shape[4]
+        kv = cache[d.block_tables]  # [B, W, 2, bs, Hk, D]
+        k = kv[:, :, 0].reshape(b, -1, hk, hd).transpose(1, 2).to(q.dtype)  # [B, Hk, L, D]
+        v = kv[:, :, 1].reshape(b, -1, hk, hd).transpose(1, 2).to(q.dtype)
+        pos = torch.arange(k.shape[2], device=q.device)
+        mask = (pos[None, :] < d.seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
         o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
         return o.reshape(b, -1)

@@ -1,6 +1,8 @@
-"""Paged KV cache: a pure-Python block allocator and the per-layer cache tensors."""
+"""Paged KV cache: a pure-Python block allocator, the per-layer cache tensors, and their memory budget."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
@@ -61,3 +63,33 @@ def kv_bytes_per_token(cfg: TextConfig, dtype: torch.dtype) -> int:
     return (
         2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
     )
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Free memory of ``device`` in bytes: CUDA's free memory, or the host's available RAM (None: unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not every platform reports available pages
+        return None
+
+
+def budget_num_blocks(
+    cfg: TextConfig, dtype: torch.dtype, device: torch.device, block_size: int, want: int, fraction: float
+) -> int:
+    """KV blocks to allocate: ``want``, or fewer when ``fraction`` of the free memory holds fewer.
+
+    Raises ``ValueError`` when not even one ``block_size``-token block fits.
+    """
+    free = free_memory_bytes(device)
+    if free is None:
+        return want
+    per_block = kv_bytes_per_token(cfg, dtype) * block_size
+    fits = int(free * fraction) // per_block
+    if fits < 1:
+        raise ValueError(
+            f"not one KV block of {block_size} tokens ({per_block / 2**20:.1f} MiB) fits in {fraction:.0%} of the "
+            f"free {device.type} memory ({free / 2**30:.2f} GiB)"
+        )
+    return min(want, fits)

@@ -1,19 +1,24 @@
 """The talker network: a Qwen3 decoder plus the fused eight-codebook embedding/head.
 
-The model sees flat tokens: ``hidden [N, H]`` and ``positions [N]`` for every request of a step, plus an
-attention backend that already knows the step's metadata. It knows nothing about batching or graphs.
-Parameter names are the mapped checkpoint names (``checkpoint.map_key``); q/k/v and gate/up are packed
-into ``qkv_proj`` and ``gate_up_proj`` (one matmul each), as vLLM does.
+The model sees flat tokens: ``embeds [N, H]`` and ``positions [N]`` for every request of a step; attention
+reaches the step's backend through ``attention.use_backend``. It knows nothing about batching or graphs.
+Parameter names are the mapped checkpoint names (``checkpoint.map_key``); q/k/v and gate/up are packed into
+``qkv_proj`` and ``gate_up_proj`` (one matmul each), as vLLM does.
+
+The layers have vLLM's Qwen3 shapes: ``DecoderLayer.forward(positions, hidden_states, residual) -> (hidden,
+residual)``, norms called as ``norm(x)`` or ``norm(x, residual) -> (normed, residual)``, and the submodules
+``input_layernorm``, ``self_attn(positions=, hidden_states=)``, ``post_attention_layernorm`` and ``mlp``.
+So ``forward_layers`` (the one layer loop, with the local MLP graph hook) runs ours and vLLM's alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from .attention import AttentionBackend
+from .attention import current_backend
 from .config import TalkerConfig, TextConfig
 from .heads.codebooks import build_codebooks
 from .ops import TorchKernels, rope_cache
@@ -24,15 +29,37 @@ PostAttention = Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, kernels: Kernels) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = kernels
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """norm(x) [..., D]; with ``residual``: (norm(x + residual), x + residual) (FlashInfer: in place)."""
+        if residual is None:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
+        return self.kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE from one cos/sin table [max_positions, head_dim] fp32, shared by every layer."""
+
+    def __init__(self, cfg: TextConfig, kernels: Kernels) -> None:
+        super().__init__()
+        self.kernels = kernels
+        self.register_buffer(
+            "cos_sin", rope_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta), persistent=False
+        )
+
+    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        return self.kernels.rope(positions, q, k, self.cos_sin)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: TextConfig) -> None:
+    def __init__(self, cfg: TextConfig, layer_idx: int, rotary: RotaryEmbedding, kernels: Kernels) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
@@ -41,74 +68,115 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels)
+        self.rotary_emb = rotary
 
-    def forward(
-        self, layer: int, positions: Tensor, hidden: Tensor, attn: AttentionBackend, kernels: Kernels, cos_sin: Tensor
-    ) -> Tensor:
-        """hidden [N, H] -> [N, H]."""
-        n = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = kernels.rms_norm(q.reshape(n, self.num_heads, self.head_dim), self.q_norm.weight, self.q_norm.eps)
-        k = kernels.rms_norm(k.reshape(n, self.num_kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps)
-        q, k = kernels.rope(positions, q, k, cos_sin)  # [N, Hq, D], [N, Hk, D]
-        out = attn.forward(layer, q, k, v.reshape(n, self.num_kv_heads, self.head_dim))  # [N, Hq*D]
-        return self.o_proj(out)
+    def forward(self, positions: Tensor, hidden_states: Tensor) -> Tensor:
+        """hidden [N, H] -> [N, H]; K/V go into the cache of the step's backend."""
+        n = hidden_states.shape[0]
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim))
+        q, k = self.rotary_emb(positions, q, k)  # [N, Hq, D], [N, Hk, D]
+        out = current_backend().forward(self.layer_idx, q, k, v.reshape(n, self.num_kv_heads, self.head_dim))
+        return self.o_proj(out)  # out: [N, Hq * D]
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: TextConfig) -> None:
+    def __init__(self, cfg: TextConfig, kernels: Kernels) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.kernels = kernels
 
-    def forward(self, x: Tensor, kernels: Kernels) -> Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig) -> None:
+    def __init__(self, cfg: TextConfig, layer_idx: int, rotary: RotaryEmbedding, kernels: Kernels) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.self_attn = Attention(cfg, layer_idx, rotary, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.mlp = MLP(cfg, kernels)
 
-    def post_attention(self, hidden: Tensor, residual: Tensor, kernels: Kernels) -> tuple[Tensor, Tensor]:
-        """post_attention_layernorm (fused residual add) + MLP: the block the local MLP graphs capture."""
-        norm = self.post_attention_layernorm
-        hidden, residual = kernels.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        return self.mlp(hidden, kernels), residual
+    def forward(self, positions: Tensor, hidden_states: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
+        return post_attention_block(self, hidden_states, residual)
+
+
+def post_attention_block(layer: nn.Module, hidden: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+    """post_attention_layernorm (fused residual add) + MLP of a Qwen3 layer (ours or vLLM's): what the local
+    MLP graphs capture."""
+    hidden, residual = layer.post_attention_layernorm(hidden, residual)
+    return layer.mlp(hidden), residual
+
+
+def forward_layers(
+    layers: Sequence[nn.Module], positions: Tensor, hidden: Tensor, post_attention: PostAttention | None = None
+) -> tuple[Tensor, Tensor]:
+    """Run Qwen3 decoder layers (ours or vLLM's) on hidden [N, H] -> (hidden, residual) before the final norm.
+
+    ``post_attention(i, hidden, residual)`` replaces layer i's post-attention block (the local MLP graph hook).
+    """
+    residual = None
+    for i, layer in enumerate(layers):
+        if post_attention is None:
+            hidden, residual = layer(positions, hidden, residual)
+            continue
+        if residual is None:
+            residual = hidden
+            hidden = layer.input_layernorm(hidden)
+        else:
+            hidden, residual = layer.input_layernorm(hidden, residual)
+        hidden = layer.self_attn(positions=positions, hidden_states=hidden)
+        hidden, residual = post_attention(i, hidden, residual)
+    return hidden, residual
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, cfg: TextConfig) -> None:
+    def __init__(self, cfg: TextConfig, kernels: Kernels) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        rotary = RotaryEmbedding(cfg, kernels)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, kernels) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
 
 class TalkerModel(nn.Module):
     """Qwen3 backbone + text head + fused codebook embedding/head.
 
-    ``forward(embeds [N, H], positions [N], attn) -> hidden [N, H]`` (final-normed).
+    ``forward(embeds [N, H], positions [N]) -> hidden [N, H]`` (final-normed), inside ``use_backend(...)``.
     """
 
     def __init__(self, cfg: TalkerConfig, kernels: Kernels | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         t = cfg.text
-        self.model = Qwen3Model(t)
+        self.kernels = kernels or TorchKernels()
+        self.model = Qwen3Model(t, self.kernels)
         if not t.tie_word_embeddings:
             self.lm_head = nn.Linear(t.hidden_size, t.vocab_size, bias=False)
         self.multimodal_embedding, self.modality_head = build_codebooks(cfg)
-        self.kernels = kernels or TorchKernels()
-        self.register_buffer(
-            "cos_sin", rope_cache(t.head_dim, t.max_position_embeddings, t.rope_theta), persistent=False
-        )
+
+    @property
+    def rotary_emb(self) -> RotaryEmbedding:
+        return self.model.layers[0].self_attn.rotary_emb
+
+    def use_kernels(self, kernels: Kernels) -> None:
+        """Switch every layer to these elementwise kernels (e.g. FlashInfer's on CUDA)."""
+        self.kernels = kernels
+        for module in self.modules():
+            if module is not self and hasattr(module, "kernels"):
+                module.kernels = kernels
 
     def tie_weights(self) -> None:
         """Re-share the fused table with the head (after ``to_empty`` or other re-materialisation)."""
@@ -124,32 +192,8 @@ class TalkerModel(nn.Module):
         """input_ids [N] -> [N, H]; negative ids (placeholders) embed as id 0 and must be replaced."""
         return self.model.embed_tokens(input_ids.clamp(min=0))
 
-    def forward(
-        self, embeds: Tensor, positions: Tensor, attn: AttentionBackend, post_attention: PostAttention | None = None
-    ) -> Tensor:
-        """embeds [N, H], positions [N] -> final-normed hidden [N, H].
-
-        ``post_attention`` replaces each layer's eager post-attention block (the local MLP graph hook).
-        """
-        k = self.kernels
-        hidden, residual = embeds, None
-        for i, layer in enumerate(self.model.layers):
-            norm = layer.input_layernorm
-            if residual is None:
-                residual = hidden
-                hidden = k.rms_norm(hidden, norm.weight, norm.eps)
-            else:
-                hidden, residual = k.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
-            hidden = layer.self_attn(i, positions, hidden, attn, k, self.cos_sin)
-            if post_attention is not None:
-                hidden, residual = post_attention(i, hidden, residual)
-            else:
-                hidden, residual = layer.post_attention(hidden, residual, k)
-        norm = self.model.norm
-        hidden, _ = k.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
+    def forward(self, embeds: Tensor, positions: Tensor, post_attention: PostAttention | None = None) -> Tensor:
+        """embeds [N, H], positions [N] -> final-normed hidden [N, H]."""
+        hidden, residual = forward_layers(self.model.layers, positions, embeds, post_attention)
+        hidden, _ = self.model.norm(hidden, residual)
         return hidden
-
-    def text_logits(self, hidden: Tensor, token_ids: Tensor | None = None) -> Tensor:
-        """hidden [B, H] -> text logits [B, vocab] fp32, or only the columns ``token_ids`` [K] -> [B, K]."""
-        weight = self.text_head_weight if token_ids is None else self.text_head_weight.index_select(0, token_ids)
-        return (hidden @ weight.t()).float()

@@ -57,6 +57,29 @@ class Prompt:
         return int(self.input_ids.numel())
 
 
+def validate_prompt(prompt: Prompt, cfg: TalkerConfig) -> None:
+    """Check a (possibly hand-built) prompt against the model before it is queued, so that a bad one fails its
+    own ``add_request`` instead of a later step shared with other requests."""
+    if not isinstance(prompt, Prompt):
+        raise TypeError(f"prompt must be a Prompt (see HiggsTalker.build_prompt), got {type(prompt).__name__}")
+    ids, vocab = prompt.input_ids, cfg.text.vocab_size
+    if int(ids.max()) >= vocab:
+        raise ValueError(f"prompt token id {int(ids.max())} is outside the text vocabulary [0, {vocab})")
+    codes = prompt.audio_codes
+    if codes is None:
+        return
+    if not isinstance(codes, Tensor) or codes.dtype.is_floating_point or codes.dtype == torch.bool:
+        what = codes.dtype if isinstance(codes, Tensor) else type(codes).__name__
+        raise TypeError(f"Prompt.audio_codes must be an integer tensor [rows, {cfg.num_codebooks}], got {what}")
+    if codes.shape[1] != cfg.num_codebooks:
+        raise ValueError(f"Prompt.audio_codes must have {cfg.num_codebooks} codebooks, got shape {list(codes.shape)}")
+    if codes.numel():
+        lo, hi = int(codes.long().min()), int(codes.long().max())
+        if lo < 0 or hi >= cfg.codebook_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"Prompt.audio_codes holds code {bad}, outside the codebook [0, {cfg.codebook_size})")
+
+
 class TalkerTokenizer:
     """The checkpoint's tokenizer (transformers, no remote code) and its resolved special ids."""
 

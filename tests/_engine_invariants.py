@@ -19,22 +19,23 @@ def remember_idle(talker: HiggsTalker) -> HiggsTalker:
 
     Counted, not assumed: the engine may keep a scratch block or row for itself.
     """
-    e = talker.engine
-    assert not e.requests and not e.waiting and not e.running, "remember_idle needs an idle engine"
-    _IDLE[e] = (e.allocator.num_free, frozenset(e._free_rows))
+    e, s = talker.engine, talker.engine.scheduler
+    assert not s.requests and not s.waiting and not s.running, "remember_idle needs an idle engine"
+    _IDLE[e] = (s.blocks.num_free, frozenset(s.free_slots._free))
     return talker
 
 
 def assert_idle(talker: HiggsTalker) -> None:
-    """No request is known, queued or running, and every KV block and state row is free again."""
-    e = talker.engine
-    assert not e.requests, f"requests left behind: {list(e.requests)}"
-    assert not e.waiting, f"requests left waiting: {[r.id for r in e.waiting]}"
-    assert not e.running, f"requests left running: {[r.id for r in e.running]}"
-    blocks, rows = _IDLE[e]
-    assert e.allocator.num_free == blocks, f"KV blocks leaked: {e.allocator.num_free} free, {blocks} when idle"
-    assert frozenset(e._free_rows) == rows, f"state rows leaked: {sorted(rows - frozenset(e._free_rows))}"
-    assert len(e._free_rows) == len(rows), "a state row was freed twice"
+    """No request is known, queued or running, and every KV block and decode-state slot is free again."""
+    e, s = talker.engine, talker.engine.scheduler
+    assert not s.requests, f"requests left behind: {list(s.requests)}"
+    assert not s.waiting, f"requests left waiting: {[r.id for r in s.waiting]}"
+    assert not s.running, f"requests left running: {[r.id for r in s.running]}"
+    blocks, slots = _IDLE[e]
+    assert s.blocks.num_free == blocks, f"KV blocks leaked: {s.blocks.num_free} free, {blocks} when idle"
+    free = s.free_slots._free
+    assert frozenset(free) == slots, f"slots leaked: {sorted(slots - frozenset(free))}"
+    assert len(free) == len(slots), "a slot was freed twice"
 
 
 def check_delay_pattern(
@@ -99,20 +100,20 @@ def explain_divergence(
     before it must be identical. Matrix products and the padded decode attention both round differently
     with the batch's make-up. Returns the first differing row (None: no divergence).
     """
-    import higgs_talker.engine as engine_module
+    import higgs_talker.heads.slots as slots_module
 
     t = first_difference(rows, alone)
     if t is None:
         return None
     captured = {}
-    real = engine_module.sample_codes
+    real = slots_module.sample_codes
 
     def capture(logits, temperature, top_k, top_p, seeds, steps, **shortcuts):
         if int(steps[0]) == t:
             captured["scores"] = race_scores(logits, temperature, top_k, top_p, seeds, steps)[0]
         return real(logits, temperature, top_k, top_p, seeds, steps, **shortcuts)
 
-    engine_module.sample_codes = capture
+    slots_module.sample_codes = capture
     try:
         e = solo.engine
         rid = e.add_request(prompt, params)
@@ -120,7 +121,7 @@ def explain_divergence(
             e.step()
         again = torch.stack(e.pop_finished(rid).rows).long()
     finally:
-        engine_module.sample_codes = real
+        slots_module.sample_codes = real
     assert torch.equal(again, alone), "the solo run is not reproducible"
     assert "scores" in captured, f"could not capture the sampler's scores at row {t}"
     top = captured["scores"].topk(2, dim=-1)  # [N, 2]

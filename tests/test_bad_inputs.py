@@ -324,8 +324,8 @@ LOADER_CASES = [
     pytest.param(nothing, ValueError, "unknown graph mode 'bogus'", id="api-graph-mode", marks=()),
     pytest.param(nothing, ValueError, "unknown dtype 'int8'", id="api-dtype"),
     pytest.param(nothing, ValueError, "unknown device 'tpu0'", id="api-device"),
-    pytest.param(nothing, ValueError, "max_num_seqs must be > 0, got 0", id="api-max-num-seqs"),
-    pytest.param(nothing, ValueError, "num_blocks must be > 0, got -4", id="api-num-blocks"),
+    pytest.param(nothing, ValueError, "max_num_seqs must be an integer > 0, got 0", id="api-max-num-seqs"),
+    pytest.param(nothing, ValueError, "num_blocks must be an integer > 0, got -4", id="api-num-blocks"),
 ]
 API_KWARGS = {
     "api-graph-mode": dict(graph_mode="bogus"),
@@ -527,8 +527,10 @@ CALL_CASES = [
         E("[0, 3), got 1..5"),
         id="prompt-ref-positions",
     ),
-    pytest.param(lambda t: EngineConfig(block_size=0), ValueError, "block_size must be > 0, got 0", id="engine-cfg"),
-    pytest.param(lambda t: t.generate_batch(["ok"], max_frames=-1), ValueError, "got -1", id="batch-max-frames"),
+    pytest.param(
+        lambda t: EngineConfig(block_size=0), ValueError, "block_size must be an integer > 0, got 0", id="engine-cfg"
+    ),
+    pytest.param(lambda t: t.generate(["ok"], max_frames=-1), ValueError, "got -1", id="batch-max-frames"),
     pytest.param(
         lambda t: next(t.stream("x", max_frames=0)), ValueError, "max_frames must be an integer > 0, got 0", id="stream"
     ),

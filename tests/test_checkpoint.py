@@ -215,7 +215,7 @@ def test_untied_checkpoints_load_through_the_api(make_checkpoint, cfg):
     assert (m.modality_head.weight is m.multimodal_embedding.weight) == cfg.tie_modality_embeddings
     assert (m.text_head_weight is m.model.embed_tokens.weight) == cfg.text.tie_word_embeddings
     out = talker.generate("hi", max_frames=3)
-    assert out.rows.shape == (3, 8)
+    assert out.codes.shape == (3, 8) and out.rows.shape == (3 + 8, 8)
 
 
 # --------------------------------------------------------------------------------------------- bad checkpoints

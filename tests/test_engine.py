@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from higgs_talker.api import HiggsTalker, Reference
-from higgs_talker.attention import AttnMetadata, SdpaAttention
+from higgs_talker.attention import SdpaAttention, use_backend
+from higgs_talker.batch import DeviceBatch, StepBatch
 from higgs_talker.engine import Engine, EngineConfig, StepOutput
 from higgs_talker.heads.delay import DelayState, apply_delay_mask, codec_frames, update_state
 from higgs_talker.heads.sampling import SamplingParams, sample_codes
@@ -85,20 +86,13 @@ def reference_rows(talker: HiggsTalker, prompt: Prompt, params: SamplingParams) 
     while True:
         embeds = torch.cat([base, fused_sum(table, torch.stack(rows))]) if rows else base
         n = embeds.shape[0]
-        caches = allocate_kv_caches(cfg.text, -(-n // 16), 16, torch.float32, "cpu")
-        attn = SdpaAttention(caches, cfg.text.num_attention_heads, cfg.text.head_dim)
-        blocks = torch.arange(-(-n // 16), dtype=torch.int32)[None]
-        attn.begin(
-            AttnMetadata(
-                slot_mapping=torch.arange(n),
-                query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-                seq_lens=torch.tensor([n], dtype=torch.int32),
-                block_tables=blocks,
-                query_lens_host=[n],
-                seq_lens_host=[n],
-            )
-        )
-        hidden = model(embeds, torch.arange(n), attn)[-1:]
+        t = cfg.text
+        caches = allocate_kv_caches(t, -(-n // 16), 16, torch.float32, "cpu")
+        attn = SdpaAttention(caches, t.num_attention_heads, t.num_key_value_heads, t.head_dim, n)
+        blocks = list(range(-(-n // 16)))
+        attn.plan(StepBatch([0], list(range(n)), list(range(n)), [n], [n], [blocks], token_ids=[0] * n))
+        with use_backend(attn):
+            hidden = model(embeds, torch.arange(n))[-1:]
         logits = apply_delay_mask(model.modality_head(hidden).float(), state.delay, state.countdown, BOC, EOC)
         codes = sample_codes(
             logits,
@@ -112,7 +106,7 @@ def reference_rows(talker: HiggsTalker, prompt: Prompt, params: SamplingParams) 
         rows.append(emitted[0])
         if bool(state.done[0]):
             return torch.stack(rows), "eoc"
-        if len(rows) >= params.max_frames:
+        if len(rows) >= params.max_frames + N:  # max_frames audio frames, plus the delay pattern's N rows
             return torch.stack(rows), "max_frames"
 
 
@@ -224,7 +218,7 @@ def test_state_rows_are_reused_cleanly(talker):
     outs = drain(engine)
     for rid, p, (_, s) in zip(ids, prompts, cases, strict=True):
         assert torch.equal(rows_of(outs[rid]), run_alone(talker, p, s)[0]), rid
-    assert sorted(engine._free_rows) == [0, 1]
+    assert engine.scheduler.free_slots.num_free == 2
 
 
 def test_prefill_budget_admits_in_several_steps(talker):
@@ -258,12 +252,12 @@ def test_api_batch_generate_matches_single(talker):
 
 def test_each_step_publishes_an_owned_int32_row(talker):
     engine = make_engine(talker)
-    rid = engine.add_request(talker.build_prompt("Hello world"), SamplingParams(seed=3, max_frames=15))
-    other = engine.add_request(talker.build_prompt("Hi"), SamplingParams(seed=4, max_frames=10))
+    rid = engine.add_request(talker.build_prompt("Hello world"), SamplingParams(seed=3, max_frames=10))
+    other = engine.add_request(talker.build_prompt("Hi"), SamplingParams(seed=4, max_frames=6))
     seen: dict[str, list[torch.Tensor]] = {rid: [], other: []}
     while engine.has_unfinished():
         outs = engine.step()
-        running = {r.id for r in engine.running}
+        running = {r.id for r in engine.scheduler.running}
         for o in outs:
             check_output(o)
             req = engine.requests[o.request_id]
@@ -276,7 +270,7 @@ def test_each_step_publishes_an_owned_int32_row(talker):
             assert o.finished == (o.request_id not in running)
     for r in (rid, other):
         req = engine.pop_finished(r)
-        assert len(req.rows) == len(seen[r]) == req.params.max_frames
+        assert len(req.rows) == len(seen[r]) == req.params.max_frames + N
         assert torch.equal(torch.stack(req.rows), torch.cat(seen[r]))
         assert (torch.stack(req.rows) != -7).all()
 
@@ -291,11 +285,10 @@ def test_published_rows_are_ordinary_tensors(talker):
 
 def test_max_frames_is_honoured(talker):
     prompt = talker.build_prompt(TEXTS[2])
-    for max_frames in (1, 5, 13):
+    for max_frames in (1, 5, 13):  # audio frames: the delay pattern adds N rows
         rows, reason = run_alone(talker, prompt, SamplingParams(temperature=0.0, max_frames=max_frames))
-        assert (rows.shape, reason) == ((max_frames, N), "max_frames")
-    rows, reason = run_alone(talker, prompt, SamplingParams(temperature=0.0, max_frames=3))
-    assert rows[:, 3:].eq(BOC).all()  # still in the ramp-up: codebooks > t are BOC
+        assert (rows.shape, reason) == ((max_frames + N, N), "max_frames")
+        assert codec_frames(rows, 1024).shape == (max_frames, N)
     # a natural end before the cap wins
     rows, reason = run_alone(talker, talker.build_prompt("Hello world"), SamplingParams(seed=3, max_frames=500))
     assert reason == "eoc" and rows.shape[0] < 500
@@ -346,13 +339,14 @@ def test_short_utterances_keep_the_delay_pattern(make_checkpoint):
 
 def test_finished_request_frees_its_resources(talker):
     engine = make_engine(talker, max_num_seqs=3)
-    free0, rows0 = engine.allocator.num_free, sorted(engine._free_rows)
+    sched = engine.scheduler
+    free0, slots0 = sched.blocks.num_free, sched.free_slots.num_free
     rid = engine.add_request(talker.build_prompt("Hello world"), SamplingParams(seed=3, max_frames=200))
     drain(engine)
     req = engine.pop_finished(rid)
-    assert req.finish_reason == "eoc" and req.blocks == [] and req.state_row == -1
-    assert engine.allocator.num_free == free0 and sorted(engine._free_rows) == rows0
-    assert not engine.running and not engine.waiting and rid not in engine.requests
+    assert req.finish_reason == "eoc" and req.blocks == [] and req.slot == -1
+    assert sched.blocks.num_free == free0 and sched.free_slots.num_free == slots0
+    assert not sched.running and not sched.waiting and rid not in engine.requests
 
 
 # --------------------------------------------------------------------------------------------- cancel
@@ -360,7 +354,8 @@ def test_finished_request_frees_its_resources(talker):
 
 def test_cancel_frees_blocks_and_state_rows(talker):
     engine = make_engine(talker, max_num_seqs=3, block_size=4)
-    free0, rows0 = engine.allocator.num_free, sorted(engine._free_rows)
+    sched = engine.scheduler
+    free0, slots0 = sched.blocks.num_free, sched.free_slots.num_free
     params = SamplingParams(temperature=0.0, max_frames=500)
     a = engine.add_request(talker.build_prompt(TEXTS[2]), params)
     b = engine.add_request(talker.build_prompt(TEXTS[1]), params)
@@ -368,11 +363,11 @@ def test_cancel_frees_blocks_and_state_rows(talker):
         engine.step()
     req_a = engine.requests[a]
     held = len(req_a.blocks)
-    assert held >= 2 and req_a.state_row >= 0
-    before = engine.allocator.num_free
+    assert held >= 2 and req_a.slot >= 0
+    before = sched.blocks.num_free
     assert engine.cancel(a) is True
-    assert engine.allocator.num_free == before + held
-    assert len(engine._free_rows) == len(rows0) - 1
+    assert sched.blocks.num_free == before + held
+    assert sched.free_slots.num_free == slots0 - 1
     assert engine.requests[a].finish_reason == "cancelled"
     assert engine.cancel(a) is False  # already finished
     assert engine.cancel("no-such-request") is False
@@ -382,8 +377,8 @@ def test_cancel_frees_blocks_and_state_rows(talker):
         outs = engine.step()
         assert {o.request_id for o in outs} == {b}  # the cancelled requests never produce again
     assert engine.cancel(b) is True
-    assert engine.allocator.num_free == free0
-    assert sorted(engine._free_rows) == rows0
+    assert sched.blocks.num_free == free0
+    assert sched.free_slots.num_free == slots0
     assert not engine.has_unfinished() and engine.step() == []
 
 
@@ -450,7 +445,7 @@ def test_preemption_keeps_codes_exact(talker):
     ]
     prompts = [talker.build_prompt(t) for t, _ in cases]
     engine = make_engine(talker, block_size=4, num_blocks=30)
-    free0 = engine.allocator.num_free
+    free0 = engine.scheduler.blocks.num_free
     ids = [engine.add_request(p, s) for p, (_, s) in zip(prompts, cases, strict=True)]
     outs = drain(engine)
     assert sum(engine.requests[i].preemptions for i in ids) > 0, "the cache was not small enough to preempt"
@@ -460,7 +455,7 @@ def test_preemption_keeps_codes_exact(talker):
         assert engine.requests[rid].finish_reason == reason
         # every published row is one row of the final sequence, in order (nothing published twice)
         assert torch.equal(rows_of(outs[rid]), want), rid
-    assert engine.allocator.num_free == free0
+    assert engine.scheduler.blocks.num_free == free0
 
 
 def test_preemption_of_a_voice_clone_request(talker):
@@ -489,12 +484,11 @@ def test_request_larger_than_the_cache_is_refused(talker):
     "params",
     [
         SamplingParams(seed=3, max_frames=200),
-        SamplingParams(seed=70, max_frames=30),
-        SamplingParams(seed=1, max_frames=9),
-        SamplingParams(seed=1, max_frames=8),
-        SamplingParams(seed=1, max_frames=5),
+        SamplingParams(seed=70, max_frames=22),
+        SamplingParams(seed=1, max_frames=2),
+        SamplingParams(seed=1, max_frames=1),
     ],
-    ids=["natural_end", "cut", "two_frames_one_kept", "one_frame", "no_frames"],
+    ids=["natural_end", "cut", "two_frames", "one_frame"],
 )
 def test_stream_equals_generate(talker, params):
     frames = list(talker.stream("Hello world", params))
@@ -506,13 +500,13 @@ def test_stream_equals_generate(talker, params):
 
 
 def test_stream_closed_early_cancels(talker):
-    free0 = talker.engine.allocator.num_free
+    free0 = talker.engine.scheduler.blocks.num_free
     stream = talker.stream("Hello world", SamplingParams(temperature=0.0, max_frames=300))
     first = [next(stream) for _ in range(3)]
     stream.close()
     assert len(first) == 3
     assert not talker.engine.has_unfinished() and not talker.engine.requests
-    assert talker.engine.allocator.num_free == free0
+    assert talker.engine.scheduler.blocks.num_free == free0
 
 
 def test_unseeded_requests_differ(talker):
@@ -549,72 +543,62 @@ def test_min_frames_is_validated(bad):
 # --------------------------------------------------------------------------------------------- step inputs
 
 
-def test_decode_inputs_upload_once_and_pad_on_host():
-    from higgs_talker.request import DecodeInputs
-
-    host = DecodeInputs.from_host([3, 1], [40, 17], [5, 0], draw=False, filter=False)
-    assert host.state_rows is None and host.positions is None and host.steps is None
-    dev = host.to_device(torch.device("cpu"))
-    assert dev.state_rows.tolist() == [3, 1] and dev.positions.tolist() == [40, 17] and dev.steps.tolist() == [5, 0]
-    assert dev.state_rows.dtype == torch.long and (dev.draw, dev.filter) == (False, False)
-    assert dev.to_device(torch.device("cpu")) is dev  # already there: a graph's static inputs are never re-made
-    padded = host.padded(4, scratch_row=9)
-    assert padded.state_rows_host == [3, 1, 9, 9] and padded.positions_host == [40, 17, 0, 0]
-    assert padded.steps_host == [5, 0, 0, 0] and padded.state_rows is None
-    assert host.host_packed().tolist() == [[3, 1], [40, 17], [5, 0]]
-    with pytest.raises(ValueError, match="cannot pad a batch of 2 rows down to 1"):
-        host.padded(1, scratch_row=9)
-
-
-def test_static_decode_inputs_are_views_of_one_buffer():
-    from higgs_talker.request import DecodeInputs
-
-    packed = torch.zeros(3, 4, dtype=torch.long)
-    static = DecodeInputs.static(packed)
-    packed.copy_(DecodeInputs.from_host([1, 2, 3, 4], [5, 6, 7, 8], [0, 1, 2, 3]).host_packed())
-    assert static.state_rows.tolist() == [1, 2, 3, 4] and static.positions.tolist() == [5, 6, 7, 8]
-    assert static.steps.tolist() == [0, 1, 2, 3]
-
-
-@pytest.mark.parametrize("device_tensors", [True, False])
-def test_attention_metadata_padding(talker, device_tensors):
+def test_decode_batch_padding_uses_the_scratch_slot_and_block(talker):
+    """The one padding rule: padding requests are one token at position 0 on the scratch slot, writing their K/V
+    into the scratch block; the real requests are unchanged, and the padded batch still runs."""
     engine = make_engine(talker)
     params = [SamplingParams(seed=i, max_frames=4) for i in range(len(TEXTS))]
-    ids = [engine.add_request(talker.build_prompt(t), p) for t, p in zip(TEXTS, params, strict=True)]
+    for t, p in zip(TEXTS, params, strict=True):
+        engine.add_request(talker.build_prompt(t), p)
     engine.step()  # prefill all three
-    batch = [engine.requests[i] for i in ids]
-    full = engine._attn_metadata(batch, [1] * 3)
-    meta = engine._attn_metadata(batch, [1] * 3, device_tensors)
-    assert meta.seq_lens_host == full.seq_lens_host and meta.slot_mapping_host == full.slot_mapping_host
-    assert meta.blocks_host == full.blocks_host
-    padded = meta.padded(5, engine.scratch_block, engine.ecfg.block_size)
-    scratch_slot = engine.scratch_block * engine.ecfg.block_size
-    assert padded.num_reqs == 5 and padded.is_decode_only
-    assert padded.seq_lens_host == full.seq_lens_host + [1, 1]
-    assert padded.slot_mapping_host == full.slot_mapping_host + [scratch_slot] * 2
-    assert padded.blocks_host[3:] == [[engine.scratch_block]] * 2
-    if device_tensors:
-        assert padded.slot_mapping.tolist() == padded.slot_mapping_host
-        assert padded.seq_lens.tolist() == padded.seq_lens_host
-        assert padded.query_start_loc.tolist() == list(range(6))
-        assert padded.block_tables.shape == (5, full.block_tables.shape[1])
-        assert (padded.block_tables[3:] == engine.scratch_block).all()
-        assert torch.equal(padded.block_tables[:3], full.block_tables)
-    else:
-        assert meta.slot_mapping is None and meta.block_tables is None and meta.seq_lens is None
-        assert padded.slot_mapping is None and padded.query_start_loc is None and padded.block_tables is None
-    prefill = engine._attn_metadata(batch, [2, 1, 1], device_tensors)
-    with pytest.raises(ValueError, match="can only pad a decode batch up"):
-        prefill.padded(5, engine.scratch_block, engine.ecfg.block_size)
-    for i in ids:
-        engine.cancel(i)
+    sched, runner = engine.scheduler, engine.runner
+    batch = sched.schedule([])
+    assert batch.is_decode and batch.num_reqs == 3 and not batch.new_slots
+    scratch, block, bs = runner.slots.scratch, runner.scratch_block, engine.config.block_size
+    padded = runner.padded(batch, 5)
+    assert padded.slots == batch.slots + [scratch] * 2
+    assert padded.positions == batch.positions + [0, 0]
+    assert padded.slot_mapping == batch.slot_mapping + [block * bs] * 2
+    assert padded.seq_lens == batch.seq_lens + [1, 1] and padded.query_lens == [1] * 5
+    assert padded.block_tables == batch.block_tables + [[block]] * 2
+    assert runner.padded(batch, 3) is batch
+    with pytest.raises(ValueError, match="can only pad a decode batch up: a decode batch of 3 requests -> 2"):
+        runner.padded(batch, 2)
+    assert padded.decode_packed().tolist() == [padded.slots, padded.positions]
+    dev = padded.to_device(engine.device)
+    assert dev.slots.untyped_storage().data_ptr() == dev.positions.untyped_storage().data_ptr()  # one upload
+    runner.attn.plan_bucket(padded)
+    rows = runner.forward(dev)[:3]
+    outs = sched.publish(rows.cpu())
+    assert [o.request_id for o in outs] == [r for r in engine.requests] and all(o.row is not None for o in outs)
+    prefill = StepBatch([0], [0, 1], [0, 1], [2], [2], [[0]], token_ids=[1, 2])
+    with pytest.raises(ValueError, match="can only pad a decode batch up: a prefill batch"):
+        runner.padded(prefill, 4)
 
 
-def test_full_decode_padding_inputs_point_at_the_scratch_row(talker):
-    """A full-decode graph is captured on all-padding inputs: scratch state row, position 0, step 0."""
-    from higgs_talker.cuda_graphs.full_decode import FullDecodeGraphs
+def test_padding_batch_points_at_the_scratch_slot(talker):
+    """A full-decode graph is captured on an all-padding batch: scratch slot, position 0."""
+    runner = make_engine(talker).runner
+    packed = runner.padding_batch(4).decode_packed()
+    assert packed.dtype == torch.long and packed.tolist() == [[runner.slots.scratch] * 4, [0] * 4]
+    static = DeviceBatch.decode(packed)
+    packed[1] = 7
+    assert static.positions.tolist() == [7] * 4  # a graph's static inputs are views of one buffer
 
-    engine = make_engine(talker)
-    packed = FullDecodeGraphs(engine, [4]).padding_packed(4)
-    assert packed.dtype == torch.long and packed.device == engine.device
-    assert packed.tolist() == [[engine.scratch_row] * 4, [0] * 4, [0] * 4]
+
+@pytest.mark.parametrize("buckets", [[1, 2, 4, 8], [8]])
+def test_bucket_path_gives_the_same_codes_as_eager_on_cpu(talker, buckets):
+    """The graph runner without graphs (mode eager) pads every decode step to its bucket and plans the bucket's
+    fixed attention buffers; on CPU that is SDPA's bucket path. Codes equal the plain eager engine's."""
+    cases = [(TEXTS[i % 3], SamplingParams(seed=90 + i, max_frames=20 + 3 * i)) for i in range(5)]
+    prompts = [talker.build_prompt(t) for t, _ in cases]
+    plain, bucketed = make_engine(talker), make_engine(talker)
+    bucketed.warm_up("eager", buckets)
+    assert bucketed.graphs is not None and bucketed.graphs.path_for(8) == "eager"
+    results = []
+    for engine in (plain, bucketed):
+        ids = [engine.add_request(p, s) for p, (_, s) in zip(prompts, cases, strict=True)]
+        outs = drain(engine)
+        results.append([rows_of(outs[i]) for i in ids])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)

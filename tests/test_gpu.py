@@ -67,44 +67,32 @@ def test_fused_ops_match_torch_reference():
 # --------------------------------------------------------------------------------------------------- attention
 
 
-def _attention(kernel: str, max_model_len: int = 8192):
+def _attention(caches, kernel: str, scratch_block: int, max_batch: int = 64, max_model_len: int = 8192):
     from higgs_talker.flashinfer_attention import FlashInferAttention
 
-    cache = torch.zeros(1, 2, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
-    return FlashInferAttention([cache], 32, 8, 128, max_model_len, decode_kernel=kernel)
+    return FlashInferAttention(caches, 32, 8, 128, max_model_len, scratch_block, kernel, max_batch)
 
 
 @pytest.mark.parametrize("kernel", ["native", "xqa"])
 @pytest.mark.parametrize("batch", [1, 4, 16, 64])
 @pytest.mark.parametrize("ctx", [256, 1024, 4096])
 def test_decode_kernels_vs_float64(kernel, batch, ctx):
-    """Each decode kernel, through our backend's graph buffers, against a float64 reference (bf16 <= 5e-3)."""
-    from higgs_talker.attention import AttnMetadata
+    """Each decode kernel, through our backend's bucket buffers, against a float64 reference (bf16 <= 5e-3)."""
+    from higgs_talker.batch import StepBatch
 
     g = torch.Generator(device="cuda").manual_seed(batch * 7 + ctx)
     bs, per_seq = 16, -(-ctx // 16)
     cache = torch.randn(batch * per_seq + 1, 2, bs, 8, 128, generator=g, device="cuda").bfloat16()
-    attn = _attention(kernel)
-    attn.kv_caches = [cache]
-    attn.scratch_block = batch * per_seq
-    attn.kernel_for_bucket = {batch: kernel}
+    attn = _attention([cache], kernel, scratch_block=batch * per_seq)
+    attn.set_bucket_kernel(batch, kernel)
     blocks = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
     # the new token sits at position ctx - 1; its K/V are written by forward() before attending
     slots = [b[(ctx - 1) // bs] * bs + (ctx - 1) % bs for b in blocks]
-    meta = AttnMetadata(
-        slot_mapping=torch.tensor(slots, device="cuda"),
-        query_start_loc=torch.arange(batch + 1),
-        seq_lens=torch.full((batch,), ctx),
-        block_tables=torch.tensor(blocks),
-        query_lens_host=[1] * batch,
-        seq_lens_host=[ctx] * batch,
-        slot_mapping_host=slots,
-        blocks_host=blocks,
-    )
+    batch_ = StepBatch(list(range(batch)), [ctx - 1] * batch, slots, [1] * batch, [ctx] * batch, blocks)
     q = torch.randn(batch, 32, 128, generator=g, device="cuda").bfloat16()
     k = torch.randn(batch, 8, 128, generator=g, device="cuda").bfloat16()
     v = torch.randn(batch, 8, 128, generator=g, device="cuda").bfloat16()
-    attn.begin_graph(meta, batch)
+    attn.plan_bucket(batch_)
     out = attn.forward(0, q, k, v).view(batch, 32, 128)
     kv = cache[: batch * per_seq].view(batch, per_seq, 2, bs, 8, 128).double()
     keys = kv[:, :, 0].reshape(batch, per_seq * bs, 8, 128)[:, :ctx].transpose(1, 2)  # [B, 8, ctx, 128]
@@ -116,7 +104,8 @@ def test_decode_kernels_vs_float64(kernel, batch, ctx):
 
 
 def test_prefill_matches_sdpa_reference():
-    from higgs_talker.attention import AttnMetadata, SdpaAttention
+    from higgs_talker.attention import SdpaAttention
+    from higgs_talker.batch import StepBatch
 
     g = torch.Generator(device="cuda").manual_seed(1)
     lens = [5, 33, 17]
@@ -128,30 +117,18 @@ def test_prefill_matches_sdpa_reference():
         nxt += k
     cache_fi = torch.zeros(nxt, 2, bs, 8, 128, dtype=torch.bfloat16, device="cuda")
     cache_ref = cache_fi.clone()
-    attn = _attention("native")
-    attn.kv_caches = [cache_fi]
+    attn = _attention([cache_fi], "native", scratch_block=0)
     slots = [b[p // bs] * bs + p % bs for b, n in zip(blocks, lens, strict=True) for p in range(n)]
-    table = torch.zeros(3, max(len(b) for b in blocks), dtype=torch.int32)
-    for i, b in enumerate(blocks):
-        table[i, : len(b)] = torch.tensor(b)
-    meta = AttnMetadata(
-        slot_mapping=torch.tensor(slots, device="cuda"),
-        query_start_loc=torch.tensor([0, 5, 38, 55], dtype=torch.int32, device="cuda"),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
-        block_tables=table.cuda(),
-        query_lens_host=lens,
-        seq_lens_host=lens,
-        slot_mapping_host=slots,
-        blocks_host=blocks,
-    )
     n = sum(lens)
+    positions = [p for m in lens for p in range(m)]
+    batch = StepBatch([0, 1, 2], positions, slots, lens, lens, blocks, token_ids=[0] * n)
     q = torch.randn(n, 32, 128, generator=g, device="cuda").bfloat16()
     k = torch.randn(n, 8, 128, generator=g, device="cuda").bfloat16()
     v = torch.randn(n, 8, 128, generator=g, device="cuda").bfloat16()
-    attn.begin(meta)
+    attn.plan(batch)
     got = attn.forward(0, q, k, v)
-    ref = SdpaAttention([cache_ref], 32, 128)
-    ref.begin(meta)
+    ref = SdpaAttention([cache_ref], 32, 8, 128, 8192)
+    ref.plan(batch)
     want = ref.forward(0, q.float(), k.float(), v.float())
     assert rel_err(got, want) <= 5e-3
 
@@ -214,7 +191,7 @@ def test_graphs_were_captured(talkers):
     local = talkers["local_mlp"].engine.graphs
     full = talkers["full_decode"].engine.graphs
     assert local.local is not None and not local.local.failed and len(local.local.buckets) == 7
-    assert full.full is not None and not full.full.failed and len(full.full.slots) == 7
+    assert full.full is not None and not full.full.failed and len(full.full.graphs) == 7
     assert full.local is None  # policy: the local path is off under full-decode graphs
     auto = talkers["auto"].engine.graphs
     assert set(auto.choice) == set(auto.buckets)
@@ -237,29 +214,23 @@ def test_first_decode_step_after_capture_equals_eager():
 def test_outer_capture_with_local_path_on_runs_eager_inside(talkers):
     """Capturing a whole decode step while the local MLP path is on must not try to replay the local graphs."""
     t = talkers["local_mlp"]
-    eng, runner = t.engine, t.engine.graphs
-    inputs = runner.full.padding_inputs(4) if runner.full else None
-    if inputs is None:
-        from higgs_talker.cuda_graphs.full_decode import FullDecodeGraphs
-
-        inputs = FullDecodeGraphs(eng, [4]).padding_inputs(4)
-    rows = torch.tensor([eng.scratch_row], device="cuda")
-    saved = eng.state.gather(rows)
-    eng.attn.begin_graph(None, 4)
-    want = eng.decode_forward(inputs, runner.post_attention).clone()
-    eng.state.scatter(rows, saved)
+    runner, hook = t.engine.runner, t.engine.graphs.local.post_attention_or_eager
+    padding = runner.padding_batch(4)
+    inputs = padding.to_device(runner.device)
+    scratch = [runner.slots.scratch]
+    runner.attn.plan_bucket(padding)
+    with runner.slots.preserved(scratch):
+        want = runner.forward(inputs, hook).clone()
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        eng.decode_forward(inputs, runner.post_attention)
+    with torch.cuda.stream(side), runner.slots.preserved(scratch):  # the warm-up run, all on the side stream
+        runner.forward(inputs, hook)
     torch.cuda.current_stream().wait_stream(side)
-    eng.state.scatter(rows, saved)
-    with torch.cuda.graph(graph):
-        out = eng.decode_forward(inputs, runner.post_attention)  # guard: local graphs are not replayed here
-    eng.state.scatter(rows, saved)
-    graph.replay()
-    eng.state.scatter(rows, saved)
+    with runner.slots.preserved(scratch), torch.cuda.graph(graph):
+        out = runner.forward(inputs, hook)  # guard: local graphs are not replayed here
+    with runner.slots.preserved(scratch):
+        graph.replay()
     assert torch.equal(out, want)
 
 

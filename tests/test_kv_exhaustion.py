@@ -33,7 +33,7 @@ def offered_load() -> list[SamplingParams]:
     # sampled runs end on EOC or at max_frames; one greedy run always goes to max_frames
     temps = [1.0, 0.8, 1.0, 0.0, 1.2, 1.0, 0.9, 1.0]
     return [
-        SamplingParams(temperature=t, top_k=[-1, 50][i % 2], seed=1000 + i, max_frames=30 + 5 * i)
+        SamplingParams(temperature=t, top_k=[-1, 50][i % 2], seed=1000 + i, max_frames=22 + 5 * i)
         for i, t in enumerate(temps)
     ]
 
@@ -46,7 +46,7 @@ def drive(talker: HiggsTalker, params: list[SamplingParams], max_steps: int = 50
     for _ in range(max_steps):
         if not e.has_unfinished():
             break
-        if e.waiting and e.running:
+        if e.scheduler.waiting and e.scheduler.running:
             figures["queued_while_running"] += 1
         e.step()
         figures["steps"] += 1
@@ -111,7 +111,8 @@ def test_small_pool_gives_the_same_codes(tiny_dir: Path, unconstrained, solo, bl
             tiny_dir, max_num_seqs=8, max_model_len=256, block_size=block_size, num_blocks=num_blocks
         )
     )
-    longest = max(len(talker.build_prompt(t)) + p.max_frames for t, p in zip(TEXTS, offered_load(), strict=True))
+    rows = [p.max_frames + 8 for p in offered_load()]  # audio frames plus the delay pattern's 8 rows
+    longest = max(len(talker.build_prompt(t)) + r for t, r in zip(TEXTS, rows, strict=True))
     assert longest + 1 <= block_size * num_blocks, "every request must fit the pool when it has it to itself"
     results, figures = drive(talker, offered_load())
     assert figures["queued_while_running"] + figures["preemptions"] > 0, "the pool was not too small"

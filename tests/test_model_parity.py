@@ -8,14 +8,14 @@ decode through a paged cache whose sequences span several small blocks in scatte
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import pytest
 import torch
 from _tolerance import assert_matmul_close, chain_rel_tol, gamma, rel_err
 
-from higgs_talker.attention import AttnMetadata, SdpaAttention
+from higgs_talker.attention import SdpaAttention, use_backend
+from higgs_talker.batch import StepBatch
 from higgs_talker.checkpoint import load_into
 from higgs_talker.config import MODEL_TYPE, TalkerConfig
 from higgs_talker.kv_cache import allocate_kv_caches
@@ -179,7 +179,7 @@ class PagedRunner:
         self.caches = allocate_kv_caches(t, num_blocks, BLOCK_SIZE, torch.float32, "cpu")
         for c in self.caches:  # garbage in unused slots must never be read
             c.normal_()
-        self.attn = SdpaAttention(self.caches, t.num_attention_heads, t.head_dim)
+        self.attn = SdpaAttention(self.caches, t.num_attention_heads, t.num_key_value_heads, t.head_dim, max_len)
         perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         self.tables = [perm[i * blocks_per_seq : (i + 1) * blocks_per_seq] for i in range(num_seqs)]
         self.max_blocks = blocks_per_seq
@@ -188,29 +188,28 @@ class PagedRunner:
     def step(self, seqs: list[int], chunks: list[torch.Tensor]) -> list[torch.Tensor]:
         """Feed chunk i [q_i, H] to sequence seqs[i] (all in one flat batch); returns each chunk's hidden."""
         slots, positions, seq_lens, qlens = [], [], [], []
-        tables = torch.zeros(len(seqs), self.max_blocks, dtype=torch.int32)
-        for i, (s, chunk) in enumerate(zip(seqs, chunks, strict=True)):
+        for s, chunk in zip(seqs, chunks, strict=True):
             start, q = self.computed[s], chunk.shape[0]
             for p in range(start, start + q):
                 slots.append(self.tables[s][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
                 positions.append(p)
             seq_lens.append(start + q)
             qlens.append(q)
-            tables[i] = torch.tensor(self.tables[s], dtype=torch.int32)
-        meta = AttnMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
-            query_start_loc=torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=tables,
-            query_lens_host=qlens,
-            seq_lens_host=seq_lens,
-        )
-        self.attn.begin(meta)
-        with torch.no_grad():
-            hidden = self.model(torch.cat(chunks), torch.tensor(positions), self.attn)
+        tables = [self.tables[s] for s in seqs]
+        decode = all(q == 1 for q in qlens)
+        ids = None if decode else [0] * len(positions)  # the model sees embeddings; ids only mark a prefill
+        self.attn.plan(StepBatch(list(seqs), positions, slots, qlens, seq_lens, tables, token_ids=ids))
+        with torch.no_grad(), use_backend(self.attn):
+            hidden = self.model(torch.cat(chunks), torch.tensor(positions))
         for s, q in zip(seqs, qlens, strict=True):
             self.computed[s] += q
         return list(hidden.split(qlens))
+
+
+def text_logits(model: TalkerModel, hidden: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden [B, H] -> text logits [B, vocab] fp32 (or only the columns ``token_ids``), as vLLM's head computes."""
+    weight = model.text_head_weight if token_ids is None else model.text_head_weight.index_select(0, token_ids)
+    return (hidden @ weight.t()).float()
 
 
 def random_embeds(lengths: list[int], hidden: int, seed: int) -> list[torch.Tensor]:
@@ -280,13 +279,13 @@ def test_text_logits_match_hf_lm_head(pair, tol):
         hf_logits = pair.hf(inputs_embeds=seq[None], use_cache=False).logits[0]
     runner = PagedRunner(pair, 1, 6)
     hidden = runner.step([0], [seq])[0]
-    logits = pair.ours.text_logits(hidden)
+    logits = text_logits(pair.ours, hidden)
     assert logits.dtype == torch.float32 and logits.shape == hf_logits.shape
     assert rel_err(logits, hf_logits) <= tol + 2 * gamma(pair.case.hidden, torch.float32)  # + the head's product
     ids = torch.tensor([7, 0, 99])
     # the gathered columns are the same dot products as the full product's, rounded in another order
     head = pair.ours.text_head_weight
-    assert_matmul_close(pair.ours.text_logits(hidden, ids), logits[:, ids], hidden, head[ids])
+    assert_matmul_close(text_logits(pair.ours, hidden, ids), logits[:, ids], hidden, head[ids])
 
 
 def test_bf16_model_stays_close_to_fp32_reference():
@@ -298,19 +297,10 @@ def test_bf16_model_stays_close_to_fp32_reference():
     seq = random_embeds([10], pair.cfg.hidden_size, seed=10)[0]
     t = pair.cfg.text
     caches = allocate_kv_caches(t, 4, BLOCK_SIZE, torch.bfloat16, "cpu")
-    attn = SdpaAttention(caches, t.num_attention_heads, t.head_dim)
-    attn.begin(
-        AttnMetadata(
-            slot_mapping=torch.arange(10),
-            query_start_loc=torch.tensor([0, 10], dtype=torch.int32),
-            seq_lens=torch.tensor([10], dtype=torch.int32),
-            block_tables=torch.tensor([[0, 1, 2, 3]], dtype=torch.int32),
-            query_lens_host=[10],
-            seq_lens_host=[10],
-        )
-    )
-    with torch.no_grad():
-        out = bf16.ours(seq.bfloat16(), torch.arange(10), attn)
+    attn = SdpaAttention(caches, t.num_attention_heads, t.num_key_value_heads, t.head_dim, 16)
+    attn.plan(StepBatch([0], list(range(10)), list(range(10)), [10], [10], [[0, 1, 2, 3]], token_ids=[0] * 10))
+    with torch.no_grad(), use_backend(attn):
+        out = bf16.ours(seq.bfloat16(), torch.arange(10))
     assert out.dtype == torch.bfloat16
     err = rel_err(out.float(), hf_hidden(pair, seq))
     # fp32 accumulation (CPU bf16 matmuls, SDPA and our norms accumulate in fp32), bf16 storage: the input, every

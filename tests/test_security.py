@@ -81,7 +81,7 @@ def ckpt(tiny_dir: Path, tmp_path: Path) -> Path:
 
 def test_loading_never_unpickles(ckpt: Path, no_unpickling, no_processes) -> None:
     talker = HiggsTalker.from_pretrained(ckpt, **SMALL)
-    assert talker.generate("Safe.", SamplingParams(seed=0, max_frames=10)).num_rows == 10
+    assert talker.generate("Safe.", SamplingParams(seed=0, max_frames=10)).num_frames == 10
 
 
 def test_tokenizer_never_trusts_remote_code(ckpt: Path, tokenizer_calls: list[dict]) -> None:

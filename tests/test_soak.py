@@ -104,16 +104,16 @@ def run_alone(solo: HiggsTalker, prompt: Prompt, params: SamplingParams) -> tupl
 
 def check_accounting(talker: HiggsTalker, idle_blocks: int, idle_rows: int) -> None:
     """Every KV block and state row is free or held by exactly one live request."""
-    e = talker.engine
+    e = talker.engine.scheduler
     live = [r for r in e.requests.values() if r.status is not Status.FINISHED]
     held_blocks = [b for r in live for b in r.blocks]
     assert len(held_blocks) == len(set(held_blocks)), "a KV block is held by two requests"
-    assert e.allocator.num_free + len(held_blocks) == idle_blocks, "KV blocks lost or double-counted"
-    held_rows = [r.state_row for r in live if r.state_row >= 0]
-    assert len(held_rows) == len(set(held_rows)), "a state row is held by two requests"
-    assert not set(held_rows) & set(e._free_rows), "a held state row is also on the free list"
-    assert len(e._free_rows) + len(held_rows) == idle_rows, "state rows lost or double-counted"
-    assert len(e.running) <= e.ecfg.max_num_seqs
+    assert e.blocks.num_free + len(held_blocks) == idle_blocks, "KV blocks lost or double-counted"
+    held_rows = [r.slot for r in live if r.slot >= 0]
+    assert len(held_rows) == len(set(held_rows)), "a slot is held by two requests"
+    assert not set(held_rows) & set(e.free_slots._free), "a held slot is also on the free list"
+    assert e.free_slots.num_free + len(held_rows) == idle_rows, "slots lost or double-counted"
+    assert len(e.running) <= e.config.max_num_seqs
     finished_by_status = [r.id for r in e.requests.values() if r.status is Status.FINISHED and r.blocks]
     assert not finished_by_status, f"finished requests still hold blocks: {finished_by_status}"
 
@@ -121,7 +121,7 @@ def check_accounting(talker: HiggsTalker, idle_blocks: int, idle_rows: int) -> N
 def soak(talker: HiggsTalker, solo: HiggsTalker, n: int, seed: int, pace: int = 9) -> Counter:
     """Run ``n`` planned requests through ``talker``'s engine, checking every invariant; returns the figures."""
     e = talker.engine
-    idle_blocks, idle_rows = e.allocator.num_free, len(e._free_rows)
+    idle_blocks, idle_rows = e.scheduler.blocks.num_free, e.scheduler.free_slots.num_free
     plans = make_plans(n, seed, pace)
     cache: dict[tuple, tuple[torch.Tensor, str]] = {}
     stats: Counter = Counter(requests=n)
@@ -201,8 +201,8 @@ def _check_request(req, plan: Plan, prompt: Prompt, published, solo, cache, stat
     check_delay_pattern(rows, req.finish_reason)
     onset = (rows[:, 0] == 1025).nonzero()
     stats["early_eoc"] += bool(onset.numel()) and int(onset[0]) < rows.shape[1] - 1
-    if req.finish_reason == "max_frames":
-        assert len(rows) == plan.params.max_frames
+    if req.finish_reason == "max_frames":  # max_frames audio frames: the delay pattern adds N rows
+        assert len(rows) == plan.params.max_frames + rows.shape[1]
 
 
 def talkers(checkpoint: Path) -> tuple[HiggsTalker, HiggsTalker]:

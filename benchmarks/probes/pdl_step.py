@@ -60,7 +60,7 @@ def main() -> None:
         for b in (1, 16, 64):
             ids = start_requests(talker, b, 512)
             step_ms, _ = median_ms(eng.step)
-            replay_ms, _ = median_ms(eng.graphs.full.slots[b].graph.replay)
+            replay_ms, _ = median_ms(eng.graphs.full.graphs[b].graph.replay)
             print(f"  {name} b={b}: step {step_ms:.3f} ms, replay {replay_ms:.3f} ms; {layer_sandwich(talker, b)}")
             for i in ids:
                 eng.cancel(i)

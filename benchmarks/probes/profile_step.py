@@ -24,7 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_decode import SHAPE_4B, make_prompt, suppress_eoc  # noqa: E402
 
 from higgs_talker import HiggsTalker, SamplingParams, TalkerConfig, TextConfig  # noqa: E402
-from higgs_talker.flashinfer_attention import _time_graph  # noqa: E402
+from higgs_talker.cuda_graphs.capture import capture_graph, median_ms  # noqa: E402
+
+
+def _time_graph(fn) -> float:
+    """Median microseconds of one ``fn()`` replayed from a CUDA graph (3 samples of 20 replays)."""
+    graph, _ = capture_graph(fn)
+    return median_ms(lambda: [graph.replay() for _ in range(20)], iters=3) * 1e3 / 20
 
 
 def start_requests(talker: HiggsTalker, b: int, ctx: int) -> list[str]:
@@ -133,9 +139,9 @@ def layer_sandwich(talker: HiggsTalker, b: int) -> str:
     them (what any kernel costs there)."""
     import flashinfer as fi
 
-    attn, t = talker.engine.attn, talker.cfg.text
+    attn, t = talker.engine.runner.attn, talker.cfg.text
     layers = list(talker.model.model.layers)
-    slot = attn.graph_decodes[b]
+    tables, lens = attn.block_tables[:b], attn.seq_lens[:b]  # bucket b's rows of the fixed decode buffers
     gen = torch.Generator(device="cuda").manual_seed(b)
     q = torch.randn(b, t.num_attention_heads, t.head_dim, generator=gen, device="cuda").bfloat16()
     x = torch.randn(b, t.hidden_size, generator=gen, device="cuda").bfloat16()
@@ -143,7 +149,7 @@ def layer_sandwich(talker: HiggsTalker, b: int) -> str:
 
     def xqa(layer: int) -> torch.Tensor:
         return fi.decode.trtllm_batch_decode_with_kv_cache(
-            q, attn.kv_caches[layer], attn.xqa_workspace, slot.block_tables, slot.seq_lens, attn.max_model_len,
+            q, attn.kv_caches[layer], attn.xqa_workspace, tables, lens, attn.max_model_len,
             bmm1_scale=attn.scale, bmm2_scale=1.0, kv_layout="NHD", backend="xqa",
         )  # fmt: skip
 
@@ -176,7 +182,7 @@ def xqa_in_step_probe(cfg: TalkerConfig) -> None:
     suppress_eoc(talker)
     for b in (1, 16, 64):
         ids = start_requests(talker, b, 512)
-        ctx = talker.engine.attn.graph_decodes[b].seq_lens[0].item()
+        ctx = talker.engine.runner.attn.seq_lens[0].item()
         print(f"xqa-in-step b={b} ctx~{ctx}: {layer_sandwich(talker, b)}", flush=True)
         for i in ids:
             talker.engine.cancel(i)

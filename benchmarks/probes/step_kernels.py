@@ -58,7 +58,8 @@ def main() -> None:
         )
         suppress_eoc(talker)
         eng = talker.engine
-        print(f"{kernel}: built+warm {time.perf_counter() - t0:.1f}s chosen={eng.attn.kernel_for_bucket}", flush=True)
+        chosen = eng.runner.attn.bucket_kernel
+        print(f"{kernel}: built+warm {time.perf_counter() - t0:.1f}s chosen={chosen}", flush=True)
         for b in (1, 16, 64):
             params = SamplingParams(temperature=0.0, max_frames=400)
             ids = [eng.add_request(make_prompt(talker, 512, seed=i), params) for i in range(b)]
@@ -67,7 +68,7 @@ def main() -> None:
             for _ in range(5):
                 eng.step()
             step_ms, host_ms = median_ms(eng.step)
-            replay_ms, _ = median_ms(eng.graphs.full.slots[b].graph.replay)
+            replay_ms, _ = median_ms(eng.graphs.full.graphs[b].graph.replay)
             print(
                 f"  {kernel} b={b} ctx=512: step {step_ms:.3f} ms (host wall {host_ms:.3f}), "
                 f"replay only {replay_ms:.3f} ms",

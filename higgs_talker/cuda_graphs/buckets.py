@@ -1,4 +1,4 @@
-"""Padded batch buckets: pure host-side arithmetic shared by the graph runners."""
+"""Batch buckets: pure host-side arithmetic shared by the graph runners (the padding rule is ``batch.py``'s)."""
 
 from __future__ import annotations
 
@@ -29,10 +29,3 @@ def bucket_for(batch: int, buckets: Sequence[int]) -> int | None:
         if b >= batch:
             return b
     return None
-
-
-def pad_to(values: list[int], size: int, fill: int) -> list[int]:
-    """``values`` extended with ``fill`` to ``size`` entries."""
-    if len(values) > size:
-        raise ValueError(f"{len(values)} values do not fit a bucket of {size}")
-    return values + [fill] * (size - len(values))

@@ -1,12 +1,15 @@
-"""The one capture recipe every graph here uses."""
+"""The one capture recipe, the one capture-and-verify loop over buckets, and the one CUDA timer."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import statistics
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import torch
+
+from .policy import local_graphs_allowed_now
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -27,7 +30,40 @@ def capture_graph(fn: Callable[[], T], pool=None) -> tuple[torch.cuda.CUDAGraph,
     return graph, out
 
 
-def record_capture_failure(failed: dict[int, str], what: str, size: int, exc: BaseException) -> None:
-    """A bucket whose capture (or replay check) failed: remember why and warn once; its batches run eagerly."""
-    failed[size] = f"{type(exc).__name__}: {exc}"
-    logger.warning("%s capture failed for batch bucket %d (%s); that bucket runs eagerly", what, size, failed[size])
+def capture_buckets(
+    sizes: Iterable[int], capture_one: Callable[[int], T], what: str
+) -> tuple[dict[int, T], dict[int, str]]:
+    """Capture and verify one bucket at a time, largest first (smaller ones then reuse the shared pool's
+    memory). ``capture_one(size)`` captures, replays and checks the replay against eager, raising on any
+    difference. A bucket that raises is left out with one warning: its batches run eagerly, never wrongly.
+
+    Returns (captured: size -> what ``capture_one`` returned, failed: size -> reason).
+    """
+    if not local_graphs_allowed_now():
+        raise RuntimeError(f"{what}s cannot be captured while another CUDA graph is being captured")
+    captured: dict[int, T] = {}
+    failed: dict[int, str] = {}
+    for size in sorted(set(sizes), reverse=True):
+        try:
+            captured[size] = capture_one(size)
+        except Exception as exc:  # noqa: BLE001 - any failure means: this bucket runs eagerly
+            failed[size] = f"{type(exc).__name__}: {exc}"
+            logger.warning("%s capture failed for batch bucket %d (%s); that bucket runs eagerly", what, size,
+                           failed[size])  # fmt: skip
+    return captured, failed
+
+
+def median_ms(fn: Callable[[], object], iters: int = 10, warmup: int = 1) -> float:
+    """Median milliseconds of one ``fn()`` on the current stream, timed with CUDA events; warm-up excluded."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)

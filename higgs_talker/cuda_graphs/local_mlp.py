@@ -3,7 +3,8 @@
 Attention and everything else stay eager. Graphs are captured at warm-up for padded batch buckets (largest
 first, one shared memory pool), each replayed once right after capture and compared with eager before it is
 trusted; they are never captured in the serving path. Every bucket has one static input/output buffer set
-shared by all its layers. A bucket whose capture fails is dropped with one warning and runs eagerly.
+shared by all its layers. A bucket whose capture fails is dropped with one warning and runs eagerly. The same
+class serves our engine and the vLLM adapter (over vLLM's Qwen3 layers).
 
 At run time ``run`` returns None (the caller runs eagerly) for a batch no bucket holds, for a bucket that
 failed, and whenever the current stream is capturing (an outer full-decode or vLLM graph): replaying inside
@@ -18,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .buckets import DEFAULT_BUCKETS, bucket_for, normalize_buckets
-from .capture import capture_graph, record_capture_failure
+from .capture import capture_buckets, capture_graph
 from .policy import local_graphs_allowed_now
 
 # (layer index, hidden [B, H], residual [B, H]) -> (mlp output [B, H], new residual [B, H])
@@ -62,35 +63,28 @@ class LocalMLPGraphs:
     def sizes(self) -> tuple[int, ...]:
         return tuple(sorted(self.buckets))
 
-    def capture(self, hidden_size: int, dtype: torch.dtype, device: torch.device, check: bool = True) -> None:
-        """Capture all buckets, largest first. Must run outside any stream capture."""
-        if not local_graphs_allowed_now():
-            raise RuntimeError("local MLP graphs cannot be captured while another CUDA graph is being captured")
+    def capture(self, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Capture and check every bucket, largest first. Must run outside any stream capture."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        for size in sorted(self.requested, reverse=True):
+
+        def capture_one(size: int) -> _Bucket:
             bucket = _Bucket(size, hidden_size, dtype, device)
-            try:
-                for layer in range(self.num_layers):
-                    bucket.graphs.append(self._capture_layer(bucket, layer))
-                    if check:
-                        self._check_layer(bucket, layer)
-            except Exception as exc:  # noqa: BLE001 - any failure means: this bucket runs eagerly
-                record_capture_failure(self.failed, "local MLP graph", size, exc)
-                continue
-            self.buckets[size] = bucket
+            for layer in range(self.num_layers):
+                graph, _ = capture_graph(lambda layer=layer: self._record(bucket, layer), self.pool)
+                bucket.graphs.append(graph)
+                self._check_layer(bucket, layer)
+            return bucket
+
+        self.buckets, self.failed = capture_buckets(self.requested, capture_one, "local MLP graph")
 
     def _record(self, bucket: _Bucket, layer: int) -> None:
         out, res = self.post_attention(layer, bucket.hidden, bucket.residual)
         bucket.out.copy_(out)
         bucket.res_out.copy_(res)
 
-    def _capture_layer(self, bucket: _Bucket, layer: int) -> torch.cuda.CUDAGraph:
-        graph, _ = capture_graph(lambda: self._record(bucket, layer), self.pool)
-        return graph
-
     def _check_layer(self, bucket: _Bucket, layer: int) -> None:
-        """Replay on fresh random inputs and compare with the eager block (same kernels: near bit-equal)."""
+        """Replay on fresh random inputs and compare with the eager block (same kernels and shapes: near equal)."""
         g = torch.Generator(device=bucket.hidden.device).manual_seed(layer)
         hidden = torch.randn(bucket.hidden.shape, generator=g, device=bucket.hidden.device).to(bucket.hidden.dtype)
         residual = torch.randn(bucket.hidden.shape, generator=g, device=bucket.hidden.device).to(bucket.hidden.dtype)
@@ -117,3 +111,8 @@ class LocalMLPGraphs:
         bucket.residual[:b].copy_(residual)
         bucket.graphs[layer].replay()
         return bucket.out[:b], bucket.res_out[:b]
+
+    def post_attention_or_eager(self, layer: int, hidden: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """The model's post-attention hook: this layer's graph when one applies, else the eager block."""
+        out = self.run(layer, hidden, residual)
+        return out if out is not None else self.post_attention(layer, hidden, residual)

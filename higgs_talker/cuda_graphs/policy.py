@@ -46,7 +46,6 @@ class GraphDecision:
     mode: GraphMode
     local_mlp: bool
     full_decode: bool
-    external_capture: bool
     reason: str
 
 
@@ -84,19 +83,19 @@ def decide(mode: GraphMode | str | None = None, vllm_config: Any = None) -> Grap
         external, why = vllm_captures_graphs(vllm_config)
         requested = GraphMode.parse(mode) if mode is not None else GraphMode.LOCAL_MLP
         if external:
-            return GraphDecision(requested, False, False, True, f"local MLP graphs off: {why}")
+            return GraphDecision(requested, False, False, f"local MLP graphs off: {why}")
         if requested is GraphMode.EAGER:
-            return GraphDecision(requested, False, False, False, f"local MLP graphs off: mode=eager ({why})")
-        return GraphDecision(requested, True, False, False, f"local MLP graphs on: {why}")
+            return GraphDecision(requested, False, False, f"local MLP graphs off: mode=eager ({why})")
+        return GraphDecision(requested, True, False, f"local MLP graphs on: {why}")
     m = GraphMode.parse(mode if mode is not None else GraphMode.EAGER)
     if m is GraphMode.EAGER:
-        return GraphDecision(m, False, False, False, "mode=eager: no CUDA graphs")
+        return GraphDecision(m, False, False, "mode=eager: no CUDA graphs")
     if m is GraphMode.LOCAL_MLP:
-        return GraphDecision(m, True, False, False, "mode=local_mlp: per-layer MLP graphs, attention eager")
+        return GraphDecision(m, True, False, "mode=local_mlp: per-layer MLP graphs, attention eager")
     if m is GraphMode.FULL_DECODE:
-        return GraphDecision(m, False, True, False, "mode=full_decode: whole decode-step graphs, local MLP graphs off")
+        return GraphDecision(m, False, True, "mode=full_decode: whole decode-step graphs, local MLP graphs off")
     return GraphDecision(
-        m, True, True, False, "mode=auto: full-decode graphs for small batches, local MLP graphs above the threshold"
+        m, True, True, "mode=auto: per bucket, the faster of full-decode and local MLP graphs (measured)"
     )
 
 

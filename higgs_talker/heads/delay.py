@@ -54,6 +54,16 @@ class DelayState:
         self.countdown[rows] = -1
         self.done[rows] = False
 
+    def where_fresh(self, fresh: Tensor, boc_id: int) -> DelayState:
+        """This batch-ordered state with the rows where ``fresh`` [B] bool set back to a new stream."""
+        return DelayState(
+            last_codes=torch.where(fresh[:, None], boc_id, self.last_codes),
+            has_codes=self.has_codes & ~fresh,
+            delay=torch.where(fresh, 0, self.delay),
+            countdown=torch.where(fresh, -1, self.countdown),
+            done=self.done & ~fresh,
+        )
+
     def gather(self, rows: Tensor) -> DelayState:
         """The state of ``rows`` [B] as new tensors (batch order)."""
         return DelayState(**{f.name: getattr(self, f.name).index_select(0, rows) for f in fields(self)})

@@ -105,7 +105,8 @@ def exponential_noise(seeds: Tensor, steps: Tensor, num_codebooks: int, codebook
 
 
 def top_k_top_p_filter(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """Mask logits [M, V] outside each row's top-k (k [M], V = off), then outside its top-p nucleus (p [M]).
+    """Mask logits [M, V] outside each row's top-k (k [M]; <= 0 or >= V: off), then outside its top-p nucleus
+    (p [M]).
 
     Ties at the k-th value are kept. The nucleus is the shortest most-likely prefix whose mass reaches p: an
     entry stays while the mass ranked before it is below p. The sort is stable, so among equal logits the
@@ -114,7 +115,8 @@ def top_k_top_p_filter(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     """
     v = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
-    kth = sorted_logits.gather(1, (top_k.long() - 1).clamp(0, v - 1)[:, None])
+    k = torch.where(top_k <= 0, v, top_k.long())
+    kth = sorted_logits.gather(1, (k - 1).clamp(0, v - 1)[:, None])
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass ranked strictly before each entry
@@ -168,7 +170,7 @@ def sample_codes(
 ) -> Tensor:
     """Masked codebook logits [B, N, V] -> codes [B, N] int64 (``argmax`` of ``race_scores``).
 
-    temperature/top_p [B] float, top_k [B] int (codebook_size or more = off), seeds/steps [B] int64 (the
+    temperature/top_p [B] float, top_k [B] int (<= 0 or >= codebook_size: off), seeds/steps [B] int64 (the
     step is the request's row index, so its noise never repeats). Rows with temperature 0 take the argmax.
     ``draw=False`` (every row greedy) and ``filter=False`` (no row has top-k/top-p on) are host-known
     shortcuts that skip work without changing the result.

@@ -9,7 +9,7 @@ pytest.importorskip("vllm.config")
 
 from vllm.config import CompilationConfig, CUDAGraphMode, ModelConfig, VllmConfig  # noqa: E402
 
-from higgs_talker.cuda_graphs.policy import decide, local_graphs_allowed_now  # noqa: E402
+from higgs_talker.cuda_graphs.policy import decide, local_graphs_allowed_now, vllm_captures_graphs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def test_decide_with_real_vllm_config(model_config, enforce_eager, mode):
     vc = _config(model_config, enforce_eager, mode)
     d = decide(vllm_config=vc)
     external = not enforce_eager and mode != CUDAGraphMode.NONE
-    assert d.external_capture is external
+    assert vllm_captures_graphs(vc)[0] is external
     assert d.local_mlp is (not external)
     assert d.full_decode is False
     assert d.reason.startswith("local MLP graphs " + ("off" if external else "on"))
@@ -47,7 +47,7 @@ def test_decide_with_real_vllm_config(model_config, enforce_eager, mode):
 def test_low_latency_profile_turns_local_graphs_off(model_config):
     vc = _config(model_config, False, CUDAGraphMode.FULL_DECODE_ONLY)
     d = decide(vllm_config=vc)
-    assert not d.local_mlp and d.external_capture and "FULL_DECODE_ONLY" in d.reason
+    assert not d.local_mlp and vllm_captures_graphs(vc)[0] and "FULL_DECODE_ONLY" in d.reason
     assert decide(vllm_config=_config(model_config, True, CUDAGraphMode.FULL_DECODE_ONLY)).local_mlp
 
 

@@ -1,0 +1,159 @@
+"""Per-request decode state in fixed device storage, and the frame step that both front ends use.
+
+A *slot* holds one live request's decode state: its delay-pattern state (``DelayState``), its sampling
+parameters and seed, the number of rows it has produced (the sampling step, so seeded noise never repeats)
+and the row from which codebook 0 may end the stream. The engine's scheduler and the vLLM adapter hand slots
+out from a ``FreeList`` and keep them for a request's whole life (preemption included), so no request's state
+ever moves; the storage is allocated once and captured CUDA graphs may read it. One extra *scratch* slot
+belongs to no request: padding rows of a graph bucket read and write it.
+
+``sample_frame`` is the frame step: masked codebook logits -> sampled codes -> emitted row -> state update.
+Shapes: B requests, C codebooks, V codebook entries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .delay import DelayState, apply_delay_mask, update_state
+from .sampling import sample_codes
+
+
+@dataclass(frozen=True)
+class SlotInit:
+    """A fresh stream for ``slot``: the request's seed and sampling parameters (top_k <= 0: off)."""
+
+    slot: int
+    seed: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_rows: int = 0  # codebook 0 may sample EOC from this row index on
+
+
+class FreeList:
+    """Host-side slot ids ``0 .. capacity - 1``: each is free or held by exactly one request."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError(f"slot capacity must be > 0, got {capacity}")
+        self.capacity = capacity
+        self._free = list(range(capacity - 1, -1, -1))  # pop() hands out low ids first
+        self._held: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int:
+        if not self._free:
+            raise RuntimeError(f"all {self.capacity} decode-state slots are in use")
+        slot = self._free.pop()
+        self._held.add(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot not in self._held:
+            raise RuntimeError(f"slot {slot} released but not held")
+        self._held.remove(slot)
+        self._free.append(slot)
+
+
+class SlotStore:
+    """Fixed device storage for ``capacity`` request slots plus the scratch slot (index ``capacity``)."""
+
+    def __init__(
+        self, capacity: int, num_codebooks: int, codebook_size: int, boc_id: int, eoc_id: int, device: torch.device
+    ) -> None:
+        self.capacity, self.scratch = capacity, capacity
+        self.num_codebooks, self.codebook_size, self.boc_id, self.eoc_id = num_codebooks, codebook_size, boc_id, eoc_id
+        self.device = device = torch.device(device)
+        r = capacity + 1
+        self.state = DelayState.allocate(r, num_codebooks, boc_id, device)
+        self.temperature = torch.ones(r, device=device)
+        self.top_p = torch.ones(r, device=device)
+        self.top_k = torch.full((r,), codebook_size, dtype=torch.long, device=device)
+        self.seeds = torch.zeros(r, dtype=torch.long, device=device)
+        self.min_rows = torch.zeros(r, dtype=torch.long, device=device)
+        self.num_rows = torch.zeros(r, dtype=torch.long, device=device)
+
+    def reset(self, inits: Sequence[SlotInit]) -> None:
+        """Start fresh streams in these slots: all-BOC feedback, no rows yet, their parameters (two copies)."""
+        if not inits:
+            return
+        v = self.codebook_size
+        dev = self.device
+        idx = torch.tensor([i.slot for i in inits], dtype=torch.long, device=dev)
+        floats = torch.tensor([[i.temperature, i.top_p] for i in inits], dtype=torch.float32).to(dev)
+        # top_k is clamped to V here only so that any int fits the tensor; sample_codes treats >= V as off
+        ints = [[min(i.top_k, v) if i.top_k > 0 else v, i.seed, i.min_rows] for i in inits]
+        ints = torch.tensor(ints, dtype=torch.long).to(dev)
+        self.state.reset(idx, self.boc_id)
+        self.temperature.index_copy_(0, idx, floats[:, 0])
+        self.top_p.index_copy_(0, idx, floats[:, 1])
+        self.top_k.index_copy_(0, idx, ints[:, 0])
+        self.seeds.index_copy_(0, idx, ints[:, 1])
+        self.min_rows.index_copy_(0, idx, ints[:, 2])
+        self.num_rows.index_fill_(0, idx, 0)
+
+    @contextmanager
+    def preserved(self, slots: Sequence[int]) -> Iterator[None]:
+        """Restore these slots' decode state and row counts on exit (warm-up and capture runs touch scratch)."""
+        idx = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        state, rows = self.state.gather(idx), self.num_rows.index_select(0, idx)
+        try:
+            yield
+        finally:
+            self.state.scatter(idx, state)
+            self.num_rows.index_copy_(0, idx, rows)
+
+    def params(self, slots: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The slots' own (temperature [B], top_k [B], top_p [B])."""
+        return (
+            self.temperature.index_select(0, slots),
+            self.top_k.index_select(0, slots),
+            self.top_p.index_select(0, slots),
+        )
+
+
+def sample_frame(
+    store: SlotStore,
+    slots: Tensor,
+    logits: Tensor,
+    *,
+    params: tuple[Tensor, Tensor, Tensor] | None = None,
+    active: Tensor | None = None,
+    fresh: Tensor | None = None,
+    draw: bool = True,
+    filter: bool = True,
+) -> tuple[Tensor, DelayState]:
+    """One frame for the requests in ``slots`` [B] int64 from their codebook logits [B, C, V] fp32 (masked in
+    place). Returns the emitted rows [B, C] int64 (-1 where not ``active``) and their new state; the slots are
+    advanced in place (graph-safe: no host sync).
+
+    params: (temperature, top_k, top_p) [B] each, default the slots' own (vLLM passes its per-step values).
+    active [B] bool: rows that produce a frame this step (default all). fresh [B] bool: rows whose stream
+    starts over now, before sampling (vLLM: a prompt tail reaching ``<|audio|>``, or a closed stream).
+    draw/filter: host-known shortcuts of ``sample_codes`` (all greedy / no top-k/top-p in the batch).
+    """
+    state = store.state.gather(slots)
+    steps = store.num_rows.index_select(0, slots)
+    if fresh is not None:
+        state = state.where_fresh(fresh, store.boc_id)
+        steps = torch.where(fresh, 0, steps)
+    eoc_allowed = steps >= store.min_rows.index_select(0, slots)  # steps: the row index about to be produced
+    apply_delay_mask(logits, state.delay, state.countdown, store.boc_id, store.eoc_id, eoc_allowed)
+    temperature, top_k, top_p = params if params is not None else store.params(slots)
+    seeds = store.seeds.index_select(0, slots)
+    codes = sample_codes(logits, temperature, top_k, top_p, seeds, steps, draw=draw, filter=filter)
+    if active is None:
+        active = torch.ones_like(state.done)
+    emitted, new = update_state(codes, state, active, store.boc_id, store.eoc_id)
+    store.state.scatter(slots, new)
+    store.num_rows.index_copy_(0, slots, steps + active.long())
+    return emitted, new

@@ -1,0 +1,344 @@
+"""The host side of the engine: requests, admission, preemption, KV blocks, decode-state slots, publishing.
+
+Nothing here touches a device. ``schedule()`` turns the queue into the next ``StepBatch``: a prefill of newly
+admitted (or resumed) requests, else a decode step of every running request (one token each). After the model
+runner has executed it, ``publish(rows)`` records each request's row (an owned ``[1, C]`` int32 row per request
+and step) and finishes the requests that ended; ``abort(exc)`` fails them instead when the step raised.
+
+A request keeps its decode-state slot from admission to its end. When the KV cache runs out during decode, the
+most recently admitted request is preempted: its blocks are freed and it is re-queued; on resume its prompt and
+every generated position (each embedded from the row fed back there) are recomputed in one prefill, so its
+codes do not change.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+from torch import Tensor
+
+from .batch import StepBatch
+from .config import TalkerConfig
+from .heads.sampling import SamplingParams
+from .heads.slots import FreeList, SlotInit
+from .kv_cache import BlockAllocator, slot_mapping
+from .prompt import Prompt, validate_prompt
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    id: str
+    prompt: Prompt
+    params: SamplingParams
+    seed: int
+    max_rows: int  # delayed rows at most: max_frames audio frames plus the delay pattern's C rows
+    status: Status = Status.WAITING
+    slot: int = -1
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    rows: list[Tensor] = field(default_factory=list)  # emitted delayed rows, each [C] int32 (CPU)
+    finish_reason: str | None = None
+    error: BaseException | None = None  # why a step failed this request (finish_reason "error")
+    submitted_at: float = 0.0
+    first_row_at: float | None = None
+    finished_at: float | None = None
+    prefill_ms: float = 0.0
+    preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the sequence so far: the prompt plus one per emitted row after the first."""
+        return len(self.prompt) + max(len(self.rows) - 1, 0)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One request's result of one step: the row it just produced (owned), and whether it finished."""
+
+    request_id: str
+    row: Tensor | None  # [1, C] int32 CPU, or None when the step produced no row
+    finished: bool
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 64
+    block_size: int = 16
+    num_blocks: int | None = None  # None: what kv_memory_fraction of the free memory holds, at most enough
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_prefill_tokens: int = 8192
+    kv_memory_fraction: float = 0.6  # share of the free device (CUDA) or host (CPU) memory the KV cache may take
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "block_size", "max_prefill_tokens", "num_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is None and name in ("num_blocks", "max_model_len"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be an integer > 0, got {value!r}")
+        f = self.kv_memory_fraction
+        if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f <= 0.95:
+            raise ValueError(f"kv_memory_fraction must lie in (0, 0.95], got {f!r}")
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, cfg: TalkerConfig, *, num_blocks: int, max_model_len: int) -> None:
+        self.config, self.cfg, self.max_model_len = config, cfg, max_model_len
+        self.blocks = BlockAllocator(num_blocks, config.block_size)
+        self.free_slots = FreeList(config.max_num_seqs)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._ids = itertools.count()
+        self._scheduled: list[Request] = []  # the requests of the batch ``schedule`` returned last
+        self._prefill_started: float | None = None  # host time the scheduled prefill began (None: decode)
+
+    # ------------------------------------------------------------------ requests
+
+    def add(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a prompt; returns its request id. Raises for a bad prompt or one that can never fit."""
+        validate_prompt(prompt, self.cfg)
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id is None:
+            request_id = next(i for i in map(str, self._ids) if i not in self.requests)
+        request_id = str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if len(prompt) + 1 > self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room within max_model_len={self.max_model_len}")
+        if self.blocks.blocks_for(len(prompt) + 1) > self.blocks.num_blocks:
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens does not fit the KV cache ({self.blocks.num_blocks} blocks)"
+            )
+        seed = params.resolved_seed()
+        max_rows = params.max_frames + self.cfg.num_codebooks
+        req = Request(request_id, prompt, params, seed, max_rows, submitted_at=time.perf_counter())
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        return request_id
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request now, freeing its KV blocks and slot. Returns False if it was not live."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, "cancelled")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def pop_finished(self, request_id: str) -> Request:
+        """Forget a finished request and return it (its rows and timings)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"unknown request id {request_id!r}")
+        if not req.finished:
+            raise ValueError(f"request {request_id!r} has not finished")
+        return self.requests.pop(request_id)
+
+    # ------------------------------------------------------------------ scheduling
+
+    def schedule(self, outputs: list[StepOutput]) -> StepBatch | None:
+        """The next step's batch (None: nothing to run). Requests that end without running (their context is
+        full) are finished here and reported in ``outputs``."""
+        prefill = self._admit()
+        if prefill:
+            self._scheduled, self._prefill_started = prefill, time.perf_counter()
+            return self._prefill_batch(prefill)
+        self._prefill_started = None
+        self._scheduled = self._grow_running(outputs)
+        return self._decode_batch(self._scheduled) if self._scheduled else None
+
+    def _admit(self) -> list[Request]:
+        batch, tokens = [], 0
+        while self.waiting and (self.waiting[0].slot >= 0 or self.free_slots.num_free):
+            req = self.waiting[0]
+            n = len(req.prompt) + len(req.rows)  # a resumed request recomputes every fed position
+            need = self.blocks.blocks_for(n + 1)  # room for the first decode token too
+            if batch and tokens + n > self.config.max_prefill_tokens:
+                break
+            if not self.blocks.can_allocate(need):
+                break
+            self.waiting.popleft()
+            req.blocks = self.blocks.allocate(need)
+            if req.slot < 0:
+                req.slot = self.free_slots.acquire()
+            req.status = Status.RUNNING
+            batch.append(req)
+            tokens += n
+        if not batch and self.waiting and not self.running:
+            req = self.waiting.popleft()
+            self._finish(req, "error")  # it can never fit: fail it once instead of blocking every later step
+            req.error = RuntimeError(
+                f"request {req.id!r} needs {self.blocks.blocks_for(len(req.prompt) + len(req.rows) + 1)} KV blocks "
+                f"but the cache has {self.blocks.num_blocks} in all; raise num_blocks or lower max_frames"
+            )
+            raise req.error
+        self.running += batch
+        return batch
+
+    def _grow_running(self, outputs: list[StepOutput]) -> list[Request]:
+        """Give every running request room for one more token, preempting the newest when blocks run out."""
+        bs = self.config.block_size
+        for req in list(self.running):
+            if req.status is not Status.RUNNING:
+                continue
+            if req.num_computed + 1 > self.max_model_len:
+                self._finish(req, "max_model_len")
+                outputs.append(StepOutput(req.id, None, True, "max_model_len"))
+                continue
+            while len(req.blocks) * bs < req.num_computed + 1:
+                if self.blocks.can_allocate(1):
+                    req.blocks += self.blocks.allocate(1)
+                    continue
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+        return [r for r in self.running if r.status is Status.RUNNING]
+
+    def _preempt(self, req: Request) -> None:
+        self.blocks.free(req.blocks)
+        req.blocks, req.num_computed = [], 0
+        req.status = Status.WAITING
+        req.preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    def _sampling_flags(self, batch: list[Request]) -> tuple[bool, bool]:
+        """(draw, filter) from host-side params: lets eager steps skip work no row needs.
+
+        Exact: an inactive top-k/top-p filter masks nothing, and greedy rows take the argmax either way. Graphs
+        are captured with both on, so they serve any batch.
+        """
+        v = self.cfg.codebook_size
+        sampled = [r.params for r in batch if r.params.temperature > 0]
+        return bool(sampled), any(0 < p.top_k < v or p.top_p < 1 for p in sampled)
+
+    def _prefill_batch(self, batch: list[Request]) -> StepBatch:
+        bs, audio = self.config.block_size, None
+        token_ids, positions, slots_kv, audio_index, codes, lens, new = [], [], [], [], [], [], []
+        for req in batch:
+            p, start = req.prompt, len(token_ids)
+            n = len(p) + len(req.rows)
+            audio = audio if audio is not None else int(p.input_ids[-1])  # any valid id: the embedding is replaced
+            token_ids += p.input_ids.tolist() + [audio] * len(req.rows)
+            positions += range(n)
+            slots_kv += slot_mapping(req.blocks, 0, n, bs)
+            if p.audio_codes is not None:
+                audio_index += (p.audio_positions + start).tolist()
+                codes.append(p.audio_codes.long())
+            if req.rows:  # resume after preemption: position P + j was fed row j
+                audio_index += range(start + len(p), start + n)
+                codes.append(torch.stack(req.rows).long())
+            if not req.rows:  # a first prefill (a preempted request has rows): its stream starts now
+                new.append(self._slot_init(req))
+            lens.append(n)
+        draw, filter = self._sampling_flags(batch)
+        return StepBatch(
+            slots=[r.slot for r in batch],
+            positions=positions,
+            slot_mapping=slots_kv,
+            query_lens=lens,
+            seq_lens=lens,
+            block_tables=[list(r.blocks) for r in batch],
+            token_ids=token_ids,
+            audio_index=audio_index,
+            audio_codes=torch.cat(codes) if codes else None,
+            new_slots=tuple(new),
+            draw=draw,
+            filter=filter,
+        )
+
+    def _slot_init(self, req: Request) -> SlotInit:
+        p = req.params
+        return SlotInit(req.slot, req.seed, float(p.temperature), p.top_k, float(p.top_p), p.min_frames)
+
+    def _decode_batch(self, batch: list[Request]) -> StepBatch:
+        bs = self.config.block_size
+        draw, filter = self._sampling_flags(batch)
+        return StepBatch(
+            slots=[r.slot for r in batch],
+            positions=[r.num_computed for r in batch],
+            slot_mapping=[r.blocks[r.num_computed // bs] * bs + r.num_computed % bs for r in batch],
+            query_lens=[1] * len(batch),
+            seq_lens=[r.num_computed + 1 for r in batch],
+            block_tables=[r.blocks for r in batch],
+            draw=draw,
+            filter=filter,
+        )
+
+    # ------------------------------------------------------------------ results
+
+    def publish(self, rows: Tensor) -> list[StepOutput]:
+        """rows [B, C + 1] int CPU (codes + done flag) of the scheduled batch -> one output per request."""
+        batch, self._scheduled = self._scheduled, []
+        with torch.inference_mode(False):  # ordinary tensors, which callers may modify
+            host = rows.to(torch.int32)
+            codes, done = host[:, :-1], host[:, -1].tolist()
+            published = codes.clone().split(1)  # [1, C] each; not shared with req.rows, so callers may modify them
+            kept = codes.unbind(0)  # [C] each, one call instead of B indexing ops
+        now = time.perf_counter()
+        prefill = self._prefill_started is not None
+        prefill_ms = (now - self._prefill_started) * 1e3 if prefill else 0.0
+        outputs = []
+        for i, req in enumerate(batch):
+            req.num_computed = len(req.prompt) + len(req.rows) if prefill else req.num_computed + 1
+            req.prefill_ms += prefill_ms
+            req.rows.append(kept[i])
+            if req.first_row_at is None:
+                req.first_row_at = now
+            reason = None
+            if done[i]:
+                reason = "eoc"
+            elif len(req.rows) >= req.max_rows:
+                reason = "max_frames"
+            elif req.num_tokens + 1 > self.max_model_len:
+                reason = "max_model_len"
+            if reason:
+                self._finish(req, reason)
+            outputs.append(StepOutput(req.id, published[i], reason is not None, reason))
+        return outputs
+
+    def abort(self, exc: BaseException) -> list[StepOutput]:
+        """The scheduled step raised: its requests' KV and state may be half-written, so they end with ``exc``."""
+        batch, self._scheduled = self._scheduled, []
+        for req in batch:
+            if not req.finished:
+                self._finish(req, "error")
+                req.error = exc
+        return [StepOutput(r.id, None, True, "error") for r in batch]
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.blocks:
+            self.blocks.free(req.blocks)
+        req.blocks = []
+        if req.slot >= 0:
+            self.free_slots.release(req.slot)
+            req.slot = -1
+        if req in self.running:
+            self.running.remove(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.finished_at = time.perf_counter()
