@@ -55,10 +55,13 @@ class FullDecodeGraphs:
         packed = padding.decode_packed().to(runner.device)
         inputs = DeviceBatch.decode(packed)
         runner.attn.plan_bucket(padding)
-        with runner.slots.preserved([runner.slots.scratch]):
-            graph, out = capture_graph(lambda: runner.forward(inputs), self.pool)  # the warm-up run: scratch only
-            want = runner.forward(inputs).clone()  # eager, on the same inputs and state as the replay below
-        with runner.slots.preserved([runner.slots.scratch]):
+        scratch = [runner.slots.scratch]
+        # the capture's warm-up run, the eager reference and the replay each start from the same scratch state
+        with runner.slots.preserved(scratch):
+            graph, out = capture_graph(lambda: runner.forward(inputs), self.pool)
+        with runner.slots.preserved(scratch):
+            want = runner.forward(inputs).clone()
+        with runner.slots.preserved(scratch):
             graph.replay()
         if not torch.equal(out, want):
             raise RuntimeError(f"replay of bucket {size} differs from eager: {out.tolist()} vs {want.tolist()}")
