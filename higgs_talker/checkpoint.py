@@ -241,49 +241,82 @@ def iter_tensors(
                 yield key, tensor if dtype is None else tensor.to(dtype)
 
 
-def load_into(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], cfg: TalkerConfig) -> set[str]:
-    """Copy checkpoint-named tensors into ``model``'s parameters; returns the parameter names written.
+class WeightRouter:
+    """Routes checkpoint-named tensors to model parameters for every loader (``load_into``, the vLLM adapter's
+    ``load_weights``) and checks each: a key some prefix maps, a parameter the model has, the checkpoint shape
+    the config implies, finite values, each parameter (or packed shard) filled once. ``finish()`` raises for
+    required keys never seen and parameters left unfilled, naming them all."""
 
-    Every tensor is staged first and checked against the parameter it targets (shape, finite values); the
-    model is modified only after all of them passed, so a failure leaves it as it was. Parameters the
-    checkpoint must fill but did not are reported in one error.
-    """
-    params = dict(model.named_parameters())
-    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-    filled: dict[str, set[int | None]] = {}
-    for key, tensor in weights:
-        target = map_key(key, cfg)
+    def __init__(self, params: dict[str, torch.Tensor], cfg: TalkerConfig) -> None:
+        self.params, self.cfg = params, cfg
+        self.expected = expected_shapes(cfg)
+        self.seen: set[str] = set()
+        self.filled: dict[str, set[int | None]] = {}
+
+    def route(self, key: str, tensor: torch.Tensor) -> tuple[Target, torch.Tensor] | None:
+        """(target, parameter) for a tensor to load; None for a key that is skipped (codec, tied heads)."""
+        target = map_key(key, self.cfg)
+        self.seen.add(key)
         if target is None:
-            continue
-        param = params.get(target.param)
+            return None
+        param = self.params.get(target.param)
         if param is None:
             raise ValueError(f"checkpoint key {key!r} maps to {target.param!r}, which the model does not have")
-        dest = param.data if target.shard is None else _shard_view(param.data, target.param, target.shard, cfg)
-        if tuple(dest.shape) != tuple(tensor.shape):
-            raise ValueError(f"checkpoint key {key!r} has shape {list(tensor.shape)}, expected {list(dest.shape)}")
+        want = self.expected.get(key)
+        if want is None:
+            raise ValueError(f"unexpected checkpoint key {key!r} for this config")
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"checkpoint key {key!r} has shape {list(tensor.shape)}, expected {list(want)}")
         # A corrupt weight would otherwise decode silently to garbage codes. amax/amin propagate NaN and keep
         # inf, and allocate nothing the size of the tensor.
         if tensor.numel() and not bool(torch.isfinite(torch.stack([tensor.amax(), tensor.amin()])).all()):
             bad = int((~torch.isfinite(tensor)).sum())
             raise ValueError(f"checkpoint key {key!r} holds {bad} non-finite value(s) (NaN/inf)")
-        shards = filled.setdefault(target.param, set())
+        shards = self.filled.setdefault(target.param, set())
         if target.shard in shards:
             raise ValueError(f"checkpoint key {key!r} fills {target.param!r} twice")
         shards.add(target.shard)
-        staged.append((dest, tensor))
-    missing = []
-    for name in params:
-        if name in _TIED_PARAMS and _is_tied(name, cfg):
-            continue
-        want = {None} if not _is_packed(name) else set(range(3 if "qkv" in name else 2))
-        if filled.get(name, set()) != want:
-            missing.append(name)
-    if missing:
-        raise ValueError(f"checkpoint does not fill model parameter(s): {', '.join(sorted(missing))}")
+        return target, param
+
+    def finish(self) -> set[str]:
+        """The parameter names filled; raises if a required key or a parameter's fill is missing."""
+        missing = sorted(set(self.expected) - self.seen)
+        unfilled = []
+        for name in self.params:
+            if name in _TIED_PARAMS and _is_tied(name, self.cfg):
+                continue
+            want = {None} if not _is_packed(name) else set(range(3 if "qkv" in name else 2))
+            if self.filled.get(name, set()) != want:
+                unfilled.append(name)
+        problems = []
+        if missing:
+            problems.append(f"checkpoint is missing {len(missing)} required key(s): {', '.join(missing)}")
+        if unfilled:
+            problems.append(f"checkpoint does not fill model parameter(s): {', '.join(sorted(unfilled))}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return set(self.filled)
+
+
+def load_into(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], cfg: TalkerConfig) -> set[str]:
+    """Copy checkpoint-named tensors into ``model``'s parameters; returns the parameter names written.
+
+    Every tensor is staged first and checked (``WeightRouter``); the model is modified only after all of them
+    passed, so a failure leaves it as it was.
+    """
+    router = WeightRouter(dict(model.named_parameters()), cfg)
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for key, tensor in weights:
+        hit = router.route(key, tensor)
+        if hit is not None:
+            target, param = hit
+            dest = param.data if target.shard is None else _shard_view(param.data, target.param, target.shard, cfg)
+            staged.append((dest, tensor))
+    filled = router.finish()
     with torch.no_grad():
         for dest, tensor in staged:
             dest.copy_(tensor)
-    return set(filled)
+    return filled
 
 
 _TIED_PARAMS = {"lm_head.weight", "modality_head.weight"}

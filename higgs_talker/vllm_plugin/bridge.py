@@ -11,7 +11,8 @@ before sampling. The bridge turns those into the adapter's runner calls:
 
 The text token comes out of vLLM's sampler: ``compute_logits`` already left only the forced token finite.
 A request's key is ``SamplingParams.extra_args["higgs_request_key"]`` when given (to fetch its codes later
-with ``talker.finished_codes(key)``), else a generated one. Use: ``vllm.LLM(..., logits_processors=
+with ``talker.request_rows(key)``), else a generated one. The bridge finds its model through
+``talker_for(vllm_config)``: the adapter vLLM built with the same config. Use: ``vllm.LLM(..., logits_processors=
 [TEXT_ONLY_BRIDGE])``. Limits: a preempted request restarts its audio stream when resumed (the recomputed
 positions are not re-fed), and ``min_tokens`` must not mask EOS.
 """
@@ -25,7 +26,7 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from ..heads.sampling import MAX_SEED
-from .talker import live_talkers
+from .talker import talker_for
 
 REQUEST_KEY = "higgs_request_key"
 
@@ -43,6 +44,7 @@ class TextOnlyBridge(LogitsProcessor):
     _ids = itertools.count()
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        self.vllm_config = vllm_config
         self.device = device
         self.rows: dict[int, _Row] = {}  # batch index -> request
         self.batch_size = 0
@@ -52,7 +54,7 @@ class TextOnlyBridge(LogitsProcessor):
         return False  # it decides the codes of every row, greedy or not
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        model = _model()
+        model = talker_for(self.vllm_config)
         if batch_update is not None:
             finished = []
             for index in batch_update.removed:
@@ -82,14 +84,14 @@ class TextOnlyBridge(LogitsProcessor):
         if model is None or self.batch_size == 0:
             return
         batch = [self.rows[i] for i in range(self.batch_size)]
-        model.pool.keep_finished = max(model.pool.keep_finished, 256)
+        model.slots.keep_finished = max(model.slots.keep_finished, 256)
         model.set_bridge_requests(
             [r.key for r in batch], {i: r.seed for i, r in enumerate(batch) if r.seed is not None}
         )
         self.armed = True
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        model = _model()
+        model = talker_for(self.vllm_config)
         if not self.armed or model is None or model._pending is None:
             return logits
         self.armed = False
@@ -103,8 +105,3 @@ class TextOnlyBridge(LogitsProcessor):
         top_p = torch.tensor([r.top_p for r in batch], device=dev)
         model.sample_codes(temperature, top_k, top_p)
         return logits
-
-
-def _model():
-    talkers = live_talkers()
-    return talkers[0] if len(talkers) == 1 else None

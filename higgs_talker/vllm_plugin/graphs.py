@@ -1,9 +1,10 @@
-"""The local MLP graph path over vLLM's Qwen3 layers (CUDA only; the capture code is ``cuda_graphs.local_mlp``).
+"""The local MLP graph path over vLLM's Qwen3 layers (CUDA only; the graphs are ``cuda_graphs.local_mlp``'s).
 
 On when ``cuda_graphs.policy.decide(vllm_config=...)`` says so (vLLM captures no graphs of its own), captured
-once after the weights are loaded, and used only for pure decode steps that a captured bucket holds and
-while the run-time guard allows it (no stream capture, no vLLM FULL graph in the forward context). Anything
-else returns None and the caller runs vLLM's ``Qwen3Model`` unchanged.
+once after the weights are loaded, and used only for pure decode steps that a captured bucket holds and while
+the run-time guard allows it (no stream capture, no vLLM FULL graph in the forward context). vLLM's layers have
+our layers' shape, so ``model.forward_layers`` runs them with the graph hook; anything else returns None and the
+caller runs vLLM's ``Qwen3Model`` unchanged.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import logging
 import torch
 from torch import Tensor, nn
 
+from ..cuda_graphs.buckets import DEFAULT_BUCKETS
+from ..cuda_graphs.local_mlp import LocalMLPGraphs
+from ..cuda_graphs.policy import local_graphs_allowed_now
+from ..model import forward_layers, post_attention_block
+from .compat import forward_context
+
 logger = logging.getLogger(__name__)
-
-
-def _forward_context():
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-
-    return get_forward_context() if is_forward_context_available() else None
 
 
 class LocalMLPPath:
@@ -29,28 +30,22 @@ class LocalMLPPath:
         self.model = model
         self.enabled = enabled
         self.max_batch = max_batch
-        self.graphs = None
+        self.graphs: LocalMLPGraphs | None = None
+        self.replays = 0  # decode steps that ran through the graphs
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return list(self.model.layers[self.model.start_layer : self.model.end_layer])
 
     def _post_attention(self, layer_idx: int, hidden: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
-        layer = self.model.layers[self.model.start_layer + layer_idx]
-        hidden, residual = layer.post_attention_layernorm(hidden, residual)
-        return layer.mlp(hidden), residual
+        return post_attention_block(self.model.layers[self.model.start_layer + layer_idx], hidden, residual)
 
     def capture(self, hidden_size: int, like: Tensor) -> None:
         """Capture the graphs (once, after loading) when the policy enabled the path and CUDA is there."""
         if not self.enabled or self.graphs is not None or like.device.type != "cuda":
             return
-        try:
-            from ..cuda_graphs.local_mlp import LocalMLPGraphs
-        except ImportError as exc:  # the capture module is not there: stay eager
-            logger.warning("local MLP graphs unavailable (%s); running eagerly", exc)
-            self.enabled = False
-            return
-        from ..cuda_graphs.buckets import DEFAULT_BUCKETS
-
         buckets = [b for b in DEFAULT_BUCKETS if b <= self.max_batch] or [1]
-        num_layers = self.model.end_layer - self.model.start_layer
-        graphs = LocalMLPGraphs(self._post_attention, num_layers, buckets, forward_context=_forward_context)
+        graphs = LocalMLPGraphs(self._post_attention, len(self.layers), buckets, forward_context=forward_context)
         with torch.inference_mode():
             graphs.capture(hidden_size, like.dtype, like.device)
         self.graphs = graphs
@@ -58,23 +53,12 @@ class LocalMLPPath:
 
     def forward(self, positions: Tensor, embeds: Tensor, pure_decode: bool) -> Tensor | None:
         """Final hidden [T, H] through the graphed layers, or None (the caller runs the backbone)."""
-        if self.graphs is None or not pure_decode or not self.graphs.sizes:
+        graphs = self.graphs
+        if graphs is None or not pure_decode or not graphs.sizes or embeds.shape[0] > max(graphs.sizes):
             return None
-        if embeds.shape[0] > max(self.graphs.sizes):
+        if not local_graphs_allowed_now(forward_context()):
             return None
-        from ..cuda_graphs.policy import local_graphs_allowed_now
-
-        if not local_graphs_allowed_now(_forward_context()):
-            return None
-        hidden, residual = embeds, None
-        for i, layer in enumerate(self.model.layers[self.model.start_layer : self.model.end_layer]):
-            if residual is None:
-                residual = hidden
-                hidden = layer.input_layernorm(hidden)
-            else:
-                hidden, residual = layer.input_layernorm(hidden, residual)
-            hidden = layer.self_attn(positions=positions, hidden_states=hidden)
-            out = self.graphs.run(i, hidden, residual)
-            hidden, residual = out if out is not None else self._post_attention(i, hidden, residual)
+        hidden, residual = forward_layers(self.layers, positions, embeds, graphs.post_attention_or_eager)
+        self.replays += 1
         hidden, _ = self.model.norm(hidden, residual)
         return hidden

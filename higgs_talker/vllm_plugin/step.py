@@ -1,13 +1,12 @@
-"""One vLLM step of the talker, as pure torch functions over the request-keyed state pool (no vLLM import).
+"""One vLLM step of the talker: vLLM's batch layout translated onto the core's frame step (no vLLM import).
 
 A step's tokens are flat: ``qsl [B+1]`` splits them into requests (vLLM's ``query_start_loc``); the row a
 request is sampled from is its last scheduled token. The decode logic itself is the core's
-(``heads.delay``, ``heads.sampling``); these functions only translate vLLM's batch layout onto it:
+(``heads.slots.sample_frame``, ``heads.delay``); these functions only decide, from vLLM's tokens:
 
 - which rows are in audio mode (their text token is forced to ``<|audio|>`` or EOS), which start a stream
   (the prompt's tail is ``<|audio|>``), and which are due to produce a frame;
-- audio feedback: a single-token span whose request is in a stream embeds its previous frame;
-- the codes of one step, the delay-state update, and the per-slot bookkeeping.
+- audio feedback: a single-token span whose request is in a stream embeds its previous frame.
 """
 
 from __future__ import annotations
@@ -17,18 +16,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..config import TalkerConfig
-from ..heads.delay import DelayState, apply_delay_mask, forced_text_tokens, update_state
-from ..heads.sampling import sample_codes
-from .state import RequestStatePool
+from ..heads.delay import DelayState, forced_text_tokens
+from ..heads.slots import sample_frame
+from .state import RequestSlots
 
 
 @dataclass
-class StepBatch:
+class VllmStep:
     """What the adapter knows about the current step (set before forward, consumed by sampling)."""
 
     req_ids: list[str]
-    slots: Tensor  # [B] int64 pool slots, batch order
+    slots: Tensor  # [B] int64 decode-state slots, batch order
     qsl: Tensor  # [B+1] int64 token span of each request
     input_ids: Tensor  # [T] int64 scheduled token ids
     positions: Tensor  # [T] int64 absolute positions
@@ -56,22 +54,22 @@ class RowModes:
     forced: Tensor  # <|audio|> or EOS
 
 
-def row_modes(batch: StepBatch, pool: RequestStatePool, audio_id: int, eos_id: int) -> RowModes:
+def row_modes(step: VllmStep, slots: RequestSlots, audio_id: int, eos_id: int) -> RowModes:
     """Classify the rows of a step from the tail tokens and the pooled state (graph-safe, no host sync).
 
     A stream row is *due* only when its tail sits at the position its next frame belongs to
     (``seed_pos + rows produced``), so a partial prefill chunk (its output is discarded by vLLM) never
     advances a stream.
     """
-    tails = batch.tails
-    tail_ids = batch.input_ids.index_select(0, tails)
-    tail_pos = batch.positions.index_select(0, tails)
-    slots = batch.slots
-    active = pool.state.has_codes.index_select(0, slots)
-    done = pool.state.done.index_select(0, slots)
+    tails = step.tails
+    tail_ids = step.input_ids.index_select(0, tails)
+    tail_pos = step.positions.index_select(0, tails)
+    s, state = step.slots, slots.store.state
+    active = state.has_codes.index_select(0, s)
+    done = state.done.index_select(0, s)
     prev_audio = tail_ids == audio_id
     seed = prev_audio & ~active & ~done
-    due = tail_pos == pool.seed_pos.index_select(0, slots) + pool.num_rows.index_select(0, slots)
+    due = tail_pos == slots.seed_pos.index_select(0, s) + slots.store.num_rows.index_select(0, s)
     return RowModes(
         seed=seed,
         active=active,
@@ -95,18 +93,18 @@ def forced_only_logits(modes: RowModes, vocab_size: int, dtype: torch.dtype = to
     return out.scatter_(1, modes.forced[:, None], 0.0)
 
 
-def write_feedback(batch: StepBatch, pool: RequestStatePool, use: Tensor, codes: Tensor) -> None:
+def write_feedback(step: VllmStep, slots: RequestSlots, use: Tensor, codes: Tensor) -> None:
     """Fill the per-token feedback buffers (fixed storage) for a step of at most ``use.shape[0]`` tokens.
 
-    use [S] bool, codes [S, N] int64: token ``t`` is fed frame ``codes[t]`` where ``use[t]``. A request's tail
+    use [S] bool, codes [S, C] int64: token ``t`` is fed frame ``codes[t]`` where ``use[t]``. A request's tail
     token gets its previous frame when the request is in a stream and has a single-token span (a decode
     step); everything else is cleared. Runs before the forward, outside any captured graph.
     """
-    slots, tails = batch.slots, batch.tails
-    spans = batch.qsl[1:] - batch.qsl[:-1]
+    s, tails, state = step.slots, step.tails, slots.store.state
+    spans = step.qsl[1:] - step.qsl[:-1]
     use.zero_()
-    use.index_copy_(0, tails, pool.state.has_codes.index_select(0, slots) & (spans == 1))
-    codes.index_copy_(0, tails, pool.state.last_codes.index_select(0, slots))
+    use.index_copy_(0, tails, state.has_codes.index_select(0, s) & (spans == 1))
+    codes.index_copy_(0, tails, state.last_codes.index_select(0, s))
 
 
 def apply_feedback(embeds: Tensor, use: Tensor, codes: Tensor, embed_codes) -> Tensor:
@@ -116,57 +114,30 @@ def apply_feedback(embeds: Tensor, use: Tensor, codes: Tensor, embed_codes) -> T
     return torch.where(use[:t, None], fed, embeds)
 
 
-def feedback_sparse(embeds: Tensor, batch: StepBatch, pool: RequestStatePool, embed_codes) -> Tensor:
+def feedback_sparse(embeds: Tensor, step: VllmStep, slots: RequestSlots, embed_codes) -> Tensor:
     """The same replacement for a step larger than the buffers (a big prefill): only the tail rows change."""
-    slots, tails = batch.slots, batch.tails
-    spans = batch.qsl[1:] - batch.qsl[:-1]
-    use = pool.state.has_codes.index_select(0, slots) & (spans == 1)
-    fed = embed_codes(pool.state.last_codes.index_select(0, slots)).to(embeds.dtype)
+    s, tails, state = step.slots, step.tails, slots.store.state
+    spans = step.qsl[1:] - step.qsl[:-1]
+    use = state.has_codes.index_select(0, s) & (spans == 1)
+    fed = embed_codes(state.last_codes.index_select(0, s)).to(embeds.dtype)
     current = embeds.index_select(0, tails)
     return embeds.index_copy(0, tails, torch.where(use[:, None], fed, current))
 
 
 def sample_step(
-    hidden: Tensor,
-    batch: StepBatch,
-    modes: RowModes,
-    pool: RequestStatePool,
-    head,
-    cfg: TalkerConfig,
-    temperature: Tensor,
-    top_k: Tensor,
-    top_p: Tensor,
+    hidden: Tensor, step: VllmStep, modes: RowModes, slots: RequestSlots, head, params: tuple[Tensor, Tensor, Tensor]
 ) -> tuple[Tensor, DelayState]:
-    """Sample this step's frames and advance the pooled state.
-
-    hidden [B, H] (the rows vLLM selected for sampling), ``head(hidden) -> [B, N, V]``; temperature/top_p
-    [B] float, top_k [B] int64 (>= V: off). Returns the emitted rows [B, N] int64 (-1 where no frame) and
-    the new batch-ordered state.
-    """
-    slots = batch.slots
-    boc, eoc, n = cfg.boc_id, cfg.eoc_id, cfg.num_codebooks
-    state = pool.state.gather(slots)
-    # seed rows open a fresh stream; done rows close theirs (their EOS is forced this step)
-    fresh = modes.seed | modes.done
-    state = DelayState(
-        last_codes=torch.where(fresh[:, None], boc, state.last_codes),
-        has_codes=state.has_codes & ~fresh,
-        delay=torch.where(fresh, 0, state.delay),
-        countdown=torch.where(fresh, -1, state.countdown),
-        done=state.done & ~fresh,
+    """This step's frames: hidden [B, H] (the rows vLLM sampled from) -> emitted rows [B, C] int64 (-1 where no
+    frame) and the new batch-ordered state. Seed rows open a fresh stream (remembering where it started), done
+    rows close theirs; params are vLLM's per-row (temperature, top_k, top_p)."""
+    tail_pos = step.positions.index_select(0, step.tails)
+    slots.seed_pos.index_copy_(
+        0, step.slots, torch.where(modes.seed, tail_pos, slots.seed_pos.index_select(0, step.slots))
     )
-    tail_pos = batch.positions.index_select(0, batch.tails)
-    pool.seed_pos.index_copy_(0, slots, torch.where(modes.seed, tail_pos, pool.seed_pos.index_select(0, slots)))
-    steps = torch.where(modes.seed, 0, pool.num_rows.index_select(0, slots))
-    logits = head(hidden).float()  # [B, N, V]
-    apply_delay_mask(logits, state.delay, state.countdown, boc, eoc)
-    k = torch.where((top_k <= 0) | (top_k > cfg.codebook_size), cfg.codebook_size, top_k)
-    codes = sample_codes(logits, temperature, k, top_p, pool.seeds.index_select(0, slots), steps)
-    emitted, new = update_state(codes, state, modes.code_rows, boc, eoc)
-    pool.state.scatter(slots, new)
-    pool.num_rows.index_copy_(0, slots, steps + modes.code_rows.long())
-    assert emitted.shape == (slots.shape[0], n)
-    return emitted, new
+    logits = head(hidden).float()  # [B, C, V]
+    return sample_frame(
+        slots.store, step.slots, logits, params=params, active=modes.code_rows, fresh=modes.seed | modes.done
+    )
 
 
 def step_params(
@@ -177,13 +148,10 @@ def step_params(
     top_k: Tensor | None = None,
     top_p: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-row (temperature, top_k, top_p) with vLLM's "None = off / greedy" conventions filled in."""
+    """Per-row (temperature, top_k, top_p) with vLLM's "None = off / greedy" conventions filled in (top_k <= 0
+    or >= codebook_size is off, as ``sample_codes`` reads it)."""
     t = torch.zeros(num_rows, device=device) if temperature is None else temperature[:num_rows].float()
-    k = (
-        torch.full((num_rows,), codebook_size, dtype=torch.long, device=device)
-        if top_k is None
-        else top_k[:num_rows].long()
-    )
+    k = torch.zeros(num_rows, dtype=torch.long, device=device) if top_k is None else top_k[:num_rows].long()
     p = torch.ones(num_rows, device=device) if top_p is None else top_p[:num_rows].float()
     # vLLM marks greedy rows with temperature 0 (or below a tiny epsilon); non-finite values sample at 1
     t = torch.where(torch.isfinite(t), t, 1.0)

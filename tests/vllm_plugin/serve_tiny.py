@@ -20,7 +20,7 @@ def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512) -> dict
     from higgs_talker.config import TalkerConfig
     from higgs_talker.prompt import TalkerTokenizer
     from higgs_talker.vllm_plugin import TEXT_ONLY_BRIDGE
-    from higgs_talker.vllm_plugin.talker import live_talkers
+    from higgs_talker.vllm_plugin.talker import talker_for
 
     cfg = TalkerConfig.from_pretrained(ckpt)
     tok = TalkerTokenizer.from_pretrained(ckpt, cfg)
@@ -48,7 +48,8 @@ def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512) -> dict
             )
         )
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    (talker,) = live_talkers()
+    talker = talker_for(llm.llm_engine.vllm_config)  # the adapter vLLM built with this engine's config
+    assert talker is not None, "the talker adapter was not found for this engine's config"
     results = []
     for r, out in zip(spec, outputs, strict=True):
         rows = talker.request_rows(r["key"])

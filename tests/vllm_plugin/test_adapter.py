@@ -137,7 +137,7 @@ def test_state_follows_request_ids_across_reorder_join_and_finish(adapter):
     cfg = adapter.cfg
     for t, row in enumerate(a.rows["A"][:8]):
         assert all(c == cfg.boc_id for c in row[t + 1 :])
-    assert adapter.pool.requests == {}
+    assert adapter.slots.requests == {}
 
 
 def test_reused_request_id_starts_fresh(adapter):
@@ -168,14 +168,15 @@ def test_pure_audio_steps_skip_the_text_head_and_force_tokens(adapter, monkeypat
 def test_done_row_forces_eos_and_closes_the_stream(adapter):
     d = Driver(adapter)
     d.step(["E"])
-    slot = adapter.pool.requests["E"].slot
-    adapter.pool.state.done[slot] = True  # as after the terminal ramp row
-    adapter.pool.requests["E"].done = True
+    slot = adapter.slots.requests["E"].slot
+    adapter.slots.store.state.done[slot] = True  # as after the terminal ramp row
+    adapter.slots.requests["E"].done = True
     before = len(d.rows["E"])
     d.step(["E"])
     assert d.tokens["E"][-1] == adapter.specials.eos
     assert len(d.rows["E"]) == before  # no frame on the EOS step
-    assert not bool(adapter.pool.state.has_codes[slot]) and not bool(adapter.pool.state.done[slot])
+    state = adapter.slots.store.state
+    assert not bool(state.has_codes[slot]) and not bool(state.done[slot])
     adapter.on_requests_finished({"E"})
 
 
@@ -205,7 +206,7 @@ def test_seeded_requests_are_batch_independent(adapter):
     alone = run(["S1"])
     together = run(["S2", "S1", "S3"])
     assert alone["S1"] == together["S1"]
-    assert adapter.pool.seeds.numel() > 0
+    assert adapter.slots.store.seeds.numel() > 0
 
 
 def test_publication_is_owned_and_per_step(adapter):
@@ -215,7 +216,7 @@ def test_publication_is_owned_and_per_step(adapter):
     audio = rows["codes"]["audio"]
     assert audio[0].shape == (1, 8) and audio[1].shape == (0, 8)
     audio[0].fill_(-7)  # a consumer writing into its row must not change our records
-    assert adapter.pool.requests["O"].rows[-1].min() >= 0
+    assert adapter.slots.requests["O"].rows[-1].min() >= 0
     out = adapter.make_omni_output(torch.zeros(2, 4), model_intermediate_buffer=[{"codes": {"audio": audio[0]}}, {}])
     assert out.multimodal_outputs["codes"]["audio"][1].numel() == 0
     assert adapter.make_omni_output(torch.zeros(1, 4), model_intermediate_buffer=[{}]).multimodal_outputs is None
@@ -234,12 +235,12 @@ def test_feedback_replaces_only_decode_tokens_of_streams(adapter):
     )  # fmt: skip
     embeds = m.embed_input_ids(ids)
     fed = S.apply_feedback(embeds, m._fb_use, m._fb_codes, m.multimodal_embedding)
-    slot = m.pool.requests["F"].slot
-    want = m.multimodal_embedding(m.pool.state.last_codes[slot][None])[0]
+    slot = m.slots.requests["F"].slot
+    want = m.multimodal_embedding(m.slots.store.state.last_codes[slot][None])[0]
     assert torch.equal(fed[:3], embeds[:3])
     assert torch.allclose(fed[3], want)
     m.on_requests_finished({"F", "G"})
-    m._batch = None
+    m._step = None
 
 
 def test_voice_clone_reference_rows_replace_placeholders_by_position(adapter):
@@ -253,7 +254,7 @@ def test_voice_clone_reference_rows_replace_placeholders_by_position(adapter):
             "audio_placeholder_positions": where}  # fmt: skip
     # chunked prefill: the first chunk covers positions 0..5, the second 6..13
     for lo, hi in ((0, 6), (6, prompt_len)):
-        batch = S.StepBatch(["V"], torch.tensor([0]), torch.tensor([0, hi - lo]), ids[lo:hi], torch.arange(lo, hi), [])
+        batch = S.VllmStep(["V"], torch.tensor([0]), torch.tensor([0, hi - lo]), ids[lo:hi], torch.arange(lo, hi), [])
         embeds = m.embed_input_ids(ids[lo:hi])
         out = m._substitute_reference(embeds, batch, [info])
         for j, p in enumerate(range(lo, hi)):

