@@ -1,8 +1,9 @@
 """Code sampling: per-request temperature / top-k / top-p over all codebooks, seeded, without host syncs.
 
 Randomness comes from a counter-based hash of ``(request seed, row index, codebook, code)``: the noise a
-request sees depends on nothing else, so a seeded request gives the same codes alone or in any batch, on CPU
-and CUDA alike, and the whole step can live in a CUDA graph (no ``torch.Generator`` per request). Sampling is
+request sees depends on nothing else, so a seeded request draws the same noise alone or in any batch (the hash
+words are equal on CPU and CUDA; their ``log`` may differ there by an ulp), and the whole step can live in a
+CUDA graph (no ``torch.Generator`` per request). Sampling is
 the exponential race ``argmax(p / E)`` with ``E ~ Exp(1)``, which draws from ``p`` exactly; it runs in log form
 (``argmax(log p - log E)``), where a code the masks or filters removed scores -inf and can never win.
 """

@@ -26,6 +26,7 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from ..heads.sampling import MAX_SEED
+from .compat import warn_once
 from .talker import talker_for
 
 REQUEST_KEY = "higgs_request_key"
@@ -38,6 +39,7 @@ class _Row:
     top_k: int
     top_p: float
     seed: int | None
+    min_rows: int  # vLLM's min_tokens: codebook 0 may not end the stream before this many rows
 
 
 class TextOnlyBridge(LogitsProcessor):
@@ -68,7 +70,10 @@ class TextOnlyBridge(LogitsProcessor):
                 extra = params.extra_args or {}
                 key = str(extra.get(REQUEST_KEY) or f"vllm-bridge-{next(self._ids)}")
                 seed = None if params.seed is None else params.seed % (MAX_SEED + 1)
-                self.rows[index] = _Row(key, float(params.temperature), int(params.top_k), float(params.top_p), seed)
+                min_rows = int(getattr(params, "min_tokens", 0) or 0)
+                self.rows[index] = _Row(
+                    key, float(params.temperature), int(params.top_k), float(params.top_p), seed, min_rows
+                )
             if model is not None and batch_update.moved:
                 model.stats["bridge_moves"] += len(batch_update.moved)
             for a, b, direction in batch_update.moved:
@@ -81,13 +86,14 @@ class TextOnlyBridge(LogitsProcessor):
             if model is not None and finished:
                 model.on_requests_finished(finished)
         self.armed = False
+        if model is None:
+            warn_once("bridge-no-model", "TextOnlyBridge: no talker was built with this vLLM config; no codes")
         if model is None or self.batch_size == 0:
             return
         batch = [self.rows[i] for i in range(self.batch_size)]
         model.slots.keep_finished = max(model.slots.keep_finished, 256)
-        model.set_bridge_requests(
-            [r.key for r in batch], {i: r.seed for i, r in enumerate(batch) if r.seed is not None}
-        )
+        seeds = {i: r.seed for i, r in enumerate(batch) if r.seed is not None}
+        model.set_bridge_requests([r.key for r in batch], seeds, {i: r.min_rows for i, r in enumerate(batch)})
         self.armed = True
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:

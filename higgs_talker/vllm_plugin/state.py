@@ -45,10 +45,13 @@ class RequestSlots:
         self.keep_finished = keep_finished
         self.finished: OrderedDict[str, Tensor] = OrderedDict()
 
-    def sync(self, req_ids: list[str], seeds: dict[int, int] | None = None) -> tuple[Tensor, list[int]]:
+    def sync(
+        self, req_ids: list[str], seeds: dict[int, int] | None = None, min_rows: dict[int, int] | None = None
+    ) -> tuple[Tensor, list[int]]:
         """(slots [B] int64 for ``req_ids`` in batch order, batch indices of the ids new this call).
 
-        New ids get a fresh slot with ``seeds[batch index]`` or a random seed (none is pinned by default).
+        New ids get a fresh slot with ``seeds[batch index]`` or a random seed (none is pinned by default), and
+        ``min_rows[batch index]``: no end of stream before that many rows.
         Raises RuntimeError when more requests are live than there are slots.
         """
         if self._last is not None and req_ids == self._last[0]:
@@ -65,7 +68,7 @@ class RequestSlots:
             seed = (seeds or {}).get(i)
             req = HostRequest(self.free.acquire(), seed if seed is not None else secrets.randbelow(MAX_SEED))
             self.requests[rid] = req
-            inits.append(SlotInit(req.slot, req.seed))
+            inits.append(SlotInit(req.slot, req.seed, min_rows=(min_rows or {}).get(i, 0)))
             new_rows.append(i)
         if inits:
             self.store.reset(inits)

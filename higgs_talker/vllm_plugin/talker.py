@@ -139,12 +139,14 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
             return
         self._begin_step(req_ids, input_ids, positions, qsl)
 
-    def set_bridge_requests(self, req_ids: list[str], seeds: dict[int, int]) -> None:
+    def set_bridge_requests(
+        self, req_ids: list[str], seeds: dict[int, int], min_rows: dict[int, int] | None = None
+    ) -> None:
         """The text-only bridge's view of the batch, before a real step. The feedback buffers are written for a
         pure decode step (token i = request i): a replayed FULL decode graph reads them without our forward;
         an eager forward rewrites them for the step's real layout."""
         self._bridge_req_ids = list(req_ids)
-        slots, _ = self.slots.sync(self._bridge_req_ids, seeds)
+        slots, _ = self.slots.sync(self._bridge_req_ids, seeds, min_rows)
         if len(req_ids) < self._capacity:
             b = len(req_ids)
             decode = S.VllmStep(self._bridge_req_ids, slots, torch.arange(b + 1, device=slots.device), None, None, [])

@@ -1,7 +1,9 @@
 """Serve the tiny checkpoint with plain ``vllm.LLM`` through the higgs_talker plugin; print codes as JSON.
 
-Run as a script (the CPU backend spawns workers): ``python serve_tiny.py CKPT_DIR SPEC_JSON [MAX_BATCHED]``.
-SPEC_JSON is a list of requests ``{"key", "text", "temperature", "top_k", "top_p", "seed", "max_tokens"}``.
+Run as a script (the CPU backend spawns workers):
+``python serve_tiny.py CKPT_DIR SPEC_JSON [MAX_BATCHED [LLM_KWARGS_JSON]]``. SPEC_JSON is a list of requests
+``{"key", "text", "temperature", "top_k", "top_p", "seed", "max_tokens"}``; LLM_KWARGS_JSON overrides the
+``vllm.LLM`` arguments (the GPU suite: dtype, attention backend, graph mode).
 Prints one JSON line ``{"results": [...], "arch_class": ..., "loaded": ...}`` prefixed with ``RESULT:``.
 """
 
@@ -12,7 +14,7 @@ import os
 import sys
 
 
-def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512) -> dict:
+def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512, llm_kwargs: dict | None = None) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model lives in this process
     import vllm
@@ -24,14 +26,12 @@ def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512) -> dict
 
     cfg = TalkerConfig.from_pretrained(ckpt)
     tok = TalkerTokenizer.from_pretrained(ckpt, cfg)
+    kwargs = dict(enforce_eager=True, dtype="float32", max_model_len=512, max_num_seqs=8)
     llm = vllm.LLM(
         model=ckpt,
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=512,
-        max_num_seqs=8,
         max_num_batched_tokens=max_num_batched_tokens,
         logits_processors=[TEXT_ONLY_BRIDGE],
+        **(kwargs | (llm_kwargs or {})),
     )
     prompts, params = [], []
     for r in spec:
@@ -68,9 +68,15 @@ def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512) -> dict
         "loaded": sorted(talker.loaded_weight_names),
         "stats": talker.stats,
         "graph_decision": talker.graph_decision.reason,
+        "local_mlp": {
+            "replays": talker.local_mlp.replays,
+            "buckets": list(talker.local_mlp.graphs.sizes) if talker.local_mlp.graphs else [],
+            "failed": dict(talker.local_mlp.graphs.failed) if talker.local_mlp.graphs else {},
+        },
     }
 
 
 if __name__ == "__main__":
-    out = main(sys.argv[1], json.loads(sys.argv[2]), *(int(a) for a in sys.argv[3:4]))
+    extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else None
+    out = main(sys.argv[1], json.loads(sys.argv[2]), *(int(a) for a in sys.argv[3:4]), llm_kwargs=extra)
     print("RESULT:" + json.dumps(out))

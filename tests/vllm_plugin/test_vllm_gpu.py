@@ -1,0 +1,138 @@
+"""The talker inside real vLLM on a GPU (H200: vLLM 0.26 + FlashInfer, ``../shared/tools/vllm-gpu-bundle.sh``).
+
+A small checkpoint FlashInfer supports (head_dim 64, bf16) is served by ``vllm.LLM`` through the plugin and the
+text-only bridge, in both deploy profiles' graph settings:
+
+- ``eager`` (the high-throughput profile: enforce_eager): our local MLP graphs over vLLM's layers are captured
+  at load for every bucket, each replay checked against eager, and used in decode steps (counted);
+- ``fdo`` (the low-latency profile: FULL_DECODE_ONLY, capture sizes [1, 2, 4, 8, 16]): vLLM captures and
+  replays its graphs, our local path never runs (counted), and the bridge serves replayed steps.
+
+Codes must equal our direct engine's on the same GPU, or first differ at a provable near tie (vLLM's layers
+and ours round differently in bf16). Skipped without CUDA or vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("vllm.config")
+
+from _engine_invariants import explain_divergence  # noqa: E402
+from _tolerance import chain_rel_tol  # noqa: E402
+
+from higgs_talker import HiggsTalker, SamplingParams  # noqa: E402
+from higgs_talker.tiny import tiny_config, write_checkpoint  # noqa: E402
+
+SCRIPT = Path(__file__).with_name("serve_tiny.py")
+SPEC = [
+    {"key": "greedy-long", "text": "Hello there, this prompt is long enough to be chunked.", "max_tokens": 60},
+    {"key": "seeded", "text": "Hello there.", "temperature": 1.0, "seed": 3, "max_tokens": 48},
+    {"key": "topkp", "text": "Top k and top p.", "temperature": 0.8, "top_k": 50, "top_p": 0.9, "seed": 7,
+     "max_tokens": 40},
+    {"key": "short", "text": "Short.", "max_tokens": 20},
+    {"key": "greedy-b", "text": "Another request that joins the batch.", "max_tokens": 33},
+]  # fmt: skip
+COMMON = {"dtype": "bfloat16", "max_model_len": 512, "max_num_seqs": 16, "gpu_memory_utilization": 0.25,
+          "attention_backend": "FLASHINFER", "kernel_config": {"enable_flashinfer_autotune": False}}  # fmt: skip
+PROFILES = {
+    "eager": {"enforce_eager": True},
+    "fdo": {"enforce_eager": False,
+            "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8, 16]}},
+}  # fmt: skip
+SHAPE = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return write_checkpoint(tmp_path_factory.mktemp("h64") / "ckpt", tiny_config(text=SHAPE))
+
+
+@pytest.fixture(scope="module", params=list(PROFILES))
+def served(request, ckpt) -> dict:
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    kwargs = COMMON | PROFILES[request.param]
+    cmd = [sys.executable, str(SCRIPT), str(ckpt), json.dumps(SPEC), "64", json.dumps(kwargs)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=500, env=env)
+    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT:")]
+    assert out.returncode == 0 and lines, (out.stdout[-3000:], out.stderr[-6000:])
+    return json.loads(lines[0][len("RESULT:") :]) | {"profile": request.param}
+
+
+@pytest.fixture(scope="module")
+def solo(ckpt) -> HiggsTalker:
+    """The direct engine on the same GPU, one request at a time, eager (its sampler can be observed)."""
+    return HiggsTalker.from_pretrained(ckpt, device="cuda", dtype="bfloat16", graph_mode="eager", max_num_seqs=1,
+                                       max_model_len=512, decode_kernel="native")  # fmt: skip
+
+
+def bf16_gap() -> float:
+    """How far two bf16 implementations of this model may put two scores apart: the chain bound of one forward
+    (fp32 accumulation, bf16 storage) for each side."""
+    reductions = [256, 256, 64, 64, 512, 512, 256, 256, 256, 512] * 3 + [256]
+    return 2 * chain_rel_tol(reductions, 12 * 3 + 1 + 8 * 3, torch.float32, torch.bfloat16)
+
+
+@pytest.mark.parametrize("index", range(len(SPEC)), ids=[s["key"] for s in SPEC])
+def test_codes_match_the_direct_engine_or_split_at_a_near_tie(served, solo, index):
+    spec, got = SPEC[index], served["results"][index]
+    params = SamplingParams(temperature=spec.get("temperature", 0.0), top_k=spec.get("top_k", -1),
+                            top_p=spec.get("top_p", 1.0), seed=spec.get("seed"))  # fmt: skip
+    prompt = solo.build_prompt(spec["text"])
+    want = solo.generate(spec["text"], params, max_frames=spec["max_tokens"] - solo.cfg.num_codebooks).rows
+    rows = torch.tensor(got["rows"], dtype=torch.long)
+    if not torch.equal(rows, want):
+        t = explain_divergence(solo, prompt, params, rows, want, rel_gap=bf16_gap())
+        assert t is not None, f"{served['profile']}: rows differ only in length"
+    assert rows.shape[0] == spec["max_tokens"] or got["finish_reason"] == "stop"
+
+
+def test_the_audio_path_ran_and_the_text_head_was_skipped(served):
+    stats = served["stats"]
+    assert stats["sample_steps"] > 0 and stats["bridge_no_qsl"] == 0, stats
+    assert stats["text_head_skipped"] > stats["text_head_full"] > 0, stats
+
+
+def test_graph_paths_of_the_profile(served):
+    local, stats = served["local_mlp"], served["stats"]
+    if served["profile"] == "eager":
+        assert "local MLP graphs on" in served["graph_decision"]
+        assert local["buckets"] == [1, 2, 4, 8, 16] and not local["failed"]
+        assert local["replays"] > 0  # decode steps ran through the captured graphs
+        assert stats["bridge_replayed_steps"] == 0
+    else:
+        assert "local MLP graphs off" in served["graph_decision"] and "FULL_DECODE_ONLY" in served["graph_decision"]
+        assert local["buckets"] == [] and local["replays"] == 0  # never captured or replayed inside vLLM's graphs
+        assert stats["bridge_replayed_steps"] > 0  # decode steps were vLLM graph replays
+
+
+@pytest.mark.parametrize("profile", ["high_throughput", "low_latency"])
+def test_deploy_profiles_load_as_written(profile):
+    """Stage 0 of each packaged deploy YAML is a valid vLLM engine configuration."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from bench_vllm import stage0_engine_args
+
+    from higgs_talker.tiny import tiny_checkpoint
+
+    args = stage0_engine_args(profile, use_trtllm=False)
+    vc = EngineArgs(model=str(tiny_checkpoint()), **args).create_engine_config()
+    assert vc.model_config.enforce_eager is (profile == "high_throughput")
+    assert vc.scheduler_config.max_num_seqs == args["max_num_seqs"]
