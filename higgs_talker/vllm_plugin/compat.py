@@ -103,19 +103,20 @@ def step_query_start_loc(num_reqs: int, positions: Tensor) -> Tensor | None:
         return qsl[: num_reqs + 1].to(dev, torch.long)
     n_dec, n_pre = getattr(meta, "num_decodes", None), getattr(meta, "num_prefills", None)
     n_tokens = int(getattr(meta, "num_actual_tokens", positions.shape[0]) or positions.shape[0])
-    if isinstance(n_dec, int) and isinstance(n_pre, int) and n_dec + n_pre == num_reqs:
-        decodes = torch.arange(n_dec + 1, device=dev, dtype=torch.long)
-        if n_pre == 0:
-            return decodes
-        cum = getattr(getattr(meta, "prefill", None), "cum_seq_lens_q", None)
-        if isinstance(cum, Tensor) and cum.shape[0] == n_pre + 1:
-            return torch.cat([decodes, n_dec + cum[1:].to(dev, torch.long)])
-        if n_pre == 1:
-            return torch.cat([decodes, torch.tensor([n_tokens], device=dev)])
-    pos = positions[:n_tokens].long()
-    starts = (torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1).tolist()  # a host sync (prefill steps)
-    if len(starts) + 1 == num_reqs:
-        return torch.tensor([0, *starts, n_tokens], device=dev, dtype=torch.long)
+    if not (isinstance(n_dec, int) and isinstance(n_pre, int) and n_dec + n_pre == num_reqs):
+        n_dec, n_pre = 0, num_reqs  # no counts: every request is a span of unknown length
+    decodes = torch.arange(n_dec + 1, device=dev, dtype=torch.long)  # FlashInfer orders one-token spans first
+    if n_pre == 0:
+        return decodes
+    cum = getattr(getattr(meta, "prefill", None), "cum_seq_lens_q", None)
+    if isinstance(cum, Tensor) and cum.shape[0] == n_pre + 1:
+        return torch.cat([decodes, n_dec + cum[1:].to(dev, torch.long)])
+    if n_pre == 1:
+        return torch.cat([decodes, torch.tensor([n_tokens], device=dev)])
+    pos = positions[n_dec:n_tokens].long()  # the prefill spans, split where positions jump
+    starts = (torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1 + n_dec).tolist()  # a host sync (prefills)
+    if len(starts) + 1 == n_pre:
+        return torch.cat([decodes, torch.tensor([*starts, n_tokens], device=dev, dtype=torch.long)])
     return None
 
 
