@@ -75,8 +75,9 @@ class SlotStore:
         self.device = device = torch.device(device)
         r = capacity + 1
         self.state = DelayState.allocate(r, num_codebooks, boc_id, device)
-        self.temperature = torch.ones(r, device=device)
-        self.top_p = torch.ones(r, device=device)
+        # explicit dtypes throughout: vLLM builds models under its default dtype (e.g. bf16)
+        self.temperature = torch.ones(r, dtype=torch.float32, device=device)
+        self.top_p = torch.ones(r, dtype=torch.float32, device=device)
         self.top_k = torch.full((r,), codebook_size, dtype=torch.long, device=device)
         self.seeds = torch.zeros(r, dtype=torch.long, device=device)
         self.min_rows = torch.zeros(r, dtype=torch.long, device=device)

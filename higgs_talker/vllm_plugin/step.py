@@ -150,9 +150,10 @@ def step_params(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row (temperature, top_k, top_p) with vLLM's "None = off / greedy" conventions filled in (top_k <= 0
     or >= codebook_size is off, as ``sample_codes`` reads it)."""
-    t = torch.zeros(num_rows, device=device) if temperature is None else temperature[:num_rows].float()
+    f32 = torch.float32
+    t = torch.zeros(num_rows, dtype=f32, device=device) if temperature is None else temperature[:num_rows].float()
     k = torch.zeros(num_rows, dtype=torch.long, device=device) if top_k is None else top_k[:num_rows].long()
-    p = torch.ones(num_rows, device=device) if top_p is None else top_p[:num_rows].float()
+    p = torch.ones(num_rows, dtype=f32, device=device) if top_p is None else top_p[:num_rows].float()
     # vLLM marks greedy rows with temperature 0 (or below a tiny epsilon); non-finite values sample at 1
     t = torch.where(torch.isfinite(t), t, 1.0)
     p = torch.where(torch.isfinite(p), p.clamp(0.0, 1.0), 1.0)
