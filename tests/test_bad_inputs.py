@@ -18,6 +18,7 @@ import re
 import shutil
 import weakref
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -495,6 +496,17 @@ CALL_CASES = [
     pytest.param(params(temperature=math.inf), ValueError, "got inf", id="temperature-inf"),
     pytest.param(params(temperature=-0.5), ValueError, "got -0.5", id="temperature-negative"),
     pytest.param(params(max_frames=-3), ValueError, "max_frames must be an integer > 0, got -3", id="max-frames-neg"),
+    # values the engine could not store (float32 temperature, bounded frame counts): refused up front, by name
+    pytest.param(
+        params(temperature=1e308),
+        ValueError,
+        E("temperature must be a finite number in [0, 3.40282e+38]"),
+        id="temperature-above-float32",
+    ),
+    pytest.param(
+        params(max_frames=2**31), ValueError, E(f"max_frames must be at most {2**31 - 1}"), id="max-frames-big"
+    ),
+    pytest.param(gen(max_frames=10**20), ValueError, "got 100000000000000000000", id="generate-max-frames-huge"),
     pytest.param(params(seed=-1), ValueError, "got -1", id="seed-negative"),
     pytest.param(params(seed=2**63), ValueError, E(f"got {2**63}"), id="seed-too-big"),
     pytest.param(gen(max_frames=0), ValueError, "max_frames must be an integer > 0, got 0", id="generate-max-frames-0"),
@@ -582,6 +594,24 @@ def test_engine_rejects_token_outside_vocab(own_talker: HiggsTalker) -> None:
         for rid in list(e.requests):
             e.cancel(rid)
             e.pop_finished(rid)
+
+
+def test_huge_top_k_generates_like_top_k_off(own_talker: HiggsTalker, probe_rows) -> None:
+    """top_k 10**20 used to overflow the engine's int64 store at step(); any k >= codebook size means off."""
+    assert torch.equal(own_talker.generate(PROBE_TEXT, replace(PROBE, top_k=10**20)).rows, probe_rows)
+    assert_idle(own_talker)
+
+
+def test_numpy_sampling_params_generate_like_python_ones(own_talker: HiggsTalker, probe_rows) -> None:
+    """np.int64 / np.float32 used to be refused (np.float64 passed); the engine holds temperature in float32."""
+    params = SamplingParams(seed=np.int64(7), temperature=np.float32(0.9), max_frames=np.int64(12))
+    assert torch.equal(own_talker.generate(PROBE_TEXT, params).rows, probe_rows)
+
+
+def test_largest_float32_temperature_generates(own_talker: HiggsTalker) -> None:
+    result = own_talker.generate(PROBE_TEXT, replace(PROBE, temperature=torch.finfo(torch.float32).max))
+    assert result.finish_reason in ("eoc", "max_frames") and result.num_rows > 0
+    assert_idle(own_talker)
 
 
 def test_prefill_fault_is_loud_or_harmless(own_talker: HiggsTalker, probe_rows, monkeypatch) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from higgs_talker.heads.delay import (
     update_state,
 )
 from higgs_talker.heads.sampling import (
+    TOP_K_CAP,
     SamplingParams,
     exponential_noise,
     race_scores,
@@ -676,11 +679,59 @@ def test_sampling_is_deterministic_per_seed_and_varies_across_seeds():
         ({"seed": 2**63}, "seed"),
         ({"seed": 1.5}, "seed"),
         ({"seed": "42"}, "seed"),
+        ({"seed": np.float64(3.0)}, "seed"),
+        ({"top_k": np.bool_(True)}, "top_k"),
+        ({"temperature": np.bool_(True)}, "temperature"),
     ],
 )
 def test_sampling_params_validation(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        # the engine keeps temperature in float32: 1e308 used to overflow there, at step(), without a name
+        ({"temperature": 1e308}, "temperature must be a finite number in [0, 3.40282e+38]"),
+        ({"temperature": np.float64(1e39)}, "got np.float64(1e+39)"),
+        # float32 would round this one down to its max; everything above the max is refused, not rounded
+        ({"temperature": math.nextafter(torch.finfo(torch.float32).max, math.inf)}, "temperature"),
+        ({"max_frames": 2**31}, f"max_frames must be at most {2**31 - 1} (2**31 - 1), got {2**31}"),
+        ({"max_frames": 10**20}, "got 100000000000000000000"),
+        ({"max_frames": 10, "min_frames": 11}, "min_frames must be an integer in [0, max_frames=10], got 11"),
+    ],
+)
+def test_sampling_params_refuse_what_the_engine_cannot_store(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_accept_numpy_scalars_as_python_numbers():
+    got = SamplingParams(
+        temperature=np.float32(0.5),
+        top_k=np.int64(50),
+        top_p=np.float16(0.75),
+        seed=np.uint64(2**63 - 1),
+        max_frames=np.int32(100),
+        min_frames=np.int8(3),
+    )
+    assert got == SamplingParams(temperature=0.5, top_k=50, top_p=0.75, seed=2**63 - 1, max_frames=100, min_frames=3)
+    for name in ("temperature", "top_p"):
+        assert type(getattr(got, name)) is float, name
+    for name in ("top_k", "seed", "max_frames", "min_frames"):
+        assert type(getattr(got, name)) is int, name
+    assert type(SamplingParams(temperature=1).temperature) is float  # a Python int is normalised too
+
+
+def test_sampling_params_edges_the_engine_can_store():
+    fp32_max = torch.finfo(torch.float32).max
+    assert SamplingParams(temperature=fp32_max).temperature == fp32_max
+    assert SamplingParams(max_frames=2**31 - 1, min_frames=2**31 - 1).min_frames == 2**31 - 1
+    # any top_k >= codebook size means "off"; a huge one is held at the documented cap, which int64 stores
+    assert SamplingParams(top_k=10**20).top_k == TOP_K_CAP == 2**31 - 1
+    assert SamplingParams(top_k=TOP_K_CAP - 1).top_k == TOP_K_CAP - 1
+    torch.full((2,), SamplingParams(top_k=10**20).top_k, dtype=torch.long)  # what the engine does with it
 
 
 def test_sampling_params_valid_edges():
