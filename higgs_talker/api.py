@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from . import checkpoint
-from .config import TalkerConfig, register_hf_config
+from .config import TalkerConfig, check_fits_device, register_hf_config
 from .cuda_graphs.policy import GraphMode
 from .engine import Engine, EngineConfig, Request
 from .heads.delay import codec_frames, revert_delay_pattern
@@ -154,14 +154,20 @@ class HiggsTalker:
         path = tiny_checkpoint() if str(path) == TINY_NAME else Path(path)
         if not Path(path).exists():
             raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist (use 'tiny' for the embedded default)")
+        if not Path(path).is_dir():
+            raise ValueError(
+                f"checkpoint {str(path)!r} is a file; give the checkpoint directory (config.json, weights)"
+            )
         register_hf_config()
         cfg = TalkerConfig.from_pretrained(path)
         tokenizer = TalkerTokenizer.from_pretrained(path, cfg)
         engine_cfg = EngineConfig(
             max_num_seqs=max_num_seqs, num_blocks=num_blocks, max_model_len=max_model_len, block_size=block_size
         )
+        header = checkpoint.check_checkpoint(path, cfg)  # config against the weights, before any allocation
+        check_fits_device(cfg, device, dtype)
         model = _empty_model(cfg, device, dtype)
-        checkpoint.load_into(model, checkpoint.iter_tensors(path, cfg, device, dtype), cfg)
+        checkpoint.load_into(model, checkpoint.iter_tensors(path, cfg, device, dtype, header=header), cfg)
         model.eval().requires_grad_(False)
         logger.info("loaded %s on %s (%s, kernels=%s)", path, device, dtype, model.kernels.name)
         return cls(model, cfg, tokenizer, engine_cfg, graph_mode=mode, decode_kernel=decode_kernel, buckets=buckets)
@@ -189,6 +195,9 @@ class HiggsTalker:
         mode = GraphMode.parse(graph_mode or (GraphMode.AUTO if device.type == "cuda" else GraphMode.EAGER))
         if device.type != "cuda" and mode is not GraphMode.EAGER:
             raise ValueError(f"graph_mode {mode.value!r} needs a CUDA device; on {device} use graph_mode='eager'")
+        if not isinstance(cfg, TalkerConfig):
+            raise TypeError(f"cfg must be a TalkerConfig, got {type(cfg).__name__}")
+        check_fits_device(cfg, device, dtype)  # before allocating: a huge config fails here, naming its size
         model = _empty_model(cfg, device, dtype)
         g = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():
@@ -343,7 +352,11 @@ def _check_device(device: str | torch.device) -> torch.device:
         raise ValueError(f"device {device!r} requested but CUDA is not available on this machine")
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device {device!r} is not supported (use 'cpu' or 'cuda')")
-    return dev
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(
+            f"device {device!r} does not exist: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+    return torch.device("cpu") if dev.type == "cpu" else dev  # 'cpu:0' is the CPU (safetensors refuses the index)
 
 
 def _check_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
