@@ -260,12 +260,23 @@ def main(argv: list[str] | None = None) -> int:
         return handlers[args.command](args)
     except (ValueError, TypeError, OSError) as exc:  # OSError: unreadable / unwritable paths, missing files
         return _fail(exc)
+    except RuntimeError as exc:
+        if not _is_out_of_memory(exc):
+            raise  # a bug: keep the traceback
+        return _fail(f"out of memory: {exc} (a smaller model, or fewer / shorter sequences, needs less)")
     except KeyboardInterrupt:
         print("higgs-talker: interrupted", file=sys.stderr)
         return 130
 
 
-def _fail(exc: BaseException) -> int:
+def _is_out_of_memory(exc: RuntimeError) -> bool:
+    """An allocation the machine could not satisfy (torch's CUDA OOM, or the CPU allocator's refusal)."""
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
+
+
+def _fail(exc: BaseException | str) -> int:
     message = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the message held
     print(f"higgs-talker: error: {message}", file=sys.stderr)
     return 2

@@ -318,3 +318,28 @@ def test_a_good_run_writes_and_summarises(capsys, gen, tmp_path: Path) -> None:
     assert rc == 0, err
     assert out.is_file() and f"wrote {out}" in stdout and "frames" in stdout
     assert err == ""
+
+
+def test_allocator_refusal_is_one_line(capsys, gen, monkeypatch) -> None:
+    """A KV cache the machine cannot hold (the engine sizes it from max_position_embeddings on CPU) ends in the
+    CPU allocator's RuntimeError; the CLI reports it as one line."""
+    message = (
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
+        "allocate 32768008192 bytes. Error code 12 (Cannot allocate memory)"
+    )
+
+    def refuse(args):
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(cli, "_load", refuse)
+    rc, _, err = run(capsys, *gen)
+    assert_one_line_error(rc, err, "out of memory", "32768008192 bytes")
+
+
+def test_other_runtime_errors_keep_their_traceback(gen, monkeypatch) -> None:
+    def broken(args):
+        raise RuntimeError("an internal invariant failed")
+
+    monkeypatch.setattr(cli, "_load", broken)
+    with pytest.raises(RuntimeError, match="an internal invariant failed"):
+        cli.main(gen)
