@@ -448,14 +448,16 @@ def build_bytes(cfg: TalkerConfig, itemsize: int) -> tuple[int, str]:
 def available_memory(device: Any) -> int:
     """Bytes that can still be allocated on ``device`` (a ``torch.device``).
 
-    CUDA: the free memory ``torch.cuda.mem_get_info`` reports. CPU: ``MemAvailable`` of ``/proc/meminfo``
+    CUDA: the free memory ``torch.cuda.mem_get_info`` reports, plus what PyTorch's caching allocator holds
+    unused (it reuses that before asking the driver). CPU: ``MemAvailable`` of ``/proc/meminfo``
     (free pages plus reclaimable page cache; ``os.sysconf``'s free pages where that file is missing), and no
     more than the cgroup v2 memory limit leaves, where one is set.
     """
     if device.type == "cuda":
         import torch
 
-        return int(torch.cuda.mem_get_info(device)[0])
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(torch.cuda.mem_get_info(device)[0]) + cached
     avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
