@@ -546,9 +546,12 @@ def _qwen3_fields(raw: dict[str, Any]) -> dict[str, Any]:
     fields we resolve (a null or missing ``head_dim``, ``tie_word_embeddings``, ...) reach transformers with the
     values the runtime uses. Fields we do not read pass through unchanged."""
     resolved = asdict(_text_config_from_dict(raw))
-    del resolved["rope_theta"]  # RoPE settings go as they came (flat or nested), which transformers reads
+    theta = resolved.pop("rope_theta")
     fields = {k: v for k, v in raw.items() if k != "model_type" and not (k == "rope_theta" and v is None)}
-    return fields | resolved
+    rope = _opt(raw, "rope_parameters", None) or _opt(raw, "rope_scaling", None) or {}
+    if "rope_theta" not in fields and "rope_theta" not in rope:
+        fields["rope_theta"] = theta  # our default (1e6, the 4B's), not transformers' 10000
+    return fields | resolved  # RoPE settings that were given go as they came (flat or nested)
 
 
 def register_hf_config() -> bool:

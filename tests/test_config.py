@@ -375,7 +375,8 @@ def test_null_means_the_field_is_absent(section, key):
 
 def test_null_or_missing_head_dim_is_derived_and_transformers_sees_the_same(tiny_dir, tmp_path):
     """head_dim: null used to reach transformers as None (StrictDataclassFieldValidationError); a missing one
-    became transformers' default 128 in the HF view while the runtime derived hidden // heads."""
+    became transformers' default 128 in the HF view while the runtime derived hidden // heads (and a missing
+    tie_word_embeddings / rope_theta took transformers' defaults there, not ours)."""
     from transformers import AutoConfig
 
     register_hf_config()
@@ -387,11 +388,13 @@ def test_null_or_missing_head_dim_is_derived_and_transformers_sees_the_same(tiny
         else:
             del edited["text_config"]["head_dim"]
             del edited["text_config"]["tie_word_embeddings"]  # transformers' default is false, ours true
+            del edited["text_config"]["rope_theta"]  # transformers' default is 10000, ours 1e6
         d = tmp_path / variant
         d.mkdir()
         (d / "config.json").write_text(json.dumps(edited))
         cfg = TalkerConfig.from_pretrained(d)
         assert cfg.text.head_dim == 64 // 4
+        assert cfg.text.rope_theta == (10000.0 if variant == "null" else 1e6)
         hf = AutoConfig.from_pretrained(str(d))
         assert hf.text_config.head_dim == 16 and hf.text_config.tie_word_embeddings is True
         assert hf.to_talker_config() == cfg
