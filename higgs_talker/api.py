@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from . import checkpoint
-from .config import TalkerConfig, register_hf_config
+from .config import TalkerConfig, check_fits_device, register_hf_config
 from .cuda_graphs.policy import GraphMode
 from .engine import Engine, EngineConfig, Request
 from .heads.delay import codec_frames, revert_delay_pattern
@@ -238,11 +238,17 @@ class HiggsTalker:
         path = tiny_checkpoint() if str(path) == TINY_NAME else Path(path)
         if not Path(path).exists():
             raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist (use 'tiny' for the embedded default)")
+        if not Path(path).is_dir():
+            raise ValueError(
+                f"checkpoint {str(path)!r} is a file; give the checkpoint directory (config.json, weights)"
+            )
         register_hf_config()
         cfg = TalkerConfig.from_pretrained(path)
         tokenizer = TalkerTokenizer.from_pretrained(path, cfg)
+        header = checkpoint.check_checkpoint(path, cfg)  # config against the weights, before any allocation
+        check_fits_device(cfg, device, dtype)
         model = _empty_model(cfg, device, dtype)
-        checkpoint.load_into(model, checkpoint.iter_tensors(path, cfg, device, dtype), cfg)
+        checkpoint.load_into(model, checkpoint.iter_tensors(path, cfg, device, dtype, header=header), cfg)
         model.eval().requires_grad_(False)
         logger.info("loaded %s on %s (%s, kernels=%s)", path, device, dtype, model.kernels.name)
         return cls(model, cfg, tokenizer, engine_config, graph_mode=mode, decode_kernel=decode_kernel, buckets=buckets)
@@ -268,6 +274,9 @@ class HiggsTalker:
         """
         device, dtype, mode = _resolve_runtime(device, dtype, graph_mode)
         engine_config = _engine_config(engine_options)
+        if not isinstance(cfg, TalkerConfig):
+            raise TypeError(f"cfg must be a TalkerConfig, got {type(cfg).__name__}")
+        check_fits_device(cfg, device, dtype)  # before allocating: a huge config fails here, naming its size
         model = _empty_model(cfg, device, dtype)
         g = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():
@@ -445,6 +454,12 @@ def _resolve_runtime(
         raise ValueError(f"device {device!r} requested but CUDA is not available on this machine")
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device {device!r} is not supported (use 'cpu' or 'cuda')")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(
+            f"device {device!r} does not exist: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+    if dev.type == "cpu":
+        dev = torch.device("cpu")  # 'cpu:0' is the CPU (safetensors refuses the index)
     if dtype is None:
         dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     elif isinstance(dtype, str):

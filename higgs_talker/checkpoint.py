@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+Header = dict[str, tuple[Path, tuple[int, ...], str]]  # key -> (file, shape, safetensors dtype)
 
 # checkpoint prefix -> model parameter prefix (SPEC 1.2). Order matters: the codec prefix must be tested
 # before the fused-table prefix it shares a stem with.
@@ -170,9 +172,9 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     raise FileNotFoundError(f"no safetensors weights in {path}")
 
 
-def read_header(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+def read_header(files: list[Path]) -> Header:
     """key -> (file, shape, dtype) from the safetensors headers; no tensor data is read."""
-    header: dict[str, tuple[Path, tuple[int, ...], str]] = {}
+    header: Header = {}
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
@@ -191,9 +193,76 @@ def read_header(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], str
 
 
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+_LAYER_KEY = re.compile(r"body\.layers\.(\d+)\.")
 
 
-def validate(header: dict[str, tuple[Path, tuple[int, ...], str]], cfg: TalkerConfig) -> None:
+def check_checkpoint(path: str | Path, cfg: TalkerConfig) -> Header:
+    """Read the safetensors headers of ``path`` and check them against ``cfg``; returns the header.
+
+    Runs before anything is allocated: the config's sizes are first compared with the header's shapes field
+    by field (``check_config_fields``, an error names the config field), then key by key (``validate``).
+    Reads no tensor data; takes milliseconds whatever sizes the config claims.
+    """
+    header = read_header(checkpoint_files(path))
+    check_config_fields(header, cfg)
+    validate(header, cfg)
+    return header
+
+
+def check_config_fields(header: Header, cfg: TalkerConfig) -> None:
+    """The config's sizes against the tensors that carry them; ``ValueError`` naming the first field that differs.
+
+    Looks only at a handful of keys (embedding, codebook table, layer 0) and the set of layer indices, so a
+    config claiming 10**7 layers or a 10**12-row vocabulary is refused without building anything that large.
+    Keys that are absent or mis-shaped beyond these fields are left to ``validate``.
+    """
+    t = cfg.text
+    layers = {int(m.group(1)) for key in header if (m := _LAYER_KEY.match(key))}
+    if len(layers) != t.num_hidden_layers:
+        held = f"layers {min(layers)}..{max(layers)}" if layers else "no layers"
+        raise ValueError(
+            f"text_config.num_hidden_layers is {t.num_hidden_layers}, but the checkpoint holds {len(layers)} ({held})"
+        )
+    n, c = cfg.num_codebooks, cfg.codebook_size
+    checks = (  # (key, dim, expected size, the config field(s) that set it), single fields first
+        ("tied.embedding.text_embedding.weight", 0, t.vocab_size, f"text_config.vocab_size ({t.vocab_size})"),
+        ("tied.embedding.text_embedding.weight", 1, t.hidden_size, f"text_config.hidden_size ({t.hidden_size})"),
+        ("body.layers.0.self_attn.q_norm.weight", 0, t.head_dim, f"text_config.head_dim ({t.head_dim})"),
+        (
+            "body.layers.0.self_attn.q_proj.weight",
+            0,
+            t.q_size,
+            f"text_config.num_attention_heads x head_dim ({t.num_attention_heads} x {t.head_dim} = {t.q_size})",
+        ),
+        (
+            "body.layers.0.self_attn.k_proj.weight",
+            0,
+            t.kv_size,
+            f"text_config.num_key_value_heads x head_dim ({t.num_key_value_heads} x {t.head_dim} = {t.kv_size})",
+        ),
+        (
+            "body.layers.0.mlp.gate_proj.weight",
+            0,
+            t.intermediate_size,
+            f"text_config.intermediate_size ({t.intermediate_size})",
+        ),
+        (
+            "tied.embedding.modality_embeddings.0.embedding.weight",
+            0,
+            n * c,
+            f"audio_encoder_config.num_codebooks x vocab_size ({n} x {c} = {n * c})",
+        ),
+    )
+    for key, dim, want, field in checks:
+        if key not in header:
+            continue
+        shape = list(header[key][1])
+        if len(shape) <= dim or shape[dim] != want:
+            expected = shape[:dim] + [want] + shape[dim + 1 :]
+            raise ValueError(f"{field} does not match the checkpoint: {key!r} has shape {shape}, expected {expected}")
+
+
+def validate(header: Header, cfg: TalkerConfig) -> None:
     """All checks of a checkpoint against a config, raising one error that lists every problem of a kind."""
     unexpected = []
     for key in header:
@@ -221,15 +290,19 @@ def validate(header: dict[str, tuple[Path, tuple[int, ...], str]], cfg: TalkerCo
 
 
 def iter_tensors(
-    path: str | Path, cfg: TalkerConfig, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    path: str | Path,
+    cfg: TalkerConfig,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    header: Header | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Validated (checkpoint key, tensor) pairs, memory-mapped, moved straight to ``device`` and ``dtype``.
 
-    Skipped keys (codec, tied heads) are not read at all.
+    ``header``: what ``check_checkpoint(path, cfg)`` returned (read and checked here when not given). Skipped
+    keys (codec, tied heads) are not read at all.
     """
-    files = checkpoint_files(path)
-    header = read_header(files)
-    validate(header, cfg)
+    if header is None:
+        header = check_checkpoint(path, cfg)
     by_file: dict[Path, list[str]] = {}
     for key, (file, _, _) in header.items():
         if map_key(key, cfg) is not None:

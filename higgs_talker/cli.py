@@ -1,41 +1,88 @@
 """``higgs-talker``: generate codes from the command line, run the demo, print deploy profiles.
 
 Paths given on the command line are only opened as files or directories; nothing is executed or evaluated.
+A user mistake (a bad flag value, a path that cannot be read or written, a bad checkpoint) ends with one line on
+stderr naming it and exit status 2, before any generation starts where it can be known then; internal errors
+keep their traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
+import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
+from . import __version__
+
+OUT_FORMATS = (".npy", ".safetensors")  # what GenerationResult.save writes
+REFERENCE_FORMATS = (".npy",)  # what _read_reference reads
+
+
+class _UsageError(Exception):
+    """A command-line mistake argparse found; main() prints it as one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's default prints the whole usage block first
+        raise _UsageError(f"{message} (see {self.prog} --help)")
+
 
 def _build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="higgs-talker", description="Higgs-Audio V3 talker: text -> codec codes")
+    p = _Parser(prog="higgs-talker", description="Higgs-Audio V3 talker: text -> codec codes")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     g = sub.add_parser("generate", help="generate codes for a text")
-    g.add_argument("text")
+    g.add_argument("text", help="the text to speak")
     _add_model_args(g)
-    g.add_argument("--out", type=Path, help="write codes to .npy or .safetensors")
-    g.add_argument("--seed", type=int)
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--max-frames", type=int, default=2048)
-    g.add_argument("--min-frames", type=int, default=0, help="no end of stream (EOC) before this many frames")
-    g.add_argument("--reference", type=Path, help="reference voice: aligned codes [T, 8] in a .npy file")
-    g.add_argument("--reference-text", help="transcript of the reference audio")
+    g.add_argument("--out", type=Path, metavar="PATH", help=f"write the codes to a {' or '.join(OUT_FORMATS)} file")
+    g.add_argument("--seed", type=int, metavar="N", help="seed in [0, 2**63) for reproducible codes (default: fresh)")
+    g.add_argument("--temperature", type=float, default=1.0, metavar="T", help="0 is greedy (default 1)")
+    g.add_argument("--top-k", type=int, default=-1, metavar="K", help="keep the K most likely codes (-1, 0: off)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus mass in (0, 1] (default 1: off)")
+    length = g.add_mutually_exclusive_group()
+    length.add_argument(
+        "--max-frames",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="most audio frames (rows of the output codes, 25 per second of audio; default 2048 = 82 s)",
+    )
+    length.add_argument(
+        "--max-seconds",
+        type=_seconds,
+        metavar="S",
+        help="most seconds of audio, instead of --max-frames (S x 25 frames)",
+    )
+    g.add_argument(
+        "--min-frames", type=int, default=0, metavar="N", help="no end of stream before N audio frames (default 0)"
+    )
+    g.add_argument(
+        "--reference",
+        type=Path,
+        metavar="PATH",
+        help=f"voice to clone: its aligned codes [T, 8] in a {' or '.join(REFERENCE_FORMATS)} file",
+    )
+    g.add_argument("--reference-text", metavar="TEXT", help="what the reference says (needs --reference)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    d = sub.add_parser("demo", help="run the embedded tiny checkpoint end to end")
+    d = sub.add_parser("demo", help="run three batched requests end to end (the tiny checkpoint by default)")
     _add_model_args(d)
-    d.add_argument("--out", type=Path, default=Path("higgs_demo_codes.npy"))
+    d.add_argument(
+        "--out",
+        type=Path,
+        default=Path("higgs_demo_codes.npy"),
+        metavar="PATH",
+        help=f"where the first request's codes go: {' or '.join(OUT_FORMATS)} (default higgs_demo_codes.npy)",
+    )
 
     c = sub.add_parser("deploy-config", help="print the path of a vLLM deploy profile")
     c.add_argument("profile", help="high-throughput, low-latency or default")
@@ -43,16 +90,79 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (default)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--model", default="tiny", metavar="DIR", help="checkpoint directory, or 'tiny' (the default)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: fp32 on CPU, bf16 on CUDA)")
-    p.add_argument("--graph-mode", default=None, help="eager, local_mlp, full_decode or auto (CUDA only)")
+    p.add_argument("--graph-mode", default=None, metavar="MODE", help="eager, local_mlp, full_decode or auto (CUDA)")
+
+
+def _seconds(text: str) -> float:
+    """argparse type of --max-seconds: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
+
+
+def _check_out(path: Path, flag: str = "--out", formats: tuple[str, ...] = OUT_FORMATS) -> Path:
+    """An output path that ``GenerationResult.save`` can write; checked before anything is generated."""
+    if path.is_dir():
+        raise ValueError(f"{flag} {str(path)!r} is a directory; give a file name such as {str(path / 'codes.npy')!r}")
+    if path.suffix not in formats:
+        raise ValueError(
+            f"{flag} {str(path)!r}: unsupported format {path.suffix or '(no suffix)'!r}; use {' or '.join(formats)}"
+        )
+    parent = path.parent
+    if not parent.is_dir():
+        what = (
+            f"{str(parent)!r} is not a directory"
+            if parent.exists()
+            else f"the directory {str(parent)!r} does not exist"
+        )
+        raise ValueError(f"{flag} {str(path)!r}: {what}")
+    try:  # the permissions that count are the file system's (read-only mounts, ACLs, root), so try it
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+        if path.exists():
+            with open(path, "r+b"):
+                pass
+    except OSError as exc:
+        raise ValueError(f"{flag} {str(path)!r} cannot be written: {exc.strerror or exc}") from None
+    return path
+
+
+def _read_reference(path: Path) -> np.ndarray:
+    """``--reference`` codes from a ``.npy`` file (``allow_pickle=False``: an object array is refused)."""
+    if path.is_dir():
+        raise ValueError(f"--reference {str(path)!r} is a directory, not a file of codes [T, 8]")
+    if path.suffix not in REFERENCE_FORMATS:
+        raise ValueError(
+            f"--reference must be a {' or '.join(REFERENCE_FORMATS)} file of codes [T, 8], got {str(path)!r}"
+        )
+    if not path.is_file():
+        raise ValueError(f"--reference {str(path)!r} does not exist")
+    with open(path, "rb") as f:
+        if f.read(6) != b"\x93NUMPY":
+            raise ValueError(f"--reference {str(path)!r} is not a .npy file (no NumPy header)")
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, EOFError) as exc:  # truncated, or an object array (never unpickled)
+        raise ValueError(f"--reference {str(path)!r} holds no readable array of codes: {exc}") from None
 
 
 def _load(args):
     from .api import HiggsTalker
 
     return HiggsTalker.from_pretrained(args.model, device=args.device, dtype=args.dtype, graph_mode=args.graph_mode)
+
+
+def _summary(result) -> str:
+    """The result's one-line summary, with the seed used where the result records it."""
+    seed = getattr(result, "seed", None)
+    return result.summary() if seed is None else f"{result.summary()}, seed {seed}"
 
 
 class _Progress:
@@ -79,6 +189,7 @@ def _generate(args) -> int:
     from .api import Reference
     from .heads.sampling import SamplingParams
 
+    # everything the flags alone decide is checked before the (possibly slow) model load
     params = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -87,14 +198,19 @@ def _generate(args) -> int:
         max_frames=args.max_frames,
         min_frames=args.min_frames,
     )
+    if args.out is not None:
+        _check_out(args.out)
     reference = None
     if args.reference is not None:
-        if args.reference.suffix != ".npy":
-            raise ValueError(f"--reference must be a .npy file of codes [T, 8], got {str(args.reference)!r}")
-        reference = Reference(np.load(args.reference, allow_pickle=False), args.reference_text)
+        reference = Reference(_read_reference(args.reference), args.reference_text)
     elif args.reference_text is not None:
         raise ValueError("--reference-text needs --reference")
     talker = _load(args)
+    if args.max_seconds is not None:  # the frame rate is the checkpoint's (25 per second on Higgs-Audio V3)
+        try:
+            params = replace(params, max_frames=math.ceil(args.max_seconds * talker.cfg.frame_rate))
+        except ValueError as exc:
+            raise ValueError(f"--max-seconds {args.max_seconds:g}: {exc}") from None
     progress = _Progress(params.max_frames, not args.no_progress)
     try:
         result = talker.generate(args.text, params, reference=reference, progress=progress)
@@ -103,20 +219,21 @@ def _generate(args) -> int:
     if args.out is not None:
         result.save(args.out)
         print(f"wrote {args.out}")
-    print(result.summary())
+    print(_summary(result))
     return 0
 
 
 def _demo(args) -> int:
     from .heads.sampling import SamplingParams
 
+    _check_out(args.out)
     talker = _load(args)
     texts = ["Hello from the Higgs talker.", "A second request, batched with the first.", "And a third one."]
     results = talker.generate(
         texts, [SamplingParams(seed=i, temperature=0.9) for i in range(len(texts))], max_frames=250
     )
     for r in results:
-        print(f"[{r.request_id}] {r.text!r}: {r.summary()}")
+        print(f"[{r.request_id}] {r.text!r}: {_summary(r)}")
     results[0].save(args.out)
     print(f"wrote {args.out} ({results[0].num_frames} frames x {results[0].codes.shape[1]} codebooks)")
     return 0
@@ -130,14 +247,39 @@ def _deploy_config(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    """Run the CLI; returns the exit status (0, or 2 after a one-line error on stderr)."""
+    try:
+        args = _build_parser().parse_args(argv)
+    except _UsageError as exc:
+        return _fail(exc)
+    except SystemExit as exc:  # --help, --version
+        return exc.code if isinstance(exc.code, int) else 0
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     handlers = {"generate": _generate, "demo": _demo, "deploy-config": _deploy_config}
     try:
         return handlers[args.command](args)
-    except (ValueError, FileNotFoundError, TypeError) as exc:
-        print(f"higgs-talker: error: {exc}", file=sys.stderr)
-        return 2
+    except (ValueError, TypeError, OSError) as exc:  # OSError: unreadable / unwritable paths, missing files
+        return _fail(exc)
+    except RuntimeError as exc:
+        if not _is_out_of_memory(exc):
+            raise  # a bug: keep the traceback
+        return _fail(f"out of memory: {exc} (a smaller model, or fewer / shorter sequences, needs less)")
+    except KeyboardInterrupt:
+        print("higgs-talker: interrupted", file=sys.stderr)
+        return 130
+
+
+def _is_out_of_memory(exc: RuntimeError) -> bool:
+    """An allocation the machine could not satisfy (torch's CUDA OOM, or the CPU allocator's refusal)."""
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
+
+
+def _fail(exc: BaseException | str) -> int:
+    message = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the message held
+    print(f"higgs-talker: error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

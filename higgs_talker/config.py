@@ -3,6 +3,15 @@
 ``TalkerConfig`` is what the runtime passes around (a frozen dataclass). ``HiggsAudioV3Config`` is the
 transformers ``PretrainedConfig`` subclass registered for ``model_type == "higgs_multimodal_qwen3"`` so that
 ``AutoConfig`` can read the checkpoint; it is registered on demand (``register_hf_config``), never at import.
+
+Types are strict: integer fields must be JSON integers (``64``, not ``64.0`` or ``"64"``), flags JSON booleans,
+and every integer must fit int32 (``INT32_MAX``), the index type of the kernels. ``null`` means the same as
+leaving a field out: optional fields take their default (``head_dim``: ``hidden_size // num_attention_heads``,
+``num_key_value_heads``: ``num_attention_heads``, the rest: the defaults of ``TextConfig`` / ``TalkerConfig``),
+and a required field (``vocab_size``, ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
+``num_attention_heads``) that is ``null`` is an error. The transformers view gets the resolved values, so no
+``null`` and no transformers default (its ``head_dim`` is 128, its ``tie_word_embeddings`` false) ever differs
+from what the runtime uses.
 """
 
 from __future__ import annotations
@@ -10,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +33,12 @@ DEFAULT_CODEBOOK_SIZE = 1026
 DEFAULT_BOC_ID = 1024
 DEFAULT_EOC_ID = 1025
 DEFAULT_ROPE_THETA = 1_000_000.0
+
+INT32_MAX = 2**31 - 1  # upper bound of every integer field
+# Far above any real Qwen3 (36 layers in the 4B, ~130 in the largest open models); building 1024 layers on the
+# meta device takes about a second, 10**7 would take hours.
+MAX_LAYERS = 1024
+_REQUIRED_TEXT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 REQUIRED_SPECIAL_TOKENS = ("<|tts|>", "<|text|>", "<|audio|>")
 OPTIONAL_SPECIAL_TOKENS = ("<|ref_audio|>", "<|ref_text|>")
@@ -44,6 +60,9 @@ class TextConfig:
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = True
     attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        _validate_text(self)
 
     @property
     def q_size(self) -> int:
@@ -148,10 +167,10 @@ class TalkerConfig:
         encoder_type = audio.get("encoder_type", "discrete")
         if encoder_type != "discrete":
             raise ValueError(f"audio_encoder_config.encoder_type is {encoder_type!r}; only 'discrete' is supported")
-        # audio_encoder_config is authoritative where it names a field (SPEC 1.1).
-        num_codebooks = audio.get("num_codebooks", raw.get("num_codebooks", DEFAULT_NUM_CODEBOOKS))
-        codebook_size = audio.get("vocab_size", raw.get("codebook_size", DEFAULT_CODEBOOK_SIZE))
-        tie_modality = audio.get("tie_word_embeddings", raw.get("tie_modality_embeddings", True))
+        # audio_encoder_config is authoritative where it names a field (SPEC 1.1); null counts as absent.
+        num_codebooks = _opt(audio, "num_codebooks", _opt(raw, "num_codebooks", DEFAULT_NUM_CODEBOOKS))
+        codebook_size = _opt(audio, "vocab_size", _opt(raw, "codebook_size", DEFAULT_CODEBOOK_SIZE))
+        tie_modality = _opt(audio, "tie_word_embeddings", _opt(raw, "tie_modality_embeddings", True))
         known = {
             "model_type",
             "text_config",
@@ -171,15 +190,13 @@ class TalkerConfig:
             text=text,
             num_codebooks=_int(num_codebooks, "audio_encoder_config.num_codebooks"),
             codebook_size=_int(codebook_size, "audio_encoder_config.vocab_size"),
-            boc_id=_int(raw.get("audio_stream_bos_id", DEFAULT_BOC_ID), "audio_stream_bos_id"),
-            eoc_id=_int(raw.get("audio_stream_eos_id", DEFAULT_EOC_ID), "audio_stream_eos_id"),
+            boc_id=_int(_opt(raw, "audio_stream_bos_id", DEFAULT_BOC_ID), "audio_stream_bos_id"),
+            eoc_id=_int(_opt(raw, "audio_stream_eos_id", DEFAULT_EOC_ID), "audio_stream_eos_id"),
             tie_modality_embeddings=_bool(tie_modality, "audio_encoder_config.tie_word_embeddings"),
-            audio_hidden_size=_int(
-                text.hidden_size if audio.get("out_dim") is None else audio["out_dim"], "audio_encoder_config.out_dim"
-            ),
-            sample_rate=_int(raw.get("sample_rate", 24000), "sample_rate"),
-            frame_rate=_int(raw.get("frame_rate", 25), "frame_rate"),
-            audio_token_id=_int(raw.get("audio_token_id", -100), "audio_token_id"),
+            audio_hidden_size=_int(_opt(audio, "out_dim", text.hidden_size), "audio_encoder_config.out_dim"),
+            sample_rate=_int(_opt(raw, "sample_rate", 24000), "sample_rate"),
+            frame_rate=_int(_opt(raw, "frame_rate", 25), "frame_rate"),
+            audio_token_id=_int(_opt(raw, "audio_token_id", -100), "audio_token_id"),
             eos_token_id=_optional_eos(raw.get("eos_token_id")),
             extra={k: v for k, v in raw.items() if k not in known},
         )
@@ -193,6 +210,8 @@ class TalkerConfig:
             raise FileNotFoundError(f"no config.json at {file}")
         try:
             raw = json.loads(file.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{file} is not UTF-8 text, so not JSON: {exc}") from exc
         except json.JSONDecodeError as exc:
             raise ValueError(f"{file} is not valid JSON: {exc}") from exc
         return cls.from_dict(raw)
@@ -226,57 +245,64 @@ class TalkerConfig:
 
 
 def _text_config_from_dict(raw: dict[str, Any]) -> TextConfig:
-    model_type = raw.get("model_type", "qwen3")
+    model_type = _opt(raw, "model_type", "qwen3")
     if model_type != "qwen3":
         raise ValueError(f"text_config.model_type is {model_type!r}; only 'qwen3' backbones are supported")
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+    for name in _REQUIRED_TEXT_FIELDS:
         if name not in raw:
             raise ValueError(f"text_config is missing {name!r}")
     heads = _int(raw["num_attention_heads"], "text_config.num_attention_heads")
     hidden = _int(raw["hidden_size"], "text_config.hidden_size")
-    kv_heads = raw.get("num_key_value_heads")
-    head_dim = raw.get("head_dim")
-    if head_dim is None and heads > 0:
-        head_dim = hidden // heads
+    if heads <= 0:  # head_dim may be derived from it below
+        raise ValueError(f"text_config.num_attention_heads must be > 0, got {heads}")
     # RoPE theta may come flat (`rope_theta`) or nested (`rope_parameters`, transformers >= 5).
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope = _opt(raw, "rope_parameters", None) or _opt(raw, "rope_scaling", None) or {}
     if not isinstance(rope, dict):
         raise ValueError(f"text_config.rope_parameters must be an object, got {rope!r}")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", None):
         raise ValueError(f"text_config rope_type {rope_type!r} is not supported (only 'default')")
-    theta = raw.get("rope_theta", rope.get("rope_theta", DEFAULT_ROPE_THETA))
+    theta = _opt(raw, "rope_theta", _opt(rope, "rope_theta", DEFAULT_ROPE_THETA))
     return TextConfig(
         vocab_size=_int(raw["vocab_size"], "text_config.vocab_size"),
         hidden_size=hidden,
         intermediate_size=_int(raw["intermediate_size"], "text_config.intermediate_size"),
         num_hidden_layers=_int(raw["num_hidden_layers"], "text_config.num_hidden_layers"),
         num_attention_heads=heads,
-        num_key_value_heads=_int(heads if kv_heads is None else kv_heads, "text_config.num_key_value_heads"),
-        head_dim=_int(head_dim, "text_config.head_dim"),
-        rms_norm_eps=_float(raw.get("rms_norm_eps", 1e-6), "text_config.rms_norm_eps"),
+        num_key_value_heads=_int(_opt(raw, "num_key_value_heads", heads), "text_config.num_key_value_heads"),
+        head_dim=_int(_opt(raw, "head_dim", hidden // heads), "text_config.head_dim"),
+        rms_norm_eps=_float(_opt(raw, "rms_norm_eps", 1e-6), "text_config.rms_norm_eps"),
         rope_theta=_float(theta, "text_config.rope_theta"),
-        max_position_embeddings=_int(raw.get("max_position_embeddings", 32768), "text_config.max_position_embeddings"),
-        tie_word_embeddings=_bool(raw.get("tie_word_embeddings", True), "text_config.tie_word_embeddings"),
-        attention_bias=_bool(raw.get("attention_bias", False), "text_config.attention_bias"),
+        max_position_embeddings=_int(
+            _opt(raw, "max_position_embeddings", 32768), "text_config.max_position_embeddings"
+        ),
+        tie_word_embeddings=_bool(_opt(raw, "tie_word_embeddings", True), "text_config.tie_word_embeddings"),
+        attention_bias=_bool(_opt(raw, "attention_bias", False), "text_config.attention_bias"),
     )
 
 
-def _validate(cfg: TalkerConfig) -> None:
-    t = cfg.text
-    for name in (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "max_position_embeddings",
-    ):
-        value = getattr(t, name)
-        if value <= 0:
-            raise ValueError(f"text_config.{name} must be > 0, got {value}")
+_TEXT_INT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+
+
+def _validate_text(t: TextConfig) -> None:
+    """Types and ranges of every backbone field, then the relations between them."""
+    for name in _TEXT_INT_FIELDS:
+        _in_range(_int(getattr(t, name), f"text_config.{name}"), f"text_config.{name}", 1, INT32_MAX)
+    if t.num_hidden_layers > MAX_LAYERS:
+        raise ValueError(f"text_config.num_hidden_layers must be at most {MAX_LAYERS}, got {t.num_hidden_layers}")
+    for name in ("rms_norm_eps", "rope_theta"):
+        _float(getattr(t, name), f"text_config.{name}")
+    for name in ("tie_word_embeddings", "attention_bias"):
+        _bool(getattr(t, name), f"text_config.{name}")
     if t.num_attention_heads % t.num_key_value_heads:
         raise ValueError(
             f"text_config.num_attention_heads ({t.num_attention_heads}) is not a multiple of "
@@ -288,10 +314,23 @@ def _validate(cfg: TalkerConfig) -> None:
         raise ValueError(f"text_config.rms_norm_eps must be a finite value > 0, got {t.rms_norm_eps}")
     if not (t.rope_theta > 0 and math.isfinite(t.rope_theta)):
         raise ValueError(f"text_config.rope_theta must be a finite value > 0, got {t.rope_theta}")
-    if cfg.num_codebooks <= 0:
-        raise ValueError(f"num_codebooks must be > 0, got {cfg.num_codebooks}")
+
+
+def _validate(cfg: TalkerConfig) -> None:
+    """Types and ranges of every field, then the relations between them (also for directly built dataclasses)."""
+    t = cfg.text
+    if not isinstance(t, TextConfig):
+        raise ValueError(f"text must be a TextConfig, got {type(t).__name__}")
+    _in_range(_int(cfg.num_codebooks, "num_codebooks"), "num_codebooks", 1, INT32_MAX)
+    name = "codebook_size (audio_encoder_config.vocab_size)"
+    _in_range(_int(cfg.codebook_size, name), name, 1, INT32_MAX)
+    if cfg.num_codebooks * cfg.codebook_size > INT32_MAX:
+        raise ValueError(
+            f"num_codebooks x codebook_size ({cfg.num_codebooks} x {cfg.codebook_size}) must be at most "
+            f"{INT32_MAX}: it is the row count of the fused codebook table"
+        )
     for name in ("boc_id", "eoc_id"):
-        value = getattr(cfg, name)
+        value = _int(getattr(cfg, name), name)
         if not 0 <= value < cfg.codebook_size:
             raise ValueError(
                 f"{name} ({value}) must lie in [0, codebook_size={cfg.codebook_size}): codebook_size must "
@@ -301,20 +340,37 @@ def _validate(cfg: TalkerConfig) -> None:
         raise ValueError(f"audio_stream_bos_id and audio_stream_eos_id must differ, both are {cfg.boc_id}")
     if cfg.num_real_codes <= 0:
         raise ValueError(f"no real codes below BOC/EOC ({cfg.boc_id}/{cfg.eoc_id})")
+    _bool(cfg.tie_modality_embeddings, "tie_modality_embeddings")
     if cfg.audio_hidden_size is not None and cfg.audio_hidden_size != t.hidden_size:
         raise ValueError(
             f"audio_encoder_config.out_dim ({cfg.audio_hidden_size}) must equal text_config.hidden_size "
             f"({t.hidden_size}): audio feedback replaces a hidden row"
         )
-    if cfg.sample_rate <= 0 or cfg.frame_rate <= 0:
-        raise ValueError(f"sample_rate and frame_rate must be > 0, got {cfg.sample_rate} / {cfg.frame_rate}")
+    for name in ("sample_rate", "frame_rate"):
+        _in_range(_int(getattr(cfg, name), name), name, 1, INT32_MAX)
+    _in_range(_int(cfg.audio_token_id, "audio_token_id"), "audio_token_id", -INT32_MAX - 1, INT32_MAX)
+    if cfg.eos_token_id is not None:
+        _in_range(_int(cfg.eos_token_id, "eos_token_id"), "eos_token_id", 0, INT32_MAX)
+
+
+def _opt(raw: dict[str, Any], key: str, default: Any) -> Any:
+    """``raw[key]``, or ``default`` when the key is absent or null."""
+    value = raw.get(key)
+    return default if value is None else value
 
 
 def _int(value: Any, name: str) -> int:
+    """A JSON integer (not a bool, not an integral float such as 64.0, which transformers' strict configs refuse)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
         raise ValueError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _in_range(value: int, name: str, lo: int, hi: int) -> int:
+    if value < lo and lo in (0, 1):
+        raise ValueError(f"{name} must be {'>= 0' if lo == 0 else '> 0'}, got {value}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must lie in [{lo}, {hi}], got {value}")
     return value
 
 
@@ -341,6 +397,97 @@ def _optional_eos(value: Any) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# memory needed to build a model of a config (checked before anything is allocated)
+
+# Bytes per element of the RoPE table while it is built: the fp32 buffer the model registers, plus the float64
+# angles, cos, sin and their concatenation, plus the fp32 result (ops.rope_cache).
+_ROPE_BUILD_BYTES = 4 + 4 + 4 + 4 + 8 + 4
+
+
+def parameter_count(cfg: TalkerConfig) -> int:
+    """Parameters of the model ``cfg`` describes (tied tables counted once), from the config alone."""
+    return sum(n for n, _ in _parameter_terms(cfg).values())
+
+
+def _parameter_terms(cfg: TalkerConfig) -> dict[str, tuple[int, str]]:
+    """name -> (parameters, the config fields that set them)."""
+    t = cfg.text
+    h = t.hidden_size
+    rows = cfg.num_codebooks * cfg.codebook_size
+    layer = 2 * h + (t.q_size + 2 * t.kv_size) * h + t.q_size * h + 3 * t.intermediate_size * h + 2 * t.head_dim
+    if t.attention_bias:
+        layer += t.q_size + 2 * t.kv_size
+    vocab = f"vocab_size x hidden_size = {t.vocab_size} x {h}"
+    table = f"num_codebooks x codebook_size x hidden_size = {cfg.num_codebooks} x {cfg.codebook_size} x {h}"
+    terms = {
+        "text embedding": (t.vocab_size * h, vocab),
+        "codebook table": (rows * h, table),
+        "layers": (t.num_hidden_layers * layer + h, f"num_hidden_layers = {t.num_hidden_layers}, {layer} each"),
+    }
+    if not t.tie_word_embeddings:
+        terms["text head"] = (t.vocab_size * h, vocab)
+    if not cfg.tie_modality_embeddings:
+        terms["codebook head"] = (rows * h, table)
+    return terms
+
+
+def build_bytes(cfg: TalkerConfig, itemsize: int) -> tuple[int, str]:
+    """Peak bytes of building the model in a dtype of ``itemsize`` bytes, and its largest part in words.
+
+    The weights are materialised in float32 and then cast (``api._empty_model``), so each parameter costs
+    ``max(4, itemsize)`` bytes at the peak; the RoPE table costs ``_ROPE_BUILD_BYTES`` per entry while it is built.
+    """
+    t = cfg.text
+    parts = {name: (n * max(4, itemsize), why) for name, (n, why) in _parameter_terms(cfg).items()}
+    rope = f"max_position_embeddings x head_dim = {t.max_position_embeddings} x {t.head_dim}"
+    parts["RoPE table"] = (t.max_position_embeddings * t.head_dim * _ROPE_BUILD_BYTES, rope)
+    name, (size, why) = max(parts.items(), key=lambda kv: kv[1][0])
+    return sum(b for b, _ in parts.values()), f"{name}: {why}, {size / 2**30:.3g} GiB"
+
+
+def available_memory(device: Any) -> int:
+    """Bytes that can still be allocated on ``device`` (a ``torch.device``).
+
+    CUDA: the free memory ``torch.cuda.mem_get_info`` reports, plus what PyTorch's caching allocator holds
+    unused (it reuses that before asking the driver). CPU: ``MemAvailable`` of ``/proc/meminfo``
+    (free pages plus reclaimable page cache; ``os.sysconf``'s free pages where that file is missing), and no
+    more than the cgroup v2 memory limit leaves, where one is set.
+    """
+    if device.type == "cuda":
+        import torch
+
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(torch.cuda.mem_get_info(device)[0]) + cached
+    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            avail = min(avail, max(int(limit) - used, 0))
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def check_fits_device(cfg: TalkerConfig, device: Any, dtype: Any) -> None:
+    """Raise ``ValueError`` before allocating when the model of ``cfg`` in ``dtype`` cannot fit on ``device``."""
+    need, largest = build_bytes(cfg, dtype.itemsize)
+    avail = available_memory(device)
+    if need > avail:
+        raise ValueError(
+            f"a model of this config does not fit on {device}: building it needs about {need / 2**30:.3g} GiB "
+            f"({parameter_count(cfg):,} parameters in {str(dtype).removeprefix('torch.')}; largest part: "
+            f"{largest}), but only {avail / 2**30:.3g} GiB is available"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
 # transformers integration
 
 
@@ -361,9 +508,10 @@ def hf_config_class() -> type:
             def __init__(
                 self, text_config: dict | None = None, audio_encoder_config: dict | None = None, **kwargs: Any
             ) -> None:
-                if not isinstance(text_config, PretrainedConfig):
-                    fields = {k: v for k, v in (text_config or {}).items() if k != "model_type"}
-                    text_config = Qwen3Config(**fields)
+                if isinstance(text_config, dict):
+                    text_config = Qwen3Config(**_qwen3_fields(text_config))
+                elif not isinstance(text_config, PretrainedConfig):
+                    text_config = Qwen3Config()
                 self.text_config = text_config
                 self.audio_encoder_config = audio_encoder_config or {
                     "encoder_type": "discrete",
@@ -390,6 +538,20 @@ def hf_config_class() -> type:
 
 
 _HF_CONFIG_CLASS: type | None = None
+
+
+def _qwen3_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """``Qwen3Config`` keyword arguments for a raw ``text_config``, checked and resolved by our own parser first:
+    a bad value raises our ``ValueError`` naming the field (not transformers' strict-dataclass error), and the
+    fields we resolve (a null or missing ``head_dim``, ``tie_word_embeddings``, ...) reach transformers with the
+    values the runtime uses. Fields we do not read pass through unchanged."""
+    resolved = asdict(_text_config_from_dict(raw))
+    theta = resolved.pop("rope_theta")
+    fields = {k: v for k, v in raw.items() if k != "model_type" and not (k == "rope_theta" and v is None)}
+    rope = _opt(raw, "rope_parameters", None) or _opt(raw, "rope_scaling", None) or {}
+    if "rope_theta" not in fields and "rope_theta" not in rope:
+        fields["rope_theta"] = theta  # our default (1e6, the 4B's), not transformers' 10000
+    return fields | resolved  # RoPE settings that were given go as they came (flat or nested)
 
 
 def register_hf_config() -> bool:

@@ -96,8 +96,8 @@ class TalkerTokenizer:
         register_hf_config()  # AutoTokenizer reads config.json; let it know our model_type
         try:
             tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"could not load a tokenizer from {path}: {exc}") from exc
+        except Exception as exc:  # tokenizers raises plain Exception (and KeyError, ...) for a malformed file
+            raise ValueError(f"could not load a tokenizer from {path}: {type(exc).__name__}: {exc}") from exc
         return cls(tok, resolve_special_tokens(tok, cfg), cfg.text.max_position_embeddings)
 
     def encode(self, text: str) -> list[int]:

@@ -66,3 +66,54 @@ def rel_err(got: Tensor, want: Tensor) -> float:
     """Norm-wise relative error ``|got - want| / |want|`` in float64."""
     got, want = got.double(), want.double()
     return ((got - want).norm() / want.norm()).item()
+
+
+def sum_bound(terms: Tensor, dim: int, dtype: torch.dtype | None = None) -> Tensor:
+    """Elementwise bound on the difference of two evaluations of ``terms.sum(dim)`` in ``dtype`` (default: the
+    terms' dtype): ``2 gamma_K sum|terms|`` with ``K = terms.shape[dim]`` (a sum is a dot product with ones, so
+    Eq. 3.5 applies, in any summation order), computed in float64."""
+    k = terms.shape[dim]
+    return 2 * gamma(k, dtype or terms.dtype) * terms.double().abs().sum(dim)
+
+
+def assert_within(got: Tensor, want: Tensor, bound: Tensor, what: str = "results") -> None:
+    """Assert ``|got - want| <= bound`` everywhere (float64)."""
+    diff = (got.double() - want.double()).abs()
+    worst = (diff - bound).max().item()
+    assert worst <= 0, f"{what} differ by up to {diff.max().item():.3g}, beyond the rounding bound"
+
+
+def kernel_rel_tol(
+    store: torch.dtype,
+    roundings: int = 1,
+    reductions: Iterable[int] = (),
+    ops: int = 0,
+    accumulate: torch.dtype = torch.float32,
+) -> float:
+    """Norm-wise relative error bound of a fused low-precision kernel against a reference evaluated in
+    ``accumulate`` on the same inputs (already rounded to ``store``) and left unrounded.
+
+    The kernel computes in ``accumulate`` and rounds its result ``roundings`` times to ``store``: ``roundings *
+    u_store``. Both sides then differ from the exact result by their own accumulate-dtype error,
+    ``chain_rel_tol(reductions, ops, accumulate)`` each: gamma_K per reduction of length K, ``u`` per
+    elementwise operation (count an approximate intrinsic such as ``rsqrt.approx`` as the few ``u`` its
+    documented error is). Where every element's relative error is within a bound, so is the norm-wise
+    ``rel_err``: ``|got_i - want_i| <= e |want_i|`` for all i gives ``||got - want|| <= e ||want||``.
+    First order, like ``chain_rel_tol``.
+    """
+    return roundings * unit_roundoff(store) + 2 * chain_rel_tol(reductions, ops, accumulate)
+
+
+def qwen3_chain(
+    hidden: int, heads: int, head_dim: int, intermediate: int, layers: int, context: int
+) -> tuple[list[int], int]:
+    """The reductions (their lengths) and stored roundings of one forward pass of a Qwen3 decoder.
+
+    Per layer: RMSNorm (K = hidden), q/k/v (hidden), QK-norm (head_dim), scores (head_dim), softmax sum and
+    P @ V (context), o_proj (q_size), RMSNorm (hidden), gate/up (hidden), down (intermediate); the final
+    RMSNorm. Stored roundings per layer: norm, q/k/v, QK-norm, RoPE, attention, o_proj, residual, norm,
+    gate/up, SiLU-mul, down, residual (12), plus the final norm's.
+    """
+    per_layer = [hidden, hidden, head_dim, head_dim, context, context, heads * head_dim]
+    per_layer += [hidden, hidden, intermediate]
+    return per_layer * layers + [hidden], 12 * layers + 1

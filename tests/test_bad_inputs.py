@@ -16,8 +16,10 @@ import json
 import math
 import re
 import shutil
+import time
 import weakref
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -207,11 +209,69 @@ def no_config(d: Path) -> None:
     (d / "config.json").unlink()
 
 
+def latin1_config(d: Path) -> None:
+    """config.json saved in Latin-1 (a non-ASCII value in an unknown field), not UTF-8."""
+    raw = json.loads((d / "config.json").read_text())
+    raw["description"] = "voix française"
+    (d / "config.json").write_bytes(json.dumps(raw, ensure_ascii=False).encode("latin-1"))
+
+
 def nothing(d: Path) -> None:
     pass
 
 
 E = re.escape
+# Configs that used to fail late: inside transformers (a float size, head_dim null), in the allocator (sizes of
+# 1e9-1e12), or never (10**7 layers hang). Each is now refused before the model is built, naming the field
+# (test_config_errors_come_before_any_allocation; nothing is built, so nothing can be left behind).
+CONFIG_VS_HEADER = [
+    (dict(text_config__hidden_size=64.0), E("text_config.hidden_size must be an integer, got 64.0"), "cfg-float-size"),
+    (
+        dict(text_config__head_dim=None),
+        E("text_config.head_dim (16) does not match the checkpoint: 'body.layers.0.self_attn.q_norm.weight' "
+          "has shape [32], expected [16]"),
+        "cfg-head-dim-null",
+    ),
+    (dict(text_config__vocab_size=10**12), E("text_config.vocab_size must lie in [1, 2147483647]"), "cfg-vocab-1e12"),
+    (
+        dict(text_config__vocab_size=10**9),
+        E("text_config.vocab_size (1000000000) does not match the checkpoint: 'tied.embedding.text_embedding.weight' "
+          "has shape [320, 64], expected [1000000000, 64]"),
+        "cfg-vocab-1e9",
+    ),
+    (
+        dict(text_config__num_attention_heads=10**6),
+        E("text_config.num_attention_heads x head_dim (1000000 x 32 = 32000000) does not match the checkpoint"),
+        "cfg-heads-1e6",
+    ),
+    (
+        dict(text_config__intermediate_size=10**8),
+        E("text_config.intermediate_size (100000000) does not match the checkpoint"),
+        "cfg-intermediate-1e8",
+    ),
+    (
+        dict(audio_encoder_config__vocab_size=10**10),
+        E("codebook_size (audio_encoder_config.vocab_size) must lie in [1, 2147483647], got 10000000000"),
+        "cfg-codebook-1e10",
+    ),
+    (
+        dict(audio_encoder_config__vocab_size=10**8),
+        E("audio_encoder_config.num_codebooks x vocab_size (8 x 100000000 = 800000000) does not match"),
+        "cfg-codebook-1e8",
+    ),
+    (dict(text_config__num_hidden_layers=10**7), E("num_hidden_layers must be at most 1024"), "cfg-layers-1e7"),
+    (
+        dict(text_config__num_hidden_layers=500),
+        E("text_config.num_hidden_layers is 500, but the checkpoint holds 3 (layers 0..2)"),
+        "cfg-layers-500",
+    ),
+    (
+        # matches every tensor, but its RoPE table (2e9 x 32 x 28 bytes while built) fits no machine
+        dict(text_config__max_position_embeddings=2 * 10**9),
+        "does not fit on cpu: .* largest part: RoPE table: max_position_embeddings x head_dim = 2000000000 x 32",
+        "cfg-max-positions-2e9",
+    ),
+]  # fmt: skip
 LOADER_CASES = [
     # config.json
     pytest.param(edit_config(model_type="qwen3"), ValueError, "model_type is 'qwen3'", id="cfg-model-type"),
@@ -252,6 +312,7 @@ LOADER_CASES = [
         edit_config(audio_encoder_config__encoder_type="continuous"), ValueError, "'continuous'", id="cfg-encoder"
     ),
     pytest.param(garble_config, ValueError, "config.json is not valid JSON", id="cfg-not-json"),
+    pytest.param(latin1_config, ValueError, "config.json is not UTF-8 text", id="cfg-not-utf8"),
     pytest.param(no_config, FileNotFoundError, "no config.json", id="cfg-missing"),
     # weights
     pytest.param(
@@ -495,6 +556,17 @@ CALL_CASES = [
     pytest.param(params(temperature=math.inf), ValueError, "got inf", id="temperature-inf"),
     pytest.param(params(temperature=-0.5), ValueError, "got -0.5", id="temperature-negative"),
     pytest.param(params(max_frames=-3), ValueError, "max_frames must be an integer > 0, got -3", id="max-frames-neg"),
+    # values the engine could not store (float32 temperature, bounded frame counts): refused up front, by name
+    pytest.param(
+        params(temperature=1e308),
+        ValueError,
+        E("temperature must be a finite number in [0, 3.40282e+38]"),
+        id="temperature-above-float32",
+    ),
+    pytest.param(
+        params(max_frames=2**31), ValueError, E(f"max_frames must be at most {2**31 - 1}"), id="max-frames-big"
+    ),
+    pytest.param(gen(max_frames=10**20), ValueError, "got 100000000000000000000", id="generate-max-frames-huge"),
     pytest.param(params(seed=-1), ValueError, "got -1", id="seed-negative"),
     pytest.param(params(seed=2**63), ValueError, E(f"got {2**63}"), id="seed-too-big"),
     pytest.param(gen(max_frames=0), ValueError, "max_frames must be an integer > 0, got 0", id="generate-max-frames-0"),
@@ -586,6 +658,24 @@ def test_engine_rejects_token_outside_vocab(own_talker: HiggsTalker) -> None:
             e.pop_finished(rid)
 
 
+def test_huge_top_k_generates_like_top_k_off(own_talker: HiggsTalker, probe_rows) -> None:
+    """top_k 10**20 used to overflow the engine's int64 store at step(); any k >= codebook size means off."""
+    assert torch.equal(own_talker.generate(PROBE_TEXT, replace(PROBE, top_k=10**20)).rows, probe_rows)
+    assert_idle(own_talker)
+
+
+def test_numpy_sampling_params_generate_like_python_ones(own_talker: HiggsTalker, probe_rows) -> None:
+    """np.int64 / np.float32 used to be refused (np.float64 passed); the engine holds temperature in float32."""
+    params = SamplingParams(seed=np.int64(7), temperature=np.float32(0.9), max_frames=np.int64(12))
+    assert torch.equal(own_talker.generate(PROBE_TEXT, params).rows, probe_rows)
+
+
+def test_largest_float32_temperature_generates(own_talker: HiggsTalker) -> None:
+    result = own_talker.generate(PROBE_TEXT, replace(PROBE, temperature=torch.finfo(torch.float32).max))
+    assert result.finish_reason in ("eoc", "max_frames") and result.num_rows > 0
+    assert_idle(own_talker)
+
+
 def test_prefill_fault_is_loud_or_harmless(own_talker: HiggsTalker, probe_rows, monkeypatch) -> None:
     e = own_talker.engine
     model = own_talker.model
@@ -616,3 +706,52 @@ def test_prefill_fault_is_loud_or_harmless(own_talker: HiggsTalker, probe_rows, 
         for r in list(e.requests):
             e.cancel(r)
             e.pop_finished(r)
+
+
+@pytest.mark.parametrize(("change", "match"), [pytest.param(c, m, id=i) for c, m, i in CONFIG_VS_HEADER])
+def test_config_errors_come_before_any_allocation(
+    change, match, tiny_dir: Path, tmp_path: Path, monkeypatch, own_talker
+) -> None:
+    """Refused from the config and the safetensors header alone: the model is never built, and it takes
+    milliseconds (a 10**7-layer config used to hang building layers; 1e12 rows to reach the allocator)."""
+    bad = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir, bad)
+    edit_config(**change)(bad)
+
+    def must_not_build(*args, **kwargs):
+        raise AssertionError("the model was built before the config was refused")
+
+    monkeypatch.setattr(api, "_empty_model", must_not_build)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=match):
+        HiggsTalker.from_pretrained(bad, **SMALL)
+    elapsed = time.perf_counter() - start
+    # typically 20-60 ms (tokenizer load included) on 2 CPU cores; the bound only catches a return of the hang
+    assert elapsed < 5.0, f"took {elapsed:.2f} s to refuse"
+
+
+def test_from_config_refuses_what_cannot_fit_before_allocating(monkeypatch) -> None:
+    from higgs_talker.tiny import tiny_config
+
+    def must_not_build(*args, **kwargs):
+        raise AssertionError("the model was built before the config was refused")
+
+    monkeypatch.setattr(api, "_empty_model", must_not_build)
+    cfg = tiny_config(text={"vocab_size": 2 * 10**9, "hidden_size": 20_000})  # 1.6e14 bytes of embedding alone
+    with pytest.raises(ValueError, match="does not fit on cpu") as err:
+        HiggsTalker.from_config(cfg)
+    assert "text embedding: vocab_size x hidden_size = 2000000000 x 20000" in str(err.value)
+    assert "GiB is available" in str(err.value)
+    with pytest.raises(TypeError, match="cfg must be a TalkerConfig, got dict"):
+        HiggsTalker.from_config(cfg.to_dict())
+
+
+def test_device_with_an_index_on_cpu_loads(tiny_dir: Path, probe_rows) -> None:
+    """'cpu:0' is the CPU; it used to reach safetensors as an invalid device string."""
+    assert_still_generates(remember_idle(HiggsTalker.from_pretrained(tiny_dir, device="cpu:0", **SMALL)), probe_rows)
+
+
+def test_checkpoint_path_that_is_a_file_is_refused(tiny_dir: Path, model_tracker) -> None:
+    with pytest.raises(ValueError, match=E(f"checkpoint {str(tiny_dir / 'config.json')!r} is a file")):
+        HiggsTalker.from_pretrained(tiny_dir / "config.json", **SMALL)
+    assert not model_tracker

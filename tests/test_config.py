@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 
-from higgs_talker.config import MODEL_TYPE, TalkerConfig, TextConfig, register_hf_config
+from higgs_talker.config import (
+    MODEL_TYPE,
+    TalkerConfig,
+    TextConfig,
+    available_memory,
+    build_bytes,
+    check_fits_device,
+    parameter_count,
+    register_hf_config,
+)
 from higgs_talker.tiny import tiny_config
 
 
@@ -265,3 +275,192 @@ def test_hf_config_save_pretrained_round_trip(tiny_dir, tmp_path):
     text = Qwen3Config(**{k: v for k, v in text_cfg(rope_theta=321.0).items() if k != "model_type"})
     cfg = type(hf)(text_config=text).to_talker_config()
     assert cfg.text.rope_theta == 321.0 and cfg.text.head_dim == 32 and cfg.num_codebooks == 8
+
+
+# ------------------------------------------------------------------------------------------ strict types, null
+
+
+def _set(raw: dict, section: str | None, key: str, value) -> dict:
+    node = raw if section is None else raw.setdefault(section, {})
+    node[key] = value
+    return raw
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "message"),
+    [
+        # integral floats pass a loose check, then fail inside transformers' strict Qwen3Config
+        ("text_config", "hidden_size", 64.0, "text_config.hidden_size must be an integer, got 64.0"),
+        ("text_config", "num_hidden_layers", 2.0, "text_config.num_hidden_layers must be an integer, got 2.0"),
+        ("text_config", "head_dim", 32.0, "text_config.head_dim must be an integer, got 32.0"),
+        ("text_config", "vocab_size", True, "text_config.vocab_size must be an integer, got True"),
+        ("text_config", "vocab_size", None, "text_config.vocab_size must be an integer, got None"),
+        ("text_config", "num_attention_heads", None, "text_config.num_attention_heads must be an integer, got None"),
+        ("text_config", "attention_bias", 0, "text_config.attention_bias must be true or false, got 0"),
+        (
+            "audio_encoder_config",
+            "num_codebooks",
+            8.0,
+            "audio_encoder_config.num_codebooks must be an integer, got 8.0",
+        ),
+        ("audio_encoder_config", "out_dim", 64.0, "audio_encoder_config.out_dim must be an integer, got 64.0"),
+        (None, "sample_rate", 24000.0, "sample_rate must be an integer, got 24000.0"),
+        (None, "audio_stream_bos_id", "1024", "audio_stream_bos_id must be an integer, got '1024'"),
+        (None, "eos_token_id", -5, "eos_token_id must be >= 0, got -5"),
+        # sizes nothing can hold: refused from the config alone, before any checkpoint is read
+        ("text_config", "vocab_size", 10**12, f"text_config.vocab_size must lie in [1, {2**31 - 1}], got {10**12}"),
+        ("text_config", "intermediate_size", 2**31, f"text_config.intermediate_size must lie in [1, {2**31 - 1}]"),
+        ("text_config", "num_hidden_layers", 10**7, "text_config.num_hidden_layers must be at most 1024, got 10000000"),
+        ("text_config", "max_position_embeddings", 2**40, "text_config.max_position_embeddings must lie in"),
+        (
+            "audio_encoder_config",
+            "vocab_size",
+            10**10,
+            f"codebook_size (audio_encoder_config.vocab_size) must lie in [1, {2**31 - 1}], got {10**10}",
+        ),
+        (
+            "audio_encoder_config",
+            "vocab_size",
+            300_000_000,
+            "num_codebooks x codebook_size (8 x 300000000) must be at most 2147483647",
+        ),
+    ],
+)
+def test_strict_types_and_representable_sizes(section, key, value, message):
+    raw = _set(raw_cfg(), section, key, value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TalkerConfig.from_dict(raw)
+
+
+def test_dataclasses_check_types_too():
+    """from_config() takes a TalkerConfig built in Python: a float size must not reach the model constructor."""
+    with pytest.raises(ValueError, match=re.escape("text_config.hidden_size must be an integer, got 64.0")):
+        TalkerConfig(text=TextConfig(320, 64.0, 128, 2, 4, 2, 16))
+    with pytest.raises(ValueError, match=re.escape("text_config.num_hidden_layers must be at most 1024, got 1025")):
+        TalkerConfig(text=TextConfig(320, 64, 128, 1025, 4, 2, 16))
+    with pytest.raises(ValueError, match=re.escape("tie_modality_embeddings must be true or false, got 1")):
+        TalkerConfig(text=TextConfig(320, 64, 128, 2, 4, 2, 16), tie_modality_embeddings=1)
+
+
+NULLABLE = [
+    ("text_config", "num_key_value_heads"),
+    ("text_config", "head_dim"),
+    ("text_config", "rms_norm_eps"),
+    ("text_config", "rope_theta"),
+    ("text_config", "max_position_embeddings"),
+    ("text_config", "tie_word_embeddings"),
+    ("text_config", "attention_bias"),
+    ("text_config", "model_type"),
+    ("audio_encoder_config", "num_codebooks"),
+    ("audio_encoder_config", "vocab_size"),
+    ("audio_encoder_config", "out_dim"),
+    ("audio_encoder_config", "tie_word_embeddings"),
+    (None, "audio_stream_bos_id"),
+    (None, "audio_stream_eos_id"),
+    (None, "sample_rate"),
+    (None, "frame_rate"),
+    (None, "audio_token_id"),
+    (None, "eos_token_id"),
+]
+
+
+@pytest.mark.parametrize(("section", "key"), NULLABLE)
+def test_null_means_the_field_is_absent(section, key):
+    full = tiny_config(tie_modality_embeddings=False).to_dict()  # names every field
+    absent, null = copy.deepcopy(full), copy.deepcopy(full)
+    del (absent if section is None else absent[section])[key]
+    _set(null, section, key, None)
+    assert TalkerConfig.from_dict(null) == TalkerConfig.from_dict(absent)
+
+
+def test_null_or_missing_head_dim_is_derived_and_transformers_sees_the_same(tiny_dir, tmp_path):
+    """head_dim: null used to reach transformers as None (StrictDataclassFieldValidationError); a missing one
+    became transformers' default 128 in the HF view while the runtime derived hidden // heads (and a missing
+    tie_word_embeddings / rope_theta took transformers' defaults there, not ours)."""
+    from transformers import AutoConfig
+
+    register_hf_config()
+    raw = json.loads((tiny_dir / "config.json").read_text())
+    for variant in ("null", "missing"):
+        edited = copy.deepcopy(raw)
+        if variant == "null":
+            edited["text_config"]["head_dim"] = None
+        else:
+            del edited["text_config"]["head_dim"]
+            del edited["text_config"]["tie_word_embeddings"]  # transformers' default is false, ours true
+            del edited["text_config"]["rope_theta"]  # transformers' default is 10000, ours 1e6
+        d = tmp_path / variant
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(edited))
+        cfg = TalkerConfig.from_pretrained(d)
+        assert cfg.text.head_dim == 64 // 4
+        assert cfg.text.rope_theta == (10000.0 if variant == "null" else 1e6)
+        hf = AutoConfig.from_pretrained(str(d))
+        assert hf.text_config.head_dim == 16 and hf.text_config.tie_word_embeddings is True
+        assert hf.to_talker_config() == cfg
+
+
+def test_hf_config_class_raises_our_error_naming_the_field():
+    from higgs_talker.config import hf_config_class
+
+    cls = hf_config_class()
+    with pytest.raises(ValueError, match=re.escape("text_config.hidden_size must be an integer, got 64.0")):
+        cls(text_config=text_cfg(hidden_size=64.0))
+    with pytest.raises(ValueError, match=re.escape("text_config.num_hidden_layers must be at most 1024")):
+        cls(text_config=text_cfg(num_hidden_layers=10**7))  # transformers would build a 10**7-entry layer_types
+    assert cls().text_config.model_type == "qwen3"  # the no-argument form transformers itself uses still works
+
+
+def test_non_utf8_config_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_bytes(b'{"model_type": "\xff\xfe"}')
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'config.json'} is not UTF-8 text")):
+        TalkerConfig.from_pretrained(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------ memory estimate
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        tiny_config(),
+        tiny_config(tie_modality_embeddings=False),
+        tiny_config(text={"tie_word_embeddings": False, "attention_bias": True}),
+        tiny_config(num_codebooks=4, codebook_size=40, boc_id=32, eoc_id=33),
+    ],
+    ids=["tiny", "untied_modality", "untied_text_bias", "small_codebooks"],
+)
+def test_parameter_count_matches_the_model(cfg):
+    import torch
+
+    from higgs_talker.model import TalkerModel
+
+    with torch.device("meta"):
+        model = TalkerModel(cfg)
+    model.tie_weights()
+    assert parameter_count(cfg) == sum(p.numel() for p in model.parameters())
+
+
+def test_check_fits_device_compares_the_estimate_with_what_is_available(monkeypatch):
+    import torch
+
+    from higgs_talker import config
+
+    cfg = tiny_config()
+    need, _ = build_bytes(cfg, 2)
+    # bf16 weights are materialised in fp32 first: 4 bytes a parameter at the peak, plus the RoPE table's build
+    assert need == parameter_count(cfg) * 4 + 4096 * 32 * 28
+    monkeypatch.setattr(config, "available_memory", lambda device: need)
+    check_fits_device(cfg, torch.device("cpu"), torch.bfloat16)  # exactly enough
+    monkeypatch.setattr(config, "available_memory", lambda device: need - 1)
+    with pytest.raises(ValueError, match=r"needs about 0\.00\d+ GiB \(730,752 parameters in bfloat16; largest part"):
+        check_fits_device(cfg, torch.device("cpu"), torch.bfloat16)
+
+
+def test_available_cpu_memory_is_plausible():
+    import os
+
+    import torch
+
+    avail = available_memory(torch.device("cpu"))
+    assert 0 < avail <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

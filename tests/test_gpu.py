@@ -11,14 +11,28 @@ pytestmark = pytest.mark.gpu
 
 flashinfer = pytest.importorskip("flashinfer") if torch.cuda.is_available() else None
 
+from _tolerance import kernel_rel_tol, rel_err  # noqa: E402
+
 from higgs_talker import HiggsTalker, SamplingParams  # noqa: E402
 from higgs_talker.config import TalkerConfig, TextConfig  # noqa: E402
 from higgs_talker.ops import FlashInferKernels, TorchKernels, rope_cache  # noqa: E402
 
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
-    return ((got - want).norm() / want.norm()).item()
+# FlashInfer's norm, RoPE and activation kernels read bf16, compute in fp32 and round each output once to bf16
+# (include/flashinfer/norm.cuh, pos_enc.cuh, activation.cuh); the torch reference runs in fp32 on the same
+# bf16 values and is not rounded. So each output is within kernel_rel_tol(bf16, 1 rounding, ...) of it:
+# u_bf16 = 2**-8 from the rounding, plus both sides' fp32 error (tens of fp32 u, under 2% of the total).
+# Measured on the H200 (FlashInfer 0.6.18.post1, these inputs over 20 seeds): 1.59e-3 to 1.82e-3 for every
+# kernel, 0.41-0.47 u, against bounds of 3.91e-3 to 3.97e-3 (the old threshold was 1e-2).
+BF16 = torch.bfloat16
+RSQRT_APPROX = 3  # rsqrt.approx.f32: relative error <= 2**-22.9, under 3 fp32 u
+# RMSNorm: sum of squares over D (gamma_D), then / d, + eps, rsqrt, x * r, * w
+NORM_OPS = 4 + RSQRT_APPROX
+# SiLU-and-mul: __expf (2 + floor(1.2 |x|) ulp; randn inputs stay below |x| = 6, so 9 ulp = 18 u), 1 + e,
+# a fast division (2 ulp = 4 u), the product
+SILU_OPS = 18 + 1 + 4 + 1
+# RoPE: x1 cos - x2 sin per pair, two products and a sum; the rotation keeps norms, so the pairs' absolute
+# errors (3 u |(x1, x2)| each side) give a norm-wise 3 sqrt(2) u < 5 u
+ROPE_OPS = 5
 
 
 def medium_config(**text) -> TalkerConfig:
@@ -45,26 +59,39 @@ def test_fused_ops_match_torch_reference():
     x = torch.randn(37, 512, generator=g, device="cuda").bfloat16()
     r = torch.randn(37, 512, generator=g, device="cuda").bfloat16()
     w = (1 + 0.1 * torch.randn(512, generator=g, device="cuda")).bfloat16()
-    assert rel_err(fi.rms_norm(x, w, 1e-6), ref.rms_norm(x.float(), w.float(), 1e-6)) < 1e-2
+    norm_tol = kernel_rel_tol(BF16, 1, [512], NORM_OPS)  # 3.97e-3 (was 1e-2)
+    assert rel_err(fi.rms_norm(x, w, 1e-6), ref.rms_norm(x.float(), w.float(), 1e-6)) <= norm_tol
     qkv = torch.randn(37, 8 * 64 + 2 * 2 * 64, generator=g, device="cuda").bfloat16()
     q = qkv[:, : 8 * 64].reshape(37, 8, 64)  # a strided view, as the model passes it
     wq = (1 + 0.1 * torch.randn(64, generator=g, device="cuda")).bfloat16()
-    assert rel_err(fi.rms_norm(q, wq, 1e-6), ref.rms_norm(q.float(), wq.float(), 1e-6)) < 1e-2
+    qk_norm_tol = kernel_rel_tol(BF16, 1, [64], NORM_OPS)  # per head, D = 64
+    assert rel_err(fi.rms_norm(q, wq, 1e-6), ref.rms_norm(q.float(), wq.float(), 1e-6)) <= qk_norm_tol
     want_h, want_r = ref.fused_add_rms_norm(x.float(), r.float(), w.float(), 1e-6)
     got_h, got_r = fi.fused_add_rms_norm(x.clone(), r.clone(), w, 1e-6)
-    assert rel_err(got_h, want_h) < 1e-2 and rel_err(got_r, want_r) < 1e-2
+    # the sum x + r is one fp32 add, rounded once to bf16 as the residual; the norm reads the fp32 sum
+    assert rel_err(got_r, want_r) <= kernel_rel_tol(BF16, 1, [], 1)
+    assert rel_err(got_h, want_h) <= kernel_rel_tol(BF16, 1, [512], 1 + NORM_OPS)
     cos_sin = rope_cache(64, 4096, 1e6, "cuda")
     pos = torch.randint(0, 4096, (37,), generator=g, device="cuda")
     qh = torch.randn(37, 8, 64, generator=g, device="cuda").bfloat16()
     kh = torch.randn(37, 2, 64, generator=g, device="cuda").bfloat16()
     wq_, wk_ = ref.rope(pos, qh.float(), kh.float(), cos_sin)
     gq, gk = fi.rope(pos, qh.clone(), kh.clone(), cos_sin)
-    assert rel_err(gq, wq_) < 1e-2 and rel_err(gk, wk_) < 1e-2
+    rope_tol = kernel_rel_tol(BF16, 1, [], ROPE_OPS)  # the cos/sin table is the same fp32 tensor on both sides
+    assert rel_err(gq, wq_) <= rope_tol and rel_err(gk, wk_) <= rope_tol
     gu = torch.randn(37, 2 * 384, generator=g, device="cuda").bfloat16()
-    assert rel_err(fi.silu_and_mul(gu), ref.silu_and_mul(gu.float())) < 1e-2
+    assert rel_err(fi.silu_and_mul(gu), ref.silu_and_mul(gu.float())) <= kernel_rel_tol(BF16, 1, [], SILU_OPS)
 
 
 # --------------------------------------------------------------------------------------------------- attention
+
+# Attention is not bounded usefully in the worst case: an output is a softmax-weighted average, and rounding the
+# weights P to bf16 (tensor-core and XQA kernels do) moves it by up to u * sum(p |v|), which for random v is
+# ~sqrt(context) times |out|. The rounding errors are independent, though, so the norm-wise error settles near
+# u * sqrt(r / 3) for r rounding stages (bf16 SDPA measured 2.2e-3, one stage at 0.56 u; XQA with split KV up to
+# 3.97e-3, attention_20261130-220134.json). This threshold, 1.28 u, is what the kernels were seen to meet
+# (research runs in shared/GPU.md reached 4.9e-3), not a derived bound; a wrong mask or index is O(1).
+ATTENTION_TOL = 5e-3
 
 
 def _attention(caches, kernel: str, scratch_block: int, max_batch: int = 64, max_model_len: int = 8192):
@@ -100,7 +127,7 @@ def test_decode_kernels_vs_float64(kernel, batch, ctx):
     keys, values = keys.repeat_interleave(4, dim=1), values.repeat_interleave(4, dim=1)
     scores = torch.einsum("bhd,bhtd->bht", q.double(), keys) / 128**0.5
     want = torch.einsum("bht,bhtd->bhd", scores.softmax(-1), values)
-    assert rel_err(out, want) <= 5e-3
+    assert rel_err(out, want) <= ATTENTION_TOL
 
 
 def test_prefill_matches_sdpa_reference():
@@ -130,7 +157,7 @@ def test_prefill_matches_sdpa_reference():
     ref = SdpaAttention([cache_ref], 32, 8, 128, 8192)
     ref.plan(batch)
     want = ref.forward(0, q.float(), k.float(), v.float())
-    assert rel_err(got, want) <= 5e-3
+    assert rel_err(got, want) <= ATTENTION_TOL
 
 
 # --------------------------------------------------------------------------------------------------- graph modes

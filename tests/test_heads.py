@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+import re
 
+import numpy as np
 import pytest
 import torch
+from _tolerance import assert_matmul_close, assert_within, chain_rel_tol, sum_bound, unit_roundoff
 
 from higgs_talker.heads.codebooks import FusedCodebookEmbedding, FusedCodebookHead
 from higgs_talker.heads.delay import (
@@ -18,6 +21,7 @@ from higgs_talker.heads.delay import (
     update_state,
 )
 from higgs_talker.heads.sampling import (
+    TOP_K_CAP,
     SamplingParams,
     exponential_noise,
     race_scores,
@@ -63,11 +67,14 @@ def test_embedding_shapes_and_independent_reference():
     out = emb(codes)
     assert out.shape == (3, 5, 16)
     ref = torch.zeros(3, 5, 16)
+    rows = torch.zeros(3, 5, N, 16)  # the N terms of each sum
     for i in range(3):
         for j in range(5):
             for c in range(N):
-                ref[i, j] += w[c * V + int(codes[i, j, c])]
-    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+                rows[i, j, c] = w[c * V + int(codes[i, j, c])]
+                ref[i, j] += rows[i, j, c]  # summed in order, in fp32
+    # two fp32 sums of the same N = 8 rows, in different orders: within 2 gamma_8 sum|rows| of each other
+    assert_within(out, ref, sum_bound(rows, dim=2), "summed codebook rows")
     assert emb(codes[0, 0]).shape == (16,)
 
 
@@ -95,7 +102,9 @@ def test_head_logits(tied):
     assert logits.shape == (4, N, V)
     w = head.weight.detach()
     for c in (0, 3, N - 1):
-        torch.testing.assert_close(logits[:, c], hidden @ w[c * V : (c + 1) * V].T, rtol=1e-5, atol=1e-5)
+        # a slice of the fused [4, N * V] product against the codebook's own product: K = 16, 2 gamma_16 |h||W|
+        table = w[c * V : (c + 1) * V]
+        assert_matmul_close(logits[:, c], hidden @ table.T, hidden, table)
     if tied:
         assert head.weight is emb.weight
         assert head.weight.data_ptr() == emb.weight.data_ptr()
@@ -448,6 +457,11 @@ def test_top_k_top_p_filter_matches_reference():
     out = top_k_top_p_filter(logits, top_k, top_p)
     assert out.shape == logits.shape
     kept = torch.isfinite(out)
+    # The filter's fp32 "mass before" and this test's fp32 cumsum each sit within an fp32 softmax (a V-term sum;
+    # the shift by the max, exp, division: relative errors up to a few u weighted by masses that sum to 1, 8 u
+    # allowed) and a V-term prefix sum of the exact masses; closer to p than both errors together, either
+    # answer is right.
+    boundary = 2 * chain_rel_tol([v, v], 8, torch.float32)
     assert torch.equal(out[kept], logits[kept])  # survivors keep their logits
     checked = 0
     for i in range(m):
@@ -457,7 +471,7 @@ def test_top_k_top_p_filter_matches_reference():
         topk_only = reference_filter(row, k, 1.0)
         probs = torch.softmax(torch.tensor([x if w else NEG for x, w in zip(row, topk_only, strict=True)]), 0)
         cum = probs.sort(descending=True).values.cumsum(0)
-        if p < 1.0 and (cum - p).abs().min() < 1e-5:
+        if p < 1.0 and (cum - p).abs().min() < boundary:
             continue
         assert kept[i].tolist() == want, (i, k, p)
         checked += 1
@@ -560,7 +574,8 @@ EXTREME_WORDS = [(0, 789, 0, 862), (7, 108, 0, 656), (7, 2014, 6, 857), (0, 1993
 def test_extreme_hash_word_never_samples_a_masked_code(seed, step, codebook, code):
     noise = exponential_noise(torch.tensor([seed]), torch.tensor([step]), N, V)[0]
     assert noise[codebook, code] == noise.min()  # the smallest noise value of the whole frame: the u -> 1 end
-    assert 0 < noise[codebook, code] < 1e-6
+    # -log(1 - 2**-24) = 2**-24 (1 + 2**-25 + ...) rounds to 2**-24; a log accurate to 1 ulp lands within 2u
+    assert abs(noise[codebook, code].item() / 2**-24 - 1) <= 2 * unit_roundoff(torch.float32)
     logits = torch.full((1, N, V), NEG)
     logits[..., BOC] = 0.0  # only BOC allowed (a not-yet-started codebook), as the delay mask does
     logits[0, :, code + 1] = 3.0  # ... and one more real code, not the extreme one
@@ -676,11 +691,59 @@ def test_sampling_is_deterministic_per_seed_and_varies_across_seeds():
         ({"seed": 2**63}, "seed"),
         ({"seed": 1.5}, "seed"),
         ({"seed": "42"}, "seed"),
+        ({"seed": np.float64(3.0)}, "seed"),
+        ({"top_k": np.bool_(True)}, "top_k"),
+        ({"temperature": np.bool_(True)}, "temperature"),
     ],
 )
 def test_sampling_params_validation(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        # the engine keeps temperature in float32: 1e308 used to overflow there, at step(), without a name
+        ({"temperature": 1e308}, "temperature must be a finite number in [0, 3.40282e+38]"),
+        ({"temperature": np.float64(1e39)}, "got np.float64(1e+39)"),
+        # float32 would round this one down to its max; everything above the max is refused, not rounded
+        ({"temperature": math.nextafter(torch.finfo(torch.float32).max, math.inf)}, "temperature"),
+        ({"max_frames": 2**31}, f"max_frames must be at most {2**31 - 1} (2**31 - 1), got {2**31}"),
+        ({"max_frames": 10**20}, "got 100000000000000000000"),
+        ({"max_frames": 10, "min_frames": 11}, "min_frames must be an integer in [0, max_frames=10], got 11"),
+    ],
+)
+def test_sampling_params_refuse_what_the_engine_cannot_store(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_accept_numpy_scalars_as_python_numbers():
+    got = SamplingParams(
+        temperature=np.float32(0.5),
+        top_k=np.int64(50),
+        top_p=np.float16(0.75),
+        seed=np.uint64(2**63 - 1),
+        max_frames=np.int32(100),
+        min_frames=np.int8(3),
+    )
+    assert got == SamplingParams(temperature=0.5, top_k=50, top_p=0.75, seed=2**63 - 1, max_frames=100, min_frames=3)
+    for name in ("temperature", "top_p"):
+        assert type(getattr(got, name)) is float, name
+    for name in ("top_k", "seed", "max_frames", "min_frames"):
+        assert type(getattr(got, name)) is int, name
+    assert type(SamplingParams(temperature=1).temperature) is float  # a Python int is normalised too
+
+
+def test_sampling_params_edges_the_engine_can_store():
+    fp32_max = torch.finfo(torch.float32).max
+    assert SamplingParams(temperature=fp32_max).temperature == fp32_max
+    assert SamplingParams(max_frames=2**31 - 1, min_frames=2**31 - 1).min_frames == 2**31 - 1
+    # any top_k >= codebook size means "off"; a huge one is held at the documented cap, which int64 stores
+    assert SamplingParams(top_k=10**20).top_k == TOP_K_CAP == 2**31 - 1
+    assert SamplingParams(top_k=TOP_K_CAP - 1).top_k == TOP_K_CAP - 1
+    torch.full((2,), SamplingParams(top_k=10**20).top_k, dtype=torch.long)  # what the engine does with it
 
 
 def test_sampling_params_valid_edges():

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from _tolerance import assert_matmul_close, chain_rel_tol, gamma, rel_err
+from _tolerance import qwen3_chain as chain_of
 
 from higgs_talker.attention import SdpaAttention, use_backend
 from higgs_talker.batch import StepBatch
@@ -143,18 +144,12 @@ def hf_hidden(pair: Pair, embeds: torch.Tensor) -> torch.Tensor:
 
 
 def qwen3_chain(case: Case, context: int) -> tuple[list[int], int]:
-    """The reductions (their lengths) and stored roundings of one forward pass of a ``case`` model.
+    """The reductions and stored roundings of one forward pass of a ``case`` model (``_tolerance.qwen3_chain``).
 
-    Per layer: RMSNorm (K = hidden), q/k/v (hidden), QK-norm (head_dim), scores (head_dim), softmax sum and
-    P @ V (context), o_proj (q_size), RMSNorm (hidden), gate/up (hidden), down (intermediate); the final
-    RMSNorm. Stored roundings per layer: norm, q/k/v, QK-norm, RoPE, attention, o_proj, residual, norm,
-    gate/up, SiLU-mul, down, residual (12); the weights' own roundings count where they are stored in a
-    lower precision than the reference (bf16 test: 4 matrices + 4 norm vectors per layer).
+    The weights' own roundings count where they are stored in a lower precision than the reference (bf16
+    test: 4 matrices + 4 norm vectors per layer); that test adds them itself.
     """
-    q_size = case.heads * case.head_dim
-    per_layer = [case.hidden, case.hidden, case.head_dim, case.head_dim, context, context, q_size]
-    per_layer += [case.hidden, case.hidden, case.inter]
-    return per_layer * case.layers + [case.hidden], 12 * case.layers + 1
+    return chain_of(case.hidden, case.heads, case.head_dim, case.inter, case.layers, context)
 
 
 def parity_tol(case: Case, context: int = MAX_CONTEXT) -> float:

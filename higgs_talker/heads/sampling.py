@@ -11,6 +11,7 @@ the exponential race ``argmax(p / E)`` with ``E ~ Exp(1)``, which draws from ``p
 from __future__ import annotations
 
 import math
+import numbers
 import secrets
 from dataclasses import dataclass
 
@@ -19,6 +20,9 @@ from torch import Tensor
 
 _M32 = 0xFFFFFFFF
 MAX_SEED = 2**63 - 1
+FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: the engine keeps temperature in float32
+MAX_FRAMES = 2**31 - 1  # max_frames / min_frames bound: row indices stay inside the 32-bit word the noise hashes
+TOP_K_CAP = 2**31 - 1  # a larger top_k is held as this: both keep every code of any codebook
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,10 @@ class SamplingParams:
     (decode steps) before the request is cut off; the aligned output then has up to max_frames - 8 frames.
     min_frames: codebook 0 may not end the stream (sample EOC) before this many rows, so the aligned output
     has at least min_frames frames unless max_frames cuts it first.
+
+    Every value must be storable where the engine keeps it: temperature at most float32's largest value,
+    max_frames at most 2**31 - 1; a top_k above 2**31 - 1 is held as 2**31 - 1 (both keep every code). numpy
+    integer and float scalars are accepted and held as Python int / float.
     """
 
     temperature: float = 1.0
@@ -41,24 +49,39 @@ class SamplingParams:
     min_frames: int = 0
 
     def __post_init__(self) -> None:
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        k = self.top_k
-        if isinstance(k, bool) or not isinstance(k, int) or k < -1:
-            raise ValueError(f"top_k must be an integer >= 1, or -1 / 0 to disable it, got {k!r}")
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, int | float) or not (0 < p <= 1):
-            raise ValueError(f"top_p must lie in (0, 1], got {p!r}")
-        s = self.seed
-        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= MAX_SEED):
-            raise ValueError(f"seed must be None or an integer in [0, 2**63), got {s!r}")
-        m = self.max_frames
-        if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
-            raise ValueError(f"max_frames must be an integer > 0, got {m!r}")
-        lo = self.min_frames
-        if isinstance(lo, bool) or not isinstance(lo, int) or not 0 <= lo <= m:
-            raise ValueError(f"min_frames must be an integer in [0, max_frames={m}], got {lo!r}")
+        # numpy scalars (np.int64, np.float32, ...) are accepted and held as Python int / float.
+        t = _as_float(self.temperature)
+        if t is None or not math.isfinite(t) or not 0 <= t <= FP32_MAX:
+            raise ValueError(
+                f"temperature must be a finite number in [0, {FP32_MAX:.6g}] (0 = greedy; the engine keeps it in "
+                f"float32), got {self.temperature!r}"
+            )
+        k = _as_int(self.top_k)
+        if k is None or k < -1:
+            raise ValueError(f"top_k must be an integer >= 1, or -1 / 0 to disable it, got {self.top_k!r}")
+        p = _as_float(self.top_p)
+        if p is None or not (0 < p <= 1):
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
+        s = None if self.seed is None else _as_int(self.seed)
+        if self.seed is not None and (s is None or not 0 <= s <= MAX_SEED):
+            raise ValueError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
+        m = _as_int(self.max_frames)
+        if m is None or m <= 0:
+            raise ValueError(f"max_frames must be an integer > 0, got {self.max_frames!r}")
+        if m > MAX_FRAMES:
+            raise ValueError(f"max_frames must be at most {MAX_FRAMES} (2**31 - 1), got {self.max_frames!r}")
+        lo = _as_int(self.min_frames)
+        if lo is None or not 0 <= lo <= m:
+            raise ValueError(f"min_frames must be an integer in [0, max_frames={m}], got {self.min_frames!r}")
+        for name, value in (
+            ("temperature", t),
+            ("top_k", min(k, TOP_K_CAP)),
+            ("top_p", p),
+            ("seed", s),
+            ("max_frames", m),
+            ("min_frames", lo),
+        ):
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
@@ -67,6 +90,20 @@ class SamplingParams:
     def resolved_seed(self) -> int:
         """The seed to use: the given one, or a fresh random one (no seed is pinned by default)."""
         return self.seed if self.seed is not None else secrets.randbelow(MAX_SEED)
+
+
+def _as_int(value: object) -> int | None:
+    """A Python or numpy integer as ``int``; None for anything else (bool, float, str, ...)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return None
+
+
+def _as_float(value: object) -> float | None:
+    """A Python or numpy real number (integers included) as ``float``; None for anything else (bool, str, ...)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return None
 
 
 def _mul32(x: Tensor, m: int) -> Tensor:

@@ -1,0 +1,345 @@
+"""The CLI: every user mistake ends with one line on stderr naming it and exit status 2, never a traceback.
+
+Each test calls ``cli.main([...])`` in-process. Mistakes the flags alone reveal (an output path that cannot be
+written, a reference that cannot be read) must be found before the model is loaded: those tests replace the
+loader with one that fails the test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import higgs_talker
+from higgs_talker import cli
+
+
+def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_line_error(rc: int, err: str, *needles: str) -> str:
+    assert rc == 2, f"exit status {rc}, stderr {err!r}"
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {err!r}"
+    assert lines[0].startswith("higgs-talker: error: ")
+    for needle in needles:
+        assert needle in lines[0], f"{needle!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+@pytest.fixture
+def no_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if the CLI gets as far as loading a model."""
+
+    def fail(args):
+        raise AssertionError("the model was loaded before the mistake was reported")
+
+    monkeypatch.setattr(cli, "_load", fail)
+
+
+@pytest.fixture
+def gen(tiny_dir: Path) -> list[str]:
+    """The start of a generate command on the test session's tiny checkpoint."""
+    return ["generate", "Hi.", "--model", str(tiny_dir), "--no-progress"]
+
+
+# ----------------------------------------------------------------------------------------- sampling flags
+
+
+def test_temperature_above_float32(capsys, gen, no_load) -> None:
+    rc, _, err = run(capsys, *gen, "--temperature", "1e308")
+    assert_one_line_error(rc, err, "temperature must be a finite number", "got 1e+308")
+
+
+@pytest.mark.parametrize(
+    ("flags", "needles"),
+    [
+        (["--temperature", "nan"], ["temperature", "got nan"]),
+        (["--top-p", "0"], ["top_p must lie in (0, 1], got 0.0"]),
+        (["--seed", "-1"], ["seed must be None or an integer in [0, 2**63), got -1"]),
+        (["--max-frames", "0"], ["max_frames must be an integer > 0, got 0"]),
+        (["--max-frames", "4294967296"], ["max_frames must be at most 2147483647"]),
+        (["--max-frames", "10", "--min-frames", "11"], ["min_frames must be an integer in [0, max_frames=10], got 11"]),
+        (["--reference-text", "words"], ["--reference-text needs --reference"]),
+    ],
+    ids=["temperature-nan", "top-p-0", "seed-negative", "max-frames-0", "max-frames-2e32", "min-above-max", "ref-text"],
+)
+def test_bad_sampling_flags(capsys, gen, no_load, flags, needles) -> None:
+    rc, _, err = run(capsys, *gen, *flags)
+    assert_one_line_error(rc, err, *needles)
+
+
+def test_huge_top_k_is_top_k_off(capsys, gen, tmp_path: Path) -> None:
+    """--top-k 10**20 used to overflow the engine's int64 store; any k >= the codebook size means off."""
+    huge, off = tmp_path / "huge.npy", tmp_path / "off.npy"
+    common = [*gen, "--seed", "5", "--max-frames", "12"]
+    assert run(capsys, *common, "--top-k", "100000000000000000000", "--out", str(huge))[0] == 0
+    assert run(capsys, *common, "--top-k", "-1", "--out", str(off))[0] == 0
+    assert np.array_equal(np.load(huge), np.load(off))
+
+
+def test_max_seconds_is_max_frames_at_the_frame_rate(capsys, gen, tmp_path: Path) -> None:
+    seconds, frames = tmp_path / "s.npy", tmp_path / "f.npy"
+    common = [*gen, "--seed", "9"]
+    assert run(capsys, *common, "--max-seconds", "0.44", "--out", str(seconds))[0] == 0  # ceil(0.44 x 25) = 11
+    assert run(capsys, *common, "--max-frames", "11", "--out", str(frames))[0] == 0
+    assert np.array_equal(np.load(seconds), np.load(frames))
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "abc"])
+def test_bad_max_seconds(capsys, gen, no_load, value) -> None:
+    rc, _, err = run(capsys, *gen, "--max-seconds", value)
+    assert_one_line_error(rc, err, "argument --max-seconds", repr(value))
+
+
+def test_huge_max_seconds_names_the_flag(capsys, gen) -> None:
+    rc, _, err = run(capsys, *gen, "--max-seconds", "1e12")
+    assert_one_line_error(rc, err, "--max-seconds 1e+12", "max_frames must be at most 2147483647")
+
+
+# ----------------------------------------------------------------------------------------- --out
+
+
+def test_out_into_missing_directory(capsys, gen, no_load, tmp_path: Path) -> None:
+    rc, _, err = run(capsys, *gen, "--out", str(tmp_path / "nodir" / "x.safetensors"))
+    assert_one_line_error(rc, err, f"the directory {str(tmp_path / 'nodir')!r} does not exist")
+
+
+def test_out_is_a_directory(capsys, gen, no_load, tmp_path: Path) -> None:
+    rc, _, err = run(capsys, *gen, "--out", str(tmp_path))
+    assert_one_line_error(rc, err, f"--out {str(tmp_path)!r} is a directory")
+
+
+def test_out_named_like_a_file_but_a_directory(capsys, gen, no_load, tmp_path: Path) -> None:
+    (tmp_path / "codes.npy").mkdir()
+    rc, _, err = run(capsys, *gen, "--out", str(tmp_path / "codes.npy"))
+    assert_one_line_error(rc, err, "codes.npy' is a directory")
+
+
+def test_out_under_a_file(capsys, gen, no_load, tmp_path: Path) -> None:
+    (tmp_path / "plain").write_text("x")
+    rc, _, err = run(capsys, *gen, "--out", str(tmp_path / "plain" / "x.npy"))
+    assert_one_line_error(rc, err, f"{str(tmp_path / 'plain')!r} is not a directory")
+
+
+@pytest.mark.parametrize("name", ["x.wav", "x", "x.npz"])
+def test_out_with_an_unsupported_format(capsys, gen, no_load, tmp_path: Path, name: str) -> None:
+    rc, _, err = run(capsys, *gen, "--out", str(tmp_path / name))
+    assert_one_line_error(rc, err, "unsupported format", "use .npy or .safetensors")
+
+
+@pytest.mark.skipif(not hasattr(os, "seteuid"), reason="needs POSIX permissions")
+def test_out_in_a_read_only_directory(capsys, gen, no_load) -> None:
+    root = Path(tempfile.mkdtemp())  # not under pytest's tmp dir, which other users may not traverse
+    root.chmod(0o755)
+    read_only = root / "ro"
+    read_only.mkdir(mode=0o555)
+    read_only.chmod(0o555)
+    as_root = os.geteuid() == 0
+    try:
+        if as_root:
+            os.seteuid(65534)  # root writes anywhere: try as an ordinary user, as a real user would run it
+        rc, _, err = run(capsys, *gen, "--out", str(read_only / "x.npy"))
+    finally:
+        if as_root:
+            os.seteuid(0)
+        read_only.chmod(0o755)
+        shutil.rmtree(root)
+    assert_one_line_error(rc, err, f"--out {str(read_only / 'x.npy')!r} cannot be written", "ermission denied")
+
+
+def test_demo_checks_out_before_generating(capsys, no_load, tmp_path: Path) -> None:
+    """demo --out nodir/x.npy used to generate all three requests first, then fail."""
+    rc, _, err = run(capsys, "demo", "--out", str(tmp_path / "nodir" / "x.npy"))
+    assert_one_line_error(rc, err, "does not exist")
+
+
+# ----------------------------------------------------------------------------------------- --reference
+
+
+def test_reference_is_a_directory(capsys, gen, no_load, tmp_path: Path) -> None:
+    rc, _, err = run(capsys, *gen, "--reference", str(tmp_path))
+    assert_one_line_error(rc, err, f"--reference {str(tmp_path)!r} is a directory")
+
+
+def test_reference_not_npy(capsys, gen, no_load, tmp_path: Path) -> None:
+    ref = tmp_path / "ref.wav"
+    ref.write_bytes(b"RIFF")
+    rc, _, err = run(capsys, *gen, "--reference", str(ref))
+    assert_one_line_error(rc, err, "--reference must be a .npy file", "ref.wav")
+
+
+def test_reference_missing(capsys, gen, no_load, tmp_path: Path) -> None:
+    rc, _, err = run(capsys, *gen, "--reference", str(tmp_path / "nope.npy"))
+    assert_one_line_error(rc, err, "nope.npy' does not exist")
+
+
+def test_reference_npy_name_but_not_numpy(capsys, gen, no_load, tmp_path: Path) -> None:
+    ref = tmp_path / "ref.npy"
+    ref.write_text("1 2 3 4 5 6 7 8\n")
+    rc, _, err = run(capsys, *gen, "--reference", str(ref))
+    assert_one_line_error(rc, err, "ref.npy' is not a .npy file (no NumPy header)")
+
+
+def test_reference_truncated(capsys, gen, no_load, tmp_path: Path) -> None:
+    ref = tmp_path / "ref.npy"
+    np.save(ref, np.zeros((50, 8), dtype=np.int64))
+    ref.write_bytes(ref.read_bytes()[:200])
+    rc, _, err = run(capsys, *gen, "--reference", str(ref))
+    assert_one_line_error(rc, err, "ref.npy' holds no readable array of codes")
+
+
+def test_reference_of_the_wrong_shape_after_load(capsys, gen, tmp_path: Path) -> None:
+    ref = tmp_path / "ref.npy"
+    np.save(ref, np.zeros((10, 7), dtype=np.int64))
+    rc, _, err = run(capsys, *gen, "--reference", str(ref))
+    assert_one_line_error(rc, err, "[10, 7]")
+
+
+# ----------------------------------------------------------------------------------------- model and device
+
+
+def test_device_cpu_with_index_works(capsys, gen) -> None:
+    rc, out, err = run(capsys, *gen, "--device", "cpu:0", "--max-frames", "10", "--seed", "1")
+    assert rc == 0, err
+    assert "frames" in out
+
+
+@pytest.mark.parametrize(("device", "needle"), [("tpu", "unknown device 'tpu'"), ("cuda:99", "cuda:99")])
+def test_bad_device(capsys, gen, device, needle) -> None:
+    rc, _, err = run(capsys, *gen, "--device", device)
+    assert_one_line_error(rc, err, needle)
+
+
+def test_model_is_a_file(capsys, tiny_dir: Path) -> None:
+    config = tiny_dir / "config.json"
+    rc, _, err = run(capsys, "generate", "Hi.", "--model", str(config))
+    assert_one_line_error(rc, err, f"checkpoint {str(config)!r} is a file")
+
+
+def test_model_missing(capsys, tmp_path: Path) -> None:
+    rc, _, err = run(capsys, "generate", "Hi.", "--model", str(tmp_path / "nope"))
+    assert_one_line_error(rc, err, "nope' does not exist")
+
+
+def test_non_utf8_config(capsys, tiny_dir: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir, ckpt)
+    raw = json.loads((ckpt / "config.json").read_text())
+    raw["description"] = "voix française"
+    (ckpt / "config.json").write_bytes(json.dumps(raw, ensure_ascii=False).encode("latin-1"))
+    rc, _, err = run(capsys, "generate", "Hi.", "--model", str(ckpt))
+    assert_one_line_error(rc, err, "config.json is not UTF-8 text")
+
+
+def test_malformed_tokenizer(capsys, tiny_dir: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir, ckpt)
+    (ckpt / "tokenizer.json").write_text('{"version": "1.0"}')  # JSON, but no tokenizer in it
+    rc, _, err = run(capsys, "generate", "Hi.", "--model", str(ckpt))
+    assert_one_line_error(rc, err, "could not load a tokenizer from")
+
+
+def test_config_the_checkpoint_contradicts(capsys, tiny_dir: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir, ckpt)
+    raw = json.loads((ckpt / "config.json").read_text())
+    raw["text_config"]["vocab_size"] = 10**9
+    (ckpt / "config.json").write_text(json.dumps(raw))
+    rc, _, err = run(capsys, "generate", "Hi.", "--model", str(ckpt))
+    assert_one_line_error(rc, err, "text_config.vocab_size (1000000000) does not match the checkpoint")
+
+
+# ----------------------------------------------------------------------------------------- argparse, help
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["generate"], "the following arguments are required: text"),
+        (["generate", "Hi.", "--top-k", "x"], "argument --top-k: invalid int value: 'x'"),
+        (["generate", "Hi.", "--max-frames", "10", "--max-seconds", "1"], "not allowed with argument --max-frames"),
+        (["generate", "Hi.", "--bogus"], "unrecognized arguments: --bogus"),
+        (["speak"], "invalid choice: 'speak'"),
+        ([], "the following arguments are required: COMMAND"),
+        (["deploy-config", "fastest"], "unknown deploy profile 'fastest'"),
+    ],
+    ids=["no-text", "bad-int", "frames-and-seconds", "unknown-flag", "unknown-command", "no-command", "profile"],
+)
+def test_usage_mistakes_are_one_line(capsys, argv, needle) -> None:
+    rc, _, err = run(capsys, *argv)
+    assert_one_line_error(rc, err, needle)
+
+
+def test_version(capsys) -> None:
+    rc, out, _ = run(capsys, "--version")
+    assert rc == 0
+    assert out.strip() == f"higgs-talker {higgs_talker.__version__}"
+
+
+def _parsers(parser: argparse.ArgumentParser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_every_flag_has_help() -> None:
+    missing = [
+        f"{p.prog} {'/'.join(a.option_strings) or a.dest}"
+        for p in _parsers(cli._build_parser())
+        for a in p._actions
+        if not a.help and not isinstance(a, argparse._SubParsersAction)
+    ]
+    assert not missing, f"no help text: {missing}"
+
+
+def test_summary_prints_the_seed_when_the_result_has_one() -> None:
+    assert cli._summary(SimpleNamespace(summary=lambda: "12 frames", seed=42)) == "12 frames, seed 42"
+    assert cli._summary(SimpleNamespace(summary=lambda: "12 frames")) == "12 frames"
+
+
+def test_a_good_run_writes_and_summarises(capsys, gen, tmp_path: Path) -> None:
+    out = tmp_path / "codes.safetensors"
+    rc, stdout, err = run(capsys, *gen, "--seed", "3", "--max-frames", "12", "--out", str(out))
+    assert rc == 0, err
+    assert out.is_file() and f"wrote {out}" in stdout and "frames" in stdout
+    assert err == ""
+
+
+def test_allocator_refusal_is_one_line(capsys, gen, monkeypatch) -> None:
+    """A KV cache the machine cannot hold (the engine sizes it from max_position_embeddings on CPU) ends in the
+    CPU allocator's RuntimeError; the CLI reports it as one line."""
+    message = (
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
+        "allocate 32768008192 bytes. Error code 12 (Cannot allocate memory)"
+    )
+
+    def refuse(args):
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(cli, "_load", refuse)
+    rc, _, err = run(capsys, *gen)
+    assert_one_line_error(rc, err, "out of memory", "32768008192 bytes")
+
+
+def test_other_runtime_errors_keep_their_traceback(gen, monkeypatch) -> None:
+    def broken(args):
+        raise RuntimeError("an internal invariant failed")
+
+    monkeypatch.setattr(cli, "_load", broken)
+    with pytest.raises(RuntimeError, match="an internal invariant failed"):
+        cli.main(gen)
