@@ -187,14 +187,14 @@ def check_waveform(waveform: Tensor | np.ndarray, sample_rate: int) -> Tensor:
     if not MIN_SAMPLE_RATE <= int(sample_rate) <= MAX_SAMPLE_RATE:
         raise ValueError(f"sample_rate {sample_rate} Hz is outside [{MIN_SAMPLE_RATE}, {MAX_SAMPLE_RATE}]")
     if isinstance(waveform, np.ndarray):
-        if waveform.dtype.kind not in "fiu":
-            raise TypeError(f"audio must be a float or integer array, got dtype {waveform.dtype}")
+        if waveform.dtype.kind != "f":
+            raise TypeError(f"audio samples must be floating point in [-1, 1], got dtype {waveform.dtype}")
         waveform = torch.from_numpy(np.ascontiguousarray(waveform))
     if not isinstance(waveform, Tensor):
         raise TypeError(f"audio must be a tensor or numpy array [samples] or [channels, samples], got "
                         f"{type(waveform).__name__}")  # fmt: skip
-    if waveform.dtype == torch.bool or waveform.is_complex():
-        raise TypeError(f"audio must be real-valued, got dtype {waveform.dtype}")
+    if not waveform.dtype.is_floating_point:  # integer PCM would enter at 32768 times its level
+        raise TypeError(f"audio samples must be floating point in [-1, 1], got dtype {waveform.dtype}")
     if waveform.dim() == 2:
         if waveform.shape[0] > 16:
             raise ValueError(
