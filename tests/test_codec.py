@@ -478,6 +478,7 @@ def test_encode_matches_transformers(rate: int, tensors, codec) -> None:
         (torch.zeros(24000), 10**7, ValueError, "10000000 Hz"),
         (torch.zeros(24000), 24000.0, TypeError, "24000.0"),
         (torch.zeros(24000, dtype=torch.bool), 24000, TypeError, "bool"),
+        (np.zeros(24000, np.int16), 24000, TypeError, "int16"),
         (np.array(["a"] * 100), 24000, TypeError, "<U1"),
         ("ref.wav", 24000, TypeError, "str"),
         (torch.zeros(100), 24000, ValueError, "too short"),
@@ -555,6 +556,14 @@ def test_tokenizer_directory_and_old_names_load(tmp_path: Path, tensors, codec) 
     wav = 0.1 * torch.randn(24000, generator=torch.Generator().manual_seed(1))
     assert torch.equal(loaded.encode(wav, 24000), codec.encode(wav, 24000))
     assert torch.equal(loaded.decode(random_codes(4)), codec.decode(random_codes(4)))
+
+
+def test_masking_hubert_config_builds_no_mask_embedding() -> None:
+    """bosonai's config trains HuBERT with mask_time_prob 0.05; inference builds no masked_spec_embed for it."""
+    raw = json.loads(json.dumps(TINY_CODEC))
+    raw["semantic_model_config"]["mask_time_prob"] = 0.05
+    shapes = expected_shapes(build_config(raw), encoder=True)
+    assert shapes == expected_shapes(build_config(TINY_CODEC), encoder=True)
 
 
 def test_checkpoint_without_codec(make_checkpoint) -> None:
