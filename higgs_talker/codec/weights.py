@@ -131,12 +131,19 @@ def _listing(what: str, names: list[str]) -> str:
     return f"{what} key(s): {shown}{more}"
 
 
-@torch.no_grad()
 def expected_shapes(config, encoder: bool) -> dict[str, tuple[int, ...]]:
     """Model name -> shape of every tensor the model (decode-only or full) holds, from a meta-device build."""
-    with torch.device("meta"):
-        model = CodecModel(config, encoder=encoder)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    key = (json.dumps(config.to_dict(), sort_keys=True, default=str), encoder)
+    if key not in _SHAPES:
+        with torch.device("meta"):
+            model = CodecModel(config, encoder=encoder)
+        if len(_SHAPES) >= 8:
+            _SHAPES.pop(next(iter(_SHAPES)))
+        _SHAPES[key] = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    return dict(_SHAPES[key])
+
+
+_SHAPES: dict[tuple[str, bool], dict[str, tuple[int, ...]]] = {}  # meta builds cost ~20-60 ms each
 
 
 def load_model(source: CodecSource, encoder: bool, device: torch.device, dtype: torch.dtype) -> CodecModel:
