@@ -1,7 +1,7 @@
 """Stage 1: the Higgs audio codec on transformers' DAC and HuBERT modules (codes <-> 24 kHz audio).
 
-Importing this package imports transformers' DAC and HuBERT modelling code (never torchaudio);
-``import higgs_talker`` does not import it.
+Building a codec (or its config) imports transformers' DAC and HuBERT code, never torchaudio;
+``import higgs_talker`` does not import this package at all.
 """
 
 from .codec import Codec, check_waveform, random_tensors
