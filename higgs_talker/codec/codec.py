@@ -220,7 +220,8 @@ def random_tensors(
 
     Our own draw, not transformers' init (which zeroes the codebooks: every code would decode alike): convs and
     linears N(0, 1/fan_in), biases N(0, 0.02^2), Snake alphas in [0.5, 1.5], norms near 1, codebooks N(0, 1).
-    The last conv is scaled so a random code sequence decodes to a peak of order 0.1-1.
+    The last conv is scaled so a random code sequence decodes to a peak of order 0.1-1. The tiny checkpoint is
+    drawn with this: a change here needs a ``tiny.RECIPE_VERSION`` bump.
     """
     device = torch.device(device)
     g = torch.Generator(device=device).manual_seed(seed)
