@@ -14,6 +14,7 @@ Tolerances come from ``_tolerance.py``: the decoder is a chain of reductions of 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -44,6 +45,7 @@ from higgs_talker.codec import (
 from higgs_talker.codec.model import CodecModel, decoder_reach
 from higgs_talker.codec.resample import resample
 from higgs_talker.codec.weights import expected_shapes, unused_shapes
+from higgs_talker.tiny import tiny_config, tiny_weights
 
 HOP = 960
 
@@ -217,6 +219,18 @@ def test_bad_codec_config_is_refused(change, match: str) -> None:
     change(raw)
     with pytest.raises(ValueError, match=match):
         build_config(raw)
+
+
+def test_tiny_talker_tensors_are_recipe_1s() -> None:
+    """Recipe 2 draws the codec from its own generator: the talker's tensors are bit-identical to recipe 1's."""
+    weights = tiny_weights(tiny_config())
+    talker = sorted(k for k in weights if not k.startswith(CODEC_PREFIX))
+    digest = hashlib.sha256()
+    for k in talker:
+        digest.update(k.encode())
+        digest.update(weights[k].contiguous().numpy().tobytes())
+    assert digest.hexdigest() == "f59e32f59259da861bfd52331fdc2bd95ecc043682a5723f8a769dd181f54c8f"  # recipe 1
+    assert sorted(tiny_weights(tiny_config(), codec=False)) == talker and len(weights) - len(talker) == 351
 
 
 # ---------------------------------------------------------------------------------------------------------
