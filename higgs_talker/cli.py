@@ -22,20 +22,22 @@ def _build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate codes for a text")
     g.add_argument("text")
     _add_model_args(g)
-    g.add_argument("--out", type=Path, help="write codes to .npy or .safetensors")
+    g.add_argument("--out", type=Path, help="write audio to .wav (24 kHz mono 16-bit), or codes to .npy / .safetensors")
     g.add_argument("--seed", type=int)
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--max-frames", type=int, default=2048)
     g.add_argument("--min-frames", type=int, default=0, help="no end of stream (EOC) before this many frames")
-    g.add_argument("--reference", type=Path, help="reference voice: aligned codes [T, 8] in a .npy file")
+    g.add_argument("--reference", type=Path, help="reference voice: WAV audio (1-30 s) or aligned codes [T, 8] (.npy)")
     g.add_argument("--reference-text", help="transcript of the reference audio")
+    g.add_argument("--audio-tokenizer", type=Path, help="audio tokenizer directory that encodes --reference audio")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     d = sub.add_parser("demo", help="run the embedded tiny checkpoint end to end")
     _add_model_args(d)
     d.add_argument("--out", type=Path, default=Path("higgs_demo_codes.npy"))
+    d.add_argument("--wav-dir", type=Path, default=Path("."), help="where higgs_demo_<i>.wav are written")
 
     c = sub.add_parser("deploy-config", help="print the path of a vLLM deploy profile")
     c.add_argument("profile", help="high-throughput, low-latency or default")
@@ -52,7 +54,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _load(args):
     from .api import HiggsTalker
 
-    return HiggsTalker.from_pretrained(args.model, device=args.device, dtype=args.dtype, graph_mode=args.graph_mode)
+    return HiggsTalker.from_pretrained(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        graph_mode=args.graph_mode,
+        audio_tokenizer=getattr(args, "audio_tokenizer", None),
+    )
 
 
 class _Progress:
@@ -87,11 +95,14 @@ def _generate(args) -> int:
         max_frames=args.max_frames,
         min_frames=args.min_frames,
     )
+    if args.out is not None and args.out.suffix not in (".wav", ".npy", ".safetensors"):
+        raise ValueError(f"--out {str(args.out)!r}: unknown format {args.out.suffix!r}; use .wav, .npy or .safetensors")
     reference = None
     if args.reference is not None:
-        if args.reference.suffix != ".npy":
-            raise ValueError(f"--reference must be a .npy file of codes [T, 8], got {str(args.reference)!r}")
-        reference = Reference(np.load(args.reference, allow_pickle=False), args.reference_text)
+        if args.reference.suffix == ".npy":
+            reference = Reference(np.load(args.reference, allow_pickle=False), args.reference_text)
+        else:  # audio: encoded by the codec when the prompt is built
+            reference = Reference(audio=args.reference, text=args.reference_text)
     elif args.reference_text is not None:
         raise ValueError("--reference-text needs --reference")
     talker = _load(args)
@@ -119,6 +130,11 @@ def _demo(args) -> int:
         print(f"[{r.request_id}] {r.text!r}: {r.summary()}")
     results[0].save(args.out)
     print(f"wrote {args.out} ({results[0].num_frames} frames x {results[0].codes.shape[1]} codebooks)")
+    if results[0].audio is not None:
+        args.wav_dir.mkdir(parents=True, exist_ok=True)
+        for i, r in enumerate(results):
+            path = r.save(args.wav_dir / f"higgs_demo_{i}.wav")
+            print(f"wrote {path} ({r.audio_seconds:.2f} s at {r.sample_rate} Hz)")
     return 0
 
 
