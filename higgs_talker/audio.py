@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 REFERENCE_SECONDS = (1.0, 30.0)  # upstream's server accepts reference audio of 1-30 s (SPEC_codec 5.1)
 MAX_WAV_BYTES = 1 << 30
 _PCM, _FLOAT, _EXTENSIBLE = 0x0001, 0x0003, 0xFFFE
+_CODEC_DTYPES = ("float32", "fp32", "bfloat16", "bf16", torch.float32, torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -122,6 +123,8 @@ class CodecLoader:
         talker=None,
         cache_size: int = 32,
     ) -> None:
+        if dtype not in _CODEC_DTYPES:  # checked here: the codec itself is only imported on first use
+            raise ValueError(f"codec dtype {dtype!r} is not supported; use float32 or bfloat16")
         self.path, self.device, self.dtype, self.talker = Path(path), device, dtype, talker
         self.tokenizer_path = None if tokenizer_path is None else Path(tokenizer_path)
         self._decoder = self._encoder = None

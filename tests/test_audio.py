@@ -161,6 +161,11 @@ def test_talker_without_codec(tiny_dir: Path, tmp_path: Path) -> None:
         t.build_prompt("Hi.", Reference(audio=noise(1.5), sample_rate=24000))
 
 
+def test_bad_codec_dtype_is_refused_at_load(tiny_dir: Path) -> None:
+    with pytest.raises(ValueError, match="float16"):
+        HiggsTalker.from_pretrained(tiny_dir, codec_dtype="float16", **SMALL)
+
+
 def test_stream_audio_equals_generate(talker: HiggsTalker, codec_tensors) -> None:
     params = SamplingParams(seed=5, temperature=0.9, max_frames=60, min_frames=60)
     whole = talker.generate("Streaming.", params).audio
