@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from . import checkpoint
+from .audio import CodecLoader, has_bundled_codec, write_wav
 from .config import TalkerConfig, check_fits_device, register_hf_config
 from .cuda_graphs.policy import GraphMode
 from .engine import Engine, EngineConfig, Request
@@ -48,10 +49,24 @@ class GenerationError(RuntimeError):
 
 @dataclass(frozen=True)
 class Reference:
-    """A reference voice for cloning: aligned codec codes [T, C] and, optionally, what they say."""
+    """A reference voice for cloning: aligned codec codes [T, C], or audio the codec encodes; optionally its words.
 
-    codes: Tensor | np.ndarray
+    ``audio`` is a WAV path, or samples [N] / [channels, N] with their ``sample_rate``; 1-30 s, mixed to mono
+    and resampled to 24 kHz as upstream does. Encoded references are cached per talker.
+    """
+
+    codes: Tensor | np.ndarray | None = None
     text: str | None = None
+    audio: str | Path | Tensor | np.ndarray | None = None
+    sample_rate: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.codes is None) == (self.audio is None):
+            raise ValueError("a Reference needs exactly one of codes= (aligned codes [T, N]) or audio= (WAV, samples)")
+        if isinstance(self.audio, str | Path) and self.sample_rate is not None:
+            raise ValueError("Reference.sample_rate is for audio samples; a WAV file gives its own rate")
+        if self.audio is not None and not isinstance(self.audio, str | Path) and self.sample_rate is None:
+            raise ValueError("Reference(audio=samples) needs sample_rate=")
 
 
 @dataclass
@@ -68,6 +83,16 @@ class GenerationResult:
     prefill_ms: float
     decode_ms: float
     frame_rate: int
+    sample_rate: int | None = None  # Hz of ``audio``; None when the talker has no codec
+    codec: CodecLoader | None = field(default=None, repr=False, compare=False)
+    _audio: Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def audio(self) -> Tensor | None:
+        """[F * hop] float32 (CPU) at ``sample_rate``: ``codes`` decoded on first access; None without a codec."""
+        if self._audio is None and self.codec is not None:
+            self._audio = self.codec.decoder().decode(self.codes).cpu()
+        return self._audio
 
     @property
     def num_rows(self) -> int:
@@ -96,9 +121,14 @@ class GenerationResult:
         return revert_delay_pattern(self.rows)
 
     def save(self, path: str | Path) -> Path:
-        """Write ``codes`` (and ``rows``) to ``.npy`` (codes only) or ``.safetensors`` (both)."""
+        """Write ``audio`` to ``.wav`` (24 kHz mono 16-bit), ``codes`` to ``.npy``, or both codes and rows to
+        ``.safetensors``."""
         path = Path(path)
-        if path.suffix == ".npy":
+        if path.suffix == ".wav":
+            if self.audio is None:
+                raise ValueError(f"cannot write {str(path)!r}: this result has no audio (the talker has no codec)")
+            write_wav(path, self.audio, self.sample_rate)
+        elif path.suffix == ".npy":
             np.save(path, self.codes.numpy())
         elif path.suffix == ".safetensors":
             from safetensors.torch import save_file
@@ -109,7 +139,7 @@ class GenerationResult:
                 metadata={"text": self.text, "frame_rate": str(self.frame_rate), "seed": str(self.seed)},
             )
         else:
-            raise ValueError(f"unsupported output format {path.suffix!r}: use .npy or .safetensors")
+            raise ValueError(f"unsupported output format {path.suffix!r}: use .wav, .npy or .safetensors")
         return path
 
     def summary(self) -> str:
@@ -207,8 +237,10 @@ class HiggsTalker:
         graph_mode: GraphMode | str = GraphMode.EAGER,
         decode_kernel: str = "auto",
         buckets: Sequence[int] | None = None,
+        codec_loader: CodecLoader | None = None,
     ) -> None:
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
+        self.codec_loader = codec_loader
         self.graph_mode = GraphMode.parse(graph_mode)
         self.engine = Engine(model, cfg, tokenizer.specials, engine_config, decode_kernel=decode_kernel)
         if self.engine.device.type == "cuda":
@@ -225,6 +257,9 @@ class HiggsTalker:
         graph_mode: str | None = None,
         decode_kernel: str = "auto",
         buckets: Sequence[int] | None = None,
+        codec: bool = True,
+        audio_tokenizer: str | Path | None = None,
+        codec_dtype: str | torch.dtype = torch.float32,
         **engine_options,
     ) -> HiggsTalker:
         """Load a checkpoint directory, or ``"tiny"`` for the embedded default.
@@ -232,6 +267,10 @@ class HiggsTalker:
         dtype defaults to float32 on CPU and bfloat16 on CUDA; ``graph_mode`` (eager, local_mlp, full_decode,
         auto) defaults to auto on CUDA, and CPU runs eager only. ``engine_options`` are ``EngineConfig``
         fields (max_num_seqs, block_size, num_blocks, max_model_len, max_prefill_tokens, kv_memory_fraction).
+
+        ``codec``: results carry ``audio`` decoded by the codec bundled in the checkpoint (when it has one),
+        loaded on first use in ``codec_dtype`` on ``device``. ``audio_tokenizer``: an audio tokenizer directory
+        (transformers' layout) that encodes ``Reference(audio=...)`` instead of the bundled encoder.
         """
         device, dtype, mode = _resolve_runtime(device, dtype, graph_mode)
         engine_config = _engine_config(engine_options)
@@ -251,7 +290,15 @@ class HiggsTalker:
         checkpoint.load_into(model, checkpoint.iter_tensors(path, cfg, device, dtype, header=header), cfg)
         model.eval().requires_grad_(False)
         logger.info("loaded %s on %s (%s, kernels=%s)", path, device, dtype, model.kernels.name)
-        return cls(model, cfg, tokenizer, engine_config, graph_mode=mode, decode_kernel=decode_kernel, buckets=buckets)
+        loader = None
+        if codec and (audio_tokenizer is not None or has_bundled_codec(path)):
+            loader = CodecLoader(path, device, codec_dtype, tokenizer_path=audio_tokenizer, talker=cfg)
+        elif codec:
+            logger.info("%s bundles no codec: results carry codes only", path)
+        return cls(
+            model, cfg, tokenizer, engine_config, graph_mode=mode, decode_kernel=decode_kernel, buckets=buckets,
+            codec_loader=loader,
+        )  # fmt: skip
 
     @classmethod
     def from_config(
@@ -291,12 +338,27 @@ class HiggsTalker:
 
     # ------------------------------------------------------------------ prompts
 
+    @property
+    def codec(self):
+        """The codec that decodes this talker's codes (``higgs_talker.codec.Codec``), loaded on first use."""
+        if self.codec_loader is None:
+            raise ValueError(
+                "this talker has no codec: load a checkpoint that bundles one with HiggsTalker.from_pretrained(..., "
+                "codec=True)"
+            )
+        return self.codec_loader.decoder()
+
     def build_prompt(self, text: str, reference: Reference | None = None) -> Prompt:
         if reference is None:
             return self.tokenizer.build(text)
         if not isinstance(reference, Reference):
             raise TypeError(f"reference must be a Reference, got {type(reference).__name__}")
-        return self.tokenizer.build(text, reference.codes, reference.text, self.cfg)
+        codes = reference.codes
+        if reference.audio is not None:
+            if self.codec_loader is None:
+                raise ValueError("Reference(audio=...) needs a codec to encode it; this talker has none")
+            codes = self.codec_loader.reference_codes(reference.audio, reference.sample_rate)
+        return self.tokenizer.build(text, codes, reference.text, self.cfg)
 
     # ------------------------------------------------------------------ generation
 
@@ -385,6 +447,33 @@ class HiggsTalker:
             if i in self.engine.requests:
                 self.engine.pop_finished(i)
 
+    def stream_audio(
+        self,
+        text: str,
+        sampling: SamplingParams | None = None,
+        reference: Reference | None = None,
+        max_frames: int | None = None,
+        chunking=None,
+    ) -> Iterator[Tensor]:
+        """Yield 24 kHz waveform chunks [S] float32 (CPU) as frames complete; together they equal
+        ``generate().audio`` up to float rounding under the default ``AudioChunking`` (exact context).
+
+        ``chunking`` (``higgs_talker.codec.AudioChunking``) sets chunk sizes, left context and holdback;
+        ``higgs_talker.codec.UPSTREAM_CHUNKING`` is vllm-omni's (lower latency, not exact).
+        """
+        decoder = self.codec.stream(chunking)
+        frames = self.stream(text, sampling, reference, max_frames)
+        try:
+            for frame in frames:
+                chunk = decoder.push(frame)
+                if chunk is not None:
+                    yield chunk.cpu()
+        finally:
+            frames.close()  # a consumer that stops early cancels the request at once
+        chunk = decoder.finish()
+        if chunk is not None:
+            yield chunk.cpu()
+
     def _frame(self, req: Request, t: int) -> Tensor:
         n = self.cfg.num_codebooks
         frame = torch.stack([req.rows[t + c][c] for c in range(n)]).long()
@@ -425,6 +514,8 @@ class HiggsTalker:
             prefill_ms=req.prefill_ms,
             decode_ms=decode_ms,
             frame_rate=self.cfg.frame_rate,
+            sample_rate=None if self.codec_loader is None else self.cfg.sample_rate,
+            codec=self.codec_loader,
         )
 
 

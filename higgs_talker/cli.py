@@ -1,4 +1,4 @@
-"""``higgs-talker``: generate codes from the command line, run the demo, print deploy profiles.
+"""``higgs-talker``: text to codes or audio from the command line, the demo, the deploy profiles.
 
 Paths given on the command line are only opened as files or directories; nothing is executed or evaluated.
 A user mistake (a bad flag value, a path that cannot be read or written, a bad checkpoint) ends with one line on
@@ -21,8 +21,8 @@ import numpy as np
 
 from . import __version__
 
-OUT_FORMATS = (".npy", ".safetensors")  # what GenerationResult.save writes
-REFERENCE_FORMATS = (".npy",)  # what _read_reference reads
+OUT_FORMATS = (".wav", ".npy", ".safetensors")  # what GenerationResult.save writes
+REFERENCE_FORMATS = (".wav", ".npy")  # what _read_reference reads: a recording, or its codes
 
 
 class _UsageError(Exception):
@@ -43,7 +43,12 @@ def _build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate codes for a text")
     g.add_argument("text", help="the text to speak")
     _add_model_args(g)
-    g.add_argument("--out", type=Path, metavar="PATH", help=f"write the codes to a {' or '.join(OUT_FORMATS)} file")
+    g.add_argument(
+        "--out",
+        type=Path,
+        metavar="PATH",
+        help="write the audio to a .wav file (24 kHz mono 16-bit), or the codes to a .npy or .safetensors file",
+    )
     g.add_argument("--seed", type=int, metavar="N", help="seed in [0, 2**63) for reproducible codes (default: fresh)")
     g.add_argument("--temperature", type=float, default=1.0, metavar="T", help="0 is greedy (default 1)")
     g.add_argument("--top-k", type=int, default=-1, metavar="K", help="keep the K most likely codes (-1, 0: off)")
@@ -69,9 +74,15 @@ def _build_parser() -> argparse.ArgumentParser:
         "--reference",
         type=Path,
         metavar="PATH",
-        help=f"voice to clone: its aligned codes [T, 8] in a {' or '.join(REFERENCE_FORMATS)} file",
+        help="voice to clone: a .wav recording (1-30 s), or its aligned codes [T, 8] in a .npy file",
     )
     g.add_argument("--reference-text", metavar="TEXT", help="what the reference says (needs --reference)")
+    g.add_argument(
+        "--audio-tokenizer",
+        type=Path,
+        metavar="DIR",
+        help="an audio tokenizer directory that encodes a --reference recording (default: the bundled codec)",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     d = sub.add_parser("demo", help="run three batched requests end to end (the tiny checkpoint by default)")
@@ -82,6 +93,9 @@ def _build_parser() -> argparse.ArgumentParser:
         default=Path("higgs_demo_codes.npy"),
         metavar="PATH",
         help=f"where the first request's codes go: {' or '.join(OUT_FORMATS)} (default higgs_demo_codes.npy)",
+    )
+    d.add_argument(
+        "--wav-dir", type=Path, default=Path("."), metavar="DIR", help="where higgs_demo_<i>.wav go (default: .)"
     )
 
     c = sub.add_parser("deploy-config", help="print the path of a vLLM deploy profile")
@@ -134,21 +148,24 @@ def _check_out(path: Path, flag: str = "--out", formats: tuple[str, ...] = OUT_F
     return path
 
 
-def _read_reference(path: Path) -> np.ndarray:
-    """``--reference`` codes from a ``.npy`` file (``allow_pickle=False``: an object array is refused)."""
+def _read_reference(path: Path, text: str | None):
+    """``--reference``: a ``.wav`` recording (encoded by the codec when the prompt is built), or its codes [T, 8]
+    in a ``.npy`` file (``allow_pickle=False``: an object array is refused)."""
+    from .api import Reference
+
     if path.is_dir():
-        raise ValueError(f"--reference {str(path)!r} is a directory, not a file of codes [T, 8]")
+        raise ValueError(f"--reference {str(path)!r} is a directory, not a recording or a file of codes")
     if path.suffix not in REFERENCE_FORMATS:
-        raise ValueError(
-            f"--reference must be a {' or '.join(REFERENCE_FORMATS)} file of codes [T, 8], got {str(path)!r}"
-        )
+        raise ValueError(f"--reference must be a .wav recording or a .npy file of codes [T, 8], got {str(path)!r}")
     if not path.is_file():
         raise ValueError(f"--reference {str(path)!r} does not exist")
+    if path.suffix == ".wav":
+        return Reference(audio=path, text=text)
     with open(path, "rb") as f:
         if f.read(6) != b"\x93NUMPY":
             raise ValueError(f"--reference {str(path)!r} is not a .npy file (no NumPy header)")
     try:
-        return np.load(path, allow_pickle=False)
+        return Reference(np.load(path, allow_pickle=False), text)
     except (ValueError, EOFError) as exc:  # truncated, or an object array (never unpickled)
         raise ValueError(f"--reference {str(path)!r} holds no readable array of codes: {exc}") from None
 
@@ -156,7 +173,13 @@ def _read_reference(path: Path) -> np.ndarray:
 def _load(args):
     from .api import HiggsTalker
 
-    return HiggsTalker.from_pretrained(args.model, device=args.device, dtype=args.dtype, graph_mode=args.graph_mode)
+    return HiggsTalker.from_pretrained(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        graph_mode=args.graph_mode,
+        audio_tokenizer=getattr(args, "audio_tokenizer", None),
+    )
 
 
 def _summary(result) -> str:
@@ -186,7 +209,6 @@ class _Progress:
 
 
 def _generate(args) -> int:
-    from .api import Reference
     from .heads.sampling import SamplingParams
 
     # everything the flags alone decide is checked before the (possibly slow) model load
@@ -202,7 +224,7 @@ def _generate(args) -> int:
         _check_out(args.out)
     reference = None
     if args.reference is not None:
-        reference = Reference(_read_reference(args.reference), args.reference_text)
+        reference = _read_reference(args.reference, args.reference_text)
     elif args.reference_text is not None:
         raise ValueError("--reference-text needs --reference")
     talker = _load(args)
@@ -236,6 +258,11 @@ def _demo(args) -> int:
         print(f"[{r.request_id}] {r.text!r}: {_summary(r)}")
     results[0].save(args.out)
     print(f"wrote {args.out} ({results[0].num_frames} frames x {results[0].codes.shape[1]} codebooks)")
+    if results[0].audio is not None:
+        args.wav_dir.mkdir(parents=True, exist_ok=True)
+        for i, r in enumerate(results):
+            path = r.save(args.wav_dir / f"higgs_demo_{i}.wav")
+            print(f"wrote {path} ({r.audio_seconds:.2f} s at {r.sample_rate} Hz)")
     return 0
 
 

@@ -1,8 +1,14 @@
 """The embedded default checkpoint: a tiny, deterministic ``higgs_multimodal_qwen3`` checkpoint.
 
-It has the real layout (config.json, safetensors with the real key names including a few codec keys,
-tokenizer.json with the special tokens) and is loaded through the same code as a real checkpoint. It is
-built from a fixed seed, written once into a cache directory, and rebuilt when the recipe changes.
+It has the real layout (config.json, safetensors with the real key names, tokenizer.json with the special
+tokens) and is loaded through the same code as a real checkpoint. It is built from a fixed seed, written once
+into a cache directory, and rebuilt when the recipe changes.
+
+It bundles a tiny codec under the real codec prefix, stored in BF16 as the real checkpoint's is: the full
+``HiggsAudioV2TokenizerModel`` key layout of ``codec.TINY_CODEC`` (the real strides, hop 960 and 8 x 1024
+codebooks with small channels), with its config in ``codec_config.json`` because the real checkpoint's codec
+config is not in any file (``codec.HIGGS_V3_CODEC``). Its weights come from their own generator, so the
+talker's tensors are bit-identical to recipe 1's.
 
 Its weights are random with one designed feature: hidden dimension 0 is a constant "bias channel" (every
 embedding row has a constant there and no layer writes to it), and codebook 0's EOC row carries extra weight
@@ -15,6 +21,7 @@ import json
 import os
 import shutil
 import tempfile
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -23,7 +30,7 @@ from .checkpoint import CODEC_PREFIX, save_checkpoint
 from .config import TalkerConfig, TextConfig
 
 TINY_NAME = "tiny"
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2  # 2: a real-layout tiny codec replaces two placeholder codec tensors
 SPECIAL_TOKENS = ("<|endoftext|>", "<|tts|>", "<|text|>", "<|audio|>", "<|ref_audio|>", "<|ref_text|>", "<|audio_end|>")
 
 
@@ -48,9 +55,12 @@ def tiny_config(**overrides) -> TalkerConfig:
 
 
 def tiny_weights(
-    cfg: TalkerConfig, seed: int = 0, eoc_bias: float = 2.5, table_std: float = 0.25
+    cfg: TalkerConfig, seed: int = 0, eoc_bias: float = 2.5, table_std: float = 0.25, codec: bool = True
 ) -> dict[str, torch.Tensor]:
-    """Deterministic checkpoint-named fp32 tensors for ``cfg`` (any shape, not only the tiny one)."""
+    """Deterministic checkpoint-named tensors for ``cfg`` (any shape, not only the tiny one).
+
+    The talker's are fp32; ``codec`` adds the tiny codec's (``tiny_codec_weights``, BF16).
+    """
     g = torch.Generator().manual_seed(seed)
     t = cfg.text
     h, d = t.hidden_size, t.head_dim
@@ -70,10 +80,10 @@ def tiny_weights(
         "tied.embedding.text_embedding.weight": embed,
         "body.norm.weight": norm_weight(h),
         "tied.embedding.modality_embeddings.0.embedding.weight": table,
-        # codec weights ride along in real checkpoints; the talker must skip them
-        f"{CODEC_PREFIX}quantizer.codebook.weight": randn(16, 8, std=1.0),
-        f"{CODEC_PREFIX}decoder.conv.weight": randn(4, 4, 3, std=1.0),
     }
+    randn(16 * 8 + 4 * 4 * 3, std=1.0)  # recipe 1's placeholder codec tensors: drawn still, so the layers match
+    if codec:  # codec weights ride along in real checkpoints (where recipe 1 had them); the talker skips them
+        w |= tiny_codec_weights(seed)
     for i in range(t.num_hidden_layers):
         p = f"body.layers.{i}."
         o_proj = randn(h, t.q_size, std=0.5 / t.q_size**0.5)
@@ -106,6 +116,27 @@ def tiny_weights(
     return w
 
 
+def tiny_codec_weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    """The tiny codec's tensors under the codec prefix, BF16, from their own generator (shared, read-only)."""
+    return dict(_tiny_codec_weights(seed))
+
+
+@lru_cache(maxsize=4)
+def _tiny_codec_weights(seed: int) -> dict[str, torch.Tensor]:
+    from .codec import TINY_CODEC, build_config, random_tensors
+
+    tensors = random_tensors(build_config(TINY_CODEC), seed=seed)
+    return {CODEC_PREFIX + k: v.to(torch.bfloat16) for k, v in tensors.items()}
+
+
+def write_codec_config(directory: Path) -> None:
+    """``codec_config.json``: the tiny codec's config (the real checkpoint has none: its codec is built in)."""
+    from .codec import CODEC_CONFIG_FILE, TINY_CODEC, build_config, config_to_dict
+
+    text = json.dumps(config_to_dict(build_config(TINY_CODEC)), indent=2)
+    (directory / CODEC_CONFIG_FILE).write_text(text, encoding="utf-8")
+
+
 def write_tokenizer(directory: Path, vocab_size: int) -> None:
     """A byte-level BPE tokenizer (256 byte symbols, no merges) plus the Higgs special tokens."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -129,14 +160,21 @@ def write_tokenizer(directory: Path, vocab_size: int) -> None:
 
 
 def write_checkpoint(
-    directory: str | Path, cfg: TalkerConfig | None = None, seed: int = 0, shards: int = 1, eoc_bias: float = 2.5
+    directory: str | Path,
+    cfg: TalkerConfig | None = None,
+    seed: int = 0,
+    shards: int = 1,
+    eoc_bias: float = 2.5,
+    codec: bool = True,
 ) -> Path:
-    """Write a complete checkpoint directory (config, weights, tokenizer) for ``cfg`` (default: tiny)."""
+    """Write a complete checkpoint directory (config, weights, tokenizer, tiny codec) for ``cfg`` (default: tiny)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     cfg = cfg or tiny_config()
     (directory / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2), encoding="utf-8")
-    save_checkpoint(tiny_weights(cfg, seed=seed, eoc_bias=eoc_bias), directory, shards=shards)
+    save_checkpoint(tiny_weights(cfg, seed=seed, eoc_bias=eoc_bias, codec=codec), directory, shards=shards)
+    if codec:
+        write_codec_config(directory)
     write_tokenizer(directory, cfg.text.vocab_size)
     return directory
 

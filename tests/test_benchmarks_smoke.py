@@ -113,3 +113,20 @@ def test_plot_smoke(bench, tmp_path: Path) -> None:
         assert sorted(p.name for p in written) == ["attention_x.png", "decode_x.png", "e2e_x.png"]
     else:
         assert written == []
+
+
+def test_codec_smoke(bench, tmp_path: Path) -> None:
+    mod = bench("bench_codec")
+    argv = ["--device", "cpu", "--tiny", "--quick", "--seconds", "1.2", "--ref-seconds", "1", "--repeats", "1",
+            "--dtypes", "fp32", "--out", str(tmp_path)]  # fmt: skip
+    data = load(mod.main(argv))
+    rows = {r["mode"]: r for r in data["rows"]}
+    assert set(rows) == set(mod.MODES)
+    for r in rows.values():
+        assert r["status"] == "ok", r
+        assert r["ms_per_audio_s"] > 0 and r["x_realtime"] == pytest.approx(1e3 / r["ms_per_audio_s"])
+    exact, upstream = rows["stream_exact"], rows["stream_upstream"]
+    assert exact["exact"] and exact["same_length"] and exact["rel_err"] < 1e-4
+    assert (exact["first_chunk_after_frames"], upstream["first_chunk_after_frames"]) == (11, 5)
+    assert not upstream["exact"] and upstream["same_length"]
+    assert rows["encode"]["frames"] == 25

@@ -47,8 +47,8 @@ def frames_asked(monkeypatch: pytest.MonkeyPatch, tiny_dir: Path, tmp_path: Path
 
 def test_python_example_runs_and_is_short(frames_asked: list[int], capsys) -> None:
     exec(compile(code_block("Python API", "python"), str(README), "exec"), {})
-    assert Path("hello.npy").is_file()
-    assert len(frames_asked) == 1 + 2 + 1 + 1  # generate, the batch of two, stream, clone
+    assert Path("hello.npy").is_file() and Path("hello.wav").is_file()
+    assert len(frames_asked) == 1 + 2 + 1 + 1 + 2  # generate, the batch of two, stream, stream_audio, two clones
     assert max(frames_asked) <= MAX_EXAMPLE_FRAMES, frames_asked
     assert "frames" in capsys.readouterr().out
 

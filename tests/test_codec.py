@@ -1,0 +1,653 @@
+"""The Stage-1 codec (``higgs_talker.codec``) on the tiny checkpoint's bundled codec.
+
+References, each independent of the code under test:
+
+- a float64 recomputation of the decoder written here from the DAC definitions (RVQ sum -> fc2 -> conv,
+  Snake, transposed convs, residual units) on the raw safetensors tensors;
+- a float64 direct evaluation of the windowed-sinc interpolation formula for the resampler;
+- transformers' ``HiggsAudioV2TokenizerModel`` on the same tensors, wherever it imports (it needs torchaudio,
+  which does not load beside the CPU torch of CI: those tests skip there and run on the GPU image);
+- upstream's streaming schedule as measured in SPEC_codec 4.3, and the encoder lengths of SPEC_codec 5.4.
+
+Tolerances come from ``_tolerance.py``: the decoder is a chain of reductions of known lengths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from _tolerance import chain_rel_tol, gamma, rel_err, unit_roundoff
+from safetensors.torch import load_file, save_file
+
+from higgs_talker.checkpoint import CODEC_PREFIX
+from higgs_talker.codec import (
+    CODEC_CONFIG_FILE,
+    HIGGS_V3_CODEC,
+    TINY_CODEC,
+    UPSTREAM_CHUNKING,
+    AudioChunking,
+    Codec,
+    build_config,
+    config_to_dict,
+    next_window,
+    random_tensors,
+)
+from higgs_talker.codec.model import CodecModel, decoder_reach
+from higgs_talker.codec.resample import resample
+from higgs_talker.codec.weights import expected_shapes, unused_shapes
+from higgs_talker.tiny import tiny_config, tiny_weights
+
+HOP = 960
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fixtures
+
+
+@pytest.fixture(scope="module")
+def tensors(tiny_dir: Path) -> dict[str, torch.Tensor]:
+    """The tiny checkpoint's codec tensors, as stored (BF16), prefix stripped."""
+    raw = load_file(str(tiny_dir / "model.safetensors"))
+    return {k[len(CODEC_PREFIX) :]: v for k, v in raw.items() if k.startswith(CODEC_PREFIX)}
+
+
+@pytest.fixture(scope="module")
+def codec(tiny_dir: Path) -> Codec:
+    return Codec.from_pretrained(tiny_dir, encoder=True)
+
+
+@pytest.fixture(scope="module")
+def codec_bf16(tiny_dir: Path) -> Codec:
+    return Codec.from_pretrained(tiny_dir, dtype="bfloat16")
+
+
+def random_codes(frames: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 1024, (frames, 8), generator=torch.Generator().manual_seed(seed))
+
+
+def transformers_codec_class():
+    """transformers' HiggsAudioV2TokenizerModel, or a skip saying why it is not usable here."""
+    try:
+        import torchaudio  # noqa: F401  (its module imports torchaudio at the top)
+        from transformers import HiggsAudioV2TokenizerModel
+        from transformers.utils.import_utils import is_torchaudio_available
+    except Exception as exc:  # noqa: BLE001 - a CUDA torchaudio beside CPU torch fails with OSError, not ImportError
+        pytest.skip(f"transformers' HiggsAudioV2TokenizerModel needs torchaudio, which does not import here: {exc}")
+    if not is_torchaudio_available():
+        pytest.skip("transformers does not see torchaudio")
+    return HiggsAudioV2TokenizerModel
+
+
+# ---------------------------------------------------------------------------------------------------------
+# an independent float64 decoder
+
+
+def snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """Snake activation x + sin^2(alpha x) / alpha (with DAC's 1e-9 guard)."""
+    return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x) ** 2
+
+
+def reference_decode(t: dict[str, torch.Tensor], codes: torch.Tensor, strides=(8, 5, 4, 2, 3)) -> torch.Tensor:
+    """codes [T, 8] -> [T * hop] float64, straight from the checkpoint tensors."""
+    t = {k: v.double() for k, v in t.items()}
+    z = sum(
+        t[f"quantizer.quantizers.{i}.codebook.embed"][codes[:, i]] @ t[f"quantizer.quantizers.{i}.project_out.weight"].T
+        + t[f"quantizer.quantizers.{i}.project_out.bias"]
+        for i in range(codes.shape[1])
+    )  # [T, H]
+    x = (z @ t["fc2.weight"].T + t["fc2.bias"]).T[None]  # [1, C, T]
+    d = "acoustic_decoder."
+    x = F.conv1d(x, t[d + "conv1.weight"], t[d + "conv1.bias"], padding=3)
+    for i, s in enumerate(strides):
+        p = f"{d}block.{i}."
+        x = snake(x, t[p + "snake1.alpha"])
+        x = F.conv_transpose1d(
+            x, t[p + "conv_t1.weight"], t[p + "conv_t1.bias"], stride=s, padding=math.ceil(s / 2), output_padding=s % 2
+        )
+        for j, dil in ((1, 1), (2, 3), (3, 9)):
+            r = f"{p}res_unit{j}."
+            y = F.conv1d(snake(x, t[r + "snake1.alpha"]), t[r + "conv1.weight"], t[r + "conv1.bias"], dilation=dil,
+                         padding=3 * dil)  # fmt: skip
+            x = x + F.conv1d(snake(y, t[r + "snake2.alpha"]), t[r + "conv2.weight"], t[r + "conv2.bias"])
+    x = snake(x, t[d + "snake1.alpha"])
+    return F.conv1d(x, t[d + "conv2.weight"], t[d + "conv2.bias"], padding=3).reshape(-1)
+
+
+def decode_tolerance(t: dict[str, torch.Tensor], store: torch.dtype) -> float:
+    """Relative error bound of the decoder chain: fp32 accumulation, intermediates stored in ``store``.
+
+    The smaller of two bounds. ``chain_rel_tol`` is the first-order worst case (errors of all roundings in
+    one direction); with ~250 roundings it is vacuous in bf16 (0.9). The probabilistic one treats rounding
+    errors as independent and mean-zero (Higham & Mary, SIAM J. Sci. Comput. 41(5), 2019, Thm 2.4): a
+    length-K reduction errs by at most lambda sqrt(K) u, and n roundings by lambda sqrt(n) u, each with
+    probability >= 1 - 2 n exp(-lambda^2 / 2); lambda = 6 makes that 1 - 3e-8 n.
+    """
+    reductions = [64] * 8 + [8, t["fc2.weight"].shape[1]]  # project_out, the 8-term sum, fc2
+    roundings = 3  # the RVQ sum, its cast to the decoder dtype, fc2's output
+    for key, w in t.items():
+        if not key.startswith("acoustic_decoder.") or not key.endswith("weight"):
+            continue
+        c_in, k = (w.shape[0], 2) if "conv_t" in key else (w.shape[1], w.shape[2])  # a transposed conv: 2 taps
+        reductions.append(c_in * k)
+        roundings += 1 + ("res_unit" in key and key.endswith("conv2.weight"))  # output (+ the residual add)
+    snakes = sum(key.endswith("alpha") for key in t if key.startswith("acoustic_decoder."))
+    roundings += 5 * snakes  # mul, sin, square, reciprocal-mul, add
+    lam = 6.0
+    probable = lam * (
+        sum(math.sqrt(k) for k in reductions) * unit_roundoff(torch.float32)
+        + math.sqrt(roundings) * unit_roundoff(store)
+    )
+    return min(chain_rel_tol(reductions, roundings, torch.float32, store), probable)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# names, shapes, configs
+
+
+def test_checkpoint_holds_the_transformers_layout(tensors) -> None:
+    cfg = build_config(TINY_CODEC)
+    layout = expected_shapes(cfg, encoder=True) | unused_shapes(cfg)
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == layout
+    assert len(layout) == 351 and all(v.dtype == torch.bfloat16 for v in tensors.values())
+    assert set(expected_shapes(cfg, encoder=False)) < set(expected_shapes(cfg, encoder=True))
+
+
+@pytest.mark.parametrize("name", ["tiny", "4b"])
+def test_layout_equals_transformers_state_dict(name: str) -> None:
+    model_class = transformers_codec_class()
+    cfg = build_config(TINY_CODEC if name == "tiny" else HIGGS_V3_CODEC)
+    with torch.device("meta"):
+        theirs = {k: tuple(v.shape) for k, v in model_class(cfg).state_dict().items()}
+    ours = expected_shapes(cfg, encoder=True) | unused_shapes(cfg)
+    assert ours == theirs
+    assert len(theirs) == (351 if name == "tiny" else 527)  # 527: SPEC_codec 2's inventory of the 4B codec
+
+
+def test_4b_constants_give_the_real_shapes() -> None:
+    """SPEC_codec 2: the decoder-side shapes of the 4B codec and its derived sizes."""
+    cfg = build_config(HIGGS_V3_CODEC)
+    shapes = expected_shapes(cfg, encoder=True)
+    assert shapes["acoustic_decoder.conv1.weight"] == (1024, 256, 7)
+    assert shapes["acoustic_decoder.block.0.conv_t1.weight"] == (1024, 512, 16)
+    assert shapes["acoustic_decoder.conv2.weight"] == (1, 32, 7)
+    assert shapes["acoustic_encoder.conv1.weight"] == (64, 1, 7)
+    assert shapes["acoustic_encoder.conv2.weight"] == (256, 2048, 3)
+    assert shapes["fc2.weight"] == (256, 1024) and shapes["quantizer.quantizers.7.project_out.weight"] == (1024, 64)
+    assert unused_shapes(cfg)["fc1.weight"] == (768, 1024)
+    decode = expected_shapes(cfg, encoder=False)
+    values = sum(math.prod(s) for s in decode.values())
+    assert len([k for k in decode if k.startswith("acoustic_decoder.")]) == 110
+    assert round(values / 1e6, 2) == 21.56  # SPEC_codec 2: decoding needs 21.56M values
+    with torch.device("meta"):
+        model = CodecModel(cfg, encoder=False)
+    s = model.spec
+    assert (s.hop_length, s.frame_rate, s.num_quantizers, s.hidden_size, s.semantic_downsample) == (960, 25, 8, 1024, 2)
+
+
+def test_config_round_trips_through_json(tmp_path: Path) -> None:
+    for raw in (TINY_CODEC, HIGGS_V3_CODEC):
+        d = config_to_dict(build_config(raw))
+        (tmp_path / "c.json").write_text(json.dumps(d))
+        assert config_to_dict(build_config(json.loads((tmp_path / "c.json").read_text()))) == d
+        assert d["acoustic_model_config"]["upsampling_ratios"] == [8, 5, 4, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda c: c.pop("target_bandwidths"), "target_bandwidths"),
+        (lambda c: c.pop("acoustic_model_config"), "acoustic_model_config"),
+        (lambda c: c.update(model_type="dac"), "model_type"),
+        (lambda c: c["acoustic_model_config"].update(upsampling_ratios=[8, 5, 4, 2]), "960"),
+        (lambda c: c.update(sample_rate=22050), "22050"),
+        (lambda c: c.update(target_bandwidths=[0.1]), "quantizer"),
+        (lambda c: c["semantic_model_config"].update(model_type="wav2vec2"), "hubert"),
+    ],
+)
+def test_bad_codec_config_is_refused(change, match: str) -> None:
+    raw = json.loads(json.dumps(TINY_CODEC))
+    change(raw)
+    with pytest.raises(ValueError, match=match):
+        build_config(raw)
+
+
+def test_tiny_talker_tensors_are_recipe_1s() -> None:
+    """Recipe 2 draws the codec from its own generator: the talker's tensors are bit-identical to recipe 1's."""
+    weights = tiny_weights(tiny_config())
+    talker = sorted(k for k in weights if not k.startswith(CODEC_PREFIX))
+    digest = hashlib.sha256()
+    for k in talker:
+        digest.update(k.encode())
+        digest.update(weights[k].contiguous().numpy().tobytes())
+    assert digest.hexdigest() == "f59e32f59259da861bfd52331fdc2bd95ecc043682a5723f8a769dd181f54c8f"  # recipe 1
+    assert sorted(tiny_weights(tiny_config(), codec=False)) == talker and len(weights) - len(talker) == 351
+
+
+# ---------------------------------------------------------------------------------------------------------
+# decoding
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_matches_float64_recomputation(dtype, codec, codec_bf16, tensors) -> None:
+    c = codec if dtype == torch.float32 else codec_bf16
+    codes = random_codes(30)
+    got, want = c.decode(codes), reference_decode(tensors, codes)
+    assert got.dtype == torch.float32 and got.shape == (30 * HOP,)
+    tol = decode_tolerance(tensors, dtype)
+    err = rel_err(got, want)
+    assert err <= tol, f"{dtype}: relative error {err:.3g} above the chain bound {tol:.3g}"
+    other = reference_decode(tensors, random_codes(30, seed=1))
+    assert rel_err(got, other) > 2 * tol  # the bound is below what a wrong decode gives
+
+
+def test_decode_matches_transformers(tensors, codec) -> None:
+    model_class = transformers_codec_class()
+    hf = model_class(build_config(TINY_CODEC)).eval()
+    hf.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+    codes = random_codes(40, seed=2)
+    with torch.no_grad():
+        theirs = hf.decode(codes.t()[None], return_dict=False)[0, 0]
+        # the same modules on the RVQ sum in upstream's contiguous [B, H, T] layout (SPEC_codec 3.8)
+        summed = hf.quantizer.decode(codes.t()[:, None]).contiguous()
+        upstream = hf.acoustic_decoder(hf.fc2(summed.transpose(1, 2)).transpose(1, 2))[0, 0]
+    ours = codec.decode(codes)
+    assert torch.equal(ours, upstream)
+    assert rel_err(ours, theirs) <= 2 * decode_tolerance(tensors, torch.float32)
+
+
+def test_decode_of_no_frames_is_empty(codec) -> None:
+    assert codec.decode(torch.zeros(0, 8, dtype=torch.long)).shape == (0,)
+
+
+@pytest.mark.parametrize(
+    ("codes", "error", "match"),
+    [
+        (torch.full((4, 8), 1024), ValueError, "1024"),
+        (torch.full((4, 8), -1), ValueError, "-1"),
+        (torch.zeros(4, 7, dtype=torch.long), ValueError, r"\[4, 7\]"),
+        (torch.zeros(8, dtype=torch.long), ValueError, r"\[8\]"),
+        (torch.zeros(1, 4, 8, dtype=torch.long), ValueError, r"\[1, 4, 8\]"),
+        (torch.zeros(4, 8), TypeError, "float32"),
+        (np.zeros((4, 8), np.float64), TypeError, "float64"),
+        (torch.zeros(4, 8, dtype=torch.bool), TypeError, "bool"),
+        ([[0] * 8], TypeError, "list"),
+    ],
+)
+def test_bad_codes_are_refused(codes, error, match, codec) -> None:
+    with pytest.raises(error, match=match):
+        codec.decode(codes)
+
+
+def test_integer_codes_of_any_width_decode_alike(codec) -> None:
+    codes = random_codes(6)
+    want = codec.decode(codes)
+    assert torch.equal(codec.decode(codes.int()), want)
+    assert torch.equal(codec.decode(codes.numpy().astype(np.uint16)), want)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the receptive field and streaming
+
+
+def test_decoder_reach_matches_a_perturbation(tensors, codec) -> None:
+    """Changing frame f's codes changes exactly the samples of frames f - 10 .. f + 10 (float64, tiny)."""
+    codes = random_codes(41, seed=3)
+    f = 20
+    other = codes.clone()
+    other[f] = (other[f] + 517) % 1024
+    diff = (reference_decode(tensors, codes) - reference_decode(tensors, other)).abs().reshape(-1, HOP).amax(1)
+    changed = torch.nonzero(diff > 0).flatten()
+    reach = (f - int(changed.min()), int(changed.max()) - f)
+    assert reach == codec.context_frames == (10, 10)
+
+
+def test_4b_decoder_has_the_same_reach() -> None:
+    with torch.device("meta"):
+        model = CodecModel(build_config(HIGGS_V3_CODEC), encoder=False)
+    assert decoder_reach(model.acoustic_decoder, 960) == (10, 10)
+
+
+def test_schedule_reproduces_upstream() -> None:
+    """SPEC_codec 4.3: 137 frames under upstream's 25/25/4/1 rule, frames arriving one talker row at a time."""
+    rule = UPSTREAM_CHUNKING
+    emitted, log = 0, []
+    for rows in range(1, 146):
+        finished = rows == 145
+        available = 137 if finished else max(0, rows - 7)  # upstream counts frames as rows - 7
+        w = next_window(available, emitted, finished, rule)
+        if w is not None:
+            log.append((rows - 1, w.end - w.start, w.emit_start - w.start, w.end - w.emit_end, w.emit_end - emitted))
+            emitted = w.emit_end
+    assert log == [
+        (11, 5, 0, 4, 1),
+        (36, 30, 1, 4, 25),
+        (61, 54, 25, 4, 25),
+        (86, 54, 25, 4, 25),
+        (111, 54, 25, 4, 25),
+        (136, 54, 25, 4, 25),
+        (144, 36, 25, 0, 11),
+    ]
+    assert emitted == 137
+
+
+def stream(codec: Codec, codes: torch.Tensor, chunking: AudioChunking | None, step: int = 1) -> list[torch.Tensor]:
+    decoder = codec.stream(chunking)
+    chunks = [decoder.push(codes[i : i + step]) for i in range(0, codes.shape[0], step)]
+    return [c for c in [*chunks, decoder.finish()] if c is not None]
+
+
+@pytest.mark.parametrize(
+    ("chunking", "step"),
+    [
+        (None, 1),  # the default: chunks of 25 after a first one of 1, context = the codec's reach
+        (AudioChunking(chunk_frames=7, first_chunk_frames=3, left_context_frames=12, holdback_frames=10), 1),
+        (AudioChunking(chunk_frames=5, first_chunk_frames=5), 4),  # frames arriving four at a time
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_streaming_equals_one_shot(chunking, step, dtype, codec, codec_bf16, tensors) -> None:
+    c = codec if dtype == torch.float32 else codec_bf16
+    codes = random_codes(57, seed=4)
+    chunks = stream(c, codes, chunking, step)
+    whole = c.decode(codes)
+    assert c.stream(chunking).exact and len(chunks) > 2
+    assert sum(x.shape[0] for x in chunks) == whole.shape[0]
+    tol = 2 * decode_tolerance(tensors, dtype)  # two evaluations of the same chain
+    start = 0
+    for x in chunks:
+        assert x.shape[0] % HOP == 0
+        err = rel_err(x, whole[start : start + x.shape[0]])
+        assert err <= tol, f"chunk at frame {start // HOP}: {err:.3g} > {tol:.3g}"
+        start += x.shape[0]
+
+
+def test_upstream_chunking_differs_where_its_holdback_is_short(codec, tensors) -> None:
+    """Holdback 4 < the 10-frame reach: the last ~6 frames before each chunk end differ (SPEC_codec 4.4)."""
+    codes = random_codes(81, seed=5)
+    chunks = stream(codec, codes, UPSTREAM_CHUNKING)
+    assert not codec.stream(UPSTREAM_CHUNKING).exact
+    assert [x.shape[0] // HOP for x in chunks] == [1, 25, 25, 25, 5]
+    whole = codec.decode(codes).reshape(-1, HOP)
+    got = torch.cat(chunks).reshape(-1, HOP)
+    err = ((got - whole).norm(dim=1) / whole.norm(dim=1)).tolist()
+    tol = 2 * decode_tolerance(tensors, torch.float32)
+    bad = {f for f, e in enumerate(err) if e > tol}
+    assert bad, "upstream's holdback gave exact audio: the exactness test above would prove nothing"
+    ends = [1, 26, 51, 76]  # frames where non-final chunks end
+    assert bad <= {f for end in ends for f in range(end - 7, end)}
+    assert {0, 25, 50, 75} <= bad  # the last frame before each cut has the least future context
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(chunk_frames=0), "chunk_frames"),
+        (dict(first_chunk_frames=30), "first_chunk_frames"),
+        (dict(holdback_frames=-1), "holdback_frames"),
+        (dict(left_context_frames=2.5), "left_context_frames"),
+    ],
+)
+def test_bad_chunking_is_refused(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        AudioChunking(**kwargs)
+
+
+def test_finished_stream_refuses_frames(codec) -> None:
+    decoder = codec.stream()
+    decoder.push(random_codes(3))
+    assert decoder.finish().shape == (3 * HOP,) and decoder.finish() is None
+    with pytest.raises(ValueError, match="finished"):
+        decoder.push(random_codes(1))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# resampling and encoding
+
+
+def reference_resample(x: torch.Tensor, orig: int, new: int) -> torch.Tensor:
+    """Direct float64 evaluation: y[j] = sum_i x[i] h(i / a - j / b), h the Hann-windowed sinc of torchaudio."""
+    g = math.gcd(orig, new)
+    a, b = orig // g, new // g
+    cutoff = 0.99 * min(a, b)
+    i = torch.arange(x.shape[-1], dtype=torch.float64)
+    j = torch.arange(-(-x.shape[-1] * b // a), dtype=torch.float64)
+    t = ((i[None, :] / a - j[:, None] / b) * cutoff).clamp(-6, 6)
+    h = torch.sinc(t) * torch.cos(t * math.pi / 12) ** 2 * cutoff / a
+    return h @ x.double(), h
+
+
+@pytest.mark.parametrize(("orig", "new"), [(24000, 16000), (16000, 24000), (22050, 24000), (48000, 24000)])
+def test_resample_matches_the_interpolation_formula(orig: int, new: int) -> None:
+    x = torch.randn(700, generator=torch.Generator().manual_seed(orig))
+    got = resample(x, orig, new)
+    want, h = reference_resample(x, orig, new)
+    assert got.shape == want.shape
+    taps = int((h != 0).sum(1).max())
+    # a dot product of `taps` terms in fp32, taps rounded once to fp32, the output rounded once
+    bound = (gamma(taps, torch.float32) + 2 * unit_roundoff(torch.float32)) * (h.abs() @ x.double().abs())
+    assert bool(((got.double() - want).abs() <= bound).all())
+
+
+def test_resample_matches_torchaudio() -> None:
+    transformers_codec_class()  # skips where torchaudio does not import
+    import torchaudio
+
+    for orig in (16000, 22050, 44100, 48000):
+        x = torch.randn(2, 5000, dtype=torch.float64, generator=torch.Generator().manual_seed(orig))
+        theirs = torchaudio.functional.resample(x, orig, 24000)
+        assert rel_err(resample(x, orig, 24000), theirs) < 1e-12  # the same filter (float64 on both sides)
+
+
+@pytest.mark.parametrize("samples", [24000, 24001, 24479, 36123, 48000])
+def test_encode_lengths_and_round_trip(samples: int, codec) -> None:
+    wav = 0.1 * torch.randn(samples, generator=torch.Generator().manual_seed(samples))
+    codes = codec.encode(wav, 24000)
+    frames = codec.frames_for(samples)
+    assert frames == math.ceil((math.floor((math.ceil(2 * samples / 3) - 80) / 320) + 1) / 2)  # SPEC_codec 5.4
+    assert codes.shape == (frames, 8) and codes.dtype == torch.int64
+    assert int(codes.min()) >= 0 and int(codes.max()) < 1024
+    assert codec.decode(codes).shape == (frames * HOP,)
+    assert {codec.frames_for(s * 24000) for s in (1, 2, 30)} == {25, 50, 750}
+
+
+def test_encode_mixes_channels_and_resamples(codec) -> None:
+    g = torch.Generator().manual_seed(9)
+    left, right = 0.1 * torch.randn(16000, generator=g), 0.1 * torch.randn(16000, generator=g)
+    stereo = codec.encode(torch.stack([left, right]), 16000)
+    mono = codec.encode(resample((left + right) / 2, 16000, 24000), 24000)
+    assert torch.equal(stereo, mono) and stereo.shape == (25, 8)
+
+
+@pytest.mark.parametrize("rate", [24000, 16000])
+def test_encode_matches_transformers(rate: int, tensors, codec) -> None:
+    model_class = transformers_codec_class()
+    import torchaudio
+
+    hf = model_class(build_config(TINY_CODEC)).eval()
+    hf.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+    wav = 0.1 * torch.randn(2 * rate, generator=torch.Generator().manual_seed(rate))
+    with torch.no_grad():  # upstream: torchaudio resampling to 24 kHz, then the model (SPEC_codec 5.2)
+        theirs = hf.encode(torchaudio.functional.resample(wav, rate, 24000)[None, None], return_dict=False)[0].t()
+    assert torch.equal(codec.encode(wav, rate), theirs)
+
+
+@pytest.mark.parametrize(
+    ("audio", "rate", "error", "match"),
+    [
+        (torch.zeros(0), 24000, ValueError, "empty"),
+        (torch.full((24000,), float("nan")), 24000, ValueError, "non-finite"),
+        (torch.zeros(2, 2, 24000), 24000, ValueError, r"\[2, 2, 24000\]"),
+        (torch.zeros(24000, 2), 24000, ValueError, r"\[24000, 2\]"),
+        (torch.zeros(24000), 10, ValueError, "10 Hz"),
+        (torch.zeros(24000), 10**7, ValueError, "10000000 Hz"),
+        (torch.zeros(24000), 24000.0, TypeError, "24000.0"),
+        (torch.zeros(24000, dtype=torch.bool), 24000, TypeError, "bool"),
+        (np.zeros(24000, np.int16), 24000, TypeError, "int16"),
+        (np.array(["a"] * 100), 24000, TypeError, "<U1"),
+        ("ref.wav", 24000, TypeError, "str"),
+        (torch.zeros(100), 24000, ValueError, "too short"),
+    ],
+)
+def test_bad_audio_is_refused(audio, rate, error, match, codec) -> None:
+    with pytest.raises(error, match=match):
+        codec.encode(audio, rate)
+
+
+def test_decode_only_codec_refuses_to_encode(codec_bf16) -> None:
+    with pytest.raises(ValueError, match="decoding only"):
+        codec_bf16.encode(torch.zeros(24000), 24000)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# loading
+
+
+def write_codec_dir(tmp_path: Path, tensors: dict[str, torch.Tensor], prefix: str = CODEC_PREFIX) -> Path:
+    """A checkpoint directory holding only (prefixed) codec tensors and the tiny codec config."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    save_file({prefix + k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
+    config = config_to_dict(build_config(TINY_CODEC))
+    if prefix:
+        (tmp_path / CODEC_CONFIG_FILE).write_text(json.dumps(config))
+    else:  # transformers' audio tokenizer layout
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_every_problem_of_the_weights_in_one_error(tmp_path: Path, tensors) -> None:
+    bad = dict(tensors)
+    del bad["acoustic_decoder.conv2.bias"]
+    bad["fc3.weight"] = torch.zeros(3)
+    bad["fc2.weight"] = torch.zeros(8, 25)
+    bad["acoustic_decoder.conv1.bias"] = bad["acoustic_decoder.conv1.bias"].to(torch.int32)
+    with pytest.raises(ValueError) as info:
+        Codec.from_pretrained(write_codec_dir(tmp_path, bad))
+    msg = str(info.value)
+    expected = ["1 missing", "acoustic_decoder.conv2.bias", "1 unexpected", "fc3.weight", "1 mis-shaped",
+                "fc2.weight [8, 25] (expected [8, 24])", "1 non-float", "conv1.bias (I32)"]  # fmt: skip
+    for part in expected:
+        assert part in msg, (part, msg)
+
+
+def test_decode_only_load_needs_only_the_decoder(tmp_path: Path, tensors, codec) -> None:
+    cfg = build_config(TINY_CODEC)
+    decode_keys = set(expected_shapes(cfg, encoder=False))
+    only = {k: v for k, v in tensors.items() if k in decode_keys}
+    path = write_codec_dir(tmp_path, only)
+    codes = random_codes(5)
+    assert torch.equal(Codec.from_pretrained(path).decode(codes), codec.decode(codes))
+    with pytest.raises(ValueError, match=r"missing key\(s\): acoustic_encoder"):
+        Codec.from_pretrained(path, encoder=True)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused(tmp_path: Path, tensors, value: float) -> None:
+    bad = dict(tensors)
+    bad["acoustic_decoder.block.2.conv_t1.weight"] = bad["acoustic_decoder.block.2.conv_t1.weight"].clone()
+    bad["acoustic_decoder.block.2.conv_t1.weight"][0, 0, 1] = value
+    with pytest.raises(ValueError, match=r"acoustic_decoder\.block\.2\.conv_t1\.weight.* 1 non-finite"):
+        Codec.from_pretrained(write_codec_dir(tmp_path, bad))
+
+
+def test_tokenizer_directory_and_old_names_load(tmp_path: Path, tensors, codec) -> None:
+    """transformers' tokenizer layout (unprefixed, config.json), weight_g/weight_v names, masked_spec_embed."""
+    old = dict(tensors)
+    pos = "semantic_model.encoder.pos_conv_embed.conv."
+    old[pos + "weight_g"] = old.pop(pos + "parametrizations.weight.original0")
+    old[pos + "weight_v"] = old.pop(pos + "parametrizations.weight.original1")
+    old["semantic_model.masked_spec_embed"] = torch.zeros(16)
+    loaded = Codec.from_pretrained(write_codec_dir(tmp_path, old, prefix=""), encoder=True)
+    wav = 0.1 * torch.randn(24000, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(loaded.encode(wav, 24000), codec.encode(wav, 24000))
+    assert torch.equal(loaded.decode(random_codes(4)), codec.decode(random_codes(4)))
+
+
+def test_masking_hubert_config_builds_no_mask_embedding() -> None:
+    """bosonai's config trains HuBERT with mask_time_prob 0.05; inference builds no masked_spec_embed for it."""
+    raw = json.loads(json.dumps(TINY_CODEC))
+    raw["semantic_model_config"]["mask_time_prob"] = 0.05
+    shapes = expected_shapes(build_config(raw), encoder=True)
+    assert shapes == expected_shapes(build_config(TINY_CODEC), encoder=True)
+
+
+def test_checkpoint_without_codec(make_checkpoint) -> None:
+    path = make_checkpoint(codec=False)
+    with pytest.raises(ValueError, match="holds no codec"):
+        Codec.from_pretrained(path)
+
+
+def test_broken_codec_config_names_the_file(tmp_path: Path, tiny_dir: Path) -> None:
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir, path)
+    (path / CODEC_CONFIG_FILE).write_text("{not json")
+    with pytest.raises(ValueError, match=CODEC_CONFIG_FILE):
+        Codec.from_pretrained(path)
+
+
+def test_from_config_random_weights_decode() -> None:
+    c = Codec.from_config(TINY_CODEC, encoder=False, seed=3)
+    wav = c.decode(random_codes(10))
+    assert wav.shape == (9600,) and 0.01 < float(wav.abs().max()) < 10
+    assert not torch.equal(wav, Codec.from_config(TINY_CODEC, encoder=False, seed=4).decode(random_codes(10)))
+    assert set(random_tensors(build_config(TINY_CODEC), encoder=False, training_state=False)) == set(
+        expected_shapes(build_config(TINY_CODEC), encoder=False)
+    )
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [(dict(dtype="float16"), "float16"), (dict(device="tpu"), "tpu")])
+def test_bad_codec_device_or_dtype(tiny_dir: Path, kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        Codec.from_pretrained(tiny_dir, **kwargs)
+
+
+def test_import_stays_cheap() -> None:
+    """``import higgs_talker`` imports neither the codec nor transformers' DAC/HuBERT code nor torchaudio."""
+    code = (
+        "import sys, higgs_talker, higgs_talker.audio, higgs_talker.tiny; "
+        "print([m for m in ('higgs_talker.codec', 'transformers.models.dac', 'transformers.models.hubert', "
+        "'torchaudio') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CUDA (skipped without a device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_decode_and_stream_match_float64(tiny_dir: Path, tensors, dtype) -> None:
+    # cuDNN runs fp32 convolutions in TF32 by default; the fp32 bound assumes fp32 arithmetic
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        c = Codec.from_pretrained(tiny_dir, device="cuda", dtype=dtype)
+        codes = random_codes(57, seed=6)
+        whole = c.decode(codes)
+        chunks = stream(c, codes, None)
+    assert whole.device.type == "cuda" and whole.dtype == torch.float32
+    tol = decode_tolerance(tensors, dtype)
+    assert rel_err(whole.cpu(), reference_decode(tensors, codes)) <= tol
+    assert rel_err(torch.cat(chunks).cpu(), whole.cpu()) <= 2 * tol
+
+
+@pytest.mark.gpu
+def test_cuda_encode_agrees_with_cpu(tiny_dir: Path, codec) -> None:
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        c = Codec.from_pretrained(tiny_dir, device="cuda", encoder=True)
+        wav = 0.1 * torch.randn(2 * 16000, generator=torch.Generator().manual_seed(8))
+        got = c.encode(wav, 16000)
+    want = codec.encode(wav, 16000)
+    assert got.shape == want.shape == (50, 8) and got.device.type == "cpu"
+    # fp32 rounding differs between the CPU and CUDA kernels; a code flips only at a near-tie of two
+    # codebook distances (and then changes the residual of the later stages of that frame)
+    assert (got == want).float().mean() >= 0.95
