@@ -160,6 +160,9 @@ def _read_reference(path: Path, text: str | None):
     if not path.is_file():
         raise ValueError(f"--reference {str(path)!r} does not exist")
     if path.suffix == ".wav":
+        from .audio import read_wav
+
+        read_wav(path)  # a file that is no WAV fails here, before the model loads
         return Reference(audio=path, text=text)
     with open(path, "rb") as f:
         if f.read(6) != b"\x93NUMPY":

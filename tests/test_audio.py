@@ -317,7 +317,7 @@ def test_cli_writes_wav_and_clones_from_wav(tiny_dir: Path, tmp_path: Path, caps
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
-        (["--out", "x.mp3"], "unknown format '.mp3'"),
+        (["--out", "x.mp3"], "unsupported format '.mp3'"),
         (["--reference", "{tmp}/notes.wav"], "notes.wav is not a WAV file"),
         (["--reference", "{tmp}/short.wav"], "lasts 0.20 s"),
     ],

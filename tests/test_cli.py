@@ -134,10 +134,10 @@ def test_out_under_a_file(capsys, gen, no_load, tmp_path: Path) -> None:
     assert_one_line_error(rc, err, f"{str(tmp_path / 'plain')!r} is not a directory")
 
 
-@pytest.mark.parametrize("name", ["x.wav", "x", "x.npz"])
+@pytest.mark.parametrize("name", ["x.mp3", "x", "x.npz"])
 def test_out_with_an_unsupported_format(capsys, gen, no_load, tmp_path: Path, name: str) -> None:
     rc, _, err = run(capsys, *gen, "--out", str(tmp_path / name))
-    assert_one_line_error(rc, err, "unsupported format", "use .npy or .safetensors")
+    assert_one_line_error(rc, err, "unsupported format", "use .wav or .npy or .safetensors")
 
 
 @pytest.mark.skipif(not hasattr(os, "seteuid"), reason="needs POSIX permissions")
@@ -174,11 +174,18 @@ def test_reference_is_a_directory(capsys, gen, no_load, tmp_path: Path) -> None:
     assert_one_line_error(rc, err, f"--reference {str(tmp_path)!r} is a directory")
 
 
-def test_reference_not_npy(capsys, gen, no_load, tmp_path: Path) -> None:
+def test_reference_neither_wav_nor_npy(capsys, gen, no_load, tmp_path: Path) -> None:
+    ref = tmp_path / "ref.mp3"
+    ref.write_bytes(b"ID3")
+    rc, _, err = run(capsys, *gen, "--reference", str(ref))
+    assert_one_line_error(rc, err, "--reference must be a .wav recording or a .npy file", "ref.mp3")
+
+
+def test_reference_wav_that_is_no_wav_fails_before_loading(capsys, gen, no_load, tmp_path: Path) -> None:
     ref = tmp_path / "ref.wav"
     ref.write_bytes(b"RIFF")
     rc, _, err = run(capsys, *gen, "--reference", str(ref))
-    assert_one_line_error(rc, err, "--reference must be a .npy file", "ref.wav")
+    assert_one_line_error(rc, err, "ref.wav")
 
 
 def test_reference_missing(capsys, gen, no_load, tmp_path: Path) -> None:
