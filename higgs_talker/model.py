@@ -103,13 +103,21 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, kernels)
 
     def forward(self, positions: Tensor, hidden_states: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
+        hidden_states, residual = attention_block(self, positions, hidden_states, residual)
         return post_attention_block(self, hidden_states, residual)
+
+
+def attention_block(
+    layer: nn.Module, positions: Tensor, hidden: Tensor, residual: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """input_layernorm (with the residual add after the first layer) + self-attention of a Qwen3 layer (ours
+    or vLLM's) -> (attention output, residual)."""
+    if residual is None:
+        residual = hidden
+        hidden = layer.input_layernorm(hidden)
+    else:
+        hidden, residual = layer.input_layernorm(hidden, residual)
+    return layer.self_attn(positions=positions, hidden_states=hidden), residual
 
 
 def post_attention_block(layer: nn.Module, hidden: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
@@ -128,16 +136,11 @@ def forward_layers(
     """
     residual = None
     for i, layer in enumerate(layers):
+        hidden, residual = attention_block(layer, positions, hidden, residual)
         if post_attention is None:
-            hidden, residual = layer(positions, hidden, residual)
-            continue
-        if residual is None:
-            residual = hidden
-            hidden = layer.input_layernorm(hidden)
+            hidden, residual = post_attention_block(layer, hidden, residual)
         else:
-            hidden, residual = layer.input_layernorm(hidden, residual)
-        hidden = layer.self_attn(positions=positions, hidden_states=hidden)
-        hidden, residual = post_attention(i, hidden, residual)
+            hidden, residual = post_attention(i, hidden, residual)
     return hidden, residual
 
 
