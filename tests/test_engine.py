@@ -204,8 +204,8 @@ def test_requests_joining_mid_flight_match_alone(talker):
         assert torch.equal(rows_of(outs[rid]), run_alone(talker, p, s)[0]), rid
 
 
-def test_state_rows_are_reused_cleanly(talker):
-    """More requests than state rows: later ones reuse rows of finished ones and still match alone."""
+def test_slots_are_reused_cleanly(talker):
+    """More requests than slots: later ones reuse slots of finished ones and still match alone."""
     cases = [
         (TEXTS[0], SamplingParams(seed=30, max_frames=9)),
         (TEXTS[1], SamplingParams(seed=3, max_frames=100)),  # ends naturally (EOC) at 22 rows
@@ -352,7 +352,7 @@ def test_finished_request_frees_its_resources(talker):
 # --------------------------------------------------------------------------------------------- cancel
 
 
-def test_cancel_frees_blocks_and_state_rows(talker):
+def test_cancel_frees_blocks_and_slots(talker):
     engine = make_engine(talker, max_num_seqs=3, block_size=4)
     sched = engine.scheduler
     free0, slots0 = sched.blocks.num_free, sched.free_slots.num_free

@@ -1,21 +1,21 @@
 """The MusicGen delay pattern: per-row state, logit masks and the state update (SPEC 4.5, 4.7, 8).
 
 Codebook ``c`` lags ``c`` steps. A stream's delayed rows, with ``s`` the step at which codebook 0 samples
-EOC (N = num_codebooks, shown for N = 8)::
+EOC (C = num_codebooks, shown for C = 8)::
 
     row t < 7      codebooks > t are BOC (ramp-up)
     row s          [EOC, real x 7]                                  countdown becomes 7
     row s + j      codebooks < max(j, 1) are EOC, the rest real     j = 1 .. 7
     row s + 7      the terminal row: ``done`` (the next text token is EOS)
 
-State per row (dense tensors, indexed by state row): ``last_codes [R, N]`` (feedback for the next step),
-``has_codes [R]``, ``delay [R]`` (ramp-up progress 0..N-1), ``countdown [R]`` (-1 normal, else ramp-down
-rows left) and ``done [R]``.
+State per row (dense tensors, indexed by decode-state slot, ``heads.slots``): ``last_codes [R, C]`` (feedback
+for the next step), ``has_codes [R]``, ``delay [R]`` (ramp-up progress 0..C-1), ``countdown [R]`` (-1 normal,
+else ramp-down rows left) and ``done [R]``.
 
 Where we differ from upstream (SPEC "deliberately differs" 7): if codebook 0 samples EOC before the ramp-up
-finished (``s < N - 1``, an utterance shorter than N frames), the codebooks that have not started yet stay
+finished (``s < C - 1``, an utterance shorter than C frames), the codebooks that have not started yet stay
 BOC until their turn, so every codebook still follows the delay pattern. Upstream stops the BOC forcing
-when the ramp-down starts and lets those codebooks sample real codes. For ``s >= N - 1`` both agree.
+when the ramp-down starts and lets those codebooks sample real codes. For ``s >= C - 1`` both agree.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch import Tensor
 class DelayState:
     """Dense decode state rows with fixed storage (graphs may capture these tensors)."""
 
-    last_codes: Tensor  # [R, N] int64
+    last_codes: Tensor  # [R, C] int64
     has_codes: Tensor  # [R] bool
     delay: Tensor  # [R] int64
     countdown: Tensor  # [R] int64
@@ -77,7 +77,7 @@ class DelayState:
 def apply_delay_mask(
     logits: Tensor, delay: Tensor, countdown: Tensor, boc_id: int, eoc_id: int, eoc_allowed: Tensor | None = None
 ) -> Tensor:
-    """Mask codebook logits [B, N, V] in place by each row's delay/ramp state; returns ``logits``.
+    """Mask codebook logits [B, C, V] in place by each row's delay/ramp state; returns ``logits``.
 
     Not-started codebooks may only emit BOC; codebooks locked by the ramp-down only EOC; during the
     ramp-down the other codebooks emit real codes only; otherwise real codes, plus EOC on codebook 0 where
@@ -85,15 +85,15 @@ def apply_delay_mask(
     """
     b, n, v = logits.shape
     q = torch.arange(n, device=logits.device)
-    started = q[None, :] < (delay + 1).clamp(max=n)[:, None]  # [B, N]
+    started = q[None, :] < (delay + 1).clamp(max=n)[:, None]  # [B, C]
     ramp = countdown >= 0
     locked = ramp[:, None] & (q[None, :] < (n - countdown)[:, None])
     eoc_free = started & ~ramp[:, None] & (q[None, :] == 0)
     if eoc_allowed is not None:
         eoc_free = eoc_free & eoc_allowed[:, None]
-    force = torch.where(~started, boc_id, torch.where(locked, eoc_id, -1))  # [B, N]; -1: not forced
+    force = torch.where(~started, boc_id, torch.where(locked, eoc_id, -1))  # [B, C]; -1: not forced
     vocab = torch.arange(v, device=logits.device)
-    free = (vocab != boc_id) & ((vocab != eoc_id) | eoc_free[..., None])  # [B, N, V]
+    free = (vocab != boc_id) & ((vocab != eoc_id) | eoc_free[..., None])  # [B, C, V]
     allowed = torch.where((force >= 0)[..., None], vocab == force[..., None], free)
     return logits.masked_fill_(~allowed, float("-inf"))
 
@@ -103,8 +103,8 @@ def update_state(
 ) -> tuple[Tensor, DelayState]:
     """Advance the delay state by one sampled frame.
 
-    codes [B, N] int64 (sampled under ``apply_delay_mask``), ``state`` batch-ordered, ``active`` [B] bool
-    (rows that produce a frame this step). Returns the emitted row [B, N] (-1 where inactive) and the new
+    codes [B, C] int64 (sampled under ``apply_delay_mask``), ``state`` batch-ordered, ``active`` [B] bool
+    (rows that produce a frame this step). Returns the emitted row [B, C] (-1 where inactive) and the new
     batch-ordered state (inactive rows unchanged).
     """
     n = codes.shape[1]
@@ -147,7 +147,7 @@ def forced_text_tokens(done: Tensor, audio_id: int, eos_id: int) -> Tensor:
 
 
 def apply_delay_pattern(codes: Tensor, boc_id: int, eoc_id: int) -> Tensor:
-    """Aligned frames [T, N] -> delayed rows [T + N - 1, N] (SPEC 3.2): column c is BOC x c, codes, EOC."""
+    """Aligned frames [T, C] -> delayed rows [T + C - 1, C] (SPEC 3.2): column c is BOC x c, codes, EOC."""
     if codes.dim() != 2:
         raise ValueError(f"codes must be [frames, num_codebooks], got shape {list(codes.shape)}")
     t, n = codes.shape
@@ -159,7 +159,7 @@ def apply_delay_pattern(codes: Tensor, boc_id: int, eoc_id: int) -> Tensor:
 
 
 def revert_delay_pattern(rows: Tensor) -> Tensor:
-    """Delayed rows [R, N] -> aligned frames [R - N + 1, N]: frame t takes codebook c from row t + c."""
+    """Delayed rows [R, C] -> aligned frames [R - C + 1, C]: frame t takes codebook c from row t + c."""
     if rows.dim() != 2:
         raise ValueError(f"rows must be [rows, num_codebooks], got shape {list(rows.shape)}")
     r, n = rows.shape
@@ -172,7 +172,7 @@ def revert_delay_pattern(rows: Tensor) -> Tensor:
 def codec_frames(rows: Tensor, num_real_codes: int) -> Tensor:
     """What the codec receives (SPEC 8.2): revert, map BOC/EOC/negatives to 0, drop the last frame.
 
-    rows [R, N] delayed -> frames [F, N] int64. Fewer than N rows give no frames; with two or more frames
+    rows [R, C] delayed -> frames [F, C] int64. Fewer than C rows give no frames; with two or more frames
     the final one (the residual ramp frame) is dropped, as upstream's Stage-1 processor does.
     """
     n = rows.shape[1] if rows.dim() == 2 else 0

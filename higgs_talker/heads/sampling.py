@@ -132,7 +132,7 @@ def uniform_from_bits(bits: Tensor) -> Tensor:
 
 
 def exponential_noise(seeds: Tensor, steps: Tensor, num_codebooks: int, codebook_size: int) -> Tensor:
-    """Exp(1) noise [B, N, V] fp32, finite and > 0, that is a pure function of (seeds [B], steps [B]) int64."""
+    """Exp(1) noise [B, C, V] fp32, finite and > 0, that is a pure function of (seeds [B], steps [B]) int64."""
     h = _mix32(seeds & _M32)
     h = _mix32(h ^ ((seeds >> 32) & _M32))
     h = _mix32(h ^ (steps & _M32))  # [B]
@@ -174,7 +174,7 @@ def race_scores(
     *,
     filter: bool = True,
 ) -> Tensor:
-    """What the sampler takes the argmax of: masked logits [B, N, V] -> scores [B, N, V] fp32.
+    """What the sampler takes the argmax of: masked logits [B, C, V] -> scores [B, C, V] fp32.
 
     Sampled rows race ``x / T - log(E)`` with ``E ~ Exp(1)`` (the Gumbel-max form of ``argmax(p / E)``, which
     draws from ``softmax(x / T)`` exactly). Every code that the masks or the top-k/top-p filter removed scores
@@ -185,7 +185,7 @@ def race_scores(
     x = logits.float()
     greedy = temperature <= 0
     x = x / torch.where(greedy, 1.0, temperature.float())[:, None, None]
-    overflow = (x.isinf() & logits.isfinite()).any(dim=-1, keepdim=True)  # [B, N, 1]: a finite logit left range
+    overflow = (x.isinf() & logits.isfinite()).any(dim=-1, keepdim=True)  # [B, C, 1]: a finite logit left range
     if filter:
         x = top_k_top_p_filter(x.view(b * n, v), top_k.repeat_interleave(n), top_p.repeat_interleave(n))
         x = x.view(b, n, v)
@@ -206,7 +206,7 @@ def sample_codes(
     draw: bool = True,
     filter: bool = True,
 ) -> Tensor:
-    """Masked codebook logits [B, N, V] -> codes [B, N] int64 (``argmax`` of ``race_scores``).
+    """Masked codebook logits [B, C, V] -> codes [B, C] int64 (``argmax`` of ``race_scores``).
 
     temperature/top_p [B] float, top_k [B] int (<= 0 or >= codebook_size: off), seeds/steps [B] int64 (the
     step is the request's row index, so its noise never repeats). Rows with temperature 0 take the argmax.
