@@ -62,7 +62,7 @@ class Reference:
 
     def __post_init__(self) -> None:
         if (self.codes is None) == (self.audio is None):
-            raise ValueError("a Reference needs exactly one of codes= (aligned codes [T, N]) or audio= (WAV, samples)")
+            raise ValueError("a Reference needs exactly one of codes= (aligned codes [T, C]) or audio= (WAV, samples)")
         if isinstance(self.audio, str | Path) and self.sample_rate is not None:
             raise ValueError("Reference.sample_rate is for audio samples; a WAV file gives its own rate")
         if self.audio is not None and not isinstance(self.audio, str | Path) and self.sample_rate is None:

@@ -4,7 +4,7 @@ Plain TTS:            ``[<|tts|>, <|text|>] + enc(text) + [<|audio|>]``
 Voice clone:          ``[<|tts|>, <|ref_audio|>] + [P] * R + [<|text|>] + enc(text) + [<|audio|>]``
 Voice clone + text:   ``[<|tts|>, <|ref_text|>] + enc(ref_text) + [<|ref_audio|>] + [P] * R + ...``
 
-``R = T + N - 1`` placeholders carry the reference codes ``[T, N]`` with the delay pattern applied; each
+``R = T + C - 1`` placeholders carry the reference codes ``[T, C]`` with the delay pattern applied; each
 placeholder id is ``<|tts|>`` (a valid id that can never look like ``<|audio|>``) and its embedding is replaced
 by the fused codebook embedding of its row at prefill. The prompt always ends with ``<|audio|>``.
 """
@@ -26,7 +26,7 @@ class Prompt:
     """A built prompt: token ids and the delayed reference rows that replace placeholder embeddings."""
 
     input_ids: Tensor  # [T] int64
-    audio_codes: Tensor | None = None  # [R, N] int64 delayed reference rows
+    audio_codes: Tensor | None = None  # [R, C] int64 delayed reference rows
     audio_positions: Tensor | None = None  # [R] int64 prompt positions of the placeholders
 
     def __post_init__(self) -> None:
@@ -46,7 +46,7 @@ class Prompt:
         if codes is not None:
             if codes.dim() != 2 or positions.dim() != 1 or codes.shape[0] != positions.shape[0]:
                 raise ValueError(
-                    f"Prompt.audio_codes [R, N] and audio_positions [R] disagree: {list(codes.shape)} vs "
+                    f"Prompt.audio_codes [R, C] and audio_positions [R] disagree: {list(codes.shape)} vs "
                     f"{list(positions.shape)}"
                 )
             lo, hi = (int(positions.min()), int(positions.max())) if positions.numel() else (0, 0)
@@ -110,7 +110,7 @@ class TalkerTokenizer:
         reference_text: str | None = None,
         cfg: TalkerConfig | None = None,
     ) -> Prompt:
-        """Token ids for ``text`` (and an optional reference voice given as aligned codes [T, N])."""
+        """Token ids for ``text`` (and an optional reference voice given as aligned codes [T, C])."""
         text = _check_text(text, "text", self._special_strings)
         sp = self.specials
         body = [sp.text, *self.encode(text), sp.audio]
@@ -172,7 +172,7 @@ def resolve_special_tokens(tokenizer, cfg: TalkerConfig) -> SpecialTokens:
 
 
 def check_reference_codes(codes, cfg: TalkerConfig) -> Tensor:
-    """Validate aligned reference codes: [T, N] integers, T >= 1, each a real code in [0, num_real_codes)."""
+    """Validate aligned reference codes: [T, C] integers, T >= 1, each a real code in [0, num_real_codes)."""
     if not isinstance(codes, Tensor):
         try:
             codes = torch.as_tensor(codes)
