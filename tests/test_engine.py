@@ -602,3 +602,21 @@ def test_bucket_path_gives_the_same_codes_as_eager_on_cpu(talker, buckets):
         results.append([rows_of(outs[i]) for i in ids])
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+def test_cpu_kv_cache_is_sized_from_a_memory_budget(talker, monkeypatch):
+    """Without num_blocks the KV cache takes at most kv_memory_fraction of the free memory (CPU included): fewer
+    blocks than max_num_seqs full-length sequences when that is all that fits, a clear error when not even one
+    full-length sequence fits."""
+    import higgs_talker.kv_cache as kv_cache
+
+    per_block = kv_cache.kv_bytes_per_token(talker.cfg.text, torch.float32) * 16
+    monkeypatch.setattr(kv_cache, "free_memory_bytes", lambda device: int(100 * per_block / 0.6) + 1)
+    engine = make_engine(talker, max_num_seqs=8, max_model_len=1024)  # 8 x 64 blocks wanted, 100 fit
+    assert engine.scheduler.blocks.num_blocks == 100
+    monkeypatch.setattr(kv_cache, "free_memory_bytes", lambda device: int(10 * per_block / 0.6))
+    with pytest.raises(ValueError, match="KV cache for one 1024-token sequence .* does not fit"):
+        make_engine(talker, max_num_seqs=8, max_model_len=1024)
+    monkeypatch.setattr(kv_cache, "free_memory_bytes", lambda device: 0)
+    with pytest.raises(ValueError, match="not one KV block of 16 tokens"):
+        make_engine(talker)
