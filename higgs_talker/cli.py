@@ -185,12 +185,6 @@ def _load(args):
     )
 
 
-def _summary(result) -> str:
-    """The result's one-line summary, with the seed used where the result records it."""
-    seed = getattr(result, "seed", None)
-    return result.summary() if seed is None else f"{result.summary()}, seed {seed}"
-
-
 class _Progress:
     """A one-line progress bar on stderr (rows generated so far)."""
 
@@ -244,7 +238,7 @@ def _generate(args) -> int:
     if args.out is not None:
         result.save(args.out)
         print(f"wrote {args.out}")
-    print(_summary(result))
+    print(result.summary())
     return 0
 
 
@@ -258,7 +252,7 @@ def _demo(args) -> int:
         texts, [SamplingParams(seed=i, temperature=0.9) for i in range(len(texts))], max_frames=250
     )
     for r in results:
-        print(f"[{r.request_id}] {r.text!r}: {_summary(r)}")
+        print(f"[{r.request_id}] {r.text!r}: {r.summary()}")
     results[0].save(args.out)
     print(f"wrote {args.out} ({results[0].num_frames} frames x {results[0].codes.shape[1]} codebooks)")
     if results[0].audio is not None:
