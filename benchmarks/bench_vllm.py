@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> ResultFile | None:
     p.add_argument("--ckpt-dir", default="/tmp/higgs_4b_random", help="where the random checkpoint is written")
     p.add_argument("--no-direct", action="store_true", help="skip our direct engine's rows")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--worker-timeout", type=int, default=280)
+    p.add_argument("--worker-timeout", type=int, default=600, help="s per (profile, route) process, JIT included")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -254,8 +254,10 @@ def main(argv: list[str] | None = None) -> ResultFile | None:
                     writer.add(row)
                 stats[f"{profile}/trtllm={route}"] = result["stats"]
             except (subprocess.TimeoutExpired, RuntimeError) as exc:
+                tail = getattr(exc, "stderr", None) or b""
+                tail = tail.decode(errors="replace") if isinstance(tail, bytes) else str(tail)
                 writer.add({"profile": profile, "use_trtllm_attention": route == "true", "status": "error",
-                            "error": str(exc)[-1500:]})  # fmt: skip
+                            "error": str(exc)[-1500:], "stderr_tail": tail[-3000:]})  # fmt: skip
             log(f"{profile} trtllm={route}: {time.perf_counter() - t0:.0f} s")
     writer.meta["adapter_stats"] = stats
     writer.save()

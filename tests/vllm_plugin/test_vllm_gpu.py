@@ -69,7 +69,11 @@ def served(request, ckpt) -> dict:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
     kwargs = COMMON | PROFILES[request.param]
     cmd = [sys.executable, str(SCRIPT), str(ckpt), json.dumps(SPEC), "64", json.dumps(kwargs)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=500, env=env)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    except subprocess.TimeoutExpired as exc:  # say where it stood (a cold FlashInfer JIT takes minutes)
+        tail = (exc.stderr or b"")[-4000:]
+        pytest.fail(f"vllm.LLM ({request.param}) did not finish in {exc.timeout} s; stderr tail:\n{tail!r}")
     lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT:")]
     assert out.returncode == 0 and lines, (out.stdout[-3000:], out.stderr[-6000:])
     return json.loads(lines[0][len("RESULT:") :]) | {"profile": request.param}
