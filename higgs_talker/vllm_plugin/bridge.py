@@ -11,10 +11,12 @@ before sampling. The bridge turns those into the adapter's runner calls:
 
 The text token comes out of vLLM's sampler: ``compute_logits`` already left only the forced token finite.
 A request's key is ``SamplingParams.extra_args["higgs_request_key"]`` when given (to fetch its codes later
-with ``talker.request_rows(key)``), else a generated one. The bridge finds its model through
-``talker_for(vllm_config)``: the adapter vLLM built with the same config. Use: ``vllm.LLM(..., logits_processors=
-[TEXT_ONLY_BRIDGE])``. Limits: a preempted request restarts its audio stream when resumed (the recomputed
-positions are not re-fed), and ``min_tokens`` must not mask EOS.
+with ``talker.request_rows(key)``), else a generated one; ``request_args(key, prompt)`` builds the extra_args,
+with a voice-clone prompt's reference rows (substituted at prefill, as vllm-omni's runner does). The bridge
+finds its model through ``talker_for(vllm_config)``: the adapter vLLM built with the same config. vLLM's
+``min_tokens`` becomes the request's minimum length (no end of stream before that many rows). Use:
+``vllm.LLM(..., logits_processors=[TEXT_ONLY_BRIDGE])``. Limit: a preempted request restarts its audio stream
+when resumed (the recomputed positions are not re-fed).
 """
 
 from __future__ import annotations
@@ -30,6 +32,17 @@ from .compat import warn_once
 from .talker import talker_for
 
 REQUEST_KEY = "higgs_request_key"
+REFERENCE = "higgs_reference"  # {"rows": delayed reference rows [R, C], "positions": their prompt positions [R]}
+
+
+def request_args(key: str, prompt=None) -> dict:
+    """``SamplingParams.extra_args`` for a bridge request: its key, and a voice-clone prompt's reference rows
+    (``prompt``: a ``higgs_talker.prompt.Prompt`` built with a reference), which replace the placeholders'
+    embeddings at prefill as vllm-omni's runner does."""
+    args: dict = {REQUEST_KEY: key}
+    if prompt is not None and prompt.audio_codes is not None:
+        args[REFERENCE] = {"rows": prompt.audio_codes.tolist(), "positions": prompt.audio_positions.tolist()}
+    return args
 
 
 @dataclass(frozen=True)
@@ -40,6 +53,7 @@ class _Row:
     top_p: float
     seed: int | None
     min_rows: int  # vLLM's min_tokens: codebook 0 may not end the stream before this many rows
+    reference: dict | None  # extra_args[REFERENCE], in the form the adapter substitutes
 
 
 class TextOnlyBridge(LogitsProcessor):
@@ -71,8 +85,13 @@ class TextOnlyBridge(LogitsProcessor):
                 key = str(extra.get(REQUEST_KEY) or f"vllm-bridge-{next(self._ids)}")
                 seed = None if params.seed is None else params.seed % (MAX_SEED + 1)
                 min_rows = int(getattr(params, "min_tokens", 0) or 0)
+                ref = extra.get(REFERENCE)
+                info = None
+                if isinstance(ref, dict) and ref.get("rows") is not None and ref.get("positions") is not None:
+                    rows, where = (torch.tensor(ref[k], dtype=torch.long) for k in ("rows", "positions"))
+                    info = {"audio_input_ids": rows, "audio_placeholder_positions": where}
                 self.rows[index] = _Row(
-                    key, float(params.temperature), int(params.top_k), float(params.top_p), seed, min_rows
+                    key, float(params.temperature), int(params.top_k), float(params.top_p), seed, min_rows, info
                 )
             if model is not None and batch_update.moved:
                 model.stats["bridge_moves"] += len(batch_update.moved)
@@ -93,7 +112,8 @@ class TextOnlyBridge(LogitsProcessor):
         batch = [self.rows[i] for i in range(self.batch_size)]
         model.slots.keep_finished = max(model.slots.keep_finished, 256)
         seeds = {i: r.seed for i, r in enumerate(batch) if r.seed is not None}
-        model.set_bridge_requests([r.key for r in batch], seeds, {i: r.min_rows for i, r in enumerate(batch)})
+        min_rows = {i: r.min_rows for i, r in enumerate(batch)}
+        model.set_bridge_requests([r.key for r in batch], seeds, min_rows, [r.reference or {} for r in batch])
         self.armed = True
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:

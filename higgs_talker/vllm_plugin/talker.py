@@ -108,6 +108,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         self.deferred_prefix_cache_mm_keys = {"codes.audio"}
         self._step: S.VllmStep | None = None  # the current step (None: a dummy or profile run)
         self._bridge_req_ids: list[str] | None = None  # set by the bridge before a real step's forward
+        self._bridge_infos: list[dict] | None = None  # the bridge's voice-clone references, batch order
         self._pending: tuple[Tensor, S.RowModes] | None = None
         self._published: list[Tensor | None] = []
         self._cursor = 0
@@ -140,12 +141,17 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         self._begin_step(req_ids, input_ids, positions, qsl)
 
     def set_bridge_requests(
-        self, req_ids: list[str], seeds: dict[int, int], min_rows: dict[int, int] | None = None
+        self,
+        req_ids: list[str],
+        seeds: dict[int, int],
+        min_rows: dict[int, int] | None = None,
+        references: list[dict] | None = None,
     ) -> None:
         """The text-only bridge's view of the batch, before a real step. The feedback buffers are written for a
         pure decode step (token i = request i): a replayed FULL decode graph reads them without our forward;
         an eager forward rewrites them for the step's real layout."""
         self._bridge_req_ids = list(req_ids)
+        self._bridge_infos = references if references and any(references) else None
         slots, _ = self.slots.sync(self._bridge_req_ids, seeds, min_rows)
         if len(req_ids) < self._capacity:
             b = len(req_ids)
@@ -187,6 +193,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         step = self._step
         if step is not None:
             infos = kwargs.get("model_intermediate_buffer") or kwargs.get("runtime_additional_information")
+            infos = infos or self._bridge_infos
             if infos:
                 embeds = self._substitute_reference(embeds, step, infos)
         if embeds.shape[0] <= self._capacity:

@@ -17,11 +17,13 @@ import sys
 def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512, llm_kwargs: dict | None = None) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model lives in this process
+    import torch
     import vllm
 
     from higgs_talker.config import TalkerConfig
     from higgs_talker.prompt import TalkerTokenizer
     from higgs_talker.vllm_plugin import TEXT_ONLY_BRIDGE
+    from higgs_talker.vllm_plugin.bridge import request_args
     from higgs_talker.vllm_plugin.talker import talker_for
 
     cfg = TalkerConfig.from_pretrained(ckpt)
@@ -35,7 +37,12 @@ def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512, llm_kwa
     )
     prompts, params = [], []
     for r in spec:
-        prompts.append({"prompt_token_ids": tok.build(r["text"]).input_ids.tolist()})
+        prompt = tok.build(r["text"])
+        ref = r.get("reference")
+        if ref is not None:  # a voice clone: random reference codes from a seed, as the test rebuilds them
+            codes = torch.randint(0, 1024, (ref["frames"], 8), generator=torch.Generator().manual_seed(ref["seed"]))
+            prompt = tok.build(r["text"], codes, ref.get("text"), cfg)
+        prompts.append({"prompt_token_ids": prompt.input_ids.tolist()})
         params.append(
             vllm.SamplingParams(
                 temperature=r.get("temperature", 0.0),
@@ -44,7 +51,7 @@ def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512, llm_kwa
                 seed=r.get("seed"),
                 max_tokens=r["max_tokens"],
                 detokenize=False,
-                extra_args={"higgs_request_key": r["key"]},
+                extra_args=request_args(r["key"], prompt),
             )
         )
     outputs = llm.generate(prompts, params, use_tqdm=False)

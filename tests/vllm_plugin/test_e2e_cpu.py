@@ -25,7 +25,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from higgs_talker import HiggsTalker, SamplingParams  # noqa: E402
+from higgs_talker import HiggsTalker, Reference, SamplingParams  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("serve_tiny.py")
 # Seeds 1 and 3 make the tiny model sample EOC early (65 and 22 rows), so the EOS path runs too. The seeded
@@ -46,7 +46,9 @@ SPEC = [
     },  # noqa: E501
     {"key": "short", "text": "Short.", "max_tokens": 12},
     {"key": "greedy-long", "text": "Hello there, this prompt is long enough to be chunked.", "max_tokens": 40},
-]
+    {"key": "clone", "text": "Say it like me.", "max_tokens": 30,
+     "reference": {"seed": 4, "frames": 5, "text": "Some reference words"}},
+]  # fmt: skip
 BUDGET = 64  # tokens per step: the first step ends part-way through greedy-long's prompt
 
 
@@ -78,7 +80,14 @@ def test_codes_match_the_direct_engine(served, tiny_dir, index):
         seed=spec.get("seed"),
     )  # fmt: skip
     # vLLM's max_tokens counts delayed rows (one per decode step); ours counts audio frames, C rows fewer
-    want = talker.generate(spec["text"], params, max_frames=spec["max_tokens"] - talker.cfg.num_codebooks)
+    reference = None
+    if "reference" in spec:  # the same random codes serve_tiny drew
+        ref = spec["reference"]
+        codes = torch.randint(0, 1024, (ref["frames"], 8), generator=torch.Generator().manual_seed(ref["seed"]))
+        reference = Reference(codes=codes, text=ref["text"])
+    want = talker.generate(
+        spec["text"], params, reference=reference, max_frames=spec["max_tokens"] - talker.cfg.num_codebooks
+    )
     rows = torch.tensor(got["rows"], dtype=torch.long)
     assert rows.shape == want.rows.shape
     assert torch.equal(rows, want.rows)

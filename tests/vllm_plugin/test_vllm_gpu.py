@@ -29,7 +29,7 @@ pytest.importorskip("vllm.config")
 from _engine_invariants import explain_divergence  # noqa: E402
 from _tolerance import chain_rel_tol  # noqa: E402
 
-from higgs_talker import HiggsTalker, SamplingParams  # noqa: E402
+from higgs_talker import HiggsTalker, Reference, SamplingParams  # noqa: E402
 from higgs_talker.tiny import tiny_config, write_checkpoint  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("serve_tiny.py")
@@ -40,6 +40,8 @@ SPEC = [
      "max_tokens": 40},
     {"key": "short", "text": "Short.", "max_tokens": 20},
     {"key": "greedy-b", "text": "Another request that joins the batch.", "max_tokens": 33},
+    {"key": "clone", "text": "Say it like me.", "max_tokens": 30,
+     "reference": {"seed": 4, "frames": 5, "text": "Some reference words"}},
 ]  # fmt: skip
 COMMON = {"dtype": "bfloat16", "max_model_len": 512, "max_num_seqs": 16, "gpu_memory_utilization": 0.25,
           "attention_backend": "FLASHINFER", "kernel_config": {"enable_flashinfer_autotune": False}}  # fmt: skip
@@ -98,8 +100,14 @@ def test_codes_match_the_direct_engine_or_split_at_a_near_tie(served, solo, inde
     spec, got = SPEC[index], served["results"][index]
     params = SamplingParams(temperature=spec.get("temperature", 0.0), top_k=spec.get("top_k", -1),
                             top_p=spec.get("top_p", 1.0), seed=spec.get("seed"))  # fmt: skip
-    prompt = solo.build_prompt(spec["text"])
-    want = solo.generate(spec["text"], params, max_frames=spec["max_tokens"] - solo.cfg.num_codebooks).rows
+    reference = None
+    if "reference" in spec:  # the same random codes serve_tiny drew
+        ref = spec["reference"]
+        codes = torch.randint(0, 1024, (ref["frames"], 8), generator=torch.Generator().manual_seed(ref["seed"]))
+        reference = Reference(codes=codes, text=ref["text"])
+    prompt = solo.build_prompt(spec["text"], reference)
+    frames = spec["max_tokens"] - solo.cfg.num_codebooks
+    want = solo.generate(spec["text"], params, reference=reference, max_frames=frames).rows
     rows = torch.tensor(got["rows"], dtype=torch.long)
     if not torch.equal(rows, want):
         t = explain_divergence(solo, prompt, params, rows, want, rel_gap=bf16_gap())
