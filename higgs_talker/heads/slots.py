@@ -113,6 +113,21 @@ class SlotStore:
             self.state.scatter(idx, state)
             self.num_rows.index_copy_(0, idx, rows)
 
+    def export(self, slot: int) -> dict[str, Tensor]:
+        """One slot's whole decode state as CPU tensors (``load`` puts it back, possibly in another slot)."""
+        idx = torch.tensor([slot], device=self.device)
+        out = {f"state.{k}": v.cpu() for k, v in vars(self.state.gather(idx)).items()}
+        for name in _PER_SLOT:
+            out[name] = getattr(self, name).index_select(0, idx).cpu()
+        return out
+
+    def load(self, slot: int, data: dict[str, Tensor]) -> None:
+        idx = torch.tensor([slot], device=self.device)
+        fields = {k[len("state.") :]: v.to(self.device) for k, v in data.items() if k.startswith("state.")}
+        self.state.scatter(idx, DelayState(**fields))
+        for name in _PER_SLOT:
+            getattr(self, name).index_copy_(0, idx, data[name].to(self.device))
+
     def params(self, slots: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The slots' own (temperature [B], top_k [B], top_p [B])."""
         return (
@@ -120,6 +135,9 @@ class SlotStore:
             self.top_k.index_select(0, slots),
             self.top_p.index_select(0, slots),
         )
+
+
+_PER_SLOT = ("temperature", "top_p", "top_k", "seeds", "min_rows", "num_rows")
 
 
 def sample_frame(

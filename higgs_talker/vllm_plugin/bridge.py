@@ -15,8 +15,10 @@ with ``talker.request_rows(key)``), else a generated one; ``request_args(key, pr
 with a voice-clone prompt's reference rows (substituted at prefill, as vllm-omni's runner does). The bridge
 finds its model through ``talker_for(vllm_config)``: the adapter vLLM built with the same config. vLLM's
 ``min_tokens`` becomes the request's minimum length (no end of stream before that many rows). Use:
-``vllm.LLM(..., logits_processors=[TEXT_ONLY_BRIDGE])``. Limit: a preempted request restarts its audio stream
-when resumed (the recomputed positions are not re-fed).
+``vllm.LLM(..., logits_processors=[TEXT_ONLY_BRIDGE])``. vLLM removes a request from the batch when it
+finishes or is preempted, without saying which: the bridge keeps the slot's state of every removed request
+(the last 256), and a request that comes back with generated tokens resumes from it, its recomputed positions
+re-fed with their rows.
 """
 
 from __future__ import annotations
@@ -71,13 +73,14 @@ class TextOnlyBridge(LogitsProcessor):
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         model = talker_for(self.vllm_config)
+        resume: set[str] = set()
         if batch_update is not None:
             finished = []
             for index in batch_update.removed:
                 row = self.rows.pop(index, None)
                 if row is not None:
                     finished.append(row.key)
-            for index, params, _prompt, _output in batch_update.added:
+            for index, params, _prompt, output in batch_update.added:
                 old = self.rows.get(index)
                 if old is not None:
                     finished.append(old.key)
@@ -93,6 +96,8 @@ class TextOnlyBridge(LogitsProcessor):
                 self.rows[index] = _Row(
                     key, float(params.temperature), int(params.top_k), float(params.top_p), seed, min_rows, info
                 )
+                if output:  # generated tokens already: a preempted request comes back
+                    resume.add(key)
             if model is not None and batch_update.moved:
                 model.stats["bridge_moves"] += len(batch_update.moved)
             for a, b, direction in batch_update.moved:
@@ -103,7 +108,7 @@ class TextOnlyBridge(LogitsProcessor):
                     self.rows[a] = rb
             self.batch_size = batch_update.batch_size
             if model is not None and finished:
-                model.on_requests_finished(finished)
+                model.on_requests_removed(finished)
         self.armed = False
         if model is None:
             warn_once("bridge-no-model", "TextOnlyBridge: no talker was built with this vLLM config; no codes")
@@ -113,7 +118,8 @@ class TextOnlyBridge(LogitsProcessor):
         model.slots.keep_finished = max(model.slots.keep_finished, 256)
         seeds = {i: r.seed for i, r in enumerate(batch) if r.seed is not None}
         min_rows = {i: r.min_rows for i, r in enumerate(batch)}
-        model.set_bridge_requests([r.key for r in batch], seeds, min_rows, [r.reference or {} for r in batch])
+        refs = [r.reference or {} for r in batch]
+        model.set_bridge_requests([r.key for r in batch], seeds, min_rows, refs, resume)
         self.armed = True
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:

@@ -41,17 +41,24 @@ class RequestSlots:
         self.seed_pos = torch.full((store.capacity + 1,), -1, dtype=torch.long, device=store.device)
         self.requests: dict[str, HostRequest] = {}
         self._last: tuple[list[str], Tensor] | None = None
-        # finished requests' rows, newest last (only kept when keep_finished > 0: the text-only vLLM path)
+        # requests vLLM took out of the batch, newest last (only kept when keep_finished > 0: the text-only vLLM
+        # path, where a removal is a finish or a preemption and vLLM does not say which): their rows, and the
+        # slot's decode state when it was kept for a resume
         self.keep_finished = keep_finished
-        self.finished: OrderedDict[str, Tensor] = OrderedDict()
+        self.finished: OrderedDict[str, tuple[HostRequest, dict[str, Tensor] | None]] = OrderedDict()
 
     def sync(
-        self, req_ids: list[str], seeds: dict[int, int] | None = None, min_rows: dict[int, int] | None = None
+        self,
+        req_ids: list[str],
+        seeds: dict[int, int] | None = None,
+        min_rows: dict[int, int] | None = None,
+        resume: set[str] | None = None,
     ) -> tuple[Tensor, list[int]]:
         """(slots [B] int64 for ``req_ids`` in batch order, batch indices of the ids new this call).
 
         New ids get a fresh slot with ``seeds[batch index]`` or a random seed (none is pinned by default), and
-        ``min_rows[batch index]``: no end of stream before that many rows.
+        ``min_rows[batch index]``: no end of stream before that many rows. An id in ``resume`` whose state was
+        kept (``release(keep=True)``) gets it back instead: a preempted request goes on where it stopped.
         Raises RuntimeError when more requests are live than there are slots.
         """
         if self._last is not None and req_ids == self._last[0]:
@@ -65,6 +72,14 @@ class RequestSlots:
                     f"{len(self.requests) + 1} live requests exceed the {self.free.capacity} decode-state slots "
                     "(raise max_num_seqs in the vLLM config)"
                 )
+            kept = self.finished.pop(rid, None) if rid in (resume or ()) else None
+            if kept is not None and kept[1] is not None:
+                req, snapshot = kept
+                req.slot = self.free.acquire()
+                self.store.load(req.slot, snapshot)
+                self.seed_pos[req.slot] = snapshot["seed_pos"].to(self.seed_pos.device)[0]
+                self.requests[rid] = req
+                continue
             seed = (seeds or {}).get(i)
             req = HostRequest(self.free.acquire(), seed if seed is not None else secrets.randbelow(MAX_SEED))
             self.requests[rid] = req
@@ -83,15 +98,19 @@ class RequestSlots:
         req.seed = seed
         self.store.seeds[req.slot] = seed
 
-    def release(self, req_ids) -> None:
-        """Free the slots of finished (or aborted) requests; unknown ids are ignored."""
+    def release(self, req_ids, keep: bool = False) -> None:
+        """Free the slots of requests vLLM finished (or took out of the batch); unknown ids are ignored. With
+        ``keep`` (and ``keep_finished``) a slot's decode state is kept for a resume."""
         for rid in req_ids:
             req = self.requests.pop(rid, None)
             if req is None:
                 continue
+            snapshot = None
+            if keep and self.keep_finished > 0:
+                snapshot = self.store.export(req.slot) | {"seed_pos": self.seed_pos[req.slot : req.slot + 1].cpu()}
             self.free.release(req.slot)
             if self.keep_finished > 0:
-                self.finished[rid] = self.rows_of(req)
+                self.finished[rid] = (req, snapshot)
                 while len(self.finished) > self.keep_finished:
                     self.finished.popitem(last=False)
         self._last = None

@@ -104,7 +104,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         self.loaded_weight_names: frozenset[str] = frozenset()
         # what the steps did (tests and logs read these)
         self.stats = dict.fromkeys(("text_head_skipped", "text_head_full", "sample_steps", "bridge_moves",
-                                    "bridge_replayed_steps", "bridge_no_qsl"), 0)  # fmt: skip
+                                    "bridge_replayed_steps", "bridge_no_qsl", "bridge_recomputed_rows"), 0)  # fmt: skip
         self.deferred_prefix_cache_mm_keys = {"codes.audio"}
         self._step: S.VllmStep | None = None  # the current step (None: a dummy or profile run)
         self._bridge_req_ids: list[str] | None = None  # set by the bridge before a real step's forward
@@ -146,13 +146,14 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         seeds: dict[int, int],
         min_rows: dict[int, int] | None = None,
         references: list[dict] | None = None,
+        resume: set[str] | None = None,
     ) -> None:
         """The text-only bridge's view of the batch, before a real step. The feedback buffers are written for a
         pure decode step (token i = request i): a replayed FULL decode graph reads them without our forward;
         an eager forward rewrites them for the step's real layout."""
         self._bridge_req_ids = list(req_ids)
         self._bridge_infos = references if references and any(references) else None
-        slots, _ = self.slots.sync(self._bridge_req_ids, seeds, min_rows)
+        slots, _ = self.slots.sync(self._bridge_req_ids, seeds, min_rows, resume)
         if len(req_ids) < self._capacity:
             b = len(req_ids)
             decode = S.VllmStep(self._bridge_req_ids, slots, torch.arange(b + 1, device=slots.device), None, None, [])
@@ -167,6 +168,11 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
 
     def on_requests_finished(self, finished_req_ids) -> None:
         self.slots.release(finished_req_ids)
+
+    def on_requests_removed(self, req_ids) -> None:
+        """The bridge's requests that left vLLM's batch: finished, or preempted (vLLM does not say which), so
+        their slots' state is kept for a resume."""
+        self.slots.release(req_ids, keep=True)
 
     # ------------------------------------------------------------------ forward
 
@@ -196,6 +202,8 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
             infos = infos or self._bridge_infos
             if infos:
                 embeds = self._substitute_reference(embeds, step, infos)
+        if step is not None and embeds.shape[0] > step.num_reqs:  # prefill spans: maybe a recompute
+            embeds = self._substitute_fed_rows(embeds, step)
         if embeds.shape[0] <= self._capacity:
             # always, even in dummy runs: a FULL decode graph captured here must contain the feedback
             embeds = S.apply_feedback(embeds, self._fb_use, self._fb_codes, self.multimodal_embedding)
@@ -238,6 +246,31 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
             tok = torch.nonzero(hit).flatten()
             rows = self.multimodal_embedding(codes[idx[tok]].to(embeds.device)).to(embeds.dtype)
             embeds = embeds.index_copy(0, tok.to(embeds.device) + start, rows)
+        return embeds
+
+    def _substitute_fed_rows(self, embeds: Tensor, step: S.VllmStep) -> Tensor:
+        """A span vLLM recomputes after a preemption (the prompt and every generated token, from position 0):
+        the positions after the prompt's tail embed the rows fed there the first time (position seed_pos + 1 + j
+        carried row j), so the recomputed KV and the codes after it are what they would have been."""
+        qsl = None
+        for i, rid in enumerate(step.req_ids):
+            req = self.slots.requests.get(rid)
+            if req is None or not req.rows:
+                continue
+            qsl = step.qsl.tolist() if qsl is None else qsl
+            start, end = qsl[i], qsl[i + 1]
+            if end - start <= 1:  # a decode step: the dense feedback covers it
+                continue
+            j = step.positions[start:end] - int(self.slots.seed_pos[req.slot]) - 1  # the row fed at each position
+            hit = (j >= 0) & (j < len(req.rows))
+            tok = torch.nonzero(hit).flatten()
+            if tok.numel() == 0:
+                continue
+            self.stats["bridge_recomputed_rows"] += int(tok.numel())
+            rows = torch.stack(req.rows).to(embeds.device).long()[j[tok].to(embeds.device)]
+            embeds = embeds.index_copy(
+                0, tok.to(embeds.device) + start, self.multimodal_embedding(rows).to(embeds.dtype)
+            )
         return embeds
 
     # ------------------------------------------------------------------ logits and sampling
@@ -340,7 +373,9 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         """Every delayed row [R, C] int32 a request produced so far, live or recently finished (text-only
         bridge path keeps the last 256 finished requests); None for an unknown id."""
         req = self.slots.requests.get(req_id)
-        return self.slots.rows_of(req) if req is not None else self.slots.finished.get(req_id)
+        if req is None and req_id in self.slots.finished:
+            req = self.slots.finished[req_id][0]
+        return self.slots.rows_of(req) if req is not None else None
 
     # ------------------------------------------------------------------ weights
 

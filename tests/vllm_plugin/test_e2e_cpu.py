@@ -103,3 +103,35 @@ def test_codes_match_the_direct_engine(served, tiny_dir, index):
 def test_pure_audio_steps_skipped_the_text_head(served):
     stats = served["stats"]
     assert stats["text_head_skipped"] > stats["text_head_full"] > 0
+
+
+SEEDED = {"temperature": 1.0, "seed": 3}
+PREEMPT_SPEC = [
+    {"key": f"p{i}", "text": f"Hello there, request {i}.", "max_tokens": 90, **(SEEDED if i == 1 else {})}
+    for i in range(5)
+]
+
+
+@pytest.fixture(scope="module")
+def served_with_preemption(tiny_dir):
+    """A KV cache of 12 blocks of 32 tokens for five 110-token requests: vLLM preempts and recomputes."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    kwargs = {"max_model_len": 256, "block_size": 32, "num_gpu_blocks_override": 12}
+    cmd = [sys.executable, str(SCRIPT), str(tiny_dir), json.dumps(PREEMPT_SPEC), "64", json.dumps(kwargs)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=570, env=env)
+    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT:")]
+    assert out.returncode == 0 and lines, (out.stdout[-3000:], out.stderr[-6000:])
+    return json.loads(lines[0][len("RESULT:") :])
+
+
+def test_preempted_requests_resume_with_their_codes(served_with_preemption, tiny_dir):
+    """vLLM removes a preempted request from the batch and recomputes it later from position 0: the bridge kept
+    its slot, the recomputed positions are fed their rows again, and every request's codes equal the direct
+    engine's."""
+    stats = served_with_preemption["stats"]
+    assert stats["bridge_recomputed_rows"] > 0, stats  # a preemption really happened and was re-fed
+    talker = HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=2, max_model_len=1024)
+    for spec, got in zip(PREEMPT_SPEC, served_with_preemption["results"], strict=True):
+        params = SamplingParams(temperature=spec.get("temperature", 0.0), seed=spec.get("seed"))
+        want = talker.generate(spec["text"], params, max_frames=spec["max_tokens"] - talker.cfg.num_codebooks)
+        assert torch.equal(torch.tensor(got["rows"], dtype=torch.long), want.rows), spec["key"]
