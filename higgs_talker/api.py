@@ -10,26 +10,28 @@ that fails fails the requests it was running, and their callers raise ``Generati
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from . import checkpoint
-from .audio import CodecLoader, has_bundled_codec, write_wav
+from .audio import CodecLoader, has_bundled_codec
 from .config import TalkerConfig, check_fits_device, register_hf_config
 from .cuda_graphs.policy import GraphMode
+from .driver import Driver, Ticket
 from .engine import Engine, EngineConfig, Request
-from .heads.delay import codec_frames, revert_delay_pattern
+from .heads.delay import codec_frames
 from .heads.sampling import SamplingParams
 from .model import TalkerModel
 from .ops import default_kernels, rope_cache
 from .prompt import Prompt, TalkerTokenizer
+from .results import GenerationError, GenerationResult, Reference
 from .tiny import TINY_NAME, tiny_checkpoint
+
+__all__ = ["GenerationError", "GenerationResult", "HiggsTalker", "Reference"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,187 +43,6 @@ _DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-
-
-class GenerationError(RuntimeError):
-    """A request failed inside a step (its cause is ``__cause__``); other requests are unaffected."""
-
-
-@dataclass(frozen=True)
-class Reference:
-    """A reference voice for cloning: aligned codec codes [T, C], or audio the codec encodes; optionally its words.
-
-    ``audio`` is a WAV path, or samples [N] / [channels, N] with their ``sample_rate``; 1-30 s, mixed to mono
-    and resampled to 24 kHz as upstream does. Encoded references are cached per talker.
-    """
-
-    codes: Tensor | np.ndarray | None = None
-    text: str | None = None
-    audio: str | Path | Tensor | np.ndarray | None = None
-    sample_rate: int | None = None
-
-    def __post_init__(self) -> None:
-        if (self.codes is None) == (self.audio is None):
-            raise ValueError("a Reference needs exactly one of codes= (aligned codes [T, C]) or audio= (WAV, samples)")
-        if isinstance(self.audio, str | Path) and self.sample_rate is not None:
-            raise ValueError("Reference.sample_rate is for audio samples; a WAV file gives its own rate")
-        if self.audio is not None and not isinstance(self.audio, str | Path) and self.sample_rate is None:
-            raise ValueError("Reference(audio=samples) needs sample_rate=")
-
-
-@dataclass
-class GenerationResult:
-    """Codes of one request and how long they took."""
-
-    request_id: str
-    text: str
-    codes: Tensor  # [F, C] int64: aligned frames as the codec receives them (SPEC 8.2)
-    rows: Tensor  # [R, C] int64: the delayed rows as generated (BOC/EOC included)
-    finish_reason: str
-    seed: int  # the sampling seed used (the given one, or the one drawn): reproduces this result
-    prompt_tokens: int
-    prefill_ms: float
-    decode_ms: float
-    frame_rate: int
-    sample_rate: int | None = None  # Hz of ``audio``; None when the talker has no codec
-    codec: CodecLoader | None = field(default=None, repr=False, compare=False)
-    _audio: Tensor | None = field(default=None, init=False, repr=False, compare=False)
-
-    @property
-    def audio(self) -> Tensor | None:
-        """[F * hop] float32 (CPU) at ``sample_rate``: ``codes`` decoded on first access; None without a codec."""
-        if self._audio is None and self.codec is not None:
-            self._audio = self.codec.decoder().decode(self.codes).cpu()
-        return self._audio
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.rows.shape[0])
-
-    @property
-    def num_frames(self) -> int:
-        return int(self.codes.shape[0])
-
-    @property
-    def audio_seconds(self) -> float:
-        return self.num_frames / self.frame_rate
-
-    @property
-    def ms_per_step(self) -> float:
-        return self.decode_ms / max(self.num_rows - 1, 1)
-
-    @property
-    def rtf(self) -> float:
-        """Real-time factor: generation time over audio duration (below 1 is faster than real time)."""
-        total = (self.prefill_ms + self.decode_ms) / 1e3
-        return total / self.audio_seconds if self.audio_seconds else float("inf")
-
-    def aligned(self) -> Tensor:
-        """All reverted frames [R - C + 1, C] with BOC/EOC kept (nothing trimmed)."""
-        return revert_delay_pattern(self.rows)
-
-    def save(self, path: str | Path) -> Path:
-        """Write ``audio`` to ``.wav`` (24 kHz mono 16-bit), ``codes`` to ``.npy``, or both codes and rows to
-        ``.safetensors``."""
-        path = Path(path)
-        if path.suffix == ".wav":
-            if self.audio is None:
-                raise ValueError(f"cannot write {str(path)!r}: this result has no audio (the talker has no codec)")
-            write_wav(path, self.audio, self.sample_rate)
-        elif path.suffix == ".npy":
-            np.save(path, self.codes.numpy())
-        elif path.suffix == ".safetensors":
-            from safetensors.torch import save_file
-
-            save_file(
-                {"codes": self.codes.contiguous(), "rows": self.rows.contiguous()},
-                str(path),
-                metadata={"text": self.text, "frame_rate": str(self.frame_rate), "seed": str(self.seed)},
-            )
-        else:
-            raise ValueError(f"unsupported output format {path.suffix!r}: use .wav, .npy or .safetensors")
-        return path
-
-    def summary(self) -> str:
-        return (
-            f"{self.num_frames} frames, {self.audio_seconds:.2f} s audio, {self.num_rows} steps "
-            f"({self.finish_reason}), seed {self.seed}, prefill {self.prefill_ms:.1f} ms, "
-            f"{self.ms_per_step:.2f} ms/step, RTF {self.rtf:.3f}"
-        )
-
-
-class _Ticket:
-    """A caller waiting on some requests: woken when all have finished, and after every step if ``per_step``."""
-
-    def __init__(self, ids: list[str], per_step: bool) -> None:
-        self.ids, self.per_step = ids, per_step
-        self.event = threading.Event()
-        self.done = False
-        self.error: BaseException | None = None  # the worker thread itself failed (a bug): nothing will finish
-
-    def wait(self) -> None:
-        """Until the next wake-up; raises if the worker thread died."""
-        self.event.wait()
-        self.event.clear()
-        if self.error is not None:
-            raise GenerationError(f"the engine's worker thread failed: {self.error!r}") from self.error
-
-
-class _Driver:
-    """Steps an engine on one worker thread while any caller waits (started on demand, exits when idle)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._lock = threading.Lock()
-        self._tickets: list[_Ticket] = []
-        self._thread: threading.Thread | None = None
-
-    def wait_for(self, ticket: _Ticket) -> None:
-        with self._lock:
-            self._tickets.append(ticket)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="higgs-talker-engine", daemon=True)
-                self._thread.start()
-
-    def withdraw(self, ticket: _Ticket) -> None:
-        with self._lock:
-            if ticket in self._tickets:
-                self._tickets.remove(ticket)
-
-    def _loop(self) -> None:
-        try:
-            self._serve()
-        except BaseException as exc:  # noqa: BLE001 - a bug here must reach the waiting callers, not hang them
-            logger.exception("the engine's worker thread failed")
-            with self._lock:
-                for ticket in self._tickets:
-                    ticket.error = exc
-                    ticket.event.set()
-                self._tickets.clear()
-                self._thread = None
-
-    def _serve(self) -> None:
-        engine = self.engine
-        if engine.device.type == "cuda":
-            torch.cuda.set_device(engine.device)
-        while True:
-            with self._lock:
-                if not self._tickets:
-                    self._thread = None
-                    return
-            if engine.has_unfinished():
-                try:
-                    engine.step()
-                except Exception as exc:  # noqa: BLE001 - the step's own requests carry it; serve the rest
-                    logger.error("an engine step failed (its requests end with the error): %r", exc)
-            with self._lock:
-                for ticket in list(self._tickets):
-                    if all(engine.requests[i].finished for i in ticket.ids if i in engine.requests):
-                        ticket.done = True
-                        self._tickets.remove(ticket)
-                        ticket.event.set()
-                    elif ticket.per_step:
-                        ticket.event.set()
 
 
 class HiggsTalker:
@@ -245,7 +66,7 @@ class HiggsTalker:
         self.engine = Engine(model, cfg, tokenizer.specials, engine_config, decode_kernel=decode_kernel)
         if self.engine.device.type == "cuda":
             self.engine.warm_up(self.graph_mode, buckets)
-        self._driver = _Driver(self.engine)
+        self._driver = Driver(self.engine)
 
     @classmethod
     def from_pretrained(
@@ -390,7 +211,7 @@ class HiggsTalker:
         try:
             for p, s in zip(prompts, params, strict=True):
                 ids.append(eng.add_request(p, s))
-            ticket = _Ticket(ids, per_step=progress is not None)
+            ticket = Ticket(ids, per_step=progress is not None)
             self._driver.wait_for(ticket)
             while not ticket.done:
                 ticket.wait()
@@ -419,7 +240,7 @@ class HiggsTalker:
         eng = self.engine
         rid = eng.add_request(self.build_prompt(text, reference), params)
         req = eng.requests[rid]
-        ticket = _Ticket([rid], per_step=True)
+        ticket = Ticket([rid], per_step=True)
         n, emitted = self.cfg.num_codebooks, 0
         try:
             self._driver.wait_for(ticket)
@@ -438,7 +259,7 @@ class HiggsTalker:
         finally:
             self._forget([rid], ticket)
 
-    def _forget(self, ids: list[str], ticket: _Ticket | None) -> None:
+    def _forget(self, ids: list[str], ticket: Ticket | None) -> None:
         """Cancel and drop this caller's requests (after an error, or when a stream is closed)."""
         if ticket is not None:
             self._driver.withdraw(ticket)

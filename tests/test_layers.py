@@ -35,11 +35,13 @@ LAYERS = {
     "model_runner": 3,
     "cuda_graphs": 4,
     "scheduler": 4,
+    "results": 4,
     "engine": 5,
+    "driver": 6,
     "vllm_plugin": 6,
-    "api": 6,
-    "cli": 7,
-    "__init__": 8,
+    "api": 7,
+    "cli": 8,
+    "__init__": 9,
 }
 
 

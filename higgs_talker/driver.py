@@ -1,0 +1,88 @@
+"""The engine's worker thread: ``HiggsTalker`` callers queue requests on the engine and wait on a ticket while
+one thread (started on demand, gone when idle) steps the engine for all of them."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from .engine import Engine
+from .results import GenerationError
+
+logger = logging.getLogger(__name__)
+
+
+class Ticket:
+    """A caller waiting on some requests: woken when all have finished, and after every step if ``per_step``."""
+
+    def __init__(self, ids: list[str], per_step: bool) -> None:
+        self.ids, self.per_step = ids, per_step
+        self.event = threading.Event()
+        self.done = False
+        self.error: BaseException | None = None  # the worker thread itself failed (a bug): nothing will finish
+
+    def wait(self) -> None:
+        """Until the next wake-up; raises if the worker thread died."""
+        self.event.wait()
+        self.event.clear()
+        if self.error is not None:
+            raise GenerationError(f"the engine's worker thread failed: {self.error!r}") from self.error
+
+
+class Driver:
+    """Steps an engine on one worker thread while any caller waits (started on demand, exits when idle)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._tickets: list[Ticket] = []
+        self._thread: threading.Thread | None = None
+
+    def wait_for(self, ticket: Ticket) -> None:
+        with self._lock:
+            self._tickets.append(ticket)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="higgs-talker-engine", daemon=True)
+                self._thread.start()
+
+    def withdraw(self, ticket: Ticket) -> None:
+        with self._lock:
+            if ticket in self._tickets:
+                self._tickets.remove(ticket)
+
+    def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - a bug here must reach the waiting callers, not hang them
+            logger.exception("the engine's worker thread failed")
+            with self._lock:
+                for ticket in self._tickets:
+                    ticket.error = exc
+                    ticket.event.set()
+                self._tickets.clear()
+                self._thread = None
+
+    def _serve(self) -> None:
+        engine = self.engine
+        if engine.device.type == "cuda":
+            torch.cuda.set_device(engine.device)
+        while True:
+            with self._lock:
+                if not self._tickets:
+                    self._thread = None
+                    return
+            if engine.has_unfinished():
+                try:
+                    engine.step()
+                except Exception as exc:  # noqa: BLE001 - the step's own requests carry it; serve the rest
+                    logger.error("an engine step failed (its requests end with the error): %r", exc)
+            with self._lock:
+                for ticket in list(self._tickets):
+                    if all(engine.requests[i].finished for i in ticket.ids if i in engine.requests):
+                        ticket.done = True
+                        self._tickets.remove(ticket)
+                        ticket.event.set()
+                    elif ticket.per_step:
+                        ticket.event.set()
