@@ -217,16 +217,16 @@ def test_non_dict_inputs_are_rejected():
         TalkerConfig.from_dict(raw_cfg(audio_encoder_config=[8, 1026]))
 
 
-@pytest.mark.parametrize(
-    "cfg",
-    [
-        tiny_config(),
-        tiny_config(tie_modality_embeddings=False),
-        tiny_config(text={"tie_word_embeddings": False, "attention_bias": True}),
-        tiny_config(num_codebooks=4, codebook_size=40, boc_id=32, eoc_id=33),
-    ],
-    ids=["tiny", "untied_modality", "untied_text_bias", "small_codebooks"],
-)
+SHAPES = [
+    tiny_config(),
+    tiny_config(tie_modality_embeddings=False),
+    tiny_config(text={"tie_word_embeddings": False, "attention_bias": True}),
+    tiny_config(num_codebooks=4, codebook_size=40, boc_id=32, eoc_id=33),
+]
+SHAPE_IDS = ["tiny", "untied_modality", "untied_text_bias", "small_codebooks"]
+
+
+@pytest.mark.parametrize("cfg", SHAPES, ids=SHAPE_IDS)
 def test_to_dict_from_dict_round_trip(cfg):
     raw = cfg.to_dict()
     again = TalkerConfig.from_dict(json.loads(json.dumps(raw)))  # survives JSON too
@@ -420,16 +420,7 @@ def test_non_utf8_config_names_the_file(tmp_path):
 # ------------------------------------------------------------------------------------------ memory estimate
 
 
-@pytest.mark.parametrize(
-    "cfg",
-    [
-        tiny_config(),
-        tiny_config(tie_modality_embeddings=False),
-        tiny_config(text={"tie_word_embeddings": False, "attention_bias": True}),
-        tiny_config(num_codebooks=4, codebook_size=40, boc_id=32, eoc_id=33),
-    ],
-    ids=["tiny", "untied_modality", "untied_text_bias", "small_codebooks"],
-)
+@pytest.mark.parametrize("cfg", SHAPES, ids=SHAPE_IDS)
 def test_parameter_count_matches_the_model(cfg):
     import torch
 
