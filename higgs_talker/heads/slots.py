@@ -64,6 +64,9 @@ class FreeList:
         self._free.append(slot)
 
 
+_PER_SLOT = ("temperature", "top_p", "top_k", "seeds", "min_rows", "num_rows")  # per-slot tensors beside the state
+
+
 class SlotStore:
     """Fixed device storage for ``capacity`` request slots plus the scratch slot (index ``capacity``)."""
 
@@ -135,9 +138,6 @@ class SlotStore:
             self.top_k.index_select(0, slots),
             self.top_p.index_select(0, slots),
         )
-
-
-_PER_SLOT = ("temperature", "top_p", "top_k", "seeds", "min_rows", "num_rows")
 
 
 def sample_frame(
