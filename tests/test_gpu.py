@@ -406,5 +406,9 @@ def test_concurrent_callers_on_a_cuda_talker(talkers):
         th.start()
     for th in threads:
         th.join(timeout=120)
-    for i in range(8):  # greedy with batch-dependent rounding: equal here or a near-tie flip (checked on CPU)
-        assert got[i] is not None and got[i].shape == want[i].shape
+    from _engine_invariants import check_delay_pattern
+
+    for i in range(8):  # bf16 rounds with the batch's make-up, so a greedy code may flip at a near tie (see CPU)
+        assert got[i] is not None and got[i].shape[1] == 8 and got[i].shape[0] <= params[i].max_frames + 8
+        check_delay_pattern(got[i], "eoc" if got[i].shape[0] < params[i].max_frames + 8 else "max_frames")
+        assert torch.equal(got[i][:1], want[i][:1])  # the prefill row: each caller got its own request's codes
