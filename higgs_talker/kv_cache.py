@@ -46,9 +46,14 @@ class BlockAllocator:
             self._free.append(b)
 
 
+def kv_slot(block_table: list[int], position: int, block_size: int) -> int:
+    """The cache slot (``block * block_size + offset``) of one token position of a request."""
+    return block_table[position // block_size] * block_size + position % block_size
+
+
 def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
     """Cache slots of token positions [start, end) of one request."""
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    return [kv_slot(block_table, p, block_size) for p in range(start, end)]
 
 
 def allocate_kv_caches(

@@ -26,7 +26,7 @@ from .batch import StepBatch
 from .config import TalkerConfig
 from .heads.sampling import SamplingParams
 from .heads.slots import FreeList, SlotInit
-from .kv_cache import BlockAllocator, slot_mapping
+from .kv_cache import BlockAllocator, kv_slot, slot_mapping
 from .prompt import Prompt, validate_prompt
 
 
@@ -281,7 +281,7 @@ class Scheduler:
         return StepBatch(
             slots=[r.slot for r in batch],
             positions=[r.num_computed for r in batch],
-            slot_mapping=[r.blocks[r.num_computed // bs] * bs + r.num_computed % bs for r in batch],
+            slot_mapping=[kv_slot(r.blocks, r.num_computed, bs) for r in batch],
             query_lens=[1] * len(batch),
             seq_lens=[r.num_computed + 1 for r in batch],
             block_tables=[r.blocks for r in batch],

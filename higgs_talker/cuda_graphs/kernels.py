@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..batch import StepBatch
+from ..kv_cache import kv_slot
 from .capture import capture_graph, median_ms
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ def _synthetic_batch(batch: int, ctx: int, block_size: int) -> StepBatch:
     return StepBatch(
         slots=[0] * batch,
         positions=[pos] * batch,
-        slot_mapping=[t[pos // block_size] * block_size + pos % block_size for t in tables],
+        slot_mapping=[kv_slot(t, pos, block_size) for t in tables],
         query_lens=[1] * batch,
         seq_lens=[ctx] * batch,
         block_tables=tables,
