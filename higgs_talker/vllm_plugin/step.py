@@ -93,6 +93,14 @@ def forced_only_logits(modes: RowModes, vocab_size: int, dtype: torch.dtype = to
     return out.scatter_(1, modes.forced[:, None], 0.0)
 
 
+def _tail_feedback(step: VllmStep, slots: RequestSlots) -> tuple[Tensor, Tensor]:
+    """Per request [B]: whether its tail token is fed back (in a stream, single-token span) and its last codes
+    [B, C]."""
+    s, state = step.slots, slots.store.state
+    single = (step.qsl[1:] - step.qsl[:-1]) == 1
+    return state.has_codes.index_select(0, s) & single, state.last_codes.index_select(0, s)
+
+
 def write_feedback(step: VllmStep, slots: RequestSlots, use: Tensor, codes: Tensor) -> None:
     """Fill the per-token feedback buffers (fixed storage) for a step of at most ``use.shape[0]`` tokens.
 
@@ -100,11 +108,10 @@ def write_feedback(step: VllmStep, slots: RequestSlots, use: Tensor, codes: Tens
     token gets its previous frame when the request is in a stream and has a single-token span (a decode
     step); everything else is cleared. Runs before the forward, outside any captured graph.
     """
-    s, tails, state = step.slots, step.tails, slots.store.state
-    spans = step.qsl[1:] - step.qsl[:-1]
+    fed, last = _tail_feedback(step, slots)
     use.zero_()
-    use.index_copy_(0, tails, state.has_codes.index_select(0, s) & (spans == 1))
-    codes.index_copy_(0, tails, state.last_codes.index_select(0, s))
+    use.index_copy_(0, step.tails, fed)
+    codes.index_copy_(0, step.tails, last)
 
 
 def apply_feedback(embeds: Tensor, use: Tensor, codes: Tensor, embed_codes) -> Tensor:
@@ -116,12 +123,10 @@ def apply_feedback(embeds: Tensor, use: Tensor, codes: Tensor, embed_codes) -> T
 
 def feedback_sparse(embeds: Tensor, step: VllmStep, slots: RequestSlots, embed_codes) -> Tensor:
     """The same replacement for a step larger than the buffers (a big prefill): only the tail rows change."""
-    s, tails, state = step.slots, step.tails, slots.store.state
-    spans = step.qsl[1:] - step.qsl[:-1]
-    use = state.has_codes.index_select(0, s) & (spans == 1)
-    fed = embed_codes(state.last_codes.index_select(0, s)).to(embeds.dtype)
-    current = embeds.index_select(0, tails)
-    return embeds.index_copy(0, tails, torch.where(use[:, None], fed, current))
+    use, last = _tail_feedback(step, slots)
+    fed = embed_codes(last).to(embeds.dtype)
+    current = embeds.index_select(0, step.tails)
+    return embeds.index_copy(0, step.tails, torch.where(use[:, None], fed, current))
 
 
 def sample_step(
