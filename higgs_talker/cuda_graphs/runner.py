@@ -90,7 +90,8 @@ class GraphRunner:
             inputs = padding.to_device(runner.device)
             with runner.slots.preserved([runner.slots.scratch]):
                 t_full = median_ms(lambda padding=padding: self.full.run(padding))
-                t_local = median_ms(lambda padding=padding, inputs=inputs: self._local_step(padding, inputs))
+                hook = self.local.post_attention_or_eager
+                t_local = median_ms(lambda p=padding, x=inputs, h=hook: self._bucket_step(p, x, h))
             self.choice[size] = "full_decode" if t_full <= t_local else "local_mlp"
             self.timings.append(
                 {"bucket": size, "full_decode_ms": t_full, "local_mlp_ms": t_local, "chosen": self.choice[size]}
@@ -100,9 +101,11 @@ class GraphRunner:
         )
         logger.info("auto graph mode per bucket: %s", table or "only one path available")
 
-    def _local_step(self, padded: StepBatch, inputs) -> Tensor:
+    def _bucket_step(self, padded: StepBatch, inputs, hook) -> Tensor:
+        """A padded decode step without a full-decode graph: the bucket's attention buffers, then the runner's
+        forward (with the local MLP graph hook, or none)."""
         self.runner.attn.plan_bucket(padded)
-        return self.runner.forward(inputs, self.local.post_attention_or_eager)
+        return self.runner.forward(inputs, hook)
 
     def path_for(self, size: int) -> str:
         """The path a decode batch of bucket ``size`` takes: full_decode, local_mlp or eager."""
@@ -125,6 +128,5 @@ class GraphRunner:
         path = self.path_for(size)
         if path == "full_decode":
             return self.full.run(padded)[:b]
-        runner.attn.plan_bucket(padded)
         hook = self.local.post_attention_or_eager if path == "local_mlp" else None
-        return runner.forward(padded.to_device(runner.device), hook)[:b]
+        return self._bucket_step(padded, padded.to_device(runner.device), hook)[:b]
