@@ -162,8 +162,9 @@ def worker(args: argparse.Namespace) -> None:
         rows_out.append(row)
         log(f"{row['profile']} trtllm={use_trtllm} C={level}: TTFP p50 {row['ttfp_ms_p50']:.1f} ms, "
             f"RTF p50 {row['rtf_p50']:.3f}, {row['audio_s_per_s']:.1f} audio s/s")  # fmt: skip
-    stats = dict(talker.stats, local_mlp_replays=talker.local_mlp.replays, decision=talker.graph_decision.reason)
-    print("RESULT:" + json.dumps({"rows": rows_out, "stats": stats}), flush=True)
+        stats = dict(talker.stats, local_mlp_replays=talker.local_mlp.replays,
+                     decision=talker.graph_decision.reason)  # fmt: skip
+        print("RESULT:" + json.dumps({"rows": rows_out, "stats": stats}), flush=True)  # after each level
 
 
 def direct_rows(args: argparse.Namespace) -> list[dict]:
@@ -171,8 +172,8 @@ def direct_rows(args: argparse.Namespace) -> list[dict]:
     out = Path(args.out or ".") / "direct_e2e"
     levels = ",".join(map(str, args.levels))
     script = str(Path(__file__).with_name("bench_e2e.py"))
-    cmd = [sys.executable, script, "--modes", "auto", "--levels", levels, "--audio-s", "4,8", "--prompt-tokens",
-           "30,200", "--out", str(out)]  # fmt: skip
+    cmd = [sys.executable, script, "--model", args.model, "--modes", "auto", "--levels", levels, "--audio-s", "4,8",
+           "--prompt-tokens", "30,200", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
     files = sorted(out.glob("e2e_*.json"))
     if proc.returncode or not files:
@@ -243,21 +244,24 @@ def main(argv: list[str] | None = None) -> ResultFile | None:
         for route in args.trtllm:
             cmd = [sys.executable, __file__, "--worker", "--profiles", profile, "--trtllm", route, "--model",
                    args.model, "--levels", ",".join(map(str, args.levels)), "--seed", str(args.seed)]  # fmt: skip
-            t0 = time.perf_counter()
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
-                lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT:")]
-                if not lines:
-                    raise RuntimeError(proc.stderr[-3000:])
+            # the worker's own log (vLLM's start-up, JIT, our graph decision) lies beside the JSON
+            log_path = writer.path.with_name(f"{writer.path.stem}_{profile}_trtllm-{route}.log")
+            t0, error = time.perf_counter(), None
+            with open(log_path, "w", encoding="utf-8") as sink:
+                try:
+                    subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, timeout=args.worker_timeout)
+                except subprocess.TimeoutExpired as exc:
+                    error = f"timed out after {exc.timeout} s"
+            text = log_path.read_text(encoding="utf-8", errors="replace")
+            lines = [x for x in text.splitlines() if x.startswith("RESULT:")]
+            if lines:  # the levels finished before a timeout still count
                 result = json.loads(lines[-1][len("RESULT:") :])
                 for row in result["rows"]:
                     writer.add(row)
                 stats[f"{profile}/trtllm={route}"] = result["stats"]
-            except (subprocess.TimeoutExpired, RuntimeError) as exc:
-                tail = getattr(exc, "stderr", None) or b""
-                tail = tail.decode(errors="replace") if isinstance(tail, bytes) else str(tail)
+            if error or not lines:
                 writer.add({"profile": profile, "use_trtllm_attention": route == "true", "status": "error",
-                            "error": str(exc)[-1500:], "stderr_tail": tail[-3000:]})  # fmt: skip
+                            "error": error or "no result", "log_tail": text[-3000:]})  # fmt: skip
             log(f"{profile} trtllm={route}: {time.perf_counter() - t0:.0f} s")
     writer.meta["adapter_stats"] = stats
     writer.save()
