@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> ResultFile | None:
             t0, error = time.perf_counter(), None
             with open(log_path, "w", encoding="utf-8") as sink:
                 try:
-                    subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, timeout=args.worker_timeout)
+                    proc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, timeout=args.worker_timeout)
+                    error = f"worker exited with status {proc.returncode}" if proc.returncode else None
                 except subprocess.TimeoutExpired as exc:
                     error = f"timed out after {exc.timeout} s"
             text = log_path.read_text(encoding="utf-8", errors="replace")

@@ -104,8 +104,11 @@ class TextOnlyBridge(LogitsProcessor):
                 ra, rb = self.rows.pop(a, None), self.rows.pop(b, None)
                 if ra is not None:
                     self.rows[b] = ra
-                if direction == MoveDirectionality.SWAP and rb is not None:
-                    self.rows[a] = rb
+                if rb is not None:
+                    if direction == MoveDirectionality.SWAP:
+                        self.rows[a] = rb
+                    else:  # vLLM condensed a live row into a removed one's place and reports that removal
+                        finished.append(rb.key)  # only through this move (vLLM 0.26 does)
             self.batch_size = batch_update.batch_size
             if model is not None and finished:
                 model.on_requests_removed(finished)

@@ -140,16 +140,16 @@ def test_codes_match_the_direct_engine_or_split_at_a_near_tie(served, checkpoint
         pytest.skip(f"the {served['checkpoint']} case has {len(specs)} requests")
     spec, got = specs[index], served["results"][index]
     solo = solo_for(checkpoints, served["checkpoint"])
+    frames = spec["max_tokens"] - solo.cfg.num_codebooks  # the same cap for the run and its re-run below
     params = SamplingParams(temperature=spec.get("temperature", 0.0), top_k=spec.get("top_k", -1),
-                            top_p=spec.get("top_p", 1.0), seed=spec.get("seed"))  # fmt: skip
+                            top_p=spec.get("top_p", 1.0), seed=spec.get("seed"), max_frames=frames)  # fmt: skip
     reference = None
     if "reference" in spec:  # the same random codes serve_tiny drew
         ref = spec["reference"]
         codes = torch.randint(0, 1024, (ref["frames"], 8), generator=torch.Generator().manual_seed(ref["seed"]))
         reference = Reference(codes=codes, text=ref["text"])
     prompt = solo.build_prompt(spec["text"], reference)
-    frames = spec["max_tokens"] - solo.cfg.num_codebooks
-    want = solo.generate(spec["text"], params, reference=reference, max_frames=frames).rows
+    want = solo.generate(spec["text"], params, reference=reference).rows
     rows = torch.tensor(got["rows"], dtype=torch.long)
     if not torch.equal(rows, want):
         t = explain_divergence(solo, prompt, params, rows, want, rel_gap=bf16_gap(solo))

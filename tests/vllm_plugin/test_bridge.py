@@ -1,0 +1,62 @@
+"""The text-only bridge's request bookkeeping over vLLM's batch updates (no model run)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm.v1.sample.logits_processor")
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality  # noqa: E402
+
+import higgs_talker.vllm_plugin.bridge as bridge_module  # noqa: E402
+from higgs_talker.vllm_plugin.bridge import REQUEST_KEY, TextOnlyBridge  # noqa: E402
+
+
+class FakeTalker:
+    """Records what the bridge tells the model: removals, and the batch it arms each step."""
+
+    def __init__(self) -> None:
+        self.removed: list[str] = []
+        self.batches: list[list[str]] = []
+        self.stats = {"bridge_moves": 0}
+        self.slots = type("Slots", (), {"keep_finished": 0})()
+
+    def on_requests_removed(self, keys) -> None:
+        self.removed.extend(keys)
+
+    def set_bridge_requests(self, keys, seeds, min_rows, refs, resume) -> None:
+        self.batches.append(list(keys))
+
+
+def added(index: int, key: str):
+    return (index, SamplingParams(max_tokens=4, extra_args={REQUEST_KEY: key}), [1, 2], [])
+
+
+@pytest.fixture
+def bridge(monkeypatch):
+    talker = FakeTalker()
+    monkeypatch.setattr(bridge_module, "talker_for", lambda _cfg: talker)
+    return TextOnlyBridge(object(), None, False), talker
+
+
+def test_a_removal_reported_only_through_a_condensing_move_is_released(bridge):
+    """vLLM 0.26 fills a removed row's index by moving the last row down and reports that removal only as
+    the move (the index leaves ``removed``): the removed request's slot must still be released."""
+    b, talker = bridge
+    b.update_state(BatchUpdate(4, [], [added(i, k) for i, k in enumerate("abcd")], []))
+    assert talker.batches[-1] == ["a", "b", "c", "d"]
+    b.update_state(BatchUpdate(3, [], [], [(3, 1, MoveDirectionality.UNIDIRECTIONAL)]))  # b left; d moved to 1
+    assert talker.removed == ["b"] and talker.batches[-1] == ["a", "d", "c"]
+    b.update_state(BatchUpdate(3, [], [], [(0, 2, MoveDirectionality.SWAP)]))  # a swap releases nothing
+    assert talker.removed == ["b"] and talker.batches[-1] == ["c", "d", "a"]
+
+
+def test_removed_and_replaced_rows_are_released_once(bridge):
+    b, talker = bridge
+    b.update_state(BatchUpdate(3, [], [added(i, k) for i, k in enumerate("abc")], []))
+    b.update_state(BatchUpdate(2, [2], [added(0, "e")], []))  # a replaced by e at 0, c removed from the tail
+    assert sorted(talker.removed) == ["a", "c"] and talker.batches[-1] == ["e", "b"]
+    # the same removal reported both ways (an index in removed and moved into) counts once
+    b.update_state(BatchUpdate(1, [0], [], [(1, 0, MoveDirectionality.UNIDIRECTIONAL)]))
+    assert sorted(talker.removed) == ["a", "c", "e"] and talker.batches[-1] == ["b"]
