@@ -15,11 +15,15 @@ Peers (``--no-peers`` to skip): transformers ``Qwen3ForCausalLM`` with the same 
 in; its head is the codebook table), eager with its dynamic cache and with ``StaticCache`` +
 ``torch.compile(mode="reduce-overhead")``.
 
+``--fuse both`` times every mode twice, as ``MODE`` (QK-norm, RoPE and the K/V cache writes in one Triton kernel,
+the CUDA default) and ``MODE-unfused`` (``fuse_qk_rope=False``: the separate kernels), in the same run.
+
 With random weights the codebook-0 EOC row of the table is zeroed, so greedy decoding never ends a request
 early (its logit is exactly 0 while the max of 1024 random logits is positive); ``meta.eoc_suppressed`` says so.
 
     python benchmarks/bench_decode.py --out $OUT                       # 4B shape, all modes (H200: ~4 min incl. JIT)
     python benchmarks/bench_decode.py --modes eager,auto --batches 1,64 --contexts 512 --no-peers
+    python benchmarks/bench_decode.py --modes full_decode --batches 1,64 --contexts 512 --fuse both --no-peers
     python benchmarks/bench_decode.py --device cpu --tiny              # smoke test, seconds
 """
 
@@ -65,6 +69,7 @@ SHAPE_4B = dict(
     max_position_embeddings=32768,
 )
 MODES = ("eager", "local_mlp", "full_decode", "auto")
+UNFUSED = "-unfused"  # label suffix: the mode with fuse_qk_rope=False
 PEER_RESERVE_S = 100.0  # the time budget keeps this much for the transformers rows
 
 
@@ -80,8 +85,10 @@ def model_config(args: argparse.Namespace) -> TalkerConfig:
     return TalkerConfig(text=TextConfig(**SHAPE_4B))
 
 
-def build_talker(args: argparse.Namespace, cfg: TalkerConfig, mode: str, num_blocks: int) -> HiggsTalker:
-    common = dict(graph_mode=mode, max_num_seqs=args.max_num_seqs, num_blocks=num_blocks)
+def build_talker(
+    args: argparse.Namespace, cfg: TalkerConfig, mode: str, num_blocks: int, fuse_qk_rope: bool = True
+) -> HiggsTalker:
+    common = dict(graph_mode=mode, max_num_seqs=args.max_num_seqs, num_blocks=num_blocks, fuse_qk_rope=fuse_qk_rope)
     if args.max_model_len:
         common["max_model_len"] = args.max_model_len
     if args.model:
@@ -138,6 +145,7 @@ def graph_info(talker: HiggsTalker) -> dict:
         "graph_mode": talker.graph_mode.value,
         "attention": type(attn).__name__,
         "kernels": talker.model.kernels.name,
+        "fuse_qk_rope": talker.model.kernels.fuse_qk_rope,  # what runs (False where triton did not import)
         "bucket_kernels": {str(k): v for k, v in getattr(attn, "bucket_kernel", {}).items()},
         "graph_runner": None,
     }
@@ -220,14 +228,23 @@ def time_engine(talker: HiggsTalker, batch: int, context: int, args: argparse.Na
     }
 
 
-def run_mode(mode: str, cfg: TalkerConfig, args, writer: ResultFile, bw: float, share_s: float) -> None:
-    """Time every (context, batch) point of one mode; points left after ``share_s`` seconds of timing (build,
-    warm-up and first-use kernel compilation not counted) are recorded as skipped."""
+def variants(args: argparse.Namespace) -> list[str]:
+    """The labels to time: each mode fused (``MODE``) and/or unfused (``MODE-unfused``), as ``--fuse`` says."""
+    labels = []
+    for m in args.modes:
+        labels += ([m] if args.fuse != "off" else []) + ([m + UNFUSED] if args.fuse != "on" else [])
+    return labels
+
+
+def run_mode(label: str, cfg: TalkerConfig, args, writer: ResultFile, bw: float, share_s: float) -> None:
+    """Time every (context, batch) point of one mode (``label``: the mode, ``-unfused`` without the fused QK-norm
+    + RoPE kernel); points left after ``share_s`` seconds of timing (build, warm-up and first-use kernel
+    compilation not counted) are recorded as skipped."""
     points = [(c, b) for c in args.contexts for b in args.batches]
-    base = {"mode": mode}
+    mode, base = label.removesuffix(UNFUSED), {"mode": label}
     t0 = time.perf_counter()
     try:
-        talker = build_talker(args, cfg, mode, num_blocks_for(args))
+        talker = build_talker(args, cfg, mode, num_blocks_for(args), fuse_qk_rope=not label.endswith(UNFUSED))
         if not args.model:
             suppress_eoc(talker)
         talker.generate("warm up", SamplingParams(temperature=0.0), max_frames=2)  # first-use kernel compiles
@@ -235,13 +252,13 @@ def run_mode(mode: str, cfg: TalkerConfig, args, writer: ResultFile, bw: float, 
     except Exception as exc:  # noqa: BLE001 - e.g. a graph mode the engine does not support yet
         for c, b in points:
             writer.add(base | {"batch": b, "context": c, "status": "error", "error": f"build: {error_text(exc)}"})
-        log(f"{mode}: build failed: {error_text(exc)}")
+        log(f"{label}: build failed: {error_text(exc)}")
         free_memory(torch.device(args.device))
         return
     build_s = time.perf_counter() - t0
     deadline = time.perf_counter() + share_s
     info = graph_info(talker)
-    log(f"{mode}: built in {build_s:.1f} s ({info})")
+    log(f"{label}: built in {build_s:.1f} s ({info})")
     wb = weight_bytes(talker.model)
     for c, b in points:
         if time.perf_counter() > deadline:
@@ -253,7 +270,7 @@ def run_mode(mode: str, cfg: TalkerConfig, args, writer: ResultFile, bw: float, 
             row = base | {"batch": b, "context": c, "status": "error", "error": error_text(exc)} | info
         writer.add(row)
         log(
-            f"{mode:12s} b={b:<3d} ctx={c:<5d} {row.get('ms_per_step', float('nan')):7.2f} ms/step "
+            f"{label:20s} b={b:<3d} ctx={c:<5d} {row.get('ms_per_step', float('nan')):7.2f} ms/step "
             f"(floor {row.get('floor_ms', float('nan')):.2f}) {row['status']} {row.get('error', '')}"
         )
     del talker
@@ -524,6 +541,10 @@ def final_table(rows: list[dict], modes: Sequence[str]) -> None:
             if ours and (peer, c, b) in by:
                 ratio = by[(peer, c, b)]["ms_per_step"] / min(ours)
                 print(f"  {peer} / best of ours at batch {b}, context {c}: {ratio:.2f}x")
+        for m in modes:  # the fusion's A/B, where both halves ran
+            if (m, c, b) in by and (m + UNFUSED, c, b) in by:
+                ratio = by[(m + UNFUSED, c, b)]["ms_per_step"] / by[(m, c, b)]["ms_per_step"]
+                print(f"  {m}{UNFUSED} / {m} at batch {b}, context {c}: {ratio:.3f}x (time unfused / fused)")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -533,6 +554,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="checkpoint directory (default: random weights)")
     p.add_argument("--tiny", action="store_true", help="the tiny config, small sizes, few steps")
     p.add_argument("--modes", type=strs_arg, default=list(MODES))
+    p.add_argument("--fuse", choices=("on", "off", "both"), default="on",
+                   help="QK-norm + RoPE + K/V writes in one Triton kernel (on, the default), not (off: MODE-unfused "
+                   "rows), or each mode both ways")  # fmt: skip
     p.add_argument("--batches", type=ints_arg, default=None, help="default 1,2,4,8,13,16,32,64")
     p.add_argument("--contexts", type=ints_arg, default=None, help="default 512,2048")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps per point (default 24)")
@@ -587,14 +611,15 @@ def main(argv: Sequence[str] | None = None) -> ResultFile:
     writer = ResultFile(args.out, "decode", meta)
     log(f"copy ceiling {bw['tb_per_s']:.2f} TB/s; writing {writer.path}")
     deadline = t_start + args.budget_s - (0 if args.no_peers else PEER_RESERVE_S)
-    for n, mode in enumerate(args.modes):  # each mode gets an equal share of the time left
+    labels = variants(args)
+    for n, label in enumerate(labels):  # each mode gets an equal share of the time left
         now = time.perf_counter()
-        run_mode(mode, cfg, args, writer, bw["bytes_per_s"], max(deadline - now, 0.0) / (len(args.modes) - n))
+        run_mode(label, cfg, args, writer, bw["bytes_per_s"], max(deadline - now, 0.0) / (len(labels) - n))
     if not args.no_peers:
         run_peers(cfg, args, writer, bw["bytes_per_s"])
     writer.meta["wall_s"] = time.perf_counter() - t_start
     writer.save()
-    final_table(writer.rows, args.modes)
+    final_table(writer.rows, labels)
     print(f"\nwrote {writer.path} ({writer.meta['wall_s']:.0f} s)")
     return writer
 

@@ -77,6 +77,7 @@ class HiggsTalker:
         *,
         graph_mode: str | None = None,
         decode_kernel: str = "auto",
+        fuse_qk_rope: bool = True,
         buckets: Sequence[int] | None = None,
         codec: bool = True,
         audio_tokenizer: str | Path | None = None,
@@ -88,6 +89,8 @@ class HiggsTalker:
         dtype defaults to float32 on CPU and bfloat16 on CUDA; ``graph_mode`` (eager, local_mlp, full_decode,
         auto) defaults to auto on CUDA, and CPU runs eager only. ``engine_options`` are ``EngineConfig``
         fields (max_num_seqs, block_size, num_blocks, max_model_len, max_prefill_tokens, kv_memory_fraction).
+        ``fuse_qk_rope`` (CUDA with FlashInfer): QK-norm, RoPE and the K/V cache writes of each layer in one
+        Triton kernel where triton imports; False runs them as separate kernels (A/B timing).
 
         ``codec``: results carry ``audio`` decoded by the codec bundled in the checkpoint (when it has one),
         loaded on first use in ``codec_dtype`` on ``device``. ``audio_tokenizer``: an audio tokenizer directory
@@ -107,10 +110,11 @@ class HiggsTalker:
         tokenizer = TalkerTokenizer.from_pretrained(path, cfg)
         header = checkpoint.check_checkpoint(path, cfg)  # config against the weights, before any allocation
         check_fits_device(cfg, device, dtype)
-        model = _empty_model(cfg, device, dtype)
+        model = _empty_model(cfg, device, dtype, fuse_qk_rope)
         checkpoint.load_into(model, checkpoint.iter_tensors(path, cfg, device, dtype, header=header), cfg)
         model.eval().requires_grad_(False)
-        logger.info("loaded %s on %s (%s, kernels=%s)", path, device, dtype, model.kernels.name)
+        logger.info("loaded %s on %s (%s, kernels=%s, fused QK-norm/RoPE: %s)", path, device, dtype, model.kernels.name,
+                    model.kernels.fuse_qk_rope)  # fmt: skip
         loader = None
         if codec and (audio_tokenizer is not None or has_bundled_codec(path)):
             loader = CodecLoader(path, device, codec_dtype, tokenizer_path=audio_tokenizer, talker=cfg)
@@ -132,20 +136,21 @@ class HiggsTalker:
         tokenizer_path: str | Path | None = None,
         graph_mode: str | None = None,
         decode_kernel: str = "auto",
+        fuse_qk_rope: bool = True,
         buckets: Sequence[int] | None = None,
         **engine_options,
     ) -> HiggsTalker:
         """A talker of any shape with random weights (benchmarks, tests); the tokenizer defaults to the tiny one.
 
         Weights are drawn on the device (normal, std 0.02; norms 1), so a 4B-shaped model builds in seconds.
-        ``engine_options`` as for ``from_pretrained``.
+        ``engine_options`` and ``fuse_qk_rope`` as for ``from_pretrained``.
         """
         device, dtype, mode = _resolve_runtime(device, dtype, graph_mode)
         engine_config = _engine_config(engine_options)
         if not isinstance(cfg, TalkerConfig):
             raise TypeError(f"cfg must be a TalkerConfig, got {type(cfg).__name__}")
         check_fits_device(cfg, device, dtype)  # before allocating: a huge config fails here, naming its size
-        model = _empty_model(cfg, device, dtype)
+        model = _empty_model(cfg, device, dtype, fuse_qk_rope)
         g = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -388,13 +393,13 @@ def _resolve_runtime(
     return dev, dt, mode
 
 
-def _empty_model(cfg: TalkerConfig, device: torch.device, dtype: torch.dtype) -> TalkerModel:
+def _empty_model(cfg: TalkerConfig, device: torch.device, dtype: torch.dtype, fuse_qk_rope: bool) -> TalkerModel:
     """The model with uninitialised weights on ``device`` (built on the meta device: no host copy)."""
     with torch.device("meta"):
         model = TalkerModel(cfg)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
-    model.use_kernels(default_kernels(device))
+    model.use_kernels(default_kernels(device, fuse_qk_rope))
     t = cfg.text
     model.rotary_emb.cos_sin = rope_cache(t.head_dim, t.max_position_embeddings, t.rope_theta, device)
     model.multimodal_embedding.offsets = torch.arange(cfg.num_codebooks, device=device) * cfg.codebook_size

@@ -10,6 +10,10 @@ full):
                             that bucket's fixed device buffers, which a captured graph reads at replay
     forward(layer, q, k, v) device: writes the step's K/V into the cache, then attends (graph-safe after
                             ``plan_bucket``); q [N, Hq, D], k/v [N, Hk, D] -> [N, Hq * D]
+    kv_destination(layer)   (flat cache [R, Hk, D], rows [2, N] int64) where this step's K and V go, for a
+                            kernel that writes them itself; None where the backend writes them (SDPA)
+    attend(layer, q)        device: ``forward`` without the writes, after such a kernel (where the above is
+                            not None)
     decode_kernels          the decode kernels ``plan_bucket`` may use (``cuda_graphs.kernels`` measures them)
     set_bucket_kernel(size, kernel), fork(kv_caches)
 
@@ -45,6 +49,8 @@ class AttentionBackend(Protocol):
     def plan_bucket(self, batch: StepBatch) -> None: ...
 
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
+
+    def kv_destination(self, layer: int) -> tuple[Tensor, Tensor] | None: ...
 
     def set_bucket_kernel(self, size: int, kernel: str) -> None: ...
 
@@ -176,6 +182,10 @@ class SdpaAttention:
         buf.block_tables.copy_(self._tensor(tables))
         buf.seq_lens.copy_(self._tensor(batch.seq_lens))
         self._decode, self._prefill = buf, None
+
+    def kv_destination(self, layer: int) -> None:
+        """None: SDPA writes K/V itself in ``forward`` (so the model runs QK-norm and RoPE separately)."""
+        return None
 
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [N, Hq, D], k/v [N, Hk, D] -> attention output [N, Hq*D]."""

@@ -170,11 +170,20 @@ class FlashInferAttention:
 
     # ------------------------------------------------------------------ device side
 
+    def kv_destination(self, layer: int) -> tuple[Tensor, Tensor]:
+        """(the layer's cache as rows [R, Hk, D], this step's rows [2, N] int64 of each token's K and V): where a
+        fused kernel writes K/V itself before ``attend``."""
+        assert self._kv is not None, "plan() or plan_bucket() was not called"
+        return self.kv_caches[layer].view(-1, self.num_kv_heads, self.head_dim), self._kv
+
+    def attend(self, layer: int, q: Tensor) -> Tensor:
+        """q [N, Hq, D] -> [N, Hq*D] over the layer's cache, this step's K/V already in it."""
+        assert self._attend is not None, "plan() or plan_bucket() was not called"
+        return self._attend(q.contiguous(), self.kv_caches[layer]).reshape(q.shape[0], -1)
+
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [N, Hq, D], k/v [N, Hk, D] -> [N, Hq*D]; writes K/V into the layer's cache first."""
-        assert self._attend is not None and self._kv is not None, "plan() or plan_bucket() was not called"
-        cache = self.kv_caches[layer]
-        flat = cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat.index_copy_(0, self._kv[0], k.to(cache.dtype))
-        flat.index_copy_(0, self._kv[1], v.to(cache.dtype))
-        return self._attend(q.contiguous(), cache).reshape(q.shape[0], -1)
+        flat, rows = self.kv_destination(layer)
+        flat.index_copy_(0, rows[0], k.to(flat.dtype))
+        flat.index_copy_(0, rows[1], v.to(flat.dtype))
+        return self.attend(layer, q)

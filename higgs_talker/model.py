@@ -71,15 +71,25 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels)
         self.rotary_emb = rotary
+        self.kernels = kernels
 
     def forward(self, positions: Tensor, hidden_states: Tensor) -> Tensor:
         """hidden [N, H] -> [N, H]; K/V go into the cache of the step's backend."""
         n = hidden_states.shape[0]
-        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden_states)  # [N, (Hq + 2 Hk) * D]
+        backend = current_backend()
+        kv_dest = backend.kv_destination(self.layer_idx) if self.kernels.can_fuse_qk_rope(self.head_dim) else None
+        if kv_dest is not None:  # one kernel: QK-norm, RoPE, and K/V straight into the cache
+            q = self.kernels.qk_norm_rope_store(
+                qkv, positions, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.rotary_emb.cos_sin,
+                *kv_dest,
+            )  # fmt: skip
+            return self.o_proj(backend.attend(self.layer_idx, q))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim))
         q, k = self.rotary_emb(positions, q, k)  # [N, Hq, D], [N, Hk, D]
-        out = current_backend().forward(self.layer_idx, q, k, v.reshape(n, self.num_kv_heads, self.head_dim))
+        out = backend.forward(self.layer_idx, q, k, v.reshape(n, self.num_kv_heads, self.head_dim))
         return self.o_proj(out)  # out: [N, Hq * D]
 
 

@@ -1,13 +1,22 @@
-"""Elementwise kernels of the backbone: RMSNorm, fused add + RMSNorm, RoPE, SiLU-and-mul.
+"""Elementwise kernels of the backbone: RMSNorm, fused add + RMSNorm, RoPE, SiLU-and-mul, and QK-norm + RoPE +
+K/V cache writes in one.
 
 ``TorchKernels`` is the reference (and the CPU path). ``FlashInferKernels`` calls FlashInfer's fused CUDA
-kernels with the same signatures; it is constructed only on CUDA and imports FlashInfer lazily.
+kernels with the same signatures, and our Triton kernel (``triton_ops``) for the QK-norm + RoPE + K/V writes;
+it is constructed only on CUDA and imports FlashInfer and triton lazily.
+
+The attention layer calls ``qk_norm_rope_store`` only where ``can_fuse_qk_rope(head_dim)`` holds and the
+step's attention backend gives a K/V destination (``kv_destination``); otherwise it runs the separate steps.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor
+
+logger = logging.getLogger(__name__)
 
 
 def rope_cache(head_dim: int, max_positions: int, theta: float, device: torch.device | str | None = None) -> Tensor:
@@ -22,6 +31,11 @@ class TorchKernels:
     """Plain PyTorch versions; numerics follow transformers' Qwen3 (fp32 accumulation, cast back)."""
 
     name = "torch"
+    fuse_qk_rope = False  # the model runs the separate steps; qk_norm_rope_store is the reference of the fusion
+
+    @staticmethod
+    def can_fuse_qk_rope(head_dim: int) -> bool:
+        return False
 
     @staticmethod
     def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -56,16 +70,55 @@ class TorchKernels:
         gate, up = x.chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
 
+    @classmethod
+    def qk_norm_rope_store(
+        cls, qkv: Tensor, positions: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, cos_sin: Tensor,
+        flat_cache: Tensor, kv_rows: Tensor,
+    ) -> Tensor:  # fmt: skip
+        """qkv [N, (Hq + 2 Hk) D] -> q [N, Hq, D] normed and rotated; K (normed, rotated) into
+        ``flat_cache [R, Hk, D]`` at rows ``kv_rows[0]``, V at ``kv_rows[1]`` (the fused kernel's contract)."""
+        n, (_, hk, d) = qkv.shape[0], flat_cache.shape
+        q, k, v = qkv.split([qkv.shape[1] - 2 * hk * d, hk * d, hk * d], dim=-1)
+        q = cls.rms_norm(q.reshape(n, -1, d), q_weight, eps)
+        k = cls.rms_norm(k.reshape(n, hk, d), k_weight, eps)
+        q, k = cls.rope(positions, q, k, cos_sin)
+        flat_cache.index_copy_(0, kv_rows[0], k.to(flat_cache.dtype))
+        flat_cache.index_copy_(0, kv_rows[1], v.reshape(n, hk, d).to(flat_cache.dtype))
+        return q
+
 
 class FlashInferKernels:
-    """FlashInfer's fused CUDA kernels (in place where FlashInfer is; callers use the returned tensors)."""
+    """FlashInfer's fused CUDA kernels (in place where FlashInfer is; callers use the returned tensors).
+
+    ``fuse_qk_rope``: QK-norm, RoPE and the K/V cache writes in one Triton kernel where triton imports (else,
+    or with False, the separate FlashInfer kernels and index writes: the A/B switch of the benchmarks).
+    """
 
     name = "flashinfer"
 
-    def __init__(self) -> None:
+    def __init__(self, fuse_qk_rope: bool = True) -> None:
         import flashinfer  # noqa: F401 - fail early and clearly when the gpu extra is missing
 
         self._fi = flashinfer
+        self._fused = None
+        if fuse_qk_rope:
+            try:
+                from . import triton_ops
+
+                self._fused = triton_ops
+            except ImportError:
+                logger.info("triton is not installed: QK-norm, RoPE and the K/V writes run as separate kernels")
+        self.fuse_qk_rope = self._fused is not None
+
+    def can_fuse_qk_rope(self, head_dim: int) -> bool:
+        return self._fused is not None and self._fused.supports(head_dim)
+
+    def qk_norm_rope_store(
+        self, qkv: Tensor, positions: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, cos_sin: Tensor,
+        flat_cache: Tensor, kv_rows: Tensor,
+    ) -> Tensor:  # fmt: skip
+        assert self._fused is not None, "qk_norm_rope_store without the fused kernel (check can_fuse_qk_rope)"
+        return self._fused.qk_norm_rope_store(qkv, positions, q_weight, k_weight, eps, cos_sin, flat_cache, kv_rows)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         # 2-D rows, or 3-D per-head (QK-norm); the kernels take row/head strides, so the strided q/k views of
@@ -88,11 +141,12 @@ class FlashInferKernels:
         return self._fi.activation.silu_and_mul(x)
 
 
-def default_kernels(device: torch.device | str) -> TorchKernels | FlashInferKernels:
-    """FlashInfer kernels on CUDA when FlashInfer is installed, else the torch reference."""
+def default_kernels(device: torch.device | str, fuse_qk_rope: bool = True) -> TorchKernels | FlashInferKernels:
+    """FlashInfer kernels on CUDA when FlashInfer is installed (``fuse_qk_rope``: with the Triton fusion where
+    triton imports), else the torch reference."""
     if torch.device(device).type == "cuda":
         try:
-            return FlashInferKernels()
+            return FlashInferKernels(fuse_qk_rope)
         except ImportError:
             pass
     return TorchKernels()

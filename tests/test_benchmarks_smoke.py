@@ -54,7 +54,7 @@ def test_attention_smoke(bench, tmp_path: Path) -> None:
 def test_decode_smoke(bench, tmp_path: Path) -> None:
     mod = bench("bench_decode")
     argv = ["--device", "cpu", "--tiny", "--modes", "eager,auto", "--batches", "2", "--contexts", "24",
-            "--steps", "3", "--warmup", "1", "--out", str(tmp_path)]  # fmt: skip
+            "--steps", "3", "--warmup", "1", "--fuse", "both", "--out", str(tmp_path)]  # fmt: skip
     data = load(mod.main(argv))
     assert data["meta"]["copy_tb_per_s"] > 0
     assert Path(data["meta"]["command"].split()[1]).name == "bench_decode.py"
@@ -66,6 +66,9 @@ def test_decode_smoke(bench, tmp_path: Path) -> None:
     assert eager["batch"] == 2 and eager["context"] == 24 and eager["prompt_tokens"] == 24
     assert eager["ratio_to_floor"] == pytest.approx(eager["ms_per_step"] / eager["floor_ms"])
     assert by_mode["auto"]["status"] == "error"  # graph modes need CUDA: recorded, not raised
+    unfused = by_mode["eager-unfused"]  # the fusion's A/B row; on CPU both halves run the torch kernels
+    assert unfused["status"] == "ok" and not unfused["fuse_qk_rope"] and not eager["fuse_qk_rope"], unfused
+    assert "auto-unfused" in by_mode
     assert by_mode["hf_eager"]["status"] == "ok", by_mode["hf_eager"]
     assert by_mode["hf_static_compile"]["status"] == "skipped"
     # Same weights, both in fp32: each side is within the chain bound of the exact logits (the tiny shape over

@@ -11,10 +11,12 @@ pytestmark = pytest.mark.gpu
 
 flashinfer = pytest.importorskip("flashinfer") if torch.cuda.is_available() else None
 
+from _qk_rope import check_qk_norm_rope_store  # noqa: E402
 from _tolerance import kernel_rel_tol, rel_err  # noqa: E402
 
 from higgs_talker import HiggsTalker, SamplingParams  # noqa: E402
 from higgs_talker.config import TalkerConfig, TextConfig  # noqa: E402
+from higgs_talker.cuda_graphs.capture import capture_graph  # noqa: E402
 from higgs_talker.ops import FlashInferKernels, TorchKernels, rope_cache  # noqa: E402
 
 # FlashInfer's norm, RoPE and activation kernels read bf16, compute in fp32 and round each output once to bf16
@@ -81,6 +83,46 @@ def test_fused_ops_match_torch_reference():
     assert rel_err(gq, wq_) <= rope_tol and rel_err(gk, wk_) <= rope_tol
     gu = torch.randn(37, 2 * 384, generator=g, device="cuda").bfloat16()
     assert rel_err(fi.silu_and_mul(gu), ref.silu_and_mul(gu.float())) <= kernel_rel_tol(BF16, 1, [], SILU_OPS)
+
+
+@pytest.mark.parametrize("n", [1, 3, 64])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_qk_norm_rope_store_matches_torch_reference(dtype, head_dim, n):
+    """The Triton QK-norm + RoPE + K/V-write kernel against rms_norm, rope and index writes: Q and K within two
+    roundings elementwise, V exact, unaddressed cache rows untouched (tests/_qk_rope.py derives the bound)."""
+    triton_ops = pytest.importorskip("higgs_talker.triton_ops")
+    check_qk_norm_rope_store(triton_ops.qk_norm_rope_store, "cuda", dtype, head_dim, n, seed=n)
+
+
+def test_fused_qk_norm_rope_store_replays_in_a_cuda_graph():
+    """Captured once over fixed buffers (positions and K/V rows as bucket views of larger ones, as the engine
+    passes them), replayed after the buffers' contents change: exactly what an eager call on them gives."""
+    triton_ops = pytest.importorskip("higgs_talker.triton_ops")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    n, hq, hk, d = 3, 32, 8, 128
+    qkv = torch.randn(n, (hq + 2 * hk) * d, generator=g, device="cuda").bfloat16()
+    w = (1 + 0.1 * torch.randn(d, generator=g, device="cuda")).bfloat16()
+    cos_sin = rope_cache(d, 4096, 1e6, "cuda")
+    packed = torch.zeros(2, n, dtype=torch.long, device="cuda")  # (slots, positions), as DeviceBatch packs them
+    kv_index = torch.zeros(2, 16, dtype=torch.long, device="cuda")  # the backend's fixed rows; a bucket reads [:, :n]
+    cache = torch.zeros(64, hk, d, dtype=torch.bfloat16, device="cuda")
+
+    def fill() -> None:
+        packed[1].copy_(torch.randint(0, 4096, (n,), generator=g, device="cuda"))
+        kv_index[:, :n].copy_(torch.randperm(64, generator=g, device="cuda")[: 2 * n].view(2, n))
+
+    def call() -> torch.Tensor:
+        return triton_ops.qk_norm_rope_store(qkv, packed[1], w, w, 1e-6, cos_sin, cache, kv_index[:, :n])
+
+    fill()
+    graph, out = capture_graph(call)
+    fill()
+    cache.zero_()
+    graph.replay()
+    got_q, got_cache = out.clone(), cache.clone()
+    cache.zero_()
+    assert torch.equal(got_q, call()) and torch.equal(got_cache, cache)
 
 
 # --------------------------------------------------------------------------------------------------- attention
@@ -165,8 +207,7 @@ def test_prefill_matches_sdpa_reference():
 MODES = ("eager", "local_mlp", "full_decode", "auto")
 
 
-@pytest.fixture(scope="module")
-def talkers():
+def _lazy_talkers(**options) -> dict[str, HiggsTalker]:
     """One talker per mode, built on first use. Only ``auto`` (the CUDA default) measures the decode kernels;
     the others use XQA, the kernel that measurement picks on the H200, so the suite spends no time re-measuring."""
 
@@ -181,10 +222,23 @@ def talkers():
                 max_model_len=1024,
                 seed=0,
                 decode_kernel=kernel,
+                **options,
             )
             return self[mode]
 
     return Lazy()
+
+
+@pytest.fixture(scope="module")
+def talkers():
+    """The CUDA defaults (QK-norm, RoPE and the K/V writes fused where triton imports), one per mode."""
+    return _lazy_talkers()
+
+
+@pytest.fixture(scope="module")
+def unfused_talkers():
+    """The same talkers with QK-norm, RoPE and the K/V writes as separate kernels (``fuse_qk_rope=False``)."""
+    return _lazy_talkers(fuse_qk_rope=False)
 
 
 def _run_schedule(talker: HiggsTalker, batch: int) -> dict[str, list]:
@@ -212,6 +266,30 @@ def test_graph_modes_give_identical_greedy_codes(talkers, batch):
     for m in MODES[1:]:
         for rid, rows in results["eager"].items():
             assert results[m][rid] == rows, f"mode {m} differs from eager for request {rid} at batch {batch}"
+
+
+@pytest.mark.parametrize("mode", ["eager", "full_decode"])
+@pytest.mark.parametrize("batch", [1, 13, 64])
+def test_fused_qk_rope_gives_the_unfused_greedy_codes(talkers, unfused_talkers, mode, batch, monkeypatch):
+    """The A/B switch: with the fused kernel (default) and without it, the same greedy codes. The kernel rounds
+    where the separate kernels store (the normed head, then the rotated one), so the two differ only in fp32
+    evaluation order (the sum of squares), which moves a bf16 result in rare elements by one ulp."""
+    triton_ops = pytest.importorskip("higgs_talker.triton_ops")
+    fused, unfused = talkers[mode], unfused_talkers[mode]
+    assert fused.model.kernels.fuse_qk_rope and not unfused.model.kernels.fuse_qk_rope
+    calls, real = [], triton_ops.qk_norm_rope_store
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(triton_ops, "qk_norm_rope_store", counted)
+    got = _run_schedule(fused, batch)
+    assert calls, "the fused kernel never ran"  # eager: every layer of every step; full_decode: the prefills
+    monkeypatch.undo()
+    want = _run_schedule(unfused, batch)
+    for rid, rows in want.items():
+        assert got[rid] == rows, f"fused differs from unfused for request {rid} ({mode}, batch {batch})"
 
 
 def test_graphs_were_captured(talkers):

@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent / "higgs_talker"
 # Lower number = lower layer. A unit is a top-level module or a sub-package.
 LAYERS = {
     "config": 0,
-    "ops": 0,
+    "triton_ops": 0,
     "heads": 0,
+    "ops": 1,
     "checkpoint": 1,
     "kv_cache": 1,
     "prompt": 1,
