@@ -15,8 +15,8 @@ Peers (``--no-peers`` to skip): transformers ``Qwen3ForCausalLM`` with the same 
 in; its head is the codebook table), eager with its dynamic cache and with ``StaticCache`` +
 ``torch.compile(mode="reduce-overhead")``.
 
-``--fuse both`` times every mode twice, as ``MODE`` (QK-norm, RoPE and the K/V cache writes in one Triton kernel,
-the CUDA default) and ``MODE-unfused`` (``fuse_qk_rope=False``: the separate kernels), in the same run.
+``--fuse both`` times every mode twice, as ``MODE`` (the default: separate QK-norm, RoPE and K/V-write kernels)
+and ``MODE-fused`` (``fuse_qk_rope=True``: the three in one Triton kernel), in the same run.
 
 With random weights the codebook-0 EOC row of the table is zeroed, so greedy decoding never ends a request
 early (its logit is exactly 0 while the max of 1024 random logits is positive); ``meta.eoc_suppressed`` says so.
@@ -69,7 +69,7 @@ SHAPE_4B = dict(
     max_position_embeddings=32768,
 )
 MODES = ("eager", "local_mlp", "full_decode", "auto")
-UNFUSED = "-unfused"  # label suffix: the mode with fuse_qk_rope=False
+FUSED = "-fused"  # label suffix: the mode with fuse_qk_rope=True
 PEER_RESERVE_S = 100.0  # the time budget keeps this much for the transformers rows
 
 
@@ -229,22 +229,22 @@ def time_engine(talker: HiggsTalker, batch: int, context: int, args: argparse.Na
 
 
 def variants(args: argparse.Namespace) -> list[str]:
-    """The labels to time: each mode fused (``MODE``) and/or unfused (``MODE-unfused``), as ``--fuse`` says."""
+    """The labels to time: each mode unfused (``MODE``) and/or fused (``MODE-fused``), as ``--fuse`` says."""
     labels = []
     for m in args.modes:
-        labels += ([m] if args.fuse != "off" else []) + ([m + UNFUSED] if args.fuse != "on" else [])
+        labels += ([m] if args.fuse != "on" else []) + ([m + FUSED] if args.fuse != "off" else [])
     return labels
 
 
 def run_mode(label: str, cfg: TalkerConfig, args, writer: ResultFile, bw: float, share_s: float) -> None:
-    """Time every (context, batch) point of one mode (``label``: the mode, ``-unfused`` without the fused QK-norm
-    + RoPE kernel); points left after ``share_s`` seconds of timing (build, warm-up and first-use kernel
+    """Time every (context, batch) point of one mode (``label``: the mode, ``-fused`` with the fused QK-norm +
+    RoPE kernel); points left after ``share_s`` seconds of timing (build, warm-up and first-use kernel
     compilation not counted) are recorded as skipped."""
     points = [(c, b) for c in args.contexts for b in args.batches]
-    mode, base = label.removesuffix(UNFUSED), {"mode": label}
+    mode, base = label.removesuffix(FUSED), {"mode": label}
     t0 = time.perf_counter()
     try:
-        talker = build_talker(args, cfg, mode, num_blocks_for(args), fuse_qk_rope=not label.endswith(UNFUSED))
+        talker = build_talker(args, cfg, mode, num_blocks_for(args), fuse_qk_rope=label.endswith(FUSED))
         if not args.model:
             suppress_eoc(talker)
         talker.generate("warm up", SamplingParams(temperature=0.0), max_frames=2)  # first-use kernel compiles
@@ -542,9 +542,9 @@ def final_table(rows: list[dict], modes: Sequence[str]) -> None:
                 ratio = by[(peer, c, b)]["ms_per_step"] / min(ours)
                 print(f"  {peer} / best of ours at batch {b}, context {c}: {ratio:.2f}x")
         for m in modes:  # the fusion's A/B, where both halves ran
-            if (m, c, b) in by and (m + UNFUSED, c, b) in by:
-                ratio = by[(m + UNFUSED, c, b)]["ms_per_step"] / by[(m, c, b)]["ms_per_step"]
-                print(f"  {m}{UNFUSED} / {m} at batch {b}, context {c}: {ratio:.3f}x (time unfused / fused)")
+            if (m, c, b) in by and (m + FUSED, c, b) in by:
+                ratio = by[(m, c, b)]["ms_per_step"] / by[(m + FUSED, c, b)]["ms_per_step"]
+                print(f"  {m} / {m}{FUSED} at batch {b}, context {c}: {ratio:.3f}x (time unfused / fused)")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -554,9 +554,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="checkpoint directory (default: random weights)")
     p.add_argument("--tiny", action="store_true", help="the tiny config, small sizes, few steps")
     p.add_argument("--modes", type=strs_arg, default=list(MODES))
-    p.add_argument("--fuse", choices=("on", "off", "both"), default="on",
-                   help="QK-norm + RoPE + K/V writes in one Triton kernel (on, the default), not (off: MODE-unfused "
-                   "rows), or each mode both ways")  # fmt: skip
+    p.add_argument("--fuse", choices=("on", "off", "both"), default="off",
+                   help="QK-norm + RoPE + K/V writes in one Triton kernel (on: MODE-fused rows), not (off, the "
+                   "default), or each mode both ways")  # fmt: skip
     p.add_argument("--batches", type=ints_arg, default=None, help="default 1,2,4,8,13,16,32,64")
     p.add_argument("--contexts", type=ints_arg, default=None, help="default 512,2048")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps per point (default 24)")

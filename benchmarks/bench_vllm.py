@@ -210,6 +210,7 @@ def plot(path: Path, rows: list[dict]) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
         ax.set_title(label)
+    axes[0].set_yscale("log")  # queued requests (concurrency above max_num_seqs) wait seconds
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path.with_suffix(".png"), dpi=110)

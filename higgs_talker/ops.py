@@ -96,7 +96,7 @@ class FlashInferKernels:
 
     name = "flashinfer"
 
-    def __init__(self, fuse_qk_rope: bool = True) -> None:
+    def __init__(self, fuse_qk_rope: bool = False) -> None:
         import flashinfer  # noqa: F401 - fail early and clearly when the gpu extra is missing
 
         self._fi = flashinfer
@@ -141,7 +141,7 @@ class FlashInferKernels:
         return self._fi.activation.silu_and_mul(x)
 
 
-def default_kernels(device: torch.device | str, fuse_qk_rope: bool = True) -> TorchKernels | FlashInferKernels:
+def default_kernels(device: torch.device | str, fuse_qk_rope: bool = False) -> TorchKernels | FlashInferKernels:
     """FlashInfer kernels on CUDA when FlashInfer is installed (``fuse_qk_rope``: with the Triton fusion where
     triton imports), else the torch reference."""
     if torch.device(device).type == "cuda":

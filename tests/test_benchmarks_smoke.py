@@ -66,9 +66,9 @@ def test_decode_smoke(bench, tmp_path: Path) -> None:
     assert eager["batch"] == 2 and eager["context"] == 24 and eager["prompt_tokens"] == 24
     assert eager["ratio_to_floor"] == pytest.approx(eager["ms_per_step"] / eager["floor_ms"])
     assert by_mode["auto"]["status"] == "error"  # graph modes need CUDA: recorded, not raised
-    unfused = by_mode["eager-unfused"]  # the fusion's A/B row; on CPU both halves run the torch kernels
-    assert unfused["status"] == "ok" and not unfused["fuse_qk_rope"] and not eager["fuse_qk_rope"], unfused
-    assert "auto-unfused" in by_mode
+    fused = by_mode["eager-fused"]  # the fusion's A/B row; on CPU both halves run the torch kernels
+    assert fused["status"] == "ok" and not fused["fuse_qk_rope"] and not eager["fuse_qk_rope"], fused
+    assert "auto-fused" in by_mode
     assert by_mode["hf_eager"]["status"] == "ok", by_mode["hf_eager"]
     assert by_mode["hf_static_compile"]["status"] == "skipped"
     # Same weights, both in fp32: each side is within the chain bound of the exact logits (the tiny shape over
