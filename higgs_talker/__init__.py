@@ -6,6 +6,7 @@
 from .api import GenerationError, GenerationResult, HiggsTalker, Reference
 from .config import SpecialTokens, TalkerConfig, TextConfig
 from .heads.sampling import SamplingParams
+from .kernel_cache import WarmupReport, warmup
 
 __all__ = [
     "GenerationError",
@@ -16,5 +17,7 @@ __all__ = [
     "SpecialTokens",
     "TalkerConfig",
     "TextConfig",
+    "WarmupReport",
+    "warmup",
 ]
 __version__ = "0.1.0"

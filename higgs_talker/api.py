@@ -98,13 +98,7 @@ class HiggsTalker:
         """
         device, dtype, mode = _resolve_runtime(device, dtype, graph_mode)
         engine_config = _engine_config(engine_options)
-        path = tiny_checkpoint() if str(path) == TINY_NAME else Path(path)
-        if not Path(path).exists():
-            raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist (use 'tiny' for the embedded default)")
-        if not Path(path).is_dir():
-            raise ValueError(
-                f"checkpoint {str(path)!r} is a file; give the checkpoint directory (config.json, weights)"
-            )
+        path = _checkpoint_dir(path)
         register_hf_config()
         cfg = TalkerConfig.from_pretrained(path)
         tokenizer = TalkerTokenizer.from_pretrained(path, cfg)
@@ -348,6 +342,16 @@ class HiggsTalker:
 def _raise_if_failed(req: Request) -> None:
     if req.error is not None:
         raise GenerationError(f"request {req.id!r} failed after {len(req.rows)} rows: {req.error}") from req.error
+
+
+def _checkpoint_dir(path: str | Path) -> Path:
+    """The checkpoint directory ``path`` names (``"tiny"``: the embedded one, built on first use)."""
+    path = tiny_checkpoint() if str(path) == TINY_NAME else Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist (use 'tiny' for the embedded default)")
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {str(path)!r} is a file; give the checkpoint directory (config.json, weights)")
+    return path
 
 
 def _engine_config(options: dict) -> EngineConfig:

@@ -1,4 +1,4 @@
-"""``higgs-talker``: text to codes or audio from the command line, the demo, the deploy profiles.
+"""``higgs-talker``: text to codes or audio from the command line, the demo, kernel warm-up, the deploy profiles.
 
 Paths given on the command line are only opened as files or directories; nothing is executed or evaluated.
 A user mistake (a bad flag value, a path that cannot be read or written, a bad checkpoint) ends with one line on
@@ -96,6 +96,24 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument(
         "--wav-dir", type=Path, default=Path("."), metavar="DIR", help="where higgs_demo_<i>.wav go (default: .)"
+    )
+
+    w = sub.add_parser(
+        "warmup", help="build every GPU kernel a checkpoint needs, ahead of the first start (CUDA; no-op on CPU)"
+    )
+    w.add_argument("model", nargs="?", default="tiny", metavar="CHECKPOINT", help="checkpoint directory, or 'tiny'")
+    w.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available, else cpu)")
+    w.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on CUDA, fp32 on CPU)")
+    w.add_argument("--graph-mode", default=None, metavar="MODE", help="eager, local_mlp, full_decode or auto (CUDA)")
+    w.add_argument(
+        "--max-model-len", type=int, metavar="N", help="longest sequence the engine serves (default: the checkpoint's)"
+    )
+    w.add_argument(
+        "--cache-dir",
+        type=Path,
+        metavar="DIR",
+        help="keep the kernels in DIR/.cache/flashinfer and DIR/.cache/tvm-ffi for this process (sets "
+        "FLASHINFER_WORKSPACE_BASE=DIR and TVM_FFI_CACHE_DIR; default: theirs, ~/.cache/...)",
     )
 
     c = sub.add_parser("deploy-config", help="print the path of a vLLM deploy profile")
@@ -263,6 +281,17 @@ def _demo(args) -> int:
     return 0
 
 
+def _warmup(args) -> int:
+    from .kernel_cache import use_cache_dir, warmup
+
+    if args.cache_dir is not None:
+        use_cache_dir(args.cache_dir)
+    options = {} if args.max_model_len is None else {"max_model_len": args.max_model_len}
+    report = warmup(args.model, args.device, args.dtype, graph_mode=args.graph_mode, **options)
+    print("\n".join(report.lines()))
+    return 0
+
+
 def _deploy_config(args) -> int:
     from .vllm_plugin.deploy import deploy_config_path
 
@@ -279,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version
         return exc.code if isinstance(exc.code, int) else 0
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
-    handlers = {"generate": _generate, "demo": _demo, "deploy-config": _deploy_config}
+    handlers = {"generate": _generate, "demo": _demo, "warmup": _warmup, "deploy-config": _deploy_config}
     try:
         return handlers[args.command](args)
     except (ValueError, TypeError, OSError) as exc:  # OSError: unreadable / unwritable paths, missing files

@@ -133,3 +133,21 @@ def test_codec_smoke(bench, tmp_path: Path) -> None:
     assert (exact["first_chunk_after_frames"], upstream["first_chunk_after_frames"]) == (11, 5)
     assert not upstream["exact"] and upstream["same_length"]
     assert rows["encode"]["frames"] == 25
+
+
+def test_coldstart_smoke(bench, tmp_path: Path) -> None:
+    """Two fresh processes (about 15 s on 2 CPU cores): ``higgs-talker warmup`` into a new cache dir, then a run
+    timed from spawn to its first decode step. The cold and warm cases run the same child."""
+    mod = bench("bench_coldstart")
+    argv = ["--device", "cpu", "--tiny", "--no-cold", "--repeats", "0", "--with-warmup", "--work-dir",
+            str(tmp_path / "work"), "--out", str(tmp_path)]  # fmt: skip
+    data = load(mod.main(argv))
+    warmup, run = data["rows"]
+    assert (warmup["case"], run["case"]) == ("warmup_cmd", "after_warmup")
+    assert warmup["status"] == "ok" and "nothing to compile" in warmup["output"], warmup
+    assert run["status"] == "ok", run
+    assert run["rows"] == 2  # the prefill's row and the first decode step's
+    for key in ("import_s", "load_s", "first_step_s"):
+        assert run[key] > 0, key
+    assert run["total_s"] == pytest.approx(run["import_s"] + run["load_s"] + run["first_step_s"])
+    assert run["flashinfer_cache"] == str(tmp_path / "work" / "warmup" / ".cache" / "flashinfer")

@@ -11,11 +11,14 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
+import types
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import higgs_talker
 from higgs_talker import cli
@@ -353,3 +356,75 @@ def test_other_runtime_errors_keep_their_traceback(gen, monkeypatch) -> None:
     monkeypatch.setattr(cli, "_load", broken)
     with pytest.raises(RuntimeError, match="an internal invariant failed"):
         cli.main(gen)
+
+
+# ----------------------------------------------------------------------------------------- warmup
+
+
+@pytest.fixture
+def kernel_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel-cache variables are restored after the test (``--cache-dir`` sets them for the process)."""
+    from higgs_talker.kernel_cache import FLASHINFER_BASE_VAR, TVM_FFI_VAR
+
+    for var in (FLASHINFER_BASE_VAR, TVM_FFI_VAR):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_warmup_on_cpu_checks_the_checkpoint_and_compiles_nothing(capsys, tiny_dir: Path, kernel_env) -> None:
+    rc, out, err = run(capsys, "warmup", str(tiny_dir), "--device", "cpu", "--max-model-len", "512")
+    assert rc == 0 and err == "", err
+    assert "nothing to compile" in out and "checked the checkpoint" in out
+
+
+def test_warmup_cache_dir_points_both_caches_there(capsys, tiny_dir: Path, tmp_path: Path, kernel_env) -> None:
+    from higgs_talker.kernel_cache import cache_dirs
+
+    base = tmp_path / "new" / "kernels"
+    rc, _, err = run(capsys, "warmup", str(tiny_dir), "--device", "cpu", "--cache-dir", str(base))
+    assert rc == 0, err
+    assert base.is_dir() and os.environ["FLASHINFER_WORKSPACE_BASE"] == str(base.absolute())
+    assert cache_dirs() == {"flashinfer": base / ".cache" / "flashinfer", "tvm_ffi": base / ".cache" / "tvm-ffi"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--device", "cpu", "--graph-mode", "full_decode"], "graph_mode 'full_decode' needs a CUDA device"),
+        (["--device", "cpu", "--graph-mode", "fastest"], "unknown graph mode 'fastest'"),
+        (["--device", "cpu", "--dtype", "int8"], "unknown dtype 'int8'"),
+        (["--device", "cpu", "--max-model-len", "0"], "max_model_len must be an integer > 0, got 0"),
+        (["--device", "cpu", "--max-model-len", "x"], "argument --max-model-len: invalid int value: 'x'"),
+        (["--device", "tpu"], "unknown device 'tpu'"),
+    ],
+    ids=["graph-mode-on-cpu", "graph-mode-unknown", "dtype", "max-model-len-0", "max-model-len-x", "device"],
+)
+def test_warmup_mistakes_are_one_line(capsys, tiny_dir: Path, kernel_env, flags, needle) -> None:
+    rc, _, err = run(capsys, "warmup", str(tiny_dir), *flags)
+    assert_one_line_error(rc, err, needle)
+
+
+def test_warmup_of_a_missing_checkpoint(capsys, tmp_path: Path, kernel_env) -> None:
+    rc, _, err = run(capsys, "warmup", str(tmp_path / "nope"), "--device", "cpu")
+    assert_one_line_error(rc, err, "nope' does not exist")
+
+
+def test_warmup_cache_dir_that_is_a_file(capsys, tiny_dir: Path, tmp_path: Path, kernel_env) -> None:
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    rc, _, err = run(capsys, "warmup", str(tiny_dir), "--device", "cpu", "--cache-dir", str(plain))
+    assert_one_line_error(rc, err, f"cache dir {str(plain)!r} is not a directory")
+
+
+def test_warmup_cache_dir_after_flashinfer_was_imported(capsys, tiny_dir, tmp_path, kernel_env, monkeypatch) -> None:
+    """FlashInfer fixes its cache location at import: a --cache-dir after that would be silently ignored."""
+    home = tmp_path / "home"
+    loaded = types.SimpleNamespace(FLASHINFER_BASE_DIR=home, FLASHINFER_CACHE_DIR=home / ".cache" / "flashinfer")
+    monkeypatch.setitem(sys.modules, "flashinfer.jit.env", loaded)
+    rc, _, err = run(capsys, "warmup", str(tiny_dir), "--device", "cpu", "--cache-dir", str(tmp_path / "other"))
+    assert_one_line_error(rc, err, "FlashInfer is already imported", str(home / ".cache" / "flashinfer"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only machine's answer")
+def test_warmup_on_cuda_without_cuda(capsys, tiny_dir: Path, kernel_env) -> None:
+    rc, _, err = run(capsys, "warmup", str(tiny_dir), "--device", "cuda")
+    assert_one_line_error(rc, err, "CUDA is not available")

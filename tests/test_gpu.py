@@ -490,3 +490,24 @@ def test_concurrent_callers_on_a_cuda_talker(talkers):
         assert got[i] is not None and got[i].shape[1] == 8 and got[i].shape[0] <= params[i].max_frames + 8
         check_delay_pattern(got[i], "eoc" if got[i].shape[0] < params[i].max_frames + 8 else "max_frames")
         assert torch.equal(got[i][:1], want[i][:1])  # the prefill row: each caller got its own request's codes
+
+
+# --------------------------------------------------------------------------------------------------- warm-up
+
+
+def test_warmup_loads_generates_and_names_flashinfers_cache(make_checkpoint):
+    """``higgs_talker.warmup`` on CUDA: load (graph capture included), one generation, and FlashInfer's own
+    cache directory in the report, holding the compiled modules (the suite's earlier tests built most of them)."""
+    from pathlib import Path
+
+    from flashinfer.jit import env as fi_env
+
+    import higgs_talker
+
+    ckpt = make_checkpoint(medium_config(num_hidden_layers=2), codec=False)
+    report = higgs_talker.warmup(ckpt, "cuda", graph_mode="full_decode", max_model_len=256, max_num_seqs=4)
+    assert report.compiled and report.kernels == "flashinfer" and report.device.startswith("cuda")
+    assert report.rows >= 2 and report.graph_warmup_s > 0 and report.generate_s > 0
+    assert report.caches["flashinfer"] == Path(fi_env.FLASHINFER_CACHE_DIR)
+    assert report.modules_after["flashinfer"] >= 1, f"no *.so under {report.caches['flashinfer']}"
+    assert str(report.caches["flashinfer"]) in "\n".join(report.lines())

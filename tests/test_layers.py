@@ -41,8 +41,9 @@ LAYERS = {
     "driver": 6,
     "vllm_plugin": 6,
     "api": 7,
-    "cli": 8,
-    "__init__": 9,
+    "kernel_cache": 8,
+    "cli": 9,
+    "__init__": 10,
 }
 
 

@@ -1,0 +1,190 @@
+"""Cold start: process start -> model loaded -> first decode step, with an empty and with a warm kernel cache.
+
+Every case is a fresh ``python -c`` process whose FlashInfer (and tvm-ffi) cache is pointed at a chosen
+directory (``higgs_talker.kernel_cache.cache_env``), on a 4B-shaped checkpoint with random bf16 weights
+(``bench_vllm.write_random_checkpoint``; ``--tiny`` or ``--model DIR`` instead):
+
+- ``cold``: a new, empty cache directory, so FlashInfer JIT-compiles every kernel (minutes on a fresh H200);
+- ``warm``: the same directory again, after ``cold``; with ``--no-cold``, the cache ``--cache-dir`` names
+  (default: this machine's usual one, as it is; ``cache_dir_state`` says how many modules it held);
+- ``warmup_cmd`` and ``after_warmup`` (``--with-warmup``): ``higgs-talker warmup`` into another new directory,
+  timed as a whole, then one run on that directory.
+
+A child stamps the wall clock at each point against the stamp its parent took just before spawning it:
+``import_s`` (interpreter, torch, higgs_talker), ``load_s`` (``from_pretrained``: FlashInfer's import, weights,
+decode-kernel choice and graph capture, and the JIT they trigger; ``graph_warmup_s`` is the part inside the graph
+runner), ``first_step_s`` (the prefill step and the first decode step), ``total_s`` (spawn -> end of that step).
+
+    python benchmarks/bench_coldstart.py --out $OUT                    # cold, then warm
+    python benchmarks/bench_coldstart.py --no-cold --out $OUT          # warm only (the usual cache)
+    python benchmarks/bench_coldstart.py --with-warmup --out $OUT      # plus higgs-talker warmup, then a run
+    python benchmarks/bench_coldstart.py --device cpu --tiny           # smoke mode (nothing compiles on CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import REPO_ROOT, ResultFile, environment, log, print_table, resolve_device
+
+from higgs_talker.kernel_cache import FLASHINFER_BASE_VAR, cache_dirs, cache_env, count_modules
+
+CHILD = r"""
+import json, sys, time
+spawned, opts = float(sys.argv[1]), json.loads(sys.argv[2])
+import torch
+from higgs_talker import HiggsTalker, SamplingParams
+from higgs_talker.kernel_cache import cache_dirs, count_modules
+imported = time.time()
+talker = HiggsTalker.from_pretrained(opts["model"], opts["device"], opts["dtype"], graph_mode=opts["graph_mode"],
+                                     codec=False, **opts["engine"])
+if talker.engine.device.type == "cuda":
+    torch.cuda.synchronize()
+loaded = time.time()
+engine = talker.engine
+rid = engine.add_request(talker.build_prompt(opts["text"]), SamplingParams(seed=0, max_frames=8))
+while len(engine.requests[rid].rows) < 2 and engine.has_unfinished():  # the prefill's row, then one decode row
+    engine.step()  # ends in the step's one host sync
+first = time.time()
+graphs = engine.graphs
+cache = cache_dirs()["flashinfer"]
+print("RESULT:" + json.dumps({
+    "import_s": imported - spawned, "load_s": loaded - imported, "first_step_s": first - loaded,
+    "total_s": first - spawned, "graph_warmup_s": graphs.warmup_s if graphs is not None else 0.0,
+    "rows": len(engine.requests[rid].rows), "kernels": talker.model.kernels.name,
+    "flashinfer_cache": str(cache), "modules_after": count_modules(cache)}), flush=True)
+"""
+
+TEXT = "The first sentence after a cold start."
+
+
+def flashinfer_dir(base: Path | None) -> Path:
+    """FlashInfer's cache directory in a child whose caches are under ``base`` (None: the inherited setting)."""
+    if base is None:
+        return cache_dirs()["flashinfer"]
+    return Path(cache_env(base)[FLASHINFER_BASE_VAR]) / ".cache" / "flashinfer"
+
+
+def child_env(base: Path | None) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, **(cache_env(base) if base is not None else {}), "PYTHONPATH": path}
+
+
+def run_child(case: str, state: str, base: Path | None, opts: dict, timeout: int) -> dict:
+    """One fresh process from spawn to its first decode step -> a row."""
+    cache = flashinfer_dir(base)
+    row = {"case": case, "cache_dir_state": state, "cache_dir": str(cache), "modules_before": count_modules(cache)}
+    spawned = time.time()
+    try:
+        proc = subprocess.run([sys.executable, "-c", CHILD, repr(spawned), json.dumps(opts)], env=child_env(base),
+                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    except subprocess.TimeoutExpired as exc:
+        return row | {"status": "timeout", "total_s": time.time() - spawned, "stderr_tail": _tail(exc.stderr)}
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT:")]
+    if proc.returncode or not lines:
+        return row | {"status": "error", "returncode": proc.returncode, "stderr_tail": _tail(proc.stderr)}
+    result = json.loads(lines[-1][len("RESULT:") :])
+    row |= {"status": "ok", **result, "new_modules": result["modules_after"] - row["modules_before"]}
+    if result["flashinfer_cache"] != str(cache):  # FlashInfer chose another place than the one this case set
+        row["status"] = "cache_dir_mismatch"
+    return row
+
+
+def run_warmup(base: Path, args: argparse.Namespace, timeout: int) -> dict:
+    """``higgs-talker warmup`` into ``base`` in a fresh process, timed as a whole by this one."""
+    cmd = [sys.executable, "-m", "higgs_talker.cli", "warmup", args.model, "--device", args.device,
+           "--cache-dir", str(base)]  # fmt: skip
+    optional = {"--dtype": args.dtype, "--graph-mode": args.graph_mode, "--max-model-len": args.max_model_len}
+    cmd += [str(x) for flag, value in optional.items() if value is not None for x in (flag, value)]
+    row = {"case": "warmup_cmd", "cache_dir_state": "empty", "cache_dir": str(flashinfer_dir(base))}
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, env=child_env(None), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        return row | {"status": "timeout", "total_s": time.time() - t0, "stderr_tail": _tail(exc.stderr)}
+    wall, after = time.time() - t0, count_modules(flashinfer_dir(base))
+    row |= {"status": "ok" if proc.returncode == 0 else "error", "total_s": wall, "new_modules": after,
+            "output": proc.stdout.strip()}  # fmt: skip
+    return row if proc.returncode == 0 else row | {"returncode": proc.returncode, "stderr_tail": _tail(proc.stderr)}
+
+
+def _tail(text: str | bytes | None, n: int = 3000) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return (text or "")[-n:]
+
+
+def main(argv: list[str] | None = None) -> ResultFile:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    p.add_argument("--tiny", action="store_true", help="the tiny checkpoint (the default on CPU)")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: a random 4B-shaped one)")
+    p.add_argument("--ckpt-dir", default="/tmp/higgs_4b_random", help="where the random checkpoint is written")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the engine's)")
+    p.add_argument("--graph-mode", default=None, help="eager, local_mlp, full_decode or auto (default: the engine's)")
+    p.add_argument("--max-model-len", type=int, default=None, help="the engine's max_model_len (default: its own)")
+    p.add_argument("--no-cold", action="store_true", help="skip the empty-cache case (minutes of GPU time)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="with --no-cold: the cache the warm runs use")
+    p.add_argument("--with-warmup", action="store_true", help="also: higgs-talker warmup into a new dir, then a run")
+    p.add_argument("--repeats", type=int, default=1, help="warm runs (default 1; 0: none)")
+    p.add_argument("--work-dir", type=Path, default=None, help="where new cache dirs go (default: a temp dir, removed)")
+    p.add_argument("--timeout", type=int, default=900, help="s per process, JIT included (default 900)")
+    p.add_argument("--out", default=None, help="directory of the JSON (default: benchmarks/results)")
+    args = p.parse_args(argv)
+    if args.repeats < 0:
+        p.error(f"--repeats must be >= 0, got {args.repeats}")
+    device = resolve_device(args.device)
+    if args.tiny or (args.model is None and device.type != "cuda"):
+        from higgs_talker.tiny import tiny_checkpoint
+
+        args.model = str(tiny_checkpoint())
+    elif args.model is None:
+        from bench_vllm import write_random_checkpoint
+
+        log(f"random 4B-shaped checkpoint in {args.ckpt_dir}")
+        args.model = str(write_random_checkpoint(Path(args.ckpt_dir)))
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="higgs_coldstart_"))
+    work.mkdir(parents=True, exist_ok=True)
+    engine = {} if args.max_model_len is None else {"max_model_len": args.max_model_len}
+    opts = {"model": args.model, "device": args.device, "dtype": args.dtype, "graph_mode": args.graph_mode,
+            "text": TEXT, "engine": engine}  # fmt: skip
+    meta = environment(device, "bench_coldstart.py", argv) | {"model": args.model, "work_dir": str(work)}
+    writer = ResultFile(args.out, "coldstart", meta)
+
+    def add(row: dict) -> None:
+        writer.add(row)
+        log(f"{row['case']} ({row['cache_dir_state']}): {row['status']}, {row.get('total_s', float('nan')):.1f} s")
+
+    try:
+        if args.no_cold:
+            warm_base, state = args.cache_dir, None
+        else:
+            warm_base, state = work / "cold", "after cold run"
+            warm_base.mkdir()
+            add(run_child("cold", "empty", warm_base, opts, args.timeout))
+        for _ in range(args.repeats):
+            found = state or f"as found ({count_modules(flashinfer_dir(warm_base))} modules)"
+            add(run_child("warm", found, warm_base, opts, args.timeout))
+        if args.with_warmup:
+            base = work / "warmup"
+            add(run_warmup(base, args, args.timeout))
+            add(run_child("after_warmup", "after higgs-talker warmup", base, opts, args.timeout))
+    finally:
+        if args.work_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    cols = ["case", "cache_dir_state", "import_s", "load_s", "graph_warmup_s", "first_step_s", "total_s",
+            "new_modules", "status"]  # fmt: skip
+    print_table(writer.rows, cols, f"cold start: {Path(args.model).name} on {device}")
+    return writer
+
+
+if __name__ == "__main__":
+    main()

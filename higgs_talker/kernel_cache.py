@@ -1,0 +1,190 @@
+"""Kernels built ahead of time: ``warmup()`` builds every kernel a checkpoint needs, and reports where they live.
+
+On CUDA, FlashInfer JIT-compiles each kernel the first time it is used (paged prefill, native paged decode,
+XQA, RMSNorm, RoPE, SiLU-and-mul) and keeps the shared library in its cache directory; a fresh H200 spent 212 s
+before its first timed decode step (96 s of it inside graph warm-up). ``warmup`` does what a server's start
+does (load the talker, which measures the decode kernels and captures the CUDA graphs), then runs one short
+generation (a prefill and a few decode steps), so every kernel the engine launches for that checkpoint's shapes
+and dtype is built once. Later processes that see the same cache directory load the libraries from disk.
+
+FlashInfer reads its cache location once, when it is imported: ``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer``,
+by default ``~/.cache/flashinfer`` (the JIT libraries are in ``<arch>/cached_ops`` there). tvm-ffi, through
+which FlashInfer loads them, may build a small helper of its own into ``$TVM_FFI_CACHE_DIR`` (default
+``~/.cache/tvm-ffi``). ``use_cache_dir(base)`` points both under one directory; it must run before anything
+imports FlashInfer. On CPU there is nothing to build: the CPU path runs torch's precompiled kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .api import HiggsTalker, _checkpoint_dir, _engine_config, _resolve_runtime
+from .checkpoint import check_checkpoint
+from .config import TalkerConfig, check_fits_device, register_hf_config
+from .heads.sampling import SamplingParams
+from .prompt import TalkerTokenizer
+
+FLASHINFER_BASE_VAR = "FLASHINFER_WORKSPACE_BASE"  # read by flashinfer/jit/env.py at import
+TVM_FFI_VAR = "TVM_FFI_CACHE_DIR"
+WARMUP_TEXT = "One short sentence, through prefill and decode."
+WARMUP_FRAMES = 16
+
+
+def cache_env(base: str | Path) -> dict[str, str]:
+    """The environment that puts FlashInfer's cache in ``base/.cache/flashinfer`` and tvm-ffi's in
+    ``base/.cache/tvm-ffi`` (the layout they use under the home directory)."""
+    base = Path(base).expanduser().absolute()
+    return {FLASHINFER_BASE_VAR: str(base), TVM_FFI_VAR: str(base / ".cache" / "tvm-ffi")}
+
+
+def cache_dirs() -> dict[str, Path]:
+    """Where this process's kernels are cached: ``{"flashinfer": dir, "tvm_ffi": dir}``.
+
+    FlashInfer's own value once it is imported (it fixes the location then), else the rule it will apply.
+    """
+    loaded = sys.modules.get("flashinfer.jit.env")
+    if loaded is not None:
+        flashinfer = Path(loaded.FLASHINFER_CACHE_DIR)
+    else:
+        flashinfer = Path(os.environ.get(FLASHINFER_BASE_VAR, str(Path.home()))) / ".cache" / "flashinfer"
+    return {"flashinfer": flashinfer, "tvm_ffi": Path(os.environ.get(TVM_FFI_VAR, "~/.cache/tvm-ffi")).expanduser()}
+
+
+def count_modules(path: Path) -> int:
+    """Compiled kernel libraries (``*.so``) under ``path``; 0 when it does not exist."""
+    return sum(1 for _ in path.rglob("*.so")) if path.is_dir() else 0
+
+
+def use_cache_dir(base: str | Path) -> dict[str, Path]:
+    """Point this process's kernel caches under ``base`` (created if missing; ``cache_env``); returns
+    ``cache_dirs()``. Sets environment variables, so it must run before FlashInfer is imported."""
+    path = Path(base).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"cache dir {str(path)!r} is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"cache dir {str(path)!r} cannot be created: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"cache dir {str(path)!r} is not writable")
+    env = cache_env(path)
+    loaded = sys.modules.get("flashinfer.jit.env")
+    if loaded is not None and Path(loaded.FLASHINFER_BASE_DIR).absolute() != Path(env[FLASHINFER_BASE_VAR]):
+        raise ValueError(
+            f"cache dir {str(path)!r}: FlashInfer is already imported here with its cache in "
+            f"{loaded.FLASHINFER_CACHE_DIR}, and it reads the location only at import; set it before that"
+        )
+    os.environ.update(env)
+    return cache_dirs()
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    """What ``warmup`` did. ``compiled`` is False where nothing needs building (CPU, or CUDA without FlashInfer)."""
+
+    checkpoint: str
+    device: str
+    dtype: str
+    graph_mode: str
+    compiled: bool
+    kernels: str  # "flashinfer" or "torch"
+    load_s: float  # CUDA: from_pretrained, graph warm-up included; CPU: the checkpoint check
+    graph_warmup_s: float = 0.0  # decode-kernel choice and graph capture, inside load_s
+    generate_s: float = 0.0
+    rows: int = 0  # rows of the warm-up generation (the prefill's, then one per decode step)
+    caches: dict[str, Path] = field(default_factory=dict)
+    modules_before: dict[str, int] = field(default_factory=dict)
+    modules_after: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_s(self) -> float:
+        return self.load_s + self.generate_s
+
+    def lines(self) -> list[str]:
+        """A few lines for a person: what ran, how long it took, where the kernels are."""
+        head = f"warmup: {self.checkpoint} on {self.device} ({self.dtype}"
+        if self.device.startswith("cpu"):
+            return [
+                f"{head}): nothing to compile (the CPU path runs torch's prebuilt kernels)",
+                f"checked the checkpoint (config, tokenizer, weights header, memory) in {self.load_s:.2f} s",
+            ]
+        out = [
+            f"{head}, graph mode {self.graph_mode}, kernels {self.kernels})",
+            f"loaded in {self.load_s:.1f} s (decode-kernel choice and CUDA graph capture {self.graph_warmup_s:.1f} s); "
+            f"one generation (prefill + {max(self.rows - 1, 0)} decode steps) in {self.generate_s:.1f} s; "
+            f"{self.total_s:.1f} s in all",
+        ]
+        if not self.compiled:
+            return [*out, "FlashInfer is not installed: CUDA runs torch kernels and SDPA, so nothing was compiled"]
+        for name, label in (("flashinfer", "FlashInfer kernel cache"), ("tvm_ffi", "tvm-ffi cache")):
+            after = self.modules_after.get(name, 0)
+            new = after - self.modules_before.get(name, 0)
+            out.append(f"{label}: {self.caches[name]} ({after} compiled module{'' if after == 1 else 's'}, {new} new)")
+        out.append(
+            f"later processes that see these directories (same GPU, CUDA and FlashInfer) skip the builds; "
+            f"{FLASHINFER_BASE_VAR} and {TVM_FFI_VAR} move them"
+        )
+        return out
+
+
+def warmup(
+    checkpoint: str | Path = "tiny",
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    *,
+    graph_mode: str | None = None,
+    frames: int = WARMUP_FRAMES,
+    **engine_options,
+) -> WarmupReport:
+    """Build every kernel the engine needs for ``checkpoint`` on ``device`` (default: CUDA when available).
+
+    CUDA: ``HiggsTalker.from_pretrained`` with these options (codec off), then one generation of at most
+    ``frames`` frames. CPU: nothing to build; the checkpoint is checked as ``from_pretrained`` checks it before
+    allocating (config, tokenizer, weights header, memory), without loading it. ``engine_options`` as for
+    ``from_pretrained`` (``max_model_len``, ...).
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev, dt, mode = _resolve_runtime(device, dtype, graph_mode)
+    _engine_config(engine_options)  # a bad option fails here, before anything is read
+    params = SamplingParams(seed=0, max_frames=frames)
+    caches = cache_dirs()
+    before = {name: count_modules(path) for name, path in caches.items()}
+    start = time.perf_counter()
+    common = dict(checkpoint=str(checkpoint), device=str(dev), dtype=str(dt).removeprefix("torch."))
+    if dev.type != "cuda":
+        path = _checkpoint_dir(checkpoint)
+        register_hf_config()
+        cfg = TalkerConfig.from_pretrained(path)
+        TalkerTokenizer.from_pretrained(path, cfg)
+        check_checkpoint(path, cfg)
+        check_fits_device(cfg, dev, dt)
+        return WarmupReport(**common, graph_mode=mode.value, compiled=False, kernels="torch",
+                            load_s=time.perf_counter() - start)  # fmt: skip
+    talker = HiggsTalker.from_pretrained(checkpoint, dev, dt, graph_mode=graph_mode, codec=False, **engine_options)
+    torch.cuda.synchronize(dev)
+    loaded = time.perf_counter()
+    result = talker.generate(WARMUP_TEXT, params)
+    torch.cuda.synchronize(dev)
+    done = time.perf_counter()
+    caches = cache_dirs()  # FlashInfer's own value, now that it is imported
+    kernels = talker.model.kernels.name
+    return WarmupReport(
+        **common,
+        graph_mode=talker.graph_mode.value,
+        compiled=kernels == "flashinfer",
+        kernels=kernels,
+        load_s=loaded - start,
+        graph_warmup_s=talker.engine.graphs.warmup_s if talker.engine.graphs is not None else 0.0,
+        generate_s=done - loaded,
+        rows=int(result.rows.shape[0]),
+        caches=caches,
+        modules_before=before,
+        modules_after={name: count_modules(path) for name, path in caches.items()},
+    )
