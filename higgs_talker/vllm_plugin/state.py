@@ -10,7 +10,7 @@ from which the position every later row is due at follows (so a partial prefill 
 
 from __future__ import annotations
 
-import secrets
+import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -35,8 +35,12 @@ class HostRequest:
 class RequestSlots:
     """Slots of one ``SlotStore`` keyed by vLLM request id (capacity: the store's)."""
 
-    def __init__(self, store: SlotStore, keep_finished: int = 0) -> None:
+    def __init__(self, store: SlotStore, keep_finished: int = 0, seed: int | None = None) -> None:
+        """``seed`` draws the sampling seeds of requests that bring none: the same sequence on every tensor-
+        parallel rank (vLLM's model seed, as vLLM seeds its own sampler), so the ranks sample the same codes and
+        feed the same rows back; None draws them from the OS."""
         self.store = store
+        self._seeds = random.Random(seed) if seed is not None else random.SystemRandom()
         self.free = FreeList(store.capacity)
         self.seed_pos = torch.full((store.capacity + 1,), -1, dtype=torch.long, device=store.device)
         self.requests: dict[str, HostRequest] = {}
@@ -56,7 +60,7 @@ class RequestSlots:
     ) -> tuple[Tensor, list[int]]:
         """(slots [B] int64 for ``req_ids`` in batch order, batch indices of the ids new this call).
 
-        New ids get a fresh slot with ``seeds[batch index]`` or a random seed (none is pinned by default), and
+        New ids get a fresh slot with ``seeds[batch index]`` or the next seed of the unseeded draw, and
         ``min_rows[batch index]``: no end of stream before that many rows. An id in ``resume`` whose state was
         kept (``release(keep=True)``) gets it back instead: a preempted request goes on where it stopped.
         Raises RuntimeError when more requests are live than there are slots.
@@ -81,7 +85,7 @@ class RequestSlots:
                 self.requests[rid] = req
                 continue
             seed = (seeds or {}).get(i)
-            req = HostRequest(self.free.acquire(), seed if seed is not None else secrets.randbelow(MAX_SEED))
+            req = HostRequest(self.free.acquire(), seed if seed is not None else self._seeds.randrange(MAX_SEED))
             self.requests[rid] = req
             inits.append(SlotInit(req.slot, req.seed, min_rows=(min_rows or {}).get(i, 0)))
             new_rows.append(i)

@@ -92,7 +92,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         device = self.multimodal_embedding.weight.device
         max_seqs = compat.max_num_seqs(vllm_config)
         store = SlotStore(max(64, max_seqs), cfg.num_codebooks, cfg.codebook_size, cfg.boc_id, cfg.eoc_id, device)
-        self.slots = RequestSlots(store)
+        self.slots = RequestSlots(store, seed=getattr(vllm_config.model_config, "seed", None))
         # per-token buffers in fixed storage (a vLLM FULL decode graph captures them): feedback, and the step's
         # tokens and positions, which a replay refreshes while our Python forward does not run
         cap = self._capacity = max([max_seqs, *compat.capture_sizes(vllm_config)]) + 1

@@ -9,6 +9,8 @@ step, so a request's codes must not depend on its batch neighbours or position.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 # skips the module cleanly where vLLM is not installed (the core test environment)
@@ -278,3 +280,30 @@ def test_load_weights_rejects_unexpected_and_missing_keys(adapter, tiny_dir):
     with pytest.raises(ValueError, match="missing 1 required key.*body.norm.weight"):
         fresh.load_weights([w for w in weights if w[0] != "body.norm.weight"])
     assert fresh.load_weights(weights) == {n for n, _ in fresh.named_parameters()}
+
+
+def test_unseeded_requests_draw_the_same_seeds_on_every_rank(adapter):
+    """Tensor parallelism runs one adapter per rank; an unseeded request must get the same sampling seed on each
+    (else the ranks feed different rows back): the seeds come from vLLM's model seed, in order of first sight."""
+    from higgs_talker.heads.slots import SlotStore
+    from higgs_talker.vllm_plugin.state import RequestSlots
+
+    store = adapter.slots.store
+
+    def rank(seed):
+        twin = SlotStore(store.capacity, store.num_codebooks, store.codebook_size, adapter.cfg.boc_id,
+                         adapter.cfg.eoc_id, store.device)  # fmt: skip
+        return RequestSlots(twin, seed=seed)
+
+    model_seed = adapter.vllm_config.model_config.seed
+    a, b = rank(model_seed), rank(model_seed)
+    for slots in (a, b):
+        slots.sync(["u1", "u2"])
+        slots.sync(["u2", "u3"])
+    assert [a.requests[r].seed for r in ("u1", "u2", "u3")] == [b.requests[r].seed for r in ("u1", "u2", "u3")]
+    assert len({a.requests[r].seed for r in ("u1", "u2", "u3")}) == 3
+    other = rank(model_seed + 1)
+    other.sync(["u1"])
+    assert other.requests["u1"].seed != a.requests["u1"].seed
+    # the adapter draws from a seeded generator (its model seed), not from the OS
+    assert type(adapter.slots._seeds) is random.Random
