@@ -140,3 +140,57 @@ class TextOnlyBridge(LogitsProcessor):
         top_p = torch.tensor([r.top_p for r in batch], device=dev)
         model.sample_codes(temperature, top_k, top_p)
         return logits
+
+
+def _worker_rows(worker, keys: list[str]) -> dict[str, list | None]:
+    """On a vLLM worker: the rows its adapter holds for ``keys``, as lists."""
+    model = worker.model_runner.get_model()
+    rows = {k: model.request_rows(k) for k in keys}
+    return {k: None if r is None else r.tolist() for k, r in rows.items()}
+
+
+class RowsWorkerExtension:
+    """A vLLM worker extension (``vllm.LLM(..., worker_extension_cls=ROWS_EXTENSION)``): lets ``request_rows``
+    ask worker processes for rows by method name, without sending them a pickled function."""
+
+    def higgs_request_rows(self, keys: list[str]) -> dict[str, list | None]:
+        return _worker_rows(self, keys)
+
+    def higgs_adapter_report(self) -> dict:
+        """What this worker's talker adapter loaded and did: counters, graph decision, local MLP graphs."""
+        talker = self.model_runner.get_model()
+        graphs = talker.local_mlp.graphs
+        return {
+            "arch_class": type(talker).__module__ + ":" + type(talker).__qualname__,
+            "specials": None if talker.specials is None else {"audio": talker.specials.audio,
+                                                               "eos": talker.specials.eos},
+            "loaded": sorted(talker.loaded_weight_names),
+            "stats": dict(talker.stats),
+            "graph_decision": talker.graph_decision.reason,
+            "local_mlp": {
+                "replays": talker.local_mlp.replays,
+                "buckets": list(graphs.sizes) if graphs else [],
+                "failed": {str(k): str(v) for k, v in graphs.failed.items()} if graphs else {},
+            },
+        }  # fmt: skip
+
+
+ROWS_EXTENSION = f"{__name__}.RowsWorkerExtension"
+
+
+def request_rows(llm, keys) -> dict[str, torch.Tensor | None]:
+    """The code rows [R, C] int32 of the bridge's requests ``keys`` from a ``vllm.LLM``, asked of every worker
+    through ``llm.collective_rpc``. In-process engines need nothing more; worker processes (multiprocessing,
+    tensor parallel) need the engine built with ``worker_extension_cls=ROWS_EXTENSION``. Every tensor-parallel
+    rank keeps the same rows (replicated heads, the same seeds): a rank that disagrees raises ``RuntimeError``
+    naming the request. None for a request no worker knows."""
+    keys = list(keys)
+    parallel = llm.llm_engine.vllm_config.parallel_config
+    method = "higgs_request_rows" if parallel.worker_extension_cls == ROWS_EXTENSION else _worker_rows
+    answers = llm.collective_rpc(method, args=(keys,))
+    first = answers[0]
+    for rank, other in enumerate(answers[1:], start=1):
+        for k in keys:
+            if other[k] != first[k]:
+                raise RuntimeError(f"tensor-parallel rank {rank} holds other rows than rank 0 for request {k!r}")
+    return {k: None if first[k] is None else torch.tensor(first[k], dtype=torch.int32) for k in keys}

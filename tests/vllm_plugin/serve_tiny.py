@@ -23,7 +23,7 @@ def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512, llm_kwa
     from higgs_talker.config import TalkerConfig
     from higgs_talker.prompt import TalkerTokenizer
     from higgs_talker.vllm_plugin import TEXT_ONLY_BRIDGE
-    from higgs_talker.vllm_plugin.bridge import request_args
+    from higgs_talker.vllm_plugin.bridge import ROWS_EXTENSION, request_args, request_rows
     from higgs_talker.vllm_plugin.talker import talker_for
 
     cfg = TalkerConfig.from_pretrained(ckpt)
@@ -33,6 +33,7 @@ def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512, llm_kwa
         model=ckpt,
         max_num_batched_tokens=max_num_batched_tokens,
         logits_processors=[TEXT_ONLY_BRIDGE],
+        worker_extension_cls=ROWS_EXTENSION,  # rows and reports by method name from worker processes too
         **(kwargs | (llm_kwargs or {})),
     )
     prompts, params = [], []
@@ -55,32 +56,22 @@ def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512, llm_kwa
             )
         )
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    talker = talker_for(llm.llm_engine.vllm_config)  # the adapter vLLM built with this engine's config
-    assert talker is not None, "the talker adapter was not found for this engine's config"
+    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":  # the adapter lives in this process: findable
+        assert talker_for(llm.llm_engine.vllm_config) is not None, "no talker adapter for this engine's config"
+    rows = request_rows(llm, [r["key"] for r in spec])  # from every worker (tensor parallel: they must agree)
     results = []
     for r, out in zip(spec, outputs, strict=True):
-        rows = talker.request_rows(r["key"])
+        got = rows[r["key"]]
         results.append(
             {
                 "key": r["key"],
                 "token_ids": list(out.outputs[0].token_ids),
                 "finish_reason": out.outputs[0].finish_reason,
-                "rows": rows.tolist() if rows is not None else None,
+                "rows": got.tolist() if got is not None else None,
             }
         )
-    return {
-        "results": results,
-        "arch_class": type(talker).__module__ + ":" + type(talker).__qualname__,
-        "specials": {"audio": talker.specials.audio, "eos": talker.specials.eos},
-        "loaded": sorted(talker.loaded_weight_names),
-        "stats": talker.stats,
-        "graph_decision": talker.graph_decision.reason,
-        "local_mlp": {
-            "replays": talker.local_mlp.replays,
-            "buckets": list(talker.local_mlp.graphs.sizes) if talker.local_mlp.graphs else [],
-            "failed": dict(talker.local_mlp.graphs.failed) if talker.local_mlp.graphs else {},
-        },
-    }
+    reports = llm.collective_rpc("higgs_adapter_report")  # one per worker; rank 0's is reported
+    return {"results": results, "ranks": len(reports), **reports[0]}
 
 
 if __name__ == "__main__":

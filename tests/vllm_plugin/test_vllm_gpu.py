@@ -66,9 +66,13 @@ SPEC_4B = [
     {"key": "topkp", "text": "Top k and top p.", "temperature": 0.8, "top_k": 50, "top_p": 0.9, "seed": 7,
      "max_tokens": 24},
 ]  # fmt: skip
-# (checkpoint, profile): the small head_dim-64 checkpoint in both profiles, the 4B shape (random bf16 weights,
-# benchmarks/bench_vllm.py's checkpoint) in the high-throughput one.
-CASES = {"h64-eager": ("h64", "eager"), "h64-fdo": ("h64", "fdo"), "4b-eager": ("4b", "eager")}
+# (checkpoint, profile, tensor-parallel size): the small head_dim-64 checkpoint in both profiles, the 4B shape
+# (random bf16 weights, benchmarks/bench_vllm.py's checkpoint) in the high-throughput one; with two GPUs, both
+# again over tensor parallelism (codes compared with the one-GPU direct engine's, rows checked on every rank).
+CASES = {
+    "h64-eager": ("h64", "eager", 1), "h64-fdo": ("h64", "fdo", 1), "4b-eager": ("4b", "eager", 1),
+    "h64-eager-tp2": ("h64", "eager", 2), "h64-fdo-tp2": ("h64", "fdo", 2), "4b-eager-tp2": ("4b", "eager", 2),
+}  # fmt: skip
 SPECS = {"h64": SPEC, "4b": SPEC_4B}
 
 
@@ -87,9 +91,12 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module", params=list(CASES))
 def served(request, checkpoints) -> dict:
-    name, profile = CASES[request.param]
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
-    kwargs = COMMON | PROFILES[profile]
+    name, profile, tp = CASES[request.param]
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    # one GPU: the engine in this process; tensor parallel: vLLM's worker processes (rows come by collective_rpc)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if tp == 1 else "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    kwargs = COMMON | PROFILES[profile] | ({"tensor_parallel_size": tp} if tp > 1 else {})
     cmd = [sys.executable, str(SCRIPT), str(checkpoints[name]), json.dumps(SPECS[name]), "64", json.dumps(kwargs)]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
