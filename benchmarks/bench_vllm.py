@@ -12,6 +12,9 @@ rows), its RTF is submit -> finish over its audio seconds.
 
     python benchmarks/bench_vllm.py --out $OUT                       # both profiles x both routes x 1,4,16,64
     python benchmarks/bench_vllm.py --profiles high_throughput --trtllm false --levels 1,4 --no-direct
+    python benchmarks/bench_vllm.py --tp 1,2 --levels 16,64 --no-direct     # two GPUs: tensor parallel vs one
+    python benchmarks/bench_vllm.py --cpu --tp 1,2 --profiles high_throughput --trtllm false --levels 1,2 \
+        --audio-s 0.2,0.4 --no-direct                                      # smoke test on vLLM's CPU backend
 """
 
 from __future__ import annotations
@@ -26,9 +29,20 @@ import sys
 import time
 from pathlib import Path
 
-from common import ResultFile, environment, ints_arg, log, package_version, percentile, print_table, strs_arg
+from common import (
+    ResultFile,
+    environment,
+    floats_arg,
+    ints_arg,
+    log,
+    package_version,
+    percentile,
+    print_table,
+    strs_arg,
+)
 
 PROFILES = ("high_throughput", "low_latency")
+CUDA_ONLY = ("attention_backend", "attention_config", "compilation_config", "gpu_memory_utilization")
 LEVELS = (1, 4, 16, 64)
 SHAPE_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
@@ -78,30 +92,40 @@ def stage0_engine_args(profile: str, use_trtllm: bool) -> dict:
     return args
 
 
-def jobs(n: int, seed: int, frame_rate: int = 25, codebooks: int = 8) -> list[tuple[str, int, int]]:
-    """(text, prompt-length hint, rows) per request: prompts of 30-200 tokens, 4-8 s of audio."""
+def jobs(n: int, seed: int, audio_s: tuple[float, float] = (4.0, 8.0), frame_rate: int = 25,
+         codebooks: int = 8) -> list[tuple[str, int, int]]:  # fmt: skip
+    """(text, prompt-length hint, rows) per request: prompts of 30-200 tokens, ``audio_s`` seconds of audio."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         text = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(27, 197)))
-        frames = round(rng.uniform(4.0, 8.0) * frame_rate)
+        frames = max(1, round(rng.uniform(*audio_s) * frame_rate))
         out.append((text, len(text) + 3, frames + codebooks))
     return out
 
 
-def run_level(engine, talker, tok, cfg, level: int, seed: int) -> tuple[list[dict], float]:
-    """A closed loop of ``level`` requests in flight over max(2 * level, 8) requests -> (records, wall s)."""
-    import vllm
+def run_level(llm, tok, cfg, level: int, seed: int, audio_s: tuple[float, float]) -> tuple[list[dict], float]:
+    """A closed loop of ``level`` requests in flight over max(2 * level, 8) requests -> (records, wall s).
 
-    todo, live, records = jobs(max(2 * level, 8), seed), {}, []
-    first_frame = cfg.num_codebooks + 1  # rows after which a request's first frame is final
+    Every step of a bridge request yields one token and one delayed row, so progress is read from vLLM's own
+    outputs (token counts), whatever process the adapter runs in; the rows are fetched once at the end
+    (``request_rows``, outside the timing) to check every request produced exactly its rows."""
+    import vllm
+    from vllm.sampling_params import RequestOutputKind
+
+    from higgs_talker.vllm_plugin.bridge import request_rows
+
+    engine = llm.llm_engine
+    todo, live, records = jobs(max(2 * level, 8), seed, audio_s, cfg.frame_rate, cfg.num_codebooks), {}, {}
+    first_frame = cfg.num_codebooks + 1  # rows (= tokens) after which a request's first frame is final
 
     def submit(k: int) -> None:
         text, _, rows = todo.pop(0)
         key = f"L{level}-{k}"
         sp = vllm.SamplingParams(temperature=0.0, max_tokens=rows, min_tokens=rows, detokenize=False,
+                                 output_kind=RequestOutputKind.DELTA,
                                  extra_args={"higgs_request_key": key})  # fmt: skip
-        live[key] = {"t": time.perf_counter(), "rows": rows}
+        live[key] = {"t": time.perf_counter(), "want_rows": rows, "tokens": 0}
         engine.add_request(key, {"prompt_token_ids": tok.build(text).input_ids.tolist()}, sp)
 
     wall0, submitted = time.perf_counter(), 0
@@ -111,59 +135,80 @@ def run_level(engine, talker, tok, cfg, level: int, seed: int) -> tuple[list[dic
     while live:
         outs = engine.step()
         now = time.perf_counter()
-        for key, rec in live.items():
-            got = talker.request_rows(key) if "ttfp" not in rec else None
-            if got is not None and got.shape[0] >= first_frame:
-                rec["ttfp"] = now - rec["t"]
         for o in outs:
-            if o.finished and o.request_id in live:
-                rec = live.pop(o.request_id)
-                rows = talker.request_rows(o.request_id)
-                audio_s = (rows.shape[0] - cfg.num_codebooks) / cfg.frame_rate
-                records.append({"ttfp_ms": rec.get("ttfp", now - rec["t"]) * 1e3, "rtf": (now - rec["t"]) / audio_s,
-                                "audio_s": audio_s, "rows": int(rows.shape[0]), "want_rows": rec["rows"]})  # fmt: skip
+            rec = live.get(o.request_id)
+            if rec is None:
+                continue
+            rec["tokens"] += len(o.outputs[0].token_ids)
+            if "ttfp" not in rec and rec["tokens"] >= first_frame:
+                rec["ttfp"] = now - rec["t"]
+            if o.finished:
+                live.pop(o.request_id)
+                rec["done"] = now
+                records[o.request_id] = rec
                 if todo:
                     submit(submitted)
                     submitted += 1
-    return records, time.perf_counter() - wall0
+    wall = time.perf_counter() - wall0
+    rows = request_rows(llm, list(records))  # every worker's rows (they must agree), after the timing
+    out = []
+    for key, rec in records.items():
+        got = rows[key]
+        n = 0 if got is None else int(got.shape[0])
+        audio = max(n - cfg.num_codebooks, 1) / cfg.frame_rate
+        out.append({"ttfp_ms": rec.get("ttfp", rec["done"] - rec["t"]) * 1e3, "rtf": (rec["done"] - rec["t"]) / audio,
+                    "audio_s": audio, "rows": n, "tokens": rec["tokens"], "want_rows": rec["want_rows"]})  # fmt: skip
+    return out, wall
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One (profile, route) configuration in this process; prints one RESULT: JSON line of rows."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    """One (profile, route, tensor-parallel size) configuration in this process; prints a RESULT: JSON line of
+    rows after each level."""
+    tp = args.tp[0]
+    # one GPU: the engine in this process; tensor parallel: vLLM's worker processes
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if tp == 1 else "1")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     import vllm
 
     from higgs_talker.config import TalkerConfig
     from higgs_talker.prompt import TalkerTokenizer
     from higgs_talker.vllm_plugin import TEXT_ONLY_BRIDGE
-    from higgs_talker.vllm_plugin.talker import talker_for
+    from higgs_talker.vllm_plugin.bridge import ROWS_EXTENSION
 
     ckpt = args.model
     cfg = TalkerConfig.from_pretrained(ckpt)
     tok = TalkerTokenizer.from_pretrained(ckpt, cfg)
     use_trtllm = args.trtllm[0] == "true"
     engine_args = stage0_engine_args(args.profiles[0], use_trtllm)
+    if args.cpu:  # the vLLM CPU backend (smoke test): no FlashInfer, no CUDA graphs, fp32
+        engine_args = {k: v for k, v in engine_args.items() if k not in CUDA_ONLY} | {
+            "dtype": "float32",
+            "max_model_len": 1024,
+        }
+    else:
+        engine_args |= {"dtype": "bfloat16", "kernel_config": {"enable_flashinfer_autotune": False}}
+    if tp > 1:
+        engine_args["tensor_parallel_size"] = tp
     t0 = time.perf_counter()
-    llm = vllm.LLM(model=ckpt, dtype="bfloat16", logits_processors=[TEXT_ONLY_BRIDGE],
-                   kernel_config={"enable_flashinfer_autotune": False}, **engine_args)  # fmt: skip
+    llm = vllm.LLM(model=ckpt, logits_processors=[TEXT_ONLY_BRIDGE], worker_extension_cls=ROWS_EXTENSION,
+                   **engine_args)  # fmt: skip
     start_s = time.perf_counter() - t0
-    talker = talker_for(llm.llm_engine.vllm_config)
     rows_out = []
     for level in args.levels:
-        records, wall = run_level(llm.llm_engine, talker, tok, cfg, level, args.seed + level)
-        row = {"profile": args.profiles[0], "use_trtllm_attention": use_trtllm, "concurrency": level,
-               "requests": len(records), "start_s": start_s, "wall_s": wall,
+        records, wall = run_level(llm, tok, cfg, level, args.seed + level, tuple(args.audio_s))
+        row = {"profile": args.profiles[0], "use_trtllm_attention": use_trtllm, "tensor_parallel_size": tp,
+               "concurrency": level, "requests": len(records), "start_s": start_s, "wall_s": wall,
                "audio_s_per_s": sum(r["audio_s"] for r in records) / wall,
-               "rows_exact": all(r["rows"] == r["want_rows"] for r in records)}  # fmt: skip
+               "rows_exact": all(r["rows"] == r["want_rows"] == r["tokens"] for r in records)}  # fmt: skip
         for m in ("ttfp_ms", "rtf"):
             for q in (50, 90):
                 row[f"{m}_p{q}"] = percentile([r[m] for r in records], q)
         rows_out.append(row)
-        log(f"{row['profile']} trtllm={use_trtllm} C={level}: TTFP p50 {row['ttfp_ms_p50']:.1f} ms, "
+        log(f"{row['profile']} trtllm={use_trtllm} tp={tp} C={level}: TTFP p50 {row['ttfp_ms_p50']:.1f} ms, "
             f"RTF p50 {row['rtf_p50']:.3f}, {row['audio_s_per_s']:.1f} audio s/s")  # fmt: skip
-        stats = dict(talker.stats, local_mlp_replays=talker.local_mlp.replays,
-                     decision=talker.graph_decision.reason)  # fmt: skip
+        report = llm.collective_rpc("higgs_adapter_report")[0]  # rank 0's adapter
+        stats = dict(report["stats"], local_mlp_replays=report["local_mlp"]["replays"],
+                     decision=report["graph_decision"])  # fmt: skip
         print("RESULT:" + json.dumps({"rows": rows_out, "stats": stats}), flush=True)  # after each level
 
 
@@ -201,6 +246,7 @@ def plot(path: Path, rows: list[dict]) -> None:
     series: dict[str, list[dict]] = {}
     for r in rows:
         name = r["profile"] + ("" if r["use_trtllm_attention"] is None else f" trtllm={r['use_trtllm_attention']}")
+        name += f" tp={r['tensor_parallel_size']}" if r.get("tensor_parallel_size", 1) > 1 else ""
         series.setdefault(name, []).append(r)
     metrics = (("ttfp_ms_p50", "TTFP p50 (ms)"), ("rtf_p50", "RTF p50"), ("audio_s_per_s", "audio s per s"))
     for ax, (metric, label) in zip(axes, metrics, strict=True):
@@ -220,58 +266,69 @@ def main(argv: list[str] | None = None) -> ResultFile | None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--profiles", type=strs_arg, default=list(PROFILES))
     p.add_argument("--trtllm", type=strs_arg, default=["false", "true"], help="use_trtllm_attention values")
+    p.add_argument("--tp", type=ints_arg, default=[1], help="tensor-parallel sizes (one worker each)")
     p.add_argument("--levels", type=ints_arg, default=list(LEVELS))
+    p.add_argument("--audio-s", type=floats_arg, default=[4.0, 8.0], help="min,max seconds of audio per request")
     p.add_argument("--model", default=None, help="checkpoint directory (default: a random 4B-shaped one)")
     p.add_argument("--ckpt-dir", default="/tmp/higgs_4b_random", help="where the random checkpoint is written")
+    p.add_argument("--cpu", action="store_true", help="vLLM's CPU backend on the tiny checkpoint (smoke test)")
     p.add_argument("--no-direct", action="store_true", help="skip our direct engine's rows")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--worker-timeout", type=int, default=600, help="s per (profile, route) process, JIT included")
+    p.add_argument("--worker-timeout", type=int, default=600, help="s per worker process, JIT included")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if len(args.audio_s) != 2 or not 0 < args.audio_s[0] <= args.audio_s[1]:
+        p.error(f"--audio-s takes min,max seconds with 0 < min <= max, got {args.audio_s}")
     if args.worker:
         worker(args)
         return None
     import torch
 
+    if args.cpu:
+        from higgs_talker.tiny import tiny_checkpoint
+
+        args.model = args.model or str(tiny_checkpoint())
     args.model = args.model or str(write_random_checkpoint(Path(args.ckpt_dir)))
-    meta = environment(torch.device("cuda"), "bench_vllm.py", argv) | {
+    meta = environment(torch.device("cpu" if args.cpu else "cuda"), "bench_vllm.py", argv) | {
         "vllm": package_version("vllm"), "vllm_omni": package_version("vllm_omni"),
         "flashinfer": package_version("flashinfer"), "model": args.model,
+        "progress": "TTFP and RTF from vLLM's per-step outputs (one token = one row); rows checked afterwards",
     }  # fmt: skip
-    writer = ResultFile(args.out, "vllm", meta)
+    writer = ResultFile(args.out, "vllm_multigpu" if max(args.tp) > 1 else "vllm", meta)
     stats = {}
-    for profile in args.profiles:
-        for route in args.trtllm:
-            cmd = [sys.executable, __file__, "--worker", "--profiles", profile, "--trtllm", route, "--model",
-                   args.model, "--levels", ",".join(map(str, args.levels)), "--seed", str(args.seed)]  # fmt: skip
-            # the worker's own log (vLLM's start-up, JIT, our graph decision) lies beside the JSON
-            log_path = writer.path.with_name(f"{writer.path.stem}_{profile}_trtllm-{route}.log")
-            t0, error = time.perf_counter(), None
-            with open(log_path, "w", encoding="utf-8") as sink:
-                try:
-                    proc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, timeout=args.worker_timeout)
-                    error = f"worker exited with status {proc.returncode}" if proc.returncode else None
-                except subprocess.TimeoutExpired as exc:
-                    error = f"timed out after {exc.timeout} s"
-            text = log_path.read_text(encoding="utf-8", errors="replace")
-            lines = [x for x in text.splitlines() if x.startswith("RESULT:")]
-            if lines:  # the levels finished before a timeout still count
-                result = json.loads(lines[-1][len("RESULT:") :])
-                for row in result["rows"]:
-                    writer.add(row)
-                stats[f"{profile}/trtllm={route}"] = result["stats"]
-            if error or not lines:
-                writer.add({"profile": profile, "use_trtllm_attention": route == "true", "status": "error",
-                            "error": error or "no result", "log_tail": text[-3000:]})  # fmt: skip
-            log(f"{profile} trtllm={route}: {time.perf_counter() - t0:.0f} s")
+    for profile, route, tp in ((p_, r_, t_) for p_ in args.profiles for r_ in args.trtllm for t_ in args.tp):
+        name = f"{profile}_trtllm-{route}" + (f"_tp{tp}" if tp > 1 else "")
+        cmd = [sys.executable, __file__, "--worker", "--profiles", profile, "--trtllm", route, "--tp", str(tp),
+               "--model", args.model, "--levels", ",".join(map(str, args.levels)), "--seed", str(args.seed),
+               "--audio-s", ",".join(map(str, args.audio_s))] + (["--cpu"] if args.cpu else [])  # fmt: skip
+        # the worker's own log (vLLM's start-up, JIT, our graph decision) lies beside the JSON
+        log_path = writer.path.with_name(f"{writer.path.stem}_{name}.log")
+        t0, error = time.perf_counter(), None
+        with open(log_path, "w", encoding="utf-8") as sink:
+            try:
+                proc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, timeout=args.worker_timeout)
+                error = f"worker exited with status {proc.returncode}" if proc.returncode else None
+            except subprocess.TimeoutExpired as exc:
+                error = f"timed out after {exc.timeout} s"
+        text = log_path.read_text(encoding="utf-8", errors="replace")
+        lines = [x for x in text.splitlines() if x.startswith("RESULT:")]
+        if lines:  # the levels finished before a timeout still count
+            result = json.loads(lines[-1][len("RESULT:") :])
+            for row in result["rows"]:
+                writer.add(row)
+            stats[name] = result["stats"]
+        if error or not lines:
+            writer.add({"profile": profile, "use_trtllm_attention": route == "true", "tensor_parallel_size": tp,
+                        "status": "error", "error": error or "no result", "log_tail": text[-3000:]})  # fmt: skip
+        log(f"{name}: {time.perf_counter() - t0:.0f} s")
     writer.meta["adapter_stats"] = stats
     writer.save()
     if not args.no_direct:
         for row in direct_rows(args):
             writer.add(row)
-    cols = ["profile", "use_trtllm_attention", "concurrency", "ttfp_ms_p50", "ttfp_ms_p90", "rtf_p50", "rtf_p90",
-            "audio_s_per_s"]  # fmt: skip
+    cols = ["profile", "use_trtllm_attention", "tensor_parallel_size", "concurrency", "ttfp_ms_p50", "ttfp_ms_p90",
+            "rtf_p50", "rtf_p90", "audio_s_per_s"]  # fmt: skip
     done = [r for r in writer.rows if "concurrency" in r]
     print_table(done, cols, "vLLM deploy profiles")
     plot(writer.path, done)

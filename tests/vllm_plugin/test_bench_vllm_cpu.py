@@ -1,0 +1,37 @@
+"""benchmarks/bench_vllm.py on vLLM's CPU backend (the tiny checkpoint): the worker process, the closed loop,
+progress read from vLLM's outputs, the rows fetched from the worker and the JSON rows (a smoke test; its
+numbers mean nothing)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm.config")
+
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_vllm.py"
+
+
+def test_bench_vllm_runs_on_the_cpu_backend(tmp_path):
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    cmd = [sys.executable, str(SCRIPT), "--cpu", "--profiles", "high_throughput", "--trtllm", "false",
+           "--levels", "1,2", "--audio-s", "0.2,0.4", "--no-direct", "--worker-timeout", "500",
+           "--out", str(tmp_path)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=560, env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    (path,) = tmp_path.glob("vllm_*.json")
+    data = json.loads(path.read_text())
+    rows = {r["concurrency"]: r for r in data["rows"]}
+    assert sorted(rows) == [1, 2], data["rows"]
+    for r in rows.values():
+        assert r["requests"] == 8 and r["rows_exact"], r  # every request produced exactly its forced rows
+        assert 0 < r["ttfp_ms_p50"] <= r["ttfp_ms_p90"] and r["rtf_p50"] > 0 and r["audio_s_per_s"] > 0, r
+        assert r["tensor_parallel_size"] == 1 and r["profile"] == "high_throughput", r
+    stats = data["meta"]["adapter_stats"]["high_throughput_trtllm-false"]
+    assert stats["sample_steps"] > 0 and stats["text_head_skipped"] > 0, stats
+    assert Path(tmp_path, path.stem + "_high_throughput_trtllm-false.log").is_file()
