@@ -26,6 +26,9 @@ ARCHITECTURES = (
 )
 # The text-only bridge for plain vLLM: pass ``logits_processors=[TEXT_ONLY_BRIDGE]`` to ``vllm.LLM``.
 TEXT_ONLY_BRIDGE = "higgs_talker.vllm_plugin.bridge:TextOnlyBridge"
+# vLLM worker extension: ``vllm.LLM(..., worker_extension_cls=ROWS_EXTENSION)`` lets ``bridge.request_rows`` ask
+# worker processes (multiprocessing, tensor parallel) for code rows by method name.
+ROWS_EXTENSION = "higgs_talker.vllm_plugin.bridge.RowsWorkerExtension"
 
 _touched: tuple[str, ...] | None = None
 
@@ -67,4 +70,4 @@ def register() -> tuple[str, ...]:
     return _touched
 
 
-__all__ = ["ARCHITECTURES", "TALKER_CLASS", "TEXT_ONLY_BRIDGE", "register"]
+__all__ = ["ARCHITECTURES", "ROWS_EXTENSION", "TALKER_CLASS", "TEXT_ONLY_BRIDGE", "register"]

@@ -30,6 +30,7 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from ..heads.sampling import MAX_SEED
+from . import ROWS_EXTENSION
 from .compat import warn_once
 from .talker import talker_for
 
@@ -174,8 +175,6 @@ class RowsWorkerExtension:
             },
         }  # fmt: skip
 
-
-ROWS_EXTENSION = f"{__name__}.RowsWorkerExtension"
 
 
 def request_rows(llm, keys) -> dict[str, torch.Tensor | None]:

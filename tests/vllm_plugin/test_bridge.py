@@ -60,3 +60,15 @@ def test_removed_and_replaced_rows_are_released_once(bridge):
     # the same removal reported both ways (an index in removed and moved into) counts once
     b.update_state(BatchUpdate(1, [0], [], [(1, 0, MoveDirectionality.UNIDIRECTIONAL)]))
     assert sorted(talker.removed) == ["a", "c", "e"] and talker.batches[-1] == ["b"]
+
+
+def test_the_rows_extension_name_resolves_to_the_worker_extension():
+    """vLLM imports ``worker_extension_cls`` by its qualified name in each worker process."""
+    import importlib
+
+    from higgs_talker.vllm_plugin import ROWS_EXTENSION
+    from higgs_talker.vllm_plugin.bridge import RowsWorkerExtension
+
+    module, name = ROWS_EXTENSION.rsplit(".", 1)
+    assert getattr(importlib.import_module(module), name) is RowsWorkerExtension
+    assert callable(RowsWorkerExtension.higgs_request_rows) and callable(RowsWorkerExtension.higgs_adapter_report)
