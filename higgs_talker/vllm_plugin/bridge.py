@@ -176,7 +176,6 @@ class RowsWorkerExtension:
         }  # fmt: skip
 
 
-
 def request_rows(llm, keys) -> dict[str, torch.Tensor | None]:
     """The code rows [R, C] int32 of the bridge's requests ``keys`` from a ``vllm.LLM``, asked of every worker
     through ``llm.collective_rpc``. In-process engines need nothing more; worker processes (multiprocessing,
