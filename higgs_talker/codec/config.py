@@ -72,17 +72,14 @@ TINY_CODEC: dict[str, Any] = dict(
         codebook_dim=4,
     ),  # fmt: skip
     semantic_model_config=dict(
-        model_type="hubert",
+        _REAL_HUBERT,
         hidden_size=16,
         num_hidden_layers=1,
         num_attention_heads=2,
         intermediate_size=32,
         conv_dim=[8] * 7,
-        conv_kernel=[10, 3, 3, 3, 3, 2, 2],
-        conv_stride=[5, 2, 2, 2, 2, 2, 2],
         num_conv_pos_embeddings=16,
         num_conv_pos_embedding_groups=2,
-        mask_time_prob=0.0,
     ),  # fmt: skip
 )
 
