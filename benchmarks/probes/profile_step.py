@@ -5,7 +5,9 @@ CUDA only (not part of the CPU smoke tests). 4B shape, random bf16 weights, 512-
 ``max_seq_len`` vs time, native beside it). The H200 output of 2026-11-30 (taken on the commit before the
 decode host-path change) is ``benchmarks/results/h200_20261130/profile_prev_commit.log``.
 
-    python benchmarks/probes/profile_step.py [xqa] [full] [local] [xqa_step]
+    python benchmarks/probes/profile_step.py [xqa] [full] [local] [xqa_step] [fused]
+
+``fused`` builds the engines of ``full``/``local`` with ``fuse_qk_rope=True``.
 """
 
 from __future__ import annotations
@@ -213,9 +215,10 @@ def main() -> None:
             max_num_seqs=64,
             num_blocks=64 * 40 + 64,
             max_model_len=4096,
+            fuse_qk_rope="fused" in what,
         )
         suppress_eoc(talker)
-        print(f"built {mode} in {time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"built {mode} (fuse_qk_rope={talker.model.kernels.fuse_qk_rope}) in {time.perf_counter() - t0:.1f} s", flush=True)
         for b, ctx in cases:
             profile_case(talker, mode, b, ctx)
         del talker
