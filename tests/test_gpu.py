@@ -11,8 +11,9 @@ pytestmark = pytest.mark.gpu
 
 flashinfer = pytest.importorskip("flashinfer") if torch.cuda.is_available() else None
 
+from _engine_invariants import explain_divergence  # noqa: E402
 from _qk_rope import check_qk_norm_rope_store  # noqa: E402
-from _tolerance import kernel_rel_tol, rel_err  # noqa: E402
+from _tolerance import bf16_score_gap, kernel_rel_tol, rel_err  # noqa: E402
 
 from higgs_talker import HiggsTalker, SamplingParams  # noqa: E402
 from higgs_talker.config import TalkerConfig, TextConfig  # noqa: E402
@@ -241,11 +242,17 @@ def fused_talkers():
     return _lazy_talkers(fuse_qk_rope=True)
 
 
+def _schedule_inputs(talker: HiggsTalker, batch: int) -> tuple[list, list[SamplingParams]]:
+    """The prompts and sampling parameters of ``_run_schedule`` (greedy; max_frames differ)."""
+    params = [SamplingParams(temperature=0, max_frames=64 + (i * 5) % 23) for i in range(batch)]
+    prompts = [talker.build_prompt(f"request number {i} " * (1 + i % 3)) for i in range(batch)]
+    return prompts, params
+
+
 def _run_schedule(talker: HiggsTalker, batch: int) -> dict[str, list]:
     """Half the requests start at once, the rest join after 7 steps; max_frames differ, so some finish early."""
     eng = talker.engine
-    params = [SamplingParams(temperature=0, max_frames=64 + (i * 5) % 23) for i in range(batch)]
-    prompts = [talker.build_prompt(f"request number {i} " * (1 + i % 3)) for i in range(batch)]
+    prompts, params = _schedule_inputs(talker, batch)
     ids, first = [], (batch + 1) // 2
     for i in range(first):
         ids.append(eng.add_request(prompts[i], params[i], request_id=f"r{i}"))
@@ -271,9 +278,13 @@ def test_graph_modes_give_identical_greedy_codes(talkers, batch):
 @pytest.mark.parametrize("mode", ["eager", "full_decode"])
 @pytest.mark.parametrize("batch", [1, 13, 64])
 def test_fused_qk_rope_gives_the_unfused_greedy_codes(talkers, fused_talkers, mode, batch, monkeypatch):
-    """The A/B switch: with the fused kernel and without it (the default), the same greedy codes. The kernel rounds
-    where the separate kernels store (the normed head, then the rotated one), so the two differ only in fp32
-    evaluation order (the sum of squares), which moves a bf16 result in rare elements by one ulp."""
+    """The A/B switch: with the fused kernel and without it, the same greedy codes, or codes that leave the
+    unfused ones only at a provable near tie. The kernel rounds where the separate kernels store (the normed
+    head, then the rotated one), but its fp32 sum of squares runs in another order than FlashInfer's norm
+    kernel, which moves a bf16 element by one ulp now and then; over 64 requests x ~70 steps such a difference
+    can reach a code whose two best scores are that close (seen once on the H200: batch 64, one request, row
+    65). A flip is accepted only where both runs' rows equal a solo unfused run's, or leave it at that run's
+    runner-up after identical rows, within the bf16 bound of one forward (``explain_divergence``)."""
     triton_ops = pytest.importorskip("higgs_talker.triton_ops")
     fused, unfused = fused_talkers[mode], talkers[mode]
     assert fused.model.kernels.fuse_qk_rope and not unfused.model.kernels.fuse_qk_rope
@@ -288,8 +299,23 @@ def test_fused_qk_rope_gives_the_unfused_greedy_codes(talkers, fused_talkers, mo
     assert calls, "the fused kernel never ran"  # eager: every layer of every step; full_decode: the prefills
     monkeypatch.undo()
     want = _run_schedule(unfused, batch)
+    prompts, params = _schedule_inputs(unfused, batch)
     for rid, rows in want.items():
-        assert got[rid] == rows, f"fused differs from unfused for request {rid} ({mode}, batch {batch})"
+        if got[rid] == rows:
+            continue
+        i = int(rid[1:])
+        alone = _solo_rows(unfused, prompts[i], params[i])
+        for which in (got[rid], rows):
+            explain_divergence(unfused, prompts[i], params[i], torch.tensor(which), alone,
+                               rel_gap=bf16_score_gap(unfused.cfg.text))  # fmt: skip
+
+
+def _solo_rows(talker: HiggsTalker, prompt, params: SamplingParams) -> torch.Tensor:
+    eng = talker.engine
+    rid = eng.add_request(prompt, params)
+    while eng.has_unfinished():
+        eng.step()
+    return torch.stack(eng.pop_finished(rid).rows).long()
 
 
 def test_graphs_were_captured(talkers):
