@@ -15,8 +15,9 @@ Peers (``--no-peers`` to skip): transformers ``Qwen3ForCausalLM`` with the same 
 in; its head is the codebook table), eager with its dynamic cache and with ``StaticCache`` +
 ``torch.compile(mode="reduce-overhead")``.
 
-``--fuse both`` times every mode twice, as ``MODE`` (the default: separate QK-norm, RoPE and K/V-write kernels)
-and ``MODE-fused`` (``fuse_qk_rope=True``: the three in one Triton kernel), in the same run.
+``--fuse both`` times every mode twice, as ``MODE-fused`` (the library's default, ``fuse_qk_rope=True``: QK-norm,
+RoPE and the K/V writes in one Triton kernel) and ``MODE`` (``fuse_qk_rope=False``: the separate kernels), in
+the same run; ``--fuse on`` (the default) times the first only, ``off`` the second.
 
 With random weights the codebook-0 EOC row of the table is zeroed, so greedy decoding never ends a request
 early (its logit is exactly 0 while the max of 1024 random logits is positive); ``meta.eoc_suppressed`` says so.
@@ -554,9 +555,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="checkpoint directory (default: random weights)")
     p.add_argument("--tiny", action="store_true", help="the tiny config, small sizes, few steps")
     p.add_argument("--modes", type=strs_arg, default=list(MODES))
-    p.add_argument("--fuse", choices=("on", "off", "both"), default="off",
-                   help="QK-norm + RoPE + K/V writes in one Triton kernel (on: MODE-fused rows), not (off, the "
-                   "default), or each mode both ways")  # fmt: skip
+    p.add_argument("--fuse", choices=("on", "off", "both"), default="on",
+                   help="QK-norm + RoPE + K/V writes in one Triton kernel (on, the library's default: MODE-fused "
+                   "rows), not (off: MODE rows), or each mode both ways")  # fmt: skip
     p.add_argument("--batches", type=ints_arg, default=None, help="default 1,2,4,8,13,16,32,64")
     p.add_argument("--contexts", type=ints_arg, default=None, help="default 512,2048")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps per point (default 24)")

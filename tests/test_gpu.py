@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import pytest
@@ -232,14 +233,27 @@ def _lazy_talkers(**options) -> dict[str, HiggsTalker]:
 
 @pytest.fixture(scope="module")
 def talkers():
-    """The CUDA defaults (QK-norm, RoPE and the K/V writes as separate kernels), one per mode."""
+    """The CUDA defaults (QK-norm, RoPE and the K/V writes in one Triton kernel where triton imports), one per
+    mode."""
     return _lazy_talkers()
 
 
+def option_default(option: str) -> bool:
+    return inspect.signature(HiggsTalker.from_config).parameters[option].default
+
+
 @pytest.fixture(scope="module")
-def fused_talkers():
-    """The same talkers with QK-norm, RoPE and the K/V writes in one Triton kernel (``fuse_qk_rope=True``)."""
-    return _lazy_talkers(fuse_qk_rope=True)
+def option_talkers():
+    """``option_talkers(name)``: the same talkers with one kernel option flipped from its default
+    (``fuse_qk_rope``: QK-norm, RoPE and the K/V writes in one Triton kernel)."""
+    built = {}
+
+    def get(option: str) -> dict[str, HiggsTalker]:
+        if option not in built:
+            built[option] = _lazy_talkers(**{option: not option_default(option)})
+        return built[option]
+
+    return get
 
 
 def _schedule_inputs(talker: HiggsTalker, batch: int) -> tuple[list, list[SamplingParams]]:
@@ -275,39 +289,46 @@ def test_graph_modes_give_identical_greedy_codes(talkers, batch):
             assert results[m][rid] == rows, f"mode {m} differs from eager for request {rid} at batch {batch}"
 
 
+# option: (our module, its entry points the model calls)
+KERNEL_OPTIONS = {"fuse_qk_rope": ("triton_ops", ["qk_norm_rope_store"])}
+
+
+@pytest.mark.parametrize("option", list(KERNEL_OPTIONS))
 @pytest.mark.parametrize("mode", ["eager", "full_decode"])
 @pytest.mark.parametrize("batch", [1, 13, 64])
-def test_fused_qk_rope_gives_the_unfused_greedy_codes(talkers, fused_talkers, mode, batch, monkeypatch):
-    """The A/B switch: with the fused kernel and without it, the same greedy codes, or codes that leave the
-    unfused ones only at a provable near tie. The kernel rounds where the separate kernels store (the normed
-    head, then the rotated one), but its fp32 sum of squares runs in another order than FlashInfer's norm
-    kernel, which moves a bf16 element by one ulp now and then; over 64 requests x ~70 steps such a difference
-    can reach a code whose two best scores are that close (seen once on the H200: batch 64, one request, row
-    65). A flip is accepted only where both runs' rows equal a solo unfused run's, or leave it at that run's
-    runner-up after identical rows, within the bf16 bound of one forward (``explain_divergence``)."""
-    triton_ops = pytest.importorskip("higgs_talker.triton_ops")
-    fused, unfused = fused_talkers[mode], talkers[mode]
-    assert fused.model.kernels.fuse_qk_rope and not unfused.model.kernels.fuse_qk_rope
-    calls, real = [], triton_ops.qk_norm_rope_store
-
-    def counted(*args):
-        calls.append(1)
-        return real(*args)
-
-    monkeypatch.setattr(triton_ops, "qk_norm_rope_store", counted)
-    got = _run_schedule(fused, batch)
-    assert calls, "the fused kernel never ran"  # eager: every layer of every step; full_decode: the prefills
+def test_kernel_options_on_and_off_give_equal_greedy_codes(talkers, option_talkers, option, mode, batch, monkeypatch):
+    """The A/B switch of each of our Triton kernel options: on and off, the same greedy codes, or codes that
+    leave the ones without it only at a provable near tie. The fused QK-norm kernel rounds where the separate
+    kernels store, but sums its squares in another order than FlashInfer's norm kernel, which moves a bf16
+    element by one ulp now and then; over 64 requests x ~70 steps such a difference can reach a code whose two
+    best scores are that close (seen on the H200: batch 64, one request, row 65, codebook 6, where the two best
+    logits were both 1.015625, an exact tie). A flip is accepted only where both runs' rows equal a solo run's
+    without the option, or leave it at that run's runner-up after identical rows, within the bf16 bound of one
+    forward (``explain_divergence``)."""
+    module_name, entries = KERNEL_OPTIONS[option]
+    module = pytest.importorskip(f"higgs_talker.{module_name}")
+    on_set, off_set = option_talkers(option), talkers
+    if option_default(option):
+        on_set, off_set = off_set, on_set
+    on, off, solo = on_set[mode], off_set[mode], off_set["eager"]  # solo: eager, so the sampler can be watched
+    assert getattr(on.model.kernels, option) and not getattr(off.model.kernels, option)
+    calls = []
+    for entry in entries:
+        real = getattr(module, entry)
+        monkeypatch.setattr(module, entry, lambda *a, _real=real, **kw: calls.append(1) or _real(*a, **kw))
+    got = _run_schedule(on, batch)
+    assert calls, f"{option}: our kernel never ran"  # eager: every layer of every step; full_decode: the prefills
     monkeypatch.undo()
-    want = _run_schedule(unfused, batch)
-    prompts, params = _schedule_inputs(unfused, batch)
+    want = _run_schedule(off, batch)
+    prompts, params = _schedule_inputs(off, batch)
     for rid, rows in want.items():
         if got[rid] == rows:
             continue
         i = int(rid[1:])
-        alone = _solo_rows(unfused, prompts[i], params[i])
+        alone = _solo_rows(solo, prompts[i], params[i])
         for which in (got[rid], rows):
-            explain_divergence(unfused, prompts[i], params[i], torch.tensor(which), alone,
-                               rel_gap=bf16_score_gap(unfused.cfg.text))  # fmt: skip
+            explain_divergence(solo, prompts[i], params[i], torch.tensor(which), alone,
+                               rel_gap=bf16_score_gap(solo.cfg.text))  # fmt: skip
 
 
 def _solo_rows(talker: HiggsTalker, prompt, params: SamplingParams) -> torch.Tensor:
