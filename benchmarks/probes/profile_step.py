@@ -218,7 +218,8 @@ def main() -> None:
             fuse_qk_rope="fused" in what,
         )
         suppress_eoc(talker)
-        print(f"built {mode} (fuse_qk_rope={talker.model.kernels.fuse_qk_rope}) in {time.perf_counter() - t0:.1f} s", flush=True)
+        fused = talker.model.kernels.fuse_qk_rope
+        print(f"built {mode} (fuse_qk_rope={fused}) in {time.perf_counter() - t0:.1f} s", flush=True)
         for b, ctx in cases:
             profile_case(talker, mode, b, ctx)
         del talker

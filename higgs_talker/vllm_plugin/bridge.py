@@ -31,7 +31,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 
 from ..heads.sampling import MAX_SEED
 from . import ROWS_EXTENSION
-from .compat import warn_once
+from .compat import collective_rpc_every_engine, warn_once
 from .talker import talker_for
 
 REQUEST_KEY = "higgs_request_key"
@@ -185,10 +185,34 @@ def request_rows(llm, keys) -> dict[str, torch.Tensor | None]:
     keys = list(keys)
     parallel = llm.llm_engine.vllm_config.parallel_config
     method = "higgs_request_rows" if parallel.worker_extension_cls == ROWS_EXTENSION else _worker_rows
-    answers = llm.collective_rpc(method, args=(keys,))
+    return _as_tensors(_agreed(llm.collective_rpc(method, args=(keys,)), keys))
+
+
+async def request_rows_async(engine, keys) -> dict[str, torch.Tensor | None]:
+    """``request_rows`` for a ``vllm.v1.engine.async_llm.AsyncLLM`` (what ``vllm serve`` runs), data parallel
+    too: every engine is asked (``compat.collective_rpc_every_engine``; the engine built with
+    ``worker_extension_cls=ROWS_EXTENSION``), each request's rows come from the one engine that served it, and
+    a request with rows on two engines raises ``RuntimeError``."""
+    keys = list(keys)
+    merged: dict[str, list | None] = dict.fromkeys(keys)
+    per_engine = await collective_rpc_every_engine(engine, "higgs_request_rows", (keys,))
+    for index, answers in enumerate(per_engine):
+        for k, rows in _agreed(answers, keys).items():
+            if rows is not None and merged[k] is not None:
+                raise RuntimeError(f"request {k!r} has rows on data-parallel engine {index} and an earlier one")
+            merged[k] = merged[k] if rows is None else rows
+    return _as_tensors(merged)
+
+
+def _agreed(answers: list[dict], keys: list[str]) -> dict[str, list | None]:
+    """One engine's rows from its workers' answers, which must agree (tensor-parallel ranks)."""
     first = answers[0]
     for rank, other in enumerate(answers[1:], start=1):
         for k in keys:
             if other[k] != first[k]:
                 raise RuntimeError(f"tensor-parallel rank {rank} holds other rows than rank 0 for request {k!r}")
-    return {k: None if first[k] is None else torch.tensor(first[k], dtype=torch.int32) for k in keys}
+    return {k: first[k] for k in keys}
+
+
+def _as_tensors(rows: dict[str, list | None]) -> dict[str, torch.Tensor | None]:
+    return {k: None if r is None else torch.tensor(r, dtype=torch.int32) for k, r in rows.items()}

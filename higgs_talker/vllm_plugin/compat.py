@@ -185,3 +185,18 @@ def sampler_output(token_ids: Tensor):
     from vllm.v1.outputs import SamplerOutput
 
     return SamplerOutput(sampled_token_ids=token_ids.to(torch.int32)[:, None], logprobs_tensors=None)
+
+
+async def collective_rpc_every_engine(engine: Any, method: str, args: tuple = ()) -> list[list]:
+    """``method`` on every worker of every engine behind a ``vllm.v1.engine.async_llm.AsyncLLM``: one list of
+    worker answers per engine. ``AsyncLLM.collective_rpc`` asks only the first engine; under data parallelism
+    (independent engine processes for a dense model, 0.26 and 0.30 alike) each engine's client identity is in
+    ``engine_core.core_engines``, and the client's utility call takes the engine to ask."""
+    import asyncio
+
+    client = engine.engine_core
+    targets = list(getattr(client, "core_engines", None) or [])
+    if len(targets) <= 1:
+        return [await engine.collective_rpc(method, args=args)]
+    calls = [client._call_utility_async("collective_rpc", method, None, args, None, engine=e) for e in targets]
+    return list(await asyncio.gather(*calls))
