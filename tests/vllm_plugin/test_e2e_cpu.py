@@ -19,11 +19,11 @@ pytest.importorskip("vllm.config")
 
 import json  # noqa: E402
 import os  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+from _served import run_served  # noqa: E402
 
 from higgs_talker import HiggsTalker, Reference, SamplingParams  # noqa: E402
 
@@ -56,11 +56,7 @@ BUDGET = 64  # tokens per step: the first step ends part-way through greedy-long
 def served(tiny_dir):
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     # the step budget forces chunked prefill of the long prompt next to decoding requests
-    cmd = [sys.executable, str(SCRIPT), str(tiny_dir), json.dumps(SPEC), str(BUDGET)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=570, env=env)
-    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT:")]
-    assert out.returncode == 0 and lines, (out.stdout[-3000:], out.stderr[-6000:])
-    return json.loads(lines[0][len("RESULT:") :])
+    return run_served([sys.executable, str(SCRIPT), str(tiny_dir), json.dumps(SPEC), str(BUDGET)], env)
 
 
 def test_our_class_serves_and_loads_every_parameter(served):
@@ -118,10 +114,7 @@ def served_with_preemption(tiny_dir):
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     kwargs = {"max_model_len": 256, "block_size": 32, "num_gpu_blocks_override": 12}
     cmd = [sys.executable, str(SCRIPT), str(tiny_dir), json.dumps(PREEMPT_SPEC), "64", json.dumps(kwargs)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=570, env=env)
-    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT:")]
-    assert out.returncode == 0 and lines, (out.stdout[-3000:], out.stderr[-6000:])
-    return json.loads(lines[0][len("RESULT:") :])
+    return run_served(cmd, env)
 
 
 def test_preempted_requests_resume_with_their_codes(served_with_preemption, tiny_dir):

@@ -15,13 +15,11 @@ pytest.importorskip("vllm.config")
 
 import json  # noqa: E402
 import os  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-
-from higgs_talker import HiggsTalker, SamplingParams  # noqa: E402
+from _served import direct_rows, one_core_each, run_served  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("serve_tiny.py")
 SPEC = [
@@ -35,22 +33,11 @@ SPEC = [
 
 @pytest.fixture(scope="module")
 def served_tp2(tiny_dir):
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        pytest.skip("two CPU workers need two cores")
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-        # one core per rank: vLLM cannot choose them itself on a single NUMA node
-        "VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}|{cores[1]}",
-    }
+    bind = one_core_each(2)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": bind}  # fmt: skip
     kwargs = {"tensor_parallel_size": 2}
-    cmd = [sys.executable, str(SCRIPT), str(tiny_dir), json.dumps(SPEC), "512", json.dumps(kwargs)]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=570, env=env)
-    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT:")]
-    assert out.returncode == 0 and lines, (out.stdout[-3000:], out.stderr[-6000:])
-    return json.loads(lines[0][len("RESULT:") :])
+    return run_served([sys.executable, str(SCRIPT), str(tiny_dir), json.dumps(SPEC), "512", json.dumps(kwargs)], env)
 
 
 def test_two_ranks_served_every_request_and_agreed(served_tp2):
@@ -64,9 +51,4 @@ def test_two_ranks_served_every_request_and_agreed(served_tp2):
 def test_tensor_parallel_codes_equal_the_direct_engine(served_tp2, tiny_dir, key):
     spec = next(s for s in SPEC if s["key"] == key)
     got = next(r for r in served_tp2["results"] if r["key"] == key)
-    talker = HiggsTalker.from_pretrained(tiny_dir, codec=False)
-    params = SamplingParams(temperature=spec.get("temperature", 0.0), top_k=spec.get("top_k", -1),
-                            top_p=spec.get("top_p", 1.0), seed=spec.get("seed"),
-                            max_frames=spec["max_tokens"] - talker.cfg.num_codebooks)  # fmt: skip
-    want = talker.generate(spec["text"], params).rows
-    assert torch.equal(torch.tensor(got["rows"], dtype=torch.long), want.long()), key
+    assert torch.equal(torch.tensor(got["rows"], dtype=torch.long), direct_rows(tiny_dir, spec)), key

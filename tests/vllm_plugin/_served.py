@@ -1,0 +1,40 @@
+"""What the vLLM tests that serve through a script share: run it, read its ``RESULT:`` line, bind one core per
+CPU rank or engine, and the one-process direct engine's rows for a request of the same spec."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from higgs_talker import HiggsTalker, SamplingParams
+
+
+def run_served(cmd: list[str], env: dict[str, str], timeout: float = 570) -> dict:
+    """Run a serve script; its ``RESULT:`` JSON line (the output tails in the failure when there is none)."""
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT:")]
+    assert out.returncode == 0 and lines, (out.stdout[-3000:], out.stderr[-6000:])
+    return json.loads(lines[0][len("RESULT:") :])
+
+
+def one_core_each(n: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``n`` CPU ranks or engines, one of this process's cores each (vLLM cannot
+    choose them itself on a single NUMA node); skips the test where fewer cores are allowed."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < n:
+        pytest.skip(f"{n} CPU workers need {n} cores")
+    return "|".join(str(c) for c in cores[:n])
+
+
+def direct_rows(ckpt: Path, spec: dict) -> torch.Tensor:
+    """The rows the direct engine (CPU, one process) gives the request ``spec`` (a serve-script spec entry)."""
+    talker = HiggsTalker.from_pretrained(ckpt, codec=False)
+    params = SamplingParams(temperature=spec.get("temperature", 0.0), top_k=spec.get("top_k", -1),
+                            top_p=spec.get("top_p", 1.0), seed=spec.get("seed"),
+                            max_frames=spec["max_tokens"] - talker.cfg.num_codebooks)  # fmt: skip
+    return talker.generate(spec["text"], params).rows.long()
