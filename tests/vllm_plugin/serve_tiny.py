@@ -14,33 +14,19 @@ import os
 import sys
 
 
-def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512, llm_kwargs: dict | None = None) -> dict:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model lives in this process
+def build_requests(tok, cfg, spec: list[dict]) -> tuple[list[dict], list]:
+    """vLLM prompts and sampling parameters for the spec's requests (a voice clone: random reference codes
+    from its seed, as the tests rebuild them)."""
     import torch
     import vllm
 
-    from higgs_talker.config import TalkerConfig
-    from higgs_talker.prompt import TalkerTokenizer
-    from higgs_talker.vllm_plugin import TEXT_ONLY_BRIDGE
-    from higgs_talker.vllm_plugin.bridge import ROWS_EXTENSION, request_args, request_rows
-    from higgs_talker.vllm_plugin.talker import talker_for
+    from higgs_talker.vllm_plugin.bridge import request_args
 
-    cfg = TalkerConfig.from_pretrained(ckpt)
-    tok = TalkerTokenizer.from_pretrained(ckpt, cfg)
-    kwargs = dict(enforce_eager=True, dtype="float32", max_model_len=512, max_num_seqs=8)
-    llm = vllm.LLM(
-        model=ckpt,
-        max_num_batched_tokens=max_num_batched_tokens,
-        logits_processors=[TEXT_ONLY_BRIDGE],
-        worker_extension_cls=ROWS_EXTENSION,  # rows and reports by method name from worker processes too
-        **(kwargs | (llm_kwargs or {})),
-    )
     prompts, params = [], []
     for r in spec:
         prompt = tok.build(r["text"])
         ref = r.get("reference")
-        if ref is not None:  # a voice clone: random reference codes from a seed, as the test rebuilds them
+        if ref is not None:
             codes = torch.randint(0, 1024, (ref["frames"], 8), generator=torch.Generator().manual_seed(ref["seed"]))
             prompt = tok.build(r["text"], codes, ref.get("text"), cfg)
         prompts.append({"prompt_token_ids": prompt.input_ids.tolist()})
@@ -55,6 +41,31 @@ def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512, llm_kwa
                 extra_args=request_args(r["key"], prompt),
             )
         )
+    return prompts, params
+
+
+def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512, llm_kwargs: dict | None = None) -> dict:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model lives in this process
+    import vllm
+
+    from higgs_talker.config import TalkerConfig
+    from higgs_talker.prompt import TalkerTokenizer
+    from higgs_talker.vllm_plugin import TEXT_ONLY_BRIDGE
+    from higgs_talker.vllm_plugin.bridge import ROWS_EXTENSION, request_rows
+    from higgs_talker.vllm_plugin.talker import talker_for
+
+    cfg = TalkerConfig.from_pretrained(ckpt)
+    tok = TalkerTokenizer.from_pretrained(ckpt, cfg)
+    kwargs = dict(enforce_eager=True, dtype="float32", max_model_len=512, max_num_seqs=8)
+    llm = vllm.LLM(
+        model=ckpt,
+        max_num_batched_tokens=max_num_batched_tokens,
+        logits_processors=[TEXT_ONLY_BRIDGE],
+        worker_extension_cls=ROWS_EXTENSION,  # rows and reports by method name from worker processes too
+        **(kwargs | (llm_kwargs or {})),
+    )
+    prompts, params = build_requests(tok, cfg, spec)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":  # the adapter lives in this process: findable
         assert talker_for(llm.llm_engine.vllm_config) is not None, "no talker adapter for this engine's config"

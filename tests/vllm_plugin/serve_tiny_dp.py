@@ -4,7 +4,7 @@ through the higgs_talker plugin; print codes and each engine's adapter report as
 Run as a script (the engines are processes): ``python serve_tiny_dp.py CKPT_DIR SPEC_JSON DP_SIZE
 [ENGINE_KWARGS_JSON]``, SPEC_JSON as for ``serve_tiny.py``; ENGINE_KWARGS_JSON overrides the engine arguments
 (on GPUs, e.g. ``{"dtype": "bfloat16", "enforce_eager": false}``). Prints one line ``RESULT:{"results": [...],
-"engines": [report, ...]}``.
+"engines": [...], "ranks": ..., **engine 0's report}``, as ``serve_tiny.py`` prints, plus each engine's counters.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import sys
 
 
 async def serve(ckpt: str, spec: list[dict], dp: int, engine_kwargs: dict | None = None) -> dict:
-    import vllm
+    from serve_tiny import build_requests
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from higgs_talker.config import TalkerConfig
     from higgs_talker.prompt import TalkerTokenizer
     from higgs_talker.vllm_plugin import TEXT_ONLY_BRIDGE
-    from higgs_talker.vllm_plugin.bridge import ROWS_EXTENSION, request_args, request_rows_async
+    from higgs_talker.vllm_plugin.bridge import ROWS_EXTENSION, request_rows_async
     from higgs_talker.vllm_plugin.compat import collective_rpc_every_engine
 
     cfg = TalkerConfig.from_pretrained(ckpt)
@@ -34,25 +34,23 @@ async def serve(ckpt: str, spec: list[dict], dp: int, engine_kwargs: dict | None
     engine = AsyncLLM.from_engine_args(args)
     try:
 
-        async def one(r: dict):
-            prompt = tok.build(r["text"])
-            sp = vllm.SamplingParams(temperature=r.get("temperature", 0.0), top_k=r.get("top_k", -1),
-                                     top_p=r.get("top_p", 1.0), seed=r.get("seed"), max_tokens=r["max_tokens"],
-                                     detokenize=False, extra_args=request_args(r["key"], prompt))  # fmt: skip
+        async def one(key: str, prompt: dict, params):
             last = None
-            async for out in engine.generate({"prompt_token_ids": prompt.input_ids.tolist()}, sp, r["key"]):
+            async for out in engine.generate(prompt, params, key):
                 last = out
             return last.outputs[0]
 
-        outputs = await asyncio.gather(*(one(r) for r in spec))
+        prompts, params = build_requests(tok, cfg, spec)
+        outputs = await asyncio.gather(*(one(r["key"], p, sp) for r, p, sp in zip(spec, prompts, params, strict=True)))
         rows = await request_rows_async(engine, [r["key"] for r in spec])
-        reports = [answers[0] for answers in await collective_rpc_every_engine(engine, "higgs_adapter_report")]
+        reports = await collective_rpc_every_engine(engine, "higgs_adapter_report")  # per engine, per worker
     finally:
         engine.shutdown()
-    results = [{"key": r["key"], "tokens": len(o.token_ids), "finish_reason": o.finish_reason,
-                "rows": None if rows[r["key"]] is None else rows[r["key"]].tolist()}
+    results = [{"key": r["key"], "tokens": len(o.token_ids), "token_ids": list(o.token_ids),
+                "finish_reason": o.finish_reason, "rows": None if rows[r["key"]] is None else rows[r["key"]].tolist()}
                for r, o in zip(spec, outputs, strict=True)]  # fmt: skip
-    return {"results": results, "engines": [{"stats": rep["stats"]} for rep in reports]}
+    return {"results": results, "engines": [{"stats": rep[0]["stats"]} for rep in reports], "ranks": len(reports[0]),
+            **reports[0][0]}  # fmt: skip
 
 
 if __name__ == "__main__":

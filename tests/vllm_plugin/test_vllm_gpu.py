@@ -33,6 +33,7 @@ from higgs_talker import HiggsTalker, Reference, SamplingParams  # noqa: E402
 from higgs_talker.tiny import tiny_config, write_checkpoint  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("serve_tiny.py")
+SCRIPT_DP = Path(__file__).with_name("serve_tiny_dp.py")
 SPEC = [
     {"key": "greedy-long", "text": "Hello there, this prompt is long enough to be chunked.", "max_tokens": 60},
     {"key": "seeded", "text": "Hello there.", "temperature": 1.0, "seed": 3, "max_tokens": 48},
@@ -66,12 +67,15 @@ SPEC_4B = [
     {"key": "topkp", "text": "Top k and top p.", "temperature": 0.8, "top_k": 50, "top_p": 0.9, "seed": 7,
      "max_tokens": 24},
 ]  # fmt: skip
-# (checkpoint, profile, tensor-parallel size): the small head_dim-64 checkpoint in both profiles, the 4B shape
-# (random bf16 weights, benchmarks/bench_vllm.py's checkpoint) in the high-throughput one; with two GPUs, both
-# again over tensor parallelism (codes compared with the one-GPU direct engine's, rows checked on every rank).
+# (checkpoint, profile, tensor-parallel size, data-parallel size): the small head_dim-64 checkpoint in both
+# profiles, the 4B shape (random bf16 weights, benchmarks/bench_vllm.py's checkpoint) in the high-throughput one;
+# with two GPUs, all three again over tensor parallelism (``vllm.LLM``, rows checked on every rank) and over data
+# parallelism (``AsyncLLM`` with two engines, ``serve_tiny_dp.py``), codes compared with the one-GPU direct
+# engine's.
 CASES = {
-    "h64-eager": ("h64", "eager", 1), "h64-fdo": ("h64", "fdo", 1), "4b-eager": ("4b", "eager", 1),
-    "h64-eager-tp2": ("h64", "eager", 2), "h64-fdo-tp2": ("h64", "fdo", 2), "4b-eager-tp2": ("4b", "eager", 2),
+    "h64-eager": ("h64", "eager", 1, 1), "h64-fdo": ("h64", "fdo", 1, 1), "4b-eager": ("4b", "eager", 1, 1),
+    "h64-eager-tp2": ("h64", "eager", 2, 1), "h64-fdo-tp2": ("h64", "fdo", 2, 1), "4b-eager-tp2": ("4b", "eager", 2, 1),
+    "h64-eager-dp2": ("h64", "eager", 1, 2), "h64-fdo-dp2": ("h64", "fdo", 1, 2), "4b-eager-dp2": ("4b", "eager", 1, 2),
 }  # fmt: skip
 SPECS = {"h64": SPEC, "4b": SPEC_4B}
 
@@ -91,13 +95,20 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module", params=list(CASES))
 def served(request, checkpoints) -> dict:
-    name, profile, tp = CASES[request.param]
-    if torch.cuda.device_count() < tp:
-        pytest.skip(f"needs {tp} GPUs")
-    # one GPU: the engine in this process; tensor parallel: vLLM's worker processes (rows come by collective_rpc)
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if tp == 1 else "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    name, profile, tp, dp = CASES[request.param]
+    if torch.cuda.device_count() < tp * dp:
+        pytest.skip(f"needs {tp * dp} GPUs")
+    # one GPU: the engine in this process; tensor parallel: vLLM's worker processes (rows come by collective_rpc);
+    # data parallel: AsyncLLM's engine processes (rows come from each engine)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if tp * dp == 1 else "1",
+           "VLLM_USE_FLASHINFER_SAMPLER": "0"}  # fmt: skip
     kwargs = COMMON | PROFILES[profile] | ({"tensor_parallel_size": tp} if tp > 1 else {})
-    cmd = [sys.executable, str(SCRIPT), str(checkpoints[name]), json.dumps(SPECS[name]), "64", json.dumps(kwargs)]
+    if dp > 1:
+        kwargs["max_num_batched_tokens"] = 64  # chunked prefill, as serve_tiny's argument below sets it
+        cmd = [sys.executable, str(SCRIPT_DP), str(checkpoints[name]), json.dumps(SPECS[name]), str(dp),
+               json.dumps(kwargs)]  # fmt: skip
+    else:
+        cmd = [sys.executable, str(SCRIPT), str(checkpoints[name]), json.dumps(SPECS[name]), "64", json.dumps(kwargs)]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     except subprocess.TimeoutExpired as exc:  # say where it stood (a cold FlashInfer JIT takes minutes)
