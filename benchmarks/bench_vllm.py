@@ -8,11 +8,13 @@ checkpoint with random bf16 weights (written once; codebook 0's EOC row zeroed a
 are forced: ``min_tokens = max_tokens`` = the rows of a 4-8 s utterance, so every request produces exactly
 its rows. Per concurrency level C a closed loop keeps C requests in flight over max(2C, 8) requests
 (prompts 30-200 tokens); a request's TTFP is submit -> the step after which its first frame is final (C + 1
-rows), its RTF is submit -> finish over its audio seconds.
+rows), its RTF is submit -> finish over its audio seconds. Data parallel (``--dp``): an ``AsyncLLM`` over that
+many engines with C clients, each sending its next request when its last one finished.
 
     python benchmarks/bench_vllm.py --out $OUT                       # both profiles x both routes x 1,4,16,64
     python benchmarks/bench_vllm.py --profiles high_throughput --trtllm false --levels 1,4 --no-direct
     python benchmarks/bench_vllm.py --tp 1,2 --levels 16,64 --no-direct     # two GPUs: tensor parallel vs one
+    python benchmarks/bench_vllm.py --dp 1,2 --levels 16,64 --no-direct     # two GPUs: two engines (AsyncLLM) vs one
     python benchmarks/bench_vllm.py --cpu --tp 1,2 --profiles high_throughput --trtllm false --levels 1,2 \
         --audio-s 0.2,0.4 --no-direct                                      # smoke test on vLLM's CPU backend
 """
@@ -110,9 +112,6 @@ def run_level(llm, tok, cfg, level: int, seed: int, audio_s: tuple[float, float]
     Every step of a bridge request yields one token and one delayed row, so progress is read from vLLM's own
     outputs (token counts), whatever process the adapter runs in; the rows are fetched once at the end
     (``request_rows``, outside the timing) to check every request produced exactly its rows."""
-    import vllm
-    from vllm.sampling_params import RequestOutputKind
-
     from higgs_talker.vllm_plugin.bridge import request_rows
 
     engine = llm.llm_engine
@@ -122,11 +121,8 @@ def run_level(llm, tok, cfg, level: int, seed: int, audio_s: tuple[float, float]
     def submit(k: int) -> None:
         text, _, rows = todo.pop(0)
         key = f"L{level}-{k}"
-        sp = vllm.SamplingParams(temperature=0.0, max_tokens=rows, min_tokens=rows, detokenize=False,
-                                 output_kind=RequestOutputKind.DELTA,
-                                 extra_args={"higgs_request_key": key})  # fmt: skip
         live[key] = {"t": time.perf_counter(), "want_rows": rows, "tokens": 0}
-        engine.add_request(key, {"prompt_token_ids": tok.build(text).input_ids.tolist()}, sp)
+        engine.add_request(key, {"prompt_token_ids": tok.build(text).input_ids.tolist()}, request_params(key, rows))
 
     wall0, submitted = time.perf_counter(), 0
     for _ in range(min(level, len(todo))):
@@ -151,6 +147,20 @@ def run_level(llm, tok, cfg, level: int, seed: int, audio_s: tuple[float, float]
                     submitted += 1
     wall = time.perf_counter() - wall0
     rows = request_rows(llm, list(records))  # every worker's rows (they must agree), after the timing
+    return summarise(records, rows, cfg), wall
+
+
+def request_params(key: str, rows: int):
+    """Greedy, exactly ``rows`` tokens (= rows), streamed as deltas, through the bridge under ``key``."""
+    import vllm
+    from vllm.sampling_params import RequestOutputKind
+
+    return vllm.SamplingParams(temperature=0.0, max_tokens=rows, min_tokens=rows, detokenize=False,
+                               output_kind=RequestOutputKind.DELTA, extra_args={"higgs_request_key": key})  # fmt: skip
+
+
+def summarise(records: dict[str, dict], rows: dict, cfg) -> list[dict]:
+    """Per request: TTFP, RTF and audio seconds from its timestamps and the rows its engine holds."""
     out = []
     for key, rec in records.items():
         got = rows[key]
@@ -158,18 +168,46 @@ def run_level(llm, tok, cfg, level: int, seed: int, audio_s: tuple[float, float]
         audio = max(n - cfg.num_codebooks, 1) / cfg.frame_rate
         out.append({"ttfp_ms": rec.get("ttfp", rec["done"] - rec["t"]) * 1e3, "rtf": (rec["done"] - rec["t"]) / audio,
                     "audio_s": audio, "rows": n, "tokens": rec["tokens"], "want_rows": rec["want_rows"]})  # fmt: skip
-    return out, wall
+    return out
+
+
+async def run_level_async(engine, tok, cfg, level: int, seed: int, audio_s) -> tuple[list[dict], float]:
+    """``run_level`` for an ``AsyncLLM`` (data parallel: vLLM spreads the requests over its engines): ``level``
+    clients, each sending its next request when the last one finished."""
+    import asyncio
+
+    from higgs_talker.vllm_plugin.bridge import request_rows_async
+
+    todo, records = jobs(max(2 * level, 8), seed, audio_s, cfg.frame_rate, cfg.num_codebooks), {}
+    first_frame = cfg.num_codebooks + 1
+    numbers = iter(range(len(todo)))
+
+    async def client() -> None:
+        while todo:
+            text, _, rows = todo.pop(0)
+            key = f"L{level}-{next(numbers)}"
+            rec = records[key] = {"t": time.perf_counter(), "want_rows": rows, "tokens": 0}
+            prompt = {"prompt_token_ids": tok.build(text).input_ids.tolist()}
+            async for o in engine.generate(prompt, request_params(key, rows), key):
+                rec["tokens"] += len(o.outputs[0].token_ids)
+                if "ttfp" not in rec and rec["tokens"] >= first_frame:
+                    rec["ttfp"] = time.perf_counter() - rec["t"]
+            rec["done"] = time.perf_counter()
+
+    wall0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(level)))
+    wall = time.perf_counter() - wall0
+    return summarise(records, await request_rows_async(engine, list(records)), cfg), wall
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One (profile, route, tensor-parallel size) configuration in this process; prints a RESULT: JSON line of
-    rows after each level."""
-    tp = args.tp[0]
-    # one GPU: the engine in this process; tensor parallel: vLLM's worker processes
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if tp == 1 else "1")
+    """One (profile, route, tensor-parallel size, data-parallel size) configuration in this process; prints a
+    RESULT: JSON line of rows after each level. Data parallel: an ``AsyncLLM`` over that many engines (vLLM runs
+    a dense model's data-parallel ranks as independent engines; offline ``vllm.LLM`` refuses them)."""
+    tp, dp = args.tp[0], args.dp[0]
+    # one GPU: the engine in this process; tensor or data parallel: vLLM's worker / engine processes
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if tp * dp == 1 else "1")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    import vllm
-
     from higgs_talker.config import TalkerConfig
     from higgs_talker.prompt import TalkerTokenizer
     from higgs_talker.vllm_plugin import TEXT_ONLY_BRIDGE
@@ -189,27 +227,65 @@ def worker(args: argparse.Namespace) -> None:
         engine_args |= {"dtype": "bfloat16", "kernel_config": {"enable_flashinfer_autotune": False}}
     if tp > 1:
         engine_args["tensor_parallel_size"] = tp
+    engine_args |= {"model": ckpt, "logits_processors": [TEXT_ONLY_BRIDGE], "worker_extension_cls": ROWS_EXTENSION}
+    base = {"profile": args.profiles[0], "use_trtllm_attention": use_trtllm, "tensor_parallel_size": tp,
+            "data_parallel_size": dp}  # fmt: skip
+    if dp == 1:
+        import vllm
+
+        t0 = time.perf_counter()
+        llm = vllm.LLM(**engine_args)
+        start_s = time.perf_counter() - t0
+        rows_out = []
+        for level in args.levels:
+            rows_out.append(level_row(base, start_s, level, *run_level(llm, tok, cfg, level, args.seed + level,
+                                                                       tuple(args.audio_s))))  # fmt: skip
+            print_result(rows_out, llm.collective_rpc("higgs_adapter_report")[0])  # rank 0's adapter
+        return
+    import asyncio
+
+    asyncio.run(async_worker(args, base, engine_args | {"data_parallel_size": dp}, tok, cfg))
+
+
+async def async_worker(args: argparse.Namespace, base: dict, engine_args: dict, tok, cfg) -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from higgs_talker.vllm_plugin.compat import collective_rpc_every_engine
+
     t0 = time.perf_counter()
-    llm = vllm.LLM(model=ckpt, logits_processors=[TEXT_ONLY_BRIDGE], worker_extension_cls=ROWS_EXTENSION,
-                   **engine_args)  # fmt: skip
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
     start_s = time.perf_counter() - t0
-    rows_out = []
-    for level in args.levels:
-        records, wall = run_level(llm, tok, cfg, level, args.seed + level, tuple(args.audio_s))
-        row = {"profile": args.profiles[0], "use_trtllm_attention": use_trtllm, "tensor_parallel_size": tp,
-               "concurrency": level, "requests": len(records), "start_s": start_s, "wall_s": wall,
-               "audio_s_per_s": sum(r["audio_s"] for r in records) / wall,
-               "rows_exact": all(r["rows"] == r["want_rows"] == r["tokens"] for r in records)}  # fmt: skip
-        for m in ("ttfp_ms", "rtf"):
-            for q in (50, 90):
-                row[f"{m}_p{q}"] = percentile([r[m] for r in records], q)
-        rows_out.append(row)
-        log(f"{row['profile']} trtllm={use_trtllm} tp={tp} C={level}: TTFP p50 {row['ttfp_ms_p50']:.1f} ms, "
-            f"RTF p50 {row['rtf_p50']:.3f}, {row['audio_s_per_s']:.1f} audio s/s")  # fmt: skip
-        report = llm.collective_rpc("higgs_adapter_report")[0]  # rank 0's adapter
-        stats = dict(report["stats"], local_mlp_replays=report["local_mlp"]["replays"],
-                     decision=report["graph_decision"])  # fmt: skip
-        print("RESULT:" + json.dumps({"rows": rows_out, "stats": stats}), flush=True)  # after each level
+    try:
+        rows_out = []
+        for level in args.levels:
+            records, wall = await run_level_async(engine, tok, cfg, level, args.seed + level, tuple(args.audio_s))
+            rows_out.append(level_row(base, start_s, level, records, wall))
+            reports = await collective_rpc_every_engine(engine, "higgs_adapter_report")
+            print_result(rows_out, reports[0][0])  # engine 0, rank 0
+    finally:
+        engine.shutdown()
+
+
+def level_row(base: dict, start_s: float, level: int, records: list[dict], wall: float) -> dict:
+    """The JSON row of one concurrency level (logged)."""
+    row = base | {"concurrency": level, "requests": len(records), "start_s": start_s, "wall_s": wall,
+                  "audio_s_per_s": sum(r["audio_s"] for r in records) / wall,
+                  "rows_exact": all(r["rows"] == r["want_rows"] == r["tokens"] for r in records)}  # fmt: skip
+    for m in ("ttfp_ms", "rtf"):
+        for q in (50, 90):
+            row[f"{m}_p{q}"] = percentile([r[m] for r in records], q)
+    log(f"{row['profile']} trtllm={row['use_trtllm_attention']} tp={row['tensor_parallel_size']} "
+        f"dp={row['data_parallel_size']} C={level}: TTFP p50 {row['ttfp_ms_p50']:.1f} ms, RTF p50 "
+        f"{row['rtf_p50']:.3f}, {row['audio_s_per_s']:.1f} audio s/s")  # fmt: skip
+    return row
+
+
+def print_result(rows_out: list[dict], report: dict) -> None:
+    """The RESULT: line after each level (the levels done before a timeout count), with one adapter's counters."""
+    stats = dict(report["stats"], local_mlp_replays=report["local_mlp"]["replays"],
+                 decision=report["graph_decision"])  # fmt: skip
+    print("RESULT:" + json.dumps({"rows": rows_out, "stats": stats}), flush=True)
 
 
 def direct_rows(args: argparse.Namespace) -> list[dict]:
@@ -247,6 +323,7 @@ def plot(path: Path, rows: list[dict]) -> None:
     for r in rows:
         name = r["profile"] + ("" if r["use_trtllm_attention"] is None else f" trtllm={r['use_trtllm_attention']}")
         name += f" tp={r['tensor_parallel_size']}" if r.get("tensor_parallel_size", 1) > 1 else ""
+        name += f" dp={r['data_parallel_size']}" if r.get("data_parallel_size", 1) > 1 else ""
         series.setdefault(name, []).append(r)
     metrics = (("ttfp_ms_p50", "TTFP p50 (ms)"), ("rtf_p50", "RTF p50"), ("audio_s_per_s", "audio s per s"))
     for ax, (metric, label) in zip(axes, metrics, strict=True):
@@ -267,6 +344,7 @@ def main(argv: list[str] | None = None) -> ResultFile | None:
     p.add_argument("--profiles", type=strs_arg, default=list(PROFILES))
     p.add_argument("--trtllm", type=strs_arg, default=["false", "true"], help="use_trtllm_attention values")
     p.add_argument("--tp", type=ints_arg, default=[1], help="tensor-parallel sizes (one worker each)")
+    p.add_argument("--dp", type=ints_arg, default=[1], help="data-parallel sizes (AsyncLLM engines; one worker each)")
     p.add_argument("--levels", type=ints_arg, default=list(LEVELS))
     p.add_argument("--audio-s", type=floats_arg, default=[4.0, 8.0], help="min,max seconds of audio per request")
     p.add_argument("--model", default=None, help="checkpoint directory (default: a random 4B-shaped one)")
@@ -295,19 +373,24 @@ def main(argv: list[str] | None = None) -> ResultFile | None:
         "flashinfer": package_version("flashinfer"), "model": args.model,
         "progress": "TTFP and RTF from vLLM's per-step outputs (one token = one row); rows checked afterwards",
     }  # fmt: skip
-    writer = ResultFile(args.out, "vllm_multigpu" if max(args.tp) > 1 else "vllm", meta)
+    writer = ResultFile(args.out, "vllm_multigpu" if max(args.tp) * max(args.dp) > 1 else "vllm", meta)
     stats = {}
-    for profile, route, tp in ((p_, r_, t_) for p_ in args.profiles for r_ in args.trtllm for t_ in args.tp):
-        name = f"{profile}_trtllm-{route}" + (f"_tp{tp}" if tp > 1 else "")
+    configs = [(p_, r_, t_, d_) for p_ in args.profiles for r_ in args.trtllm for t_ in args.tp for d_ in args.dp]
+    for profile, route, tp, dp in configs:
+        name = f"{profile}_trtllm-{route}" + (f"_tp{tp}" if tp > 1 else "") + (f"_dp{dp}" if dp > 1 else "")
         cmd = [sys.executable, __file__, "--worker", "--profiles", profile, "--trtllm", route, "--tp", str(tp),
-               "--model", args.model, "--levels", ",".join(map(str, args.levels)), "--seed", str(args.seed),
-               "--audio-s", ",".join(map(str, args.audio_s))] + (["--cpu"] if args.cpu else [])  # fmt: skip
+               "--dp", str(dp), "--model", args.model, "--levels", ",".join(map(str, args.levels)),
+               "--seed", str(args.seed), "--audio-s", ",".join(map(str, args.audio_s))] + (["--cpu"] if args.cpu
+                                                                                          else [])  # fmt: skip
+        env = dict(os.environ)
+        if args.cpu and tp * dp > 1:  # one core per CPU rank or engine: vLLM cannot pick them on one NUMA node
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, sorted(os.sched_getaffinity(0))[: tp * dp])))
         # the worker's own log (vLLM's start-up, JIT, our graph decision) lies beside the JSON
         log_path = writer.path.with_name(f"{writer.path.stem}_{name}.log")
         t0, error = time.perf_counter(), None
         with open(log_path, "w", encoding="utf-8") as sink:
             try:
-                proc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, timeout=args.worker_timeout)
+                proc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, timeout=args.worker_timeout, env=env)
                 error = f"worker exited with status {proc.returncode}" if proc.returncode else None
             except subprocess.TimeoutExpired as exc:
                 error = f"timed out after {exc.timeout} s"
@@ -320,15 +403,16 @@ def main(argv: list[str] | None = None) -> ResultFile | None:
             stats[name] = result["stats"]
         if error or not lines:
             writer.add({"profile": profile, "use_trtllm_attention": route == "true", "tensor_parallel_size": tp,
-                        "status": "error", "error": error or "no result", "log_tail": text[-3000:]})  # fmt: skip
+                        "data_parallel_size": dp, "status": "error", "error": error or "no result",
+                        "log_tail": text[-3000:]})  # fmt: skip
         log(f"{name}: {time.perf_counter() - t0:.0f} s")
     writer.meta["adapter_stats"] = stats
     writer.save()
     if not args.no_direct:
         for row in direct_rows(args):
             writer.add(row)
-    cols = ["profile", "use_trtllm_attention", "tensor_parallel_size", "concurrency", "ttfp_ms_p50", "ttfp_ms_p90",
-            "rtf_p50", "rtf_p90", "audio_s_per_s"]  # fmt: skip
+    cols = ["profile", "use_trtllm_attention", "tensor_parallel_size", "data_parallel_size", "concurrency",
+            "ttfp_ms_p50", "ttfp_ms_p90", "rtf_p50", "rtf_p90", "audio_s_per_s"]  # fmt: skip
     done = [r for r in writer.rows if "concurrency" in r]
     print_table(done, cols, "vLLM deploy profiles")
     plot(writer.path, done)
