@@ -576,6 +576,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         p.error(f"unknown mode(s) {bad}; choose from {list(MODES)}")
+    if not args.no_peers and args.budget_s <= PEER_RESERVE_S:
+        p.error(f"--budget-s {args.budget_s:g} leaves no time for our modes: {PEER_RESERVE_S:g} s of it are kept for "
+                "the transformers peers; raise it or pass --no-peers")  # fmt: skip
     if args.tiny:
         args.batches = args.batches or [1, 3]
         args.contexts = args.contexts or [24, 48]

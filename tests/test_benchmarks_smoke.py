@@ -82,6 +82,14 @@ def test_decode_smoke(bench, tmp_path: Path) -> None:
     assert data["meta"]["peer_rel_err"] <= tol, (data["meta"]["peer_rel_err"], tol)
 
 
+def test_decode_refuses_a_budget_the_peers_would_eat(bench, capsys) -> None:
+    mod = bench("bench_decode")
+    with pytest.raises(SystemExit) as exc:
+        mod.parse_args(["--budget-s", "60"])
+    assert exc.value.code == 2 and "--budget-s 60 leaves no time for our modes" in capsys.readouterr().err
+    assert mod.parse_args(["--budget-s", "60", "--no-peers"]).budget_s == 60
+
+
 def test_e2e_smoke(bench, tmp_path: Path) -> None:
     mod = bench("bench_e2e")
     argv = ["--device", "cpu", "--tiny", "--modes", "eager", "--levels", "1,2", "--requests", "2",
