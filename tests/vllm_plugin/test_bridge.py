@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+import torch
 
 pytest.importorskip("vllm.v1.sample.logits_processor")
 
@@ -72,3 +75,56 @@ def test_the_rows_extension_name_resolves_to_the_worker_extension():
     module, name = ROWS_EXTENSION.rsplit(".", 1)
     assert getattr(importlib.import_module(module), name) is RowsWorkerExtension
     assert callable(RowsWorkerExtension.higgs_request_rows) and callable(RowsWorkerExtension.higgs_adapter_report)
+
+
+# ----------------------------------------------------------------------- rows from data-parallel engines
+
+
+class FakeClient:
+    """An AsyncLLM engine client with data-parallel engines: each engine answers ``collective_rpc`` with its
+    workers' answers (one per tensor-parallel rank)."""
+
+    def __init__(self, engines: dict[str, list[dict]]) -> None:
+        self.core_engines = list(engines)
+        self.engines = engines
+        self.calls: list[tuple] = []
+
+    async def _call_utility_async(self, method, *args, engine):
+        self.calls.append((method, args, engine))
+        return self.engines[engine]
+
+
+class FakeAsyncLLM:
+    def __init__(self, engines: dict[str, list[dict]]) -> None:
+        self.engine_core = FakeClient(engines)
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        return await self.engine_core._call_utility_async("collective_rpc", method, timeout, args, kwargs,
+                                                          engine=self.engine_core.core_engines[0])  # fmt: skip
+
+
+def rows_of(engines, fake=None):
+    return asyncio.run(bridge_module.request_rows_async(fake or FakeAsyncLLM(engines), ["a", "b", "c"]))
+
+
+def test_rows_come_from_the_engine_that_served_each_request():
+    engines = {"e0": [{"a": [[1] * 8], "b": None, "c": None}] * 2,  # two TP ranks, the same rows
+               "e1": [{"a": None, "b": [[2] * 8, [3] * 8], "c": None}]}  # fmt: skip
+    got = rows_of(engines)
+    assert got["a"].tolist() == [[1] * 8] and got["b"].tolist() == [[2] * 8, [3] * 8] and got["c"] is None
+    assert got["b"].dtype == torch.int32
+
+
+def test_every_engine_is_asked():
+    engines = {"e0": [{"a": None, "b": None, "c": None}], "e1": [{"a": None, "b": None, "c": None}]}
+    fake = FakeAsyncLLM(engines)
+    rows_of(engines, fake)
+    assert sorted(call[2] for call in fake.engine_core.calls) == ["e0", "e1"]
+    assert {call[1][0] for call in fake.engine_core.calls} == {"higgs_request_rows"}
+
+
+def test_rows_on_two_engines_or_disagreeing_ranks_raise():
+    with pytest.raises(RuntimeError, match="request 'a' has rows on data-parallel engine 1"):
+        rows_of({"e0": [{"a": [[1] * 8], "b": None, "c": None}], "e1": [{"a": [[1] * 8], "b": None, "c": None}]})
+    with pytest.raises(RuntimeError, match="tensor-parallel rank 1 holds other rows than rank 0 for request 'b'"):
+        rows_of({"e0": [{"a": None, "b": [[1] * 8], "c": None}, {"a": None, "b": [[2] * 8], "c": None}]})
