@@ -193,6 +193,10 @@ async def request_rows_async(engine, keys) -> dict[str, torch.Tensor | None]:
     too: every engine is asked (``compat.collective_rpc_every_engine``; the engine built with
     ``worker_extension_cls=ROWS_EXTENSION``), each request's rows come from the one engine that served it, and
     a request with rows on two engines raises ``RuntimeError``."""
+    extension = engine.vllm_config.parallel_config.worker_extension_cls
+    if extension != ROWS_EXTENSION:  # its engines are processes: the rows are reachable only by method name
+        raise ValueError(f"request_rows_async needs the engine built with worker_extension_cls={ROWS_EXTENSION!r}, "
+                         f"got {extension!r}")  # fmt: skip
     keys = list(keys)
     merged: dict[str, list | None] = dict.fromkeys(keys)
     per_engine = await collective_rpc_every_engine(engine, "higgs_request_rows", (keys,))

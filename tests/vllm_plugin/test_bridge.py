@@ -95,8 +95,10 @@ class FakeClient:
 
 
 class FakeAsyncLLM:
-    def __init__(self, engines: dict[str, list[dict]]) -> None:
+    def __init__(self, engines: dict[str, list[dict]], extension: str = bridge_module.ROWS_EXTENSION) -> None:
         self.engine_core = FakeClient(engines)
+        parallel = type("Parallel", (), {"worker_extension_cls": extension})()
+        self.vllm_config = type("Config", (), {"parallel_config": parallel})()
 
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         return await self.engine_core._call_utility_async("collective_rpc", method, timeout, args, kwargs,
@@ -128,3 +130,10 @@ def test_rows_on_two_engines_or_disagreeing_ranks_raise():
         rows_of({"e0": [{"a": [[1] * 8], "b": None, "c": None}], "e1": [{"a": [[1] * 8], "b": None, "c": None}]})
     with pytest.raises(RuntimeError, match="tensor-parallel rank 1 holds other rows than rank 0 for request 'b'"):
         rows_of({"e0": [{"a": None, "b": [[1] * 8], "c": None}, {"a": None, "b": [[2] * 8], "c": None}]})
+
+
+def test_rows_need_the_rows_extension():
+    fake = FakeAsyncLLM({"e0": [{"a": None, "b": None, "c": None}]}, extension="")
+    with pytest.raises(ValueError, match="worker_extension_cls="):
+        rows_of({}, fake)
+    assert not fake.engine_core.calls  # refused before asking anyone
