@@ -1,6 +1,6 @@
 """Cold start: process start -> model loaded -> first decode step, with an empty and with a warm kernel cache.
 
-Every case is a fresh ``python -c`` process whose FlashInfer (and tvm-ffi) cache is pointed at a chosen
+Every case is a fresh ``python -c`` process whose FlashInfer (tvm-ffi, Triton) caches are pointed at a chosen
 directory (``higgs_talker.kernel_cache.cache_env``), on a 4B-shaped checkpoint with random bf16 weights
 (``bench_vllm.write_random_checkpoint``; ``--tiny`` or ``--model DIR`` instead):
 

@@ -112,8 +112,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "--cache-dir",
         type=Path,
         metavar="DIR",
-        help="keep the kernels in DIR/.cache/flashinfer and DIR/.cache/tvm-ffi for this process (sets "
-        "FLASHINFER_WORKSPACE_BASE=DIR and TVM_FFI_CACHE_DIR; default: theirs, ~/.cache/...)",
+        help="keep the kernels in DIR/.cache/{flashinfer,tvm-ffi,triton} for this process (sets "
+        "FLASHINFER_WORKSPACE_BASE=DIR, TVM_FFI_CACHE_DIR and TRITON_CACHE_DIR; default: theirs, ~/.cache/..., "
+        "~/.triton/cache)",
     )
 
     c = sub.add_parser("deploy-config", help="print the path of a vLLM deploy profile")

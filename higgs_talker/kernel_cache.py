@@ -10,8 +10,10 @@ and dtype is built once. Later processes that see the same cache directory load 
 FlashInfer reads its cache location once, when it is imported: ``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer``,
 by default ``~/.cache/flashinfer`` (the JIT libraries are in ``<arch>/cached_ops`` there). tvm-ffi, through
 which FlashInfer loads them, may build a small helper of its own into ``$TVM_FFI_CACHE_DIR`` (default
-``~/.cache/tvm-ffi``). ``use_cache_dir(base)`` points both under one directory; it must run before anything
-imports FlashInfer. On CPU there is nothing to build: the CPU path runs torch's precompiled kernels.
+``~/.cache/tvm-ffi``). Triton keeps our fused QK-norm/RoPE/K-V kernel in ``$TRITON_CACHE_DIR`` (default
+``~/.triton/cache``, read when a kernel compiles). ``use_cache_dir(base)`` points all three under one
+directory; it must run before anything imports FlashInfer. On CPU there is nothing to build: the CPU path runs
+torch's precompiled kernels.
 """
 
 from __future__ import annotations
@@ -32,19 +34,24 @@ from .prompt import TalkerTokenizer
 
 FLASHINFER_BASE_VAR = "FLASHINFER_WORKSPACE_BASE"  # read by flashinfer/jit/env.py at import
 TVM_FFI_VAR = "TVM_FFI_CACHE_DIR"
+TRITON_VAR = "TRITON_CACHE_DIR"  # read by triton when it compiles
+# what a compiled kernel is in each cache: FlashInfer's and tvm-ffi's shared libraries, Triton's GPU binaries
+MODULE_GLOBS = {"flashinfer": "*.so", "tvm_ffi": "*.so", "triton": "*.cubin"}
 WARMUP_TEXT = "One short sentence, through prefill and decode."
 WARMUP_FRAMES = 16
 
 
 def cache_env(base: str | Path) -> dict[str, str]:
-    """The environment that puts FlashInfer's cache in ``base/.cache/flashinfer`` and tvm-ffi's in
-    ``base/.cache/tvm-ffi`` (the layout they use under the home directory)."""
+    """The environment that puts FlashInfer's cache in ``base/.cache/flashinfer``, tvm-ffi's in
+    ``base/.cache/tvm-ffi`` (the layout they use under the home directory) and Triton's in
+    ``base/.cache/triton``."""
     base = Path(base).expanduser().absolute()
-    return {FLASHINFER_BASE_VAR: str(base), TVM_FFI_VAR: str(base / ".cache" / "tvm-ffi")}
+    return {FLASHINFER_BASE_VAR: str(base), TVM_FFI_VAR: str(base / ".cache" / "tvm-ffi"),
+            TRITON_VAR: str(base / ".cache" / "triton")}  # fmt: skip
 
 
 def cache_dirs() -> dict[str, Path]:
-    """Where this process's kernels are cached: ``{"flashinfer": dir, "tvm_ffi": dir}``.
+    """Where this process's kernels are cached: ``{"flashinfer": dir, "tvm_ffi": dir, "triton": dir}``.
 
     FlashInfer's own value once it is imported (it fixes the location then), else the rule it will apply.
     """
@@ -53,12 +60,19 @@ def cache_dirs() -> dict[str, Path]:
         flashinfer = Path(loaded.FLASHINFER_CACHE_DIR)
     else:
         flashinfer = Path(os.environ.get(FLASHINFER_BASE_VAR, str(Path.home()))) / ".cache" / "flashinfer"
-    return {"flashinfer": flashinfer, "tvm_ffi": Path(os.environ.get(TVM_FFI_VAR, "~/.cache/tvm-ffi")).expanduser()}
+    triton = os.environ.get(TRITON_VAR) or str(Path(os.environ.get("TRITON_HOME", "~")) / ".triton" / "cache")
+    return {"flashinfer": flashinfer, "tvm_ffi": Path(os.environ.get(TVM_FFI_VAR, "~/.cache/tvm-ffi")).expanduser(),
+            "triton": Path(triton).expanduser()}  # fmt: skip
 
 
-def count_modules(path: Path) -> int:
-    """Compiled kernel libraries (``*.so``) under ``path``; 0 when it does not exist."""
-    return sum(1 for _ in path.rglob("*.so")) if path.is_dir() else 0
+def count_modules(path: Path, pattern: str = "*.so") -> int:
+    """Compiled kernels (files matching ``pattern``) under ``path``; 0 when it does not exist."""
+    return sum(1 for _ in path.rglob(pattern)) if path.is_dir() else 0
+
+
+def count_all(caches: dict[str, Path]) -> dict[str, int]:
+    """``count_modules`` of each cache, with the pattern of its kind (``MODULE_GLOBS``)."""
+    return {name: count_modules(path, MODULE_GLOBS.get(name, "*.so")) for name, path in caches.items()}
 
 
 def use_cache_dir(base: str | Path) -> dict[str, Path]:
@@ -122,13 +136,14 @@ class WarmupReport:
         ]
         if not self.compiled:
             return [*out, "FlashInfer is not installed: CUDA runs torch kernels and SDPA, so nothing was compiled"]
-        for name, label in (("flashinfer", "FlashInfer kernel cache"), ("tvm_ffi", "tvm-ffi cache")):
+        labels = (("flashinfer", "FlashInfer kernel cache"), ("tvm_ffi", "tvm-ffi cache"), ("triton", "Triton cache"))
+        for name, label in ((n, lab) for n, lab in labels if n in self.caches):
             after = self.modules_after.get(name, 0)
             new = after - self.modules_before.get(name, 0)
             out.append(f"{label}: {self.caches[name]} ({after} compiled module{'' if after == 1 else 's'}, {new} new)")
         out.append(
-            f"later processes that see these directories (same GPU, CUDA and FlashInfer) skip the builds; "
-            f"{FLASHINFER_BASE_VAR} and {TVM_FFI_VAR} move them"
+            f"later processes that see these directories (same GPU, CUDA, FlashInfer and triton) skip the builds; "
+            f"{FLASHINFER_BASE_VAR}, {TVM_FFI_VAR} and {TRITON_VAR} move them"
         )
         return out
 
@@ -155,7 +170,7 @@ def warmup(
     _engine_config(engine_options)  # a bad option fails here, before anything is read
     params = SamplingParams(seed=0, max_frames=frames)
     caches = cache_dirs()
-    before = {name: count_modules(path) for name, path in caches.items()}
+    before = count_all(caches)
     start = time.perf_counter()
     common = dict(checkpoint=str(checkpoint), device=str(dev), dtype=str(dt).removeprefix("torch."))
     if dev.type != "cuda":
@@ -186,5 +201,5 @@ def warmup(
         rows=int(result.rows.shape[0]),
         caches=caches,
         modules_before=before,
-        modules_after={name: count_modules(path) for name, path in caches.items()},
+        modules_after=count_all(caches),
     )

@@ -364,9 +364,9 @@ def test_other_runtime_errors_keep_their_traceback(gen, monkeypatch) -> None:
 @pytest.fixture
 def kernel_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel-cache variables are restored after the test (``--cache-dir`` sets them for the process)."""
-    from higgs_talker.kernel_cache import FLASHINFER_BASE_VAR, TVM_FFI_VAR
+    from higgs_talker.kernel_cache import FLASHINFER_BASE_VAR, TRITON_VAR, TVM_FFI_VAR
 
-    for var in (FLASHINFER_BASE_VAR, TVM_FFI_VAR):
+    for var in (FLASHINFER_BASE_VAR, TVM_FFI_VAR, TRITON_VAR):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -376,14 +376,15 @@ def test_warmup_on_cpu_checks_the_checkpoint_and_compiles_nothing(capsys, tiny_d
     assert "nothing to compile" in out and "checked the checkpoint" in out
 
 
-def test_warmup_cache_dir_points_both_caches_there(capsys, tiny_dir: Path, tmp_path: Path, kernel_env) -> None:
+def test_warmup_cache_dir_points_every_cache_there(capsys, tiny_dir: Path, tmp_path: Path, kernel_env) -> None:
     from higgs_talker.kernel_cache import cache_dirs
 
     base = tmp_path / "new" / "kernels"
     rc, _, err = run(capsys, "warmup", str(tiny_dir), "--device", "cpu", "--cache-dir", str(base))
     assert rc == 0, err
     assert base.is_dir() and os.environ["FLASHINFER_WORKSPACE_BASE"] == str(base.absolute())
-    assert cache_dirs() == {"flashinfer": base / ".cache" / "flashinfer", "tvm_ffi": base / ".cache" / "tvm-ffi"}
+    assert cache_dirs() == {"flashinfer": base / ".cache" / "flashinfer", "tvm_ffi": base / ".cache" / "tvm-ffi",
+                            "triton": base / ".cache" / "triton"}  # fmt: skip
 
 
 @pytest.mark.parametrize(

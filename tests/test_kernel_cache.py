@@ -1,4 +1,5 @@
-"""kernel_cache: where FlashInfer's and tvm-ffi's caches are, and what a warm-up report says (no GPU needed)."""
+"""kernel_cache: where FlashInfer's, tvm-ffi's and Triton's caches are, and what a warm-up report says (no GPU
+needed)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import higgs_talker
 from higgs_talker.kernel_cache import (
     FLASHINFER_BASE_VAR,
+    TRITON_VAR,
     TVM_FFI_VAR,
     WarmupReport,
     cache_dirs,
@@ -21,27 +23,32 @@ from higgs_talker.kernel_cache import (
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """No cache variables set, and a temporary home."""
-    for var in (FLASHINFER_BASE_VAR, TVM_FFI_VAR):
+    for var in (FLASHINFER_BASE_VAR, TVM_FFI_VAR, TRITON_VAR, "TRITON_HOME"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delitem(sys.modules, "flashinfer.jit.env", raising=False)
     return tmp_path
 
 
-def test_defaults_follow_flashinfer_and_tvm_ffi(clean_env: Path) -> None:
+def test_defaults_follow_flashinfer_tvm_ffi_and_triton(clean_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert cache_dirs() == {
         "flashinfer": clean_env / ".cache" / "flashinfer",
         "tvm_ffi": clean_env / ".cache" / "tvm-ffi",
+        "triton": clean_env / ".triton" / "cache",
     }
+    monkeypatch.setenv("TRITON_HOME", str(clean_env / "th"))  # Triton's own home variable moves its default
+    assert cache_dirs()["triton"] == clean_env / "th" / ".triton" / "cache"
 
 
-def test_cache_env_puts_both_under_one_directory(clean_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cache_env_puts_all_three_under_one_directory(clean_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     base = clean_env / "ci-image"
     env = cache_env(base)
-    assert env == {FLASHINFER_BASE_VAR: str(base), TVM_FFI_VAR: str(base / ".cache" / "tvm-ffi")}
+    assert env == {FLASHINFER_BASE_VAR: str(base), TVM_FFI_VAR: str(base / ".cache" / "tvm-ffi"),
+                   TRITON_VAR: str(base / ".cache" / "triton")}  # fmt: skip
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    assert cache_dirs() == {"flashinfer": base / ".cache" / "flashinfer", "tvm_ffi": base / ".cache" / "tvm-ffi"}
+    assert cache_dirs() == {"flashinfer": base / ".cache" / "flashinfer", "tvm_ffi": base / ".cache" / "tvm-ffi",
+                            "triton": base / ".cache" / "triton"}  # fmt: skip
 
 
 def test_count_modules(tmp_path: Path) -> None:
@@ -52,20 +59,27 @@ def test_count_modules(tmp_path: Path) -> None:
         (ops / name / f"{name}.so").write_bytes(b"")
         (ops / name / "build.ninja").write_text("")
     assert count_modules(tmp_path) == 2
+    kernel = tmp_path / "triton" / "ABC123"  # Triton: one directory per compiled kernel, its binary a .cubin
+    kernel.mkdir(parents=True)
+    for name in ("_qk_norm_rope_store_kernel.cubin", "_qk_norm_rope_store_kernel.json", "__grp__x.json"):
+        (kernel / name).write_text("")
+    assert count_modules(tmp_path / "triton", "*.cubin") == 1
 
 
 def test_cuda_report_names_the_cache_and_the_new_modules(tmp_path: Path) -> None:
     report = WarmupReport(
         checkpoint="ckpt", device="cuda:0", dtype="bfloat16", graph_mode="auto", compiled=True,
         kernels="flashinfer", load_s=90.0, graph_warmup_s=40.0, generate_s=2.0, rows=17,
-        caches={"flashinfer": tmp_path / "fi", "tvm_ffi": tmp_path / "tvm"},
-        modules_before={"flashinfer": 1, "tvm_ffi": 0}, modules_after={"flashinfer": 9, "tvm_ffi": 1},
+        caches={"flashinfer": tmp_path / "fi", "tvm_ffi": tmp_path / "tvm", "triton": tmp_path / "tr"},
+        modules_before={"flashinfer": 1, "tvm_ffi": 0, "triton": 2},
+        modules_after={"flashinfer": 9, "tvm_ffi": 1, "triton": 2},
     )  # fmt: skip
     text = "\n".join(report.lines())
     assert report.total_s == 92.0
     assert "prefill + 16 decode steps" in text and "92.0 s in all" in text
     assert f"FlashInfer kernel cache: {tmp_path / 'fi'} (9 compiled modules, 8 new)" in text
     assert f"tvm-ffi cache: {tmp_path / 'tvm'} (1 compiled module, 1 new)" in text
+    assert f"Triton cache: {tmp_path / 'tr'} (2 compiled modules, 0 new)" in text
 
 
 def test_cuda_without_flashinfer_says_nothing_was_compiled() -> None:
@@ -107,4 +121,5 @@ def test_cuda_path_plumbing_with_a_cpu_talker(tiny_dir: Path, clean_env: Path, m
     assert report.device == "cuda" and report.graph_mode == "eager"  # the CPU talker's mode
     assert not report.compiled and report.kernels == "torch"  # torch kernels: nothing of FlashInfer's ran
     assert 2 <= report.rows <= 6 + 8 and report.load_s > 0 and report.generate_s > 0
-    assert report.caches == {"flashinfer": clean_env / ".cache" / "flashinfer", "tvm_ffi": clean_env / ".cache/tvm-ffi"}
+    assert report.caches == {"flashinfer": clean_env / ".cache" / "flashinfer", "tvm_ffi": clean_env / ".cache/tvm-ffi",
+                             "triton": clean_env / ".triton" / "cache"}  # fmt: skip
