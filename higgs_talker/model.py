@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from .attention import current_backend
 from .config import TalkerConfig, TextConfig
 from .heads.codebooks import build_codebooks
-from .ops import TorchKernels, rope_cache
+from .ops import TorchKernels, qk_norm_rope, rope_cache
 
 Kernels = TorchKernels  # any object with the TorchKernels methods (see ops.FlashInferKernels)
 # (layer index, hidden [N, H], residual [N, H]) -> (mlp output, residual): the local MLP graph hook
@@ -43,7 +43,8 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style RoPE from one cos/sin table [max_positions, head_dim] fp32, shared by every layer."""
+    """Neox-style RoPE's cos/sin table [max_positions, head_dim] fp32, shared by every layer (the attention
+    applies it through its kernels: ``ops.qk_norm_rope`` or the fused kernel)."""
 
     def __init__(self, cfg: TextConfig, kernels: Kernels) -> None:
         super().__init__()
@@ -51,9 +52,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer(
             "cos_sin", rope_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta), persistent=False
         )
-
-    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        return self.kernels.rope(positions, q, k, self.cos_sin)
 
 
 class Attention(nn.Module):
@@ -75,7 +73,6 @@ class Attention(nn.Module):
 
     def forward(self, positions: Tensor, hidden_states: Tensor) -> Tensor:
         """hidden [N, H] -> [N, H]; K/V go into the cache of the step's backend."""
-        n = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)  # [N, (Hq + 2 Hk) * D]
         backend = current_backend()
         kv_dest = backend.kv_destination(self.layer_idx) if self.kernels.can_fuse_qk_rope(self.head_dim) else None
@@ -85,12 +82,9 @@ class Attention(nn.Module):
                 *kv_dest,
             )  # fmt: skip
             return self.o_proj(backend.attend(self.layer_idx, q))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary_emb(positions, q, k)  # [N, Hq, D], [N, Hk, D]
-        out = backend.forward(self.layer_idx, q, k, v.reshape(n, self.num_kv_heads, self.head_dim))
-        return self.o_proj(out)  # out: [N, Hq * D]
+        q, k, v = qk_norm_rope(self.kernels, qkv, positions, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                               self.rotary_emb.cos_sin, self.num_kv_heads, self.head_dim)  # fmt: skip
+        return self.o_proj(backend.forward(self.layer_idx, q, k, v))  # [N, Hq * D] -> [N, H]
 
 
 class MLP(nn.Module):

@@ -27,6 +27,20 @@ def rope_cache(head_dim: int, max_positions: int, theta: float, device: torch.de
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
 
 
+def qk_norm_rope(
+    kernels, qkv: Tensor, positions: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, cos_sin: Tensor,
+    num_kv_heads: int, head_dim: int,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The separate steps the fused kernel replaces, with ``kernels``' norm and RoPE: qkv [N, (Hq + 2 Hk) D] ->
+    q [N, Hq, D] and k [N, Hk, D] normed and rotated, v [N, Hk, D] as is."""
+    n, hk, d = qkv.shape[0], num_kv_heads, head_dim
+    q, k, v = qkv.split([qkv.shape[1] - 2 * hk * d, hk * d, hk * d], dim=-1)
+    q = kernels.rms_norm(q.reshape(n, -1, d), q_weight, eps)
+    k = kernels.rms_norm(k.reshape(n, hk, d), k_weight, eps)
+    q, k = kernels.rope(positions, q, k, cos_sin)
+    return q, k, v.reshape(n, hk, d)
+
+
 class TorchKernels:
     """Plain PyTorch versions; numerics follow transformers' Qwen3 (fp32 accumulation, cast back)."""
 
@@ -77,13 +91,10 @@ class TorchKernels:
     ) -> Tensor:  # fmt: skip
         """qkv [N, (Hq + 2 Hk) D] -> q [N, Hq, D] normed and rotated; K (normed, rotated) into
         ``flat_cache [R, Hk, D]`` at rows ``kv_rows[0]``, V at ``kv_rows[1]`` (the fused kernel's contract)."""
-        n, (_, hk, d) = qkv.shape[0], flat_cache.shape
-        q, k, v = qkv.split([qkv.shape[1] - 2 * hk * d, hk * d, hk * d], dim=-1)
-        q = cls.rms_norm(q.reshape(n, -1, d), q_weight, eps)
-        k = cls.rms_norm(k.reshape(n, hk, d), k_weight, eps)
-        q, k = cls.rope(positions, q, k, cos_sin)
+        _, hk, d = flat_cache.shape
+        q, k, v = qk_norm_rope(cls, qkv, positions, q_weight, k_weight, eps, cos_sin, hk, d)
         flat_cache.index_copy_(0, kv_rows[0], k.to(flat_cache.dtype))
-        flat_cache.index_copy_(0, kv_rows[1], v.reshape(n, hk, d).to(flat_cache.dtype))
+        flat_cache.index_copy_(0, kv_rows[1], v.to(flat_cache.dtype))
         return q
 
 
