@@ -46,9 +46,8 @@ class RotaryEmbedding(nn.Module):
     """Neox-style RoPE's cos/sin table [max_positions, head_dim] fp32, shared by every layer (the attention
     applies it through its kernels: ``ops.qk_norm_rope`` or the fused kernel)."""
 
-    def __init__(self, cfg: TextConfig, kernels: Kernels) -> None:
+    def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
-        self.kernels = kernels
         self.register_buffer(
             "cos_sin", rope_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta), persistent=False
         )
@@ -153,7 +152,7 @@ class Qwen3Model(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(cfg, kernels)
+        rotary = RotaryEmbedding(cfg)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, kernels) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 

@@ -202,9 +202,11 @@ async def request_rows_async(engine, keys) -> dict[str, torch.Tensor | None]:
     per_engine = await collective_rpc_every_engine(engine, "higgs_request_rows", (keys,))
     for index, answers in enumerate(per_engine):
         for k, rows in _agreed(answers, keys).items():
-            if rows is not None and merged[k] is not None:
+            if rows is None:
+                continue
+            if merged[k] is not None:
                 raise RuntimeError(f"request {k!r} has rows on data-parallel engine {index} and an earlier one")
-            merged[k] = merged[k] if rows is None else rows
+            merged[k] = rows
     return _as_tensors(merged)
 
 

@@ -14,9 +14,18 @@ import torch
 from higgs_talker import HiggsTalker, SamplingParams
 
 
-def run_served(cmd: list[str], env: dict[str, str], timeout: float = 570) -> dict:
-    """Run a serve script; its ``RESULT:`` JSON line (the output tails in the failure when there is none)."""
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+def run_served(cmd: list[str], env: dict[str, str], timeout: float = 570, log: Path | None = None) -> dict:
+    """Run a serve script; its ``RESULT:`` JSON line (the output tails in the failure when there is none).
+    ``log``: keep the script's stdout and stderr there (its directory is created). A run past ``timeout`` fails
+    the test with the tail of what it printed (a cold FlashInfer JIT takes minutes)."""
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as exc:
+        tail = (exc.stderr or b"")[-4000:]
+        pytest.fail(f"{Path(cmd[1]).name} did not finish in {exc.timeout} s; stderr tail:\n{tail!r}")
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(out.stdout + "\n--- stderr ---\n" + out.stderr)
     lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT:")]
     assert out.returncode == 0 and lines, (out.stdout[-3000:], out.stderr[-6000:])
     return json.loads(lines[0][len("RESULT:") :])

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("vllm.config")
 
 from _engine_invariants import explain_divergence  # noqa: E402
+from _served import run_served  # noqa: E402
 from _tolerance import bf16_score_gap  # noqa: E402
 
 from higgs_talker import HiggsTalker, Reference, SamplingParams  # noqa: E402
@@ -109,18 +109,9 @@ def served(request, checkpoints) -> dict:
                json.dumps(kwargs)]  # fmt: skip
     else:
         cmd = [sys.executable, str(SCRIPT), str(checkpoints[name]), json.dumps(SPECS[name]), "64", json.dumps(kwargs)]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    except subprocess.TimeoutExpired as exc:  # say where it stood (a cold FlashInfer JIT takes minutes)
-        tail = (exc.stderr or b"")[-4000:]
-        pytest.fail(f"vllm.LLM ({request.param}) did not finish in {exc.timeout} s; stderr tail:\n{tail!r}")
     log_dir = os.environ.get("HIGGS_VLLM_LOG_DIR")  # keep vLLM's own log of each case (the GPU run's evidence)
-    if log_dir:
-        Path(log_dir).mkdir(parents=True, exist_ok=True)
-        Path(log_dir, f"serve_{request.param}.log").write_text(out.stdout + "\n--- stderr ---\n" + out.stderr)
-    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT:")]
-    assert out.returncode == 0 and lines, (out.stdout[-3000:], out.stderr[-6000:])
-    return json.loads(lines[0][len("RESULT:") :]) | {"profile": profile, "checkpoint": name}
+    log = Path(log_dir, f"serve_{request.param}.log") if log_dir else None
+    return run_served(cmd, env, timeout=900, log=log) | {"profile": profile, "checkpoint": name}
 
 
 _SOLO: dict[str, HiggsTalker] = {}
