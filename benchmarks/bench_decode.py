@@ -17,7 +17,10 @@ in; its head is the codebook table), eager with its dynamic cache and with ``Sta
 
 ``--fuse both`` times every mode twice, as ``MODE-fused`` (the library's default, ``fuse_qk_rope=True``: QK-norm,
 RoPE and the K/V writes in one Triton kernel) and ``MODE`` (``fuse_qk_rope=False``: the separate kernels), in
-the same run; ``--fuse on`` (the default) times the first only, ``off`` the second.
+the same run; ``--fuse on`` (the default) times the first only, ``off`` the second. Likewise ``--async both``
+adds ``...-sync`` rows (``async_scheduling=False``: each step's rows read before the next step is queued), and
+``--decode-kernels native,xqa,native_tc`` pins the decode attention kernel (``...+KERNEL`` rows) instead of the
+per-bucket measurement (``auto``).
 
 With random weights the codebook-0 EOC row of the table is zeroed, so greedy decoding never ends a request
 early (its logit is exactly 0 while the max of 1024 random logits is positive); ``meta.eoc_suppressed`` says so.
@@ -25,6 +28,7 @@ early (its logit is exactly 0 while the max of 1024 random logits is positive); 
     python benchmarks/bench_decode.py --out $OUT                       # 4B shape, all modes (H200: ~4 min incl. JIT)
     python benchmarks/bench_decode.py --modes eager,auto --batches 1,64 --contexts 512 --no-peers
     python benchmarks/bench_decode.py --modes full_decode --batches 1,64 --contexts 512 --fuse both --no-peers
+    python benchmarks/bench_decode.py --modes full_decode --batches 1,64 --contexts 512 --async both --no-peers
     python benchmarks/bench_decode.py --device cpu --tiny              # smoke test, seconds
 """
 
@@ -71,6 +75,25 @@ SHAPE_4B = dict(
 )
 MODES = ("eager", "local_mlp", "full_decode", "auto")
 FUSED = "-fused"  # label suffix: the mode with fuse_qk_rope=True
+SYNC = "-sync"  # label suffix: async_scheduling=False
+DECODE_KERNELS = ("auto", "native", "xqa", "native_tc")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One talker configuration to time; its label names what differs from the library's defaults."""
+
+    mode: str
+    fuse: bool = True
+    async_scheduling: bool | None = True  # None: the library's default (on CUDA)
+    kernel: str = "auto"
+
+    @property
+    def label(self) -> str:
+        kernel = "" if self.kernel == "auto" else f"+{self.kernel}"
+        return f"{self.mode}{FUSED if self.fuse else ''}{kernel}{SYNC if self.async_scheduling is False else ''}"
+
+
 PEER_RESERVE_S = 100.0  # the time budget keeps this much for the transformers rows
 
 
@@ -86,10 +109,11 @@ def model_config(args: argparse.Namespace) -> TalkerConfig:
     return TalkerConfig(text=TextConfig(**SHAPE_4B))
 
 
-def build_talker(
-    args: argparse.Namespace, cfg: TalkerConfig, mode: str, num_blocks: int, fuse_qk_rope: bool = True
-) -> HiggsTalker:
-    common = dict(graph_mode=mode, max_num_seqs=args.max_num_seqs, num_blocks=num_blocks, fuse_qk_rope=fuse_qk_rope)
+def build_talker(args: argparse.Namespace, cfg: TalkerConfig, variant: Variant, num_blocks: int) -> HiggsTalker:
+    common = dict(
+        graph_mode=variant.mode, max_num_seqs=args.max_num_seqs, num_blocks=num_blocks, fuse_qk_rope=variant.fuse,
+        decode_kernel=variant.kernel, async_scheduling=variant.async_scheduling,
+    )  # fmt: skip
     if args.max_model_len:
         common["max_model_len"] = args.max_model_len
     if args.model:
@@ -229,23 +253,30 @@ def time_engine(talker: HiggsTalker, batch: int, context: int, args: argparse.Na
     }
 
 
-def variants(args: argparse.Namespace) -> list[str]:
-    """The labels to time: each mode unfused (``MODE``) and/or fused (``MODE-fused``), as ``--fuse`` says."""
-    labels = []
-    for m in args.modes:
-        labels += ([m] if args.fuse != "on" else []) + ([m + FUSED] if args.fuse != "off" else [])
-    return labels
+def both(choice: str) -> list[bool]:
+    return {"on": [True], "off": [False], "both": [True, False]}[choice]
 
 
-def run_mode(label: str, cfg: TalkerConfig, args, writer: ResultFile, bw: float, share_s: float) -> None:
-    """Time every (context, batch) point of one mode (``label``: the mode, ``-fused`` with the fused QK-norm +
-    RoPE kernel); points left after ``share_s`` seconds of timing (build, warm-up and first-use kernel
-    compilation not counted) are recorded as skipped."""
+def variants(args: argparse.Namespace) -> list[Variant]:
+    """What to time: every mode x ``--fuse`` x ``--decode-kernels`` x ``--async``."""
+    return [
+        Variant(m, fuse, on, kernel)
+        for m in args.modes
+        for fuse in both(args.fuse)
+        for kernel in args.decode_kernels
+        for on in both(args.async_scheduling)
+    ]
+
+
+def run_mode(variant: Variant, cfg: TalkerConfig, args, writer: ResultFile, bw: float, share_s: float) -> None:
+    """Time every (context, batch) point of one variant; points left after ``share_s`` seconds of timing (build,
+    warm-up and first-use kernel compilation not counted) are recorded as skipped."""
     points = [(c, b) for c in args.contexts for b in args.batches]
-    mode, base = label.removesuffix(FUSED), {"mode": label}
+    label = variant.label
+    base = {"mode": label, "async_scheduling": variant.async_scheduling, "decode_kernel_option": variant.kernel}
     t0 = time.perf_counter()
     try:
-        talker = build_talker(args, cfg, mode, num_blocks_for(args), fuse_qk_rope=label.endswith(FUSED))
+        talker = build_talker(args, cfg, variant, num_blocks_for(args))
         if not args.model:
             suppress_eoc(talker)
         talker.generate("warm up", SamplingParams(temperature=0.0), max_frames=2)  # first-use kernel compiles
@@ -542,10 +573,11 @@ def final_table(rows: list[dict], modes: Sequence[str]) -> None:
             if ours and (peer, c, b) in by:
                 ratio = by[(peer, c, b)]["ms_per_step"] / min(ours)
                 print(f"  {peer} / best of ours at batch {b}, context {c}: {ratio:.2f}x")
-        for m in modes:  # the fusion's A/B, where both halves ran
-            if (m, c, b) in by and (m + FUSED, c, b) in by:
-                ratio = by[(m, c, b)]["ms_per_step"] / by[(m + FUSED, c, b)]["ms_per_step"]
-                print(f"  {m} / {m}{FUSED} at batch {b}, context {c}: {ratio:.3f}x (time unfused / fused)")
+        for m in modes:  # the A/Bs, where both halves ran
+            for off, on, what in ((m, m + FUSED, "unfused / fused"), (m + SYNC, m, "sync / async")):
+                if (off, c, b) in by and (on, c, b) in by:
+                    ratio = by[(off, c, b)]["ms_per_step"] / by[(on, c, b)]["ms_per_step"]
+                    print(f"  {off} / {on} at batch {b}, context {c}: {ratio:.3f}x (time {what})")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -558,6 +590,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--fuse", choices=("on", "off", "both"), default="on",
                    help="QK-norm + RoPE + K/V writes in one Triton kernel (on, the library's default: MODE-fused "
                    "rows), not (off: MODE rows), or each mode both ways")  # fmt: skip
+    p.add_argument("--async", dest="async_scheduling", choices=("on", "off", "both"), default="on",
+                   help="asynchronous scheduling (on, the CUDA default), synchronous steps (off: MODE-sync rows), "
+                   "or both")  # fmt: skip
+    p.add_argument("--decode-kernels", type=strs_arg, default=["auto"],
+                   help=f"decode attention kernels to pin, each timed apart (of {', '.join(DECODE_KERNELS)}; "
+                   "default auto: measured per bucket)")  # fmt: skip
     p.add_argument("--batches", type=ints_arg, default=None, help="default 1,2,4,8,13,16,32,64")
     p.add_argument("--contexts", type=ints_arg, default=None, help="default 512,2048")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps per point (default 24)")
@@ -576,6 +614,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         p.error(f"unknown mode(s) {bad}; choose from {list(MODES)}")
+    bad = [k for k in args.decode_kernels if k not in DECODE_KERNELS]
+    if bad:
+        p.error(f"unknown decode kernel(s) {bad}; choose from {list(DECODE_KERNELS)}")
     if not args.no_peers and args.budget_s <= PEER_RESERVE_S:
         p.error(f"--budget-s {args.budget_s:g} leaves no time for our modes: {PEER_RESERVE_S:g} s of it are kept for "
                 "the transformers peers; raise it or pass --no-peers")  # fmt: skip
@@ -615,15 +656,15 @@ def main(argv: Sequence[str] | None = None) -> ResultFile:
     writer = ResultFile(args.out, "decode", meta)
     log(f"copy ceiling {bw['tb_per_s']:.2f} TB/s; writing {writer.path}")
     deadline = t_start + args.budget_s - (0 if args.no_peers else PEER_RESERVE_S)
-    labels = variants(args)
-    for n, label in enumerate(labels):  # each mode gets an equal share of the time left
+    todo = variants(args)
+    for n, variant in enumerate(todo):  # each variant gets an equal share of the time left
         now = time.perf_counter()
-        run_mode(label, cfg, args, writer, bw["bytes_per_s"], max(deadline - now, 0.0) / (len(labels) - n))
+        run_mode(variant, cfg, args, writer, bw["bytes_per_s"], max(deadline - now, 0.0) / (len(todo) - n))
     if not args.no_peers:
         run_peers(cfg, args, writer, bw["bytes_per_s"])
     writer.meta["wall_s"] = time.perf_counter() - t_start
     writer.save()
-    final_table(writer.rows, labels)
+    final_table(writer.rows, [v.label for v in todo])
     print(f"\nwrote {writer.path} ({writer.meta['wall_s']:.0f} s)")
     return writer
 

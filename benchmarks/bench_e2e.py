@@ -28,7 +28,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 
 import torch
-from bench_decode import build_talker, model_config, suppress_eoc
+from bench_decode import Variant, build_talker, model_config, suppress_eoc
 from common import (
     ResultFile,
     environment,
@@ -171,7 +171,7 @@ def run_mode(mode: str, cfg, args, writer: ResultFile, deadline: float) -> None:
     levels = args.levels
     try:
         t0 = time.perf_counter()
-        talker = build_talker(args, cfg, mode, num_blocks_for(args, cfg))
+        talker = build_talker(args, cfg, Variant(mode, async_scheduling=None), num_blocks_for(args, cfg))
         if not args.model:
             suppress_eoc(talker)
         build_s = time.perf_counter() - t0

@@ -6,6 +6,12 @@ holds it (else the model runner executes it eagerly), and the scheduler publishe
 row per request. A step that raises fails exactly the requests it was running (``Request.error``) and leaves
 every other request as it was.
 
+With asynchronous scheduling (``EngineConfig.async_scheduling``, on by default on CUDA) a decode step is
+published while the next one already runs: ``step()`` queues decode t + 1 on the device (``Scheduler.
+schedule_ahead``), then waits for decode t's rows and publishes them. Each call still returns the rows of
+the step it waited for, and the codes are the same; the device no longer idles while the host publishes and
+plans. A request that ends at step t (EOC, cancel) has had step t + 1 computed for nothing.
+
 The public methods take one lock, so an engine may be shared by threads; ``HiggsTalker`` drives it from one
 worker thread that batches every caller's requests.
 """
@@ -17,6 +23,7 @@ import threading
 from collections.abc import Sequence
 
 import torch
+from torch import Tensor
 
 from .attention import AttentionBackend
 from .config import SpecialTokens, TalkerConfig
@@ -30,6 +37,23 @@ from .scheduler import EngineConfig, Request, Scheduler, Status, StepOutput
 logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineConfig", "Request", "Status", "StepOutput"]
+
+
+class _Launched:
+    """A step queued on the device: its rows [B, C + 1] on the host once ``wait()`` returns."""
+
+    def __init__(self, rows: Tensor) -> None:
+        if rows.device.type == "cuda":
+            self.rows = rows.to("cpu", non_blocking=True)  # into pinned memory, behind the step on the stream
+            self.ready: torch.cuda.Event | None = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.rows, self.ready = rows, None
+
+    def wait(self) -> Tensor:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.rows
 
 
 class Engine:
@@ -63,6 +87,8 @@ class Engine:
         )
         self.scheduler = Scheduler(ec, cfg, num_blocks=num_blocks, max_model_len=self.max_model_len)
         self.graphs = None  # a cuda_graphs.GraphRunner after warm_up()
+        self.async_scheduling = self.device.type == "cuda" if ec.async_scheduling is None else ec.async_scheduling
+        self._ahead: _Launched | None = None  # a decode step on the device whose rows are not published yet
         self.num_steps = 0
         self._lock = threading.RLock()
 
@@ -105,7 +131,10 @@ class Engine:
     def cancel(self, request_id: str) -> bool:
         """Stop a request now, freeing its KV blocks and slot. Returns False if it was not live."""
         with self._lock:
-            return self.scheduler.cancel(request_id)
+            cancelled = self.scheduler.cancel(request_id)
+            if cancelled and self._ahead is not None and self.scheduler.discard_finished():
+                self._ahead = None  # it was the last live request of the step ahead
+            return cancelled
 
     def has_unfinished(self) -> bool:
         with self._lock:
@@ -121,20 +150,54 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Run one prefill or decode step; returns one output per request that took part (or finished).
 
-        If the step raises, the requests it was running end with ``finish_reason="error"`` and the exception in
+        With asynchronous scheduling the next decode step is queued first (module docstring). If the step
+        raises, the requests it was running end with ``finish_reason="error"`` and the exception in
         ``Request.error``, and the exception propagates; all other requests are untouched.
         """
         with self._lock, torch.inference_mode():
             outputs: list[StepOutput] = []
-            batch = self.scheduler.schedule(outputs)
-            if batch is not None:
+            current, self._ahead = self._ahead, None
+            if current is None:
+                batch = self.scheduler.schedule(outputs)
+                if batch is None:
+                    self.num_steps += 1
+                    return outputs
                 try:
-                    graphs = self.graphs
-                    rows = graphs.run(batch) if graphs is not None and batch.is_decode else self.runner.run(batch)
-                    host = rows.cpu()  # the one host sync of the step
+                    current = self._launch(batch)
                 except BaseException as exc:
                     self.scheduler.abort(exc)
                     raise
-                outputs += self.scheduler.publish(host)
+                if not (self.async_scheduling and batch.is_decode):
+                    outputs += self._publish(current)
+                    self.num_steps += 1
+                    return outputs
+            try:  # the next decode goes on the device before this one's rows are read
+                ahead = self.scheduler.schedule_ahead()
+                self._ahead = None if ahead is None else self._launch(ahead)
+                failed = None
+            except BaseException as exc:  # noqa: BLE001 - publish the running step first, then fail this one
+                failed = exc
+            outputs += self._publish(current)
+            if failed is not None:
+                self.scheduler.abort(failed)
+                raise failed
+            if self._ahead is not None and self.scheduler.discard_finished():
+                self._ahead = None  # every request of the step ahead has ended: its rows are never read
             self.num_steps += 1
             return outputs
+
+    def _launch(self, batch) -> _Launched:
+        graphs = self.graphs
+        rows = graphs.run(batch) if graphs is not None and batch.is_decode else self.runner.run(batch)
+        return _Launched(rows)
+
+    def _publish(self, launched: _Launched) -> list[StepOutput]:
+        """Wait for the oldest unpublished step and publish it; if waiting raises (the device failed), every
+        unpublished step's requests fail."""
+        try:
+            rows = launched.wait()
+        except BaseException as exc:
+            self._ahead = None
+            self.scheduler.abort_all(exc)
+            raise
+        return self.scheduler.publish(rows)

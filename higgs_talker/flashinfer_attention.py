@@ -1,9 +1,11 @@
 """FlashInfer attention over the paged KV cache (CUDA): the ``attention.AttentionBackend`` protocol.
 
-Prefill runs FlashInfer's batched paged prefill. Decode runs either FlashInfer's native paged decode kernel or
-its XQA route (``trtllm_batch_decode_with_kv_cache(backend="xqa")``), chosen per graph bucket by measurement
-(``cuda_graphs.kernels``). XQA gets its own zeroed workspace: sharing the native wrapper's made it return
-wrong outputs wherever it splits sequences (GPU.md).
+Prefill runs FlashInfer's batched paged prefill. Decode runs one of three FlashInfer kernels, chosen per graph
+bucket by measurement (``cuda_graphs.kernels``): ``native`` (its paged decode kernel), ``native_tc`` (the same
+wrapper with ``use_tensor_cores=True``: the prefill kernels with each KV head's query heads packed into one
+tile, which suits GQA) and ``xqa`` (``trtllm_batch_decode_with_kv_cache(backend="xqa")``). XQA gets its own
+zeroed workspace: sharing the native wrapper's made it return wrong outputs wherever it splits sequences
+(GPU.md).
 
 Planning happens on the host in ``plan`` / ``plan_bucket``; ``forward`` only launches kernels. Every bucket
 reads slices ``[:size]`` of one set of fixed device buffers sized for the largest batch (allocated here,
@@ -26,7 +28,7 @@ if TYPE_CHECKING:
     from .batch import StepBatch
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
-KERNELS = ("native", "xqa")
+KERNELS = ("native", "xqa", "native_tc")
 
 Attend = Callable[[Tensor, Tensor], Tensor]  # (q [N, Hq, D], layer cache) -> [N, Hq, D]
 
@@ -49,7 +51,7 @@ class FlashInferAttention:
         import flashinfer
 
         if decode_kernel not in ("auto", *KERNELS):
-            raise ValueError(f"decode_kernel must be 'auto', 'native' or 'xqa', got {decode_kernel!r}")
+            raise ValueError(f"decode_kernel must be 'auto' or one of {', '.join(KERNELS)}, got {decode_kernel!r}")
         self.fi = flashinfer
         self.kv_caches = kv_caches
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -64,7 +66,9 @@ class FlashInferAttention:
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         self.xqa_workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)  # never shared
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=decode_kernel == "native_tc"
+        )
         # fixed decode buffers for graph buckets (each bucket reads [:size])
         self.kv_index = torch.zeros(2, max_batch, dtype=torch.long, device=dev)
         self.indptr = torch.zeros(max_batch + 1, dtype=torch.int32, device=dev)
@@ -73,7 +77,8 @@ class FlashInferAttention:
         self.block_tables = torch.full((max_batch, self.max_blocks), scratch_block, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
         self.bucket_kernel: dict[int, str] = {}
-        self._graph_wrappers: dict[int, object] = {}
+        self._graph_wrappers: dict[tuple[int, str], object] = {}  # (bucket, native kernel) -> wrapper
+        self._plan_copied: dict[int, torch.cuda.Event] = {}  # id(decode wrapper) -> after its last plan's copies
         self._kv: Tensor | None = None  # [2, N] flat cache rows of this step's K and V
         self._attend: Attend | None = None
 
@@ -104,11 +109,18 @@ class FlashInferAttention:
         return indptr, indices, last
 
     def _plan_decode(self, wrapper, batch: StepBatch) -> None:
+        # A wrapper stages its plan in one pinned host buffer and copies it to the device on the stream. With a
+        # step queued ahead (asynchronous scheduling) the previous plan's copy may still be waiting there.
+        copied = self._plan_copied.get(id(wrapper))
+        if copied is not None:
+            copied.synchronize()
         indptr, indices, last = (torch.from_numpy(a) for a in self._paged(batch.block_tables, batch.seq_lens))
         wrapper.plan(
             indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size,
             pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
         )  # fmt: skip
+        copied = self._plan_copied[id(wrapper)] = torch.cuda.Event()
+        copied.record()
 
     def _kv_rows(self, slots: list[int]) -> Tensor:
         """[2, N] int64 (host): the flat cache rows of each new token's K and V (cache viewed as [-1, Hk, D])."""
@@ -151,11 +163,11 @@ class FlashInferAttention:
         kernel = self.bucket_kernel.get(size, self.decode_kernels[0])
         self.kv_index[:, :size].copy_(self._kv_rows(batch.slot_mapping), non_blocking=True)
         self._kv = self.kv_index[:, :size]
-        if kernel == "native":
-            wrapper = self._graph_wrappers.get(size)
+        if kernel != "xqa":
+            wrapper = self._graph_wrappers.get((size, kernel))
             if wrapper is None:
-                wrapper = self._graph_wrappers[size] = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-                    self.workspace, "NHD", use_cuda_graph=True,
+                wrapper = self._graph_wrappers[size, kernel] = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=kernel == "native_tc",
                     paged_kv_indptr_buffer=self.indptr[: size + 1],
                     paged_kv_indices_buffer=self.indices[: size * self.max_blocks],
                     paged_kv_last_page_len_buffer=self.last_page[:size],

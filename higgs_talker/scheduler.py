@@ -5,6 +5,13 @@ admitted (or resumed) requests, else a decode step of every running request (one
 runner has executed it, ``publish(rows)`` records each request's row (an owned ``[1, C]`` int32 row per request
 and step) and finishes the requests that ended; ``abort(exc)`` fails them instead when the step raised.
 
+Asynchronous scheduling: while a decode step runs, ``schedule_ahead()`` schedules the decode after it before
+its rows are known, so the device never waits for the host. Every request goes one position further except
+those the running step certainly ends (row or context limit); a request that ends there by EOC, or is
+cancelled, is skipped when the step ahead is published (its extra row is dropped). Steps are published in the
+order they were scheduled. Nothing is scheduled ahead that needs the published state: an admission, a
+preemption.
+
 A request keeps its decode-state slot from admission to its end. When the KV cache runs out during decode, the
 most recently admitted request is preempted: its blocks are freed and it is re-queued; on resume its prompt and
 every generated position (each embedded from the row fed back there) are recomputed in one prefill, so its
@@ -84,6 +91,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_prefill_tokens: int = 8192
     kv_memory_fraction: float = 0.6  # share of the free device (CUDA) or host (CPU) memory the KV cache may take
+    async_scheduling: bool | None = None  # queue decode t + 1 before publishing t (engine docstring); None: on CUDA
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_prefill_tokens", "num_blocks", "max_model_len"):
@@ -92,6 +100,8 @@ class EngineConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be an integer > 0, got {value!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
         f = self.kv_memory_fraction
         if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f <= 0.95:
             raise ValueError(f"kv_memory_fraction must lie in (0, 0.95], got {f!r}")
@@ -106,8 +116,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
-        self._scheduled: list[Request] = []  # the requests of the batch ``schedule`` returned last
-        self._prefill_started: float | None = None  # host time the scheduled prefill began (None: decode)
+        # scheduled steps not yet published, oldest first (two while a decode runs ahead): each step's requests
+        # in row order, and the host time a prefill began (None: a decode)
+        self._unpublished: deque[tuple[list[Request], float | None]] = deque()
 
     # ------------------------------------------------------------------ requests
 
@@ -164,21 +175,52 @@ class Scheduler:
         full) are finished here and reported in ``outputs``."""
         prefill = self._admit()
         if prefill:
-            self._scheduled, self._prefill_started = prefill, time.perf_counter()
+            self._unpublished.append((prefill, time.perf_counter()))
             return self._prefill_batch(prefill)
-        self._prefill_started = None
-        self._scheduled = self._grow_running(outputs)
-        return self._decode_batch(self._scheduled) if self._scheduled else None
+        running = self._grow_running(outputs)
+        if not running:
+            return None
+        self._unpublished.append((running, None))
+        return self._decode_batch(running)
+
+    def schedule_ahead(self) -> StepBatch | None:
+        """The decode step after the one decode step not yet published, scheduled before its rows are known
+        (see the module docstring); None when it cannot be: the unpublished step is a prefill, a waiting request
+        could be admitted now, no request is sure to go on, or one needs a KV block when none is free."""
+        if len(self._unpublished) != 1 or self._unpublished[0][1] is not None or self._admissible():
+            return None
+        current = self._unpublished[0][0]
+        batch = [r for r in current if not r.finished and self._limit_reason(r, len(r.rows) + 1) is None]
+        bs = self.config.block_size
+        for req in batch:  # room for the token after the running one
+            if len(req.blocks) * bs < req.num_computed + 2:
+                if not self.blocks.can_allocate(1):
+                    return None  # preemption needs the published state: schedule after publishing
+                req.blocks += self.blocks.allocate(1)
+        if not batch:
+            return None
+        self._unpublished.append((batch, None))
+        return self._decode_batch(batch, ahead=1)
+
+    def _prefill_tokens(self, req: Request) -> int:
+        return len(req.prompt) + len(req.rows)  # a resumed request recomputes every fed position
+
+    def _admissible(self) -> bool:
+        """Whether the first waiting request could be admitted now."""
+        if not self.waiting:
+            return False
+        req = self.waiting[0]
+        if req.slot < 0 and not self.free_slots.num_free:
+            return False
+        return self.blocks.can_allocate(self.blocks.blocks_for(self._prefill_tokens(req) + 1))
 
     def _admit(self) -> list[Request]:
         batch, tokens = [], 0
-        while self.waiting and (self.waiting[0].slot >= 0 or self.free_slots.num_free):
+        while self._admissible():
             req = self.waiting[0]
-            n = len(req.prompt) + len(req.rows)  # a resumed request recomputes every fed position
+            n = self._prefill_tokens(req)
             need = self.blocks.blocks_for(n + 1)  # room for the first decode token too
             if batch and tokens + n > self.config.max_prefill_tokens:
-                break
-            if not self.blocks.can_allocate(need):
                 break
             self.waiting.popleft()
             req.blocks = self.blocks.allocate(need)
@@ -275,15 +317,17 @@ class Scheduler:
         p = req.params
         return SlotInit(req.slot, req.seed, float(p.temperature), p.top_k, float(p.top_p), p.min_frames)
 
-    def _decode_batch(self, batch: list[Request]) -> StepBatch:
+    def _decode_batch(self, batch: list[Request], ahead: int = 0) -> StepBatch:
+        """One token per request at its next position (``ahead``: tokens already scheduled but not published)."""
         bs = self.config.block_size
         draw, filter = self._sampling_flags(batch)
+        pos = [r.num_computed + ahead for r in batch]
         return StepBatch(
             slots=[r.slot for r in batch],
-            positions=[r.num_computed for r in batch],
-            slot_mapping=[kv_slot(r.blocks, r.num_computed, bs) for r in batch],
+            positions=pos,
+            slot_mapping=[kv_slot(r.blocks, p, bs) for r, p in zip(batch, pos, strict=True)],
             query_lens=[1] * len(batch),
-            seq_lens=[r.num_computed + 1 for r in batch],
+            seq_lens=[p + 1 for p in pos],
             block_tables=[r.blocks for r in batch],
             draw=draw,
             filter=filter,
@@ -292,43 +336,63 @@ class Scheduler:
     # ------------------------------------------------------------------ results
 
     def publish(self, rows: Tensor) -> list[StepOutput]:
-        """rows [B, C + 1] int CPU (codes + done flag) of the scheduled batch -> one output per request."""
-        batch, self._scheduled = self._scheduled, []
+        """rows [B, C + 1] int CPU (codes + done flag) of the oldest unpublished step -> one output per request
+        that is still live (a request cancelled, or ended by the step before, is skipped)."""
+        batch, started = self._unpublished.popleft()
         with torch.inference_mode(False):  # ordinary tensors, which callers may modify
             host = rows.to(torch.int32)
             codes, done = host[:, :-1], host[:, -1].tolist()
             published = codes.clone().split(1)  # [1, C] each; not shared with req.rows, so callers may modify them
             kept = codes.unbind(0)  # [C] each, one call instead of B indexing ops
         now = time.perf_counter()
-        prefill = self._prefill_started is not None
-        prefill_ms = (now - self._prefill_started) * 1e3 if prefill else 0.0
+        prefill = started is not None
+        prefill_ms = (now - started) * 1e3 if prefill else 0.0
         outputs = []
         for i, req in enumerate(batch):
+            if req.finished:
+                continue
             req.num_computed = len(req.prompt) + len(req.rows) if prefill else req.num_computed + 1
             req.prefill_ms += prefill_ms
             req.rows.append(kept[i])
             if req.first_row_at is None:
                 req.first_row_at = now
-            reason = None
-            if done[i]:
-                reason = "eoc"
-            elif len(req.rows) >= req.max_rows:
-                reason = "max_frames"
-            elif req.num_tokens + 1 > self.max_model_len:
-                reason = "max_model_len"
+            reason = "eoc" if done[i] else self._limit_reason(req, len(req.rows))
             if reason:
                 self._finish(req, reason)
             outputs.append(StepOutput(req.id, published[i], reason is not None, reason))
         return outputs
 
+    def _limit_reason(self, req: Request, rows: int) -> str | None:
+        """Why ``req`` ends once it has ``rows`` rows, short of EOC: its row limit or its context limit."""
+        if rows >= req.max_rows:
+            return "max_frames"
+        if len(req.prompt) + max(rows - 1, 0) + 1 > self.max_model_len:  # its tokens then, plus the next one
+            return "max_model_len"
+        return None
+
     def abort(self, exc: BaseException) -> list[StepOutput]:
-        """The scheduled step raised: its requests' KV and state may be half-written, so they end with ``exc``."""
-        batch, self._scheduled = self._scheduled, []
-        for req in batch:
-            if not req.finished:
-                self._finish(req, "error")
-                req.error = exc
-        return [StepOutput(r.id, None, True, "error") for r in batch]
+        """The oldest unpublished step raised: its requests' KV and state may be half-written, so they end with
+        ``exc`` (nothing, if no step is unpublished)."""
+        if not self._unpublished:
+            return []
+        batch, _ = self._unpublished.popleft()
+        live = [r for r in batch if not r.finished]
+        for req in live:
+            self._finish(req, "error")
+            req.error = exc
+        return [StepOutput(r.id, None, True, "error") for r in live]
+
+    def abort_all(self, exc: BaseException) -> None:
+        """``abort`` every unpublished step (the device failed under them)."""
+        while self._unpublished:
+            self.abort(exc)
+
+    def discard_finished(self) -> bool:
+        """Forget the newest unpublished step if none of its requests is live (its rows will never be read)."""
+        if self._unpublished and all(r.finished for r in self._unpublished[-1][0]):
+            self._unpublished.pop()
+            return True
+        return False
 
     def _finish(self, req: Request, reason: str) -> None:
         if req.blocks:

@@ -31,6 +31,7 @@ def assert_idle(talker: HiggsTalker) -> None:
     assert not s.requests, f"requests left behind: {list(s.requests)}"
     assert not s.waiting, f"requests left waiting: {[r.id for r in s.waiting]}"
     assert not s.running, f"requests left running: {[r.id for r in s.running]}"
+    assert not s._unpublished and e._ahead is None, "a step was left unpublished"
     blocks, slots = _IDLE[e]
     assert s.blocks.num_free == blocks, f"KV blocks leaked: {s.blocks.num_free} free, {blocks} when idle"
     free = s.free_slots._free

@@ -144,7 +144,7 @@ def _attention(caches, kernel: str, scratch_block: int, max_batch: int = 64, max
     return FlashInferAttention(caches, 32, 8, 128, max_model_len, scratch_block, kernel, max_batch)
 
 
-@pytest.mark.parametrize("kernel", ["native", "xqa"])
+@pytest.mark.parametrize("kernel", ["native", "xqa", "native_tc"])
 @pytest.mark.parametrize("batch", [1, 4, 16, 64])
 @pytest.mark.parametrize("ctx", [256, 1024, 4096])
 def test_decode_kernels_vs_float64(kernel, batch, ctx):
@@ -321,6 +321,35 @@ def test_kernel_options_on_and_off_give_equal_greedy_codes(talkers, option_talke
     monkeypatch.undo()
     want = _run_schedule(off, batch)
     prompts, params = _schedule_inputs(off, batch)
+    for rid, rows in want.items():
+        if got[rid] == rows:
+            continue
+        i = int(rid[1:])
+        alone = _solo_rows(solo, prompts[i], params[i])
+        for which in (got[rid], rows):
+            explain_divergence(solo, prompts[i], params[i], torch.tensor(which), alone,
+                               rel_gap=bf16_score_gap(solo.cfg.text))  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["eager", "full_decode", "auto"])
+@pytest.mark.parametrize("batch", [1, 13, 64])
+def test_async_scheduling_gives_the_codes_of_synchronous_steps(talkers, mode, batch):
+    """Asynchronous scheduling (the CUDA default) against synchronous steps on the same talker: the same greedy
+    codes. Requests that join are prefilled one decode step later than in a synchronous run (the step queued
+    ahead runs first), so other requests' steps can run in another bucket; a code may then flip only at a
+    provable bf16 near tie against an eager solo run (``explain_divergence``)."""
+    talker = talkers[mode]
+    eng = talker.engine
+    assert eng.async_scheduling
+    got = _run_schedule(talker, batch)
+    eng.async_scheduling = False
+    try:
+        want = _run_schedule(talker, batch)
+    finally:
+        eng.async_scheduling = True
+    assert eng._ahead is None and not eng.scheduler._unpublished
+    prompts, params = _schedule_inputs(talker, batch)
+    solo = talkers["eager"]
     for rid, rows in want.items():
         if got[rid] == rows:
             continue
