@@ -499,7 +499,7 @@ def _compile(hf, fullgraph: bool):
 def run_peers(cfg: TalkerConfig, args, writer: ResultFile, bw: float) -> None:
     device = torch.device(args.device)
     try:
-        talker = build_talker(args, cfg, "eager", num_blocks=64)
+        talker = build_talker(args, cfg, Variant("eager", async_scheduling=None), num_blocks=64)
         if not args.model:
             suppress_eoc(talker)
         dtype = next(talker.model.parameters()).dtype
