@@ -1,0 +1,101 @@
+"""Where a prefill step's time goes, and what the first frame waits for (TTFP).
+
+CUDA only. 4B shape, random bf16 weights, graph mode ``auto``. For prompts of 32, 128 and 512 tokens (one
+request): the prefill ``engine.step()`` timed on the host and with CUDA events (the GPU's busy time inside it:
+kernel time summed by torch.profiler), median of 5; then one request from submission to its 8th row (the
+first complete frame) split into the prefill and the decode steps after it; then a cProfile of one 128-token
+prefill (the host functions that take the time).
+
+    python benchmarks/probes/profile_prefill.py
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_decode import SHAPE_4B, make_prompt, suppress_eoc  # noqa: E402
+
+from higgs_talker import HiggsTalker, SamplingParams, TalkerConfig, TextConfig  # noqa: E402
+
+
+def prefill_once(talker: HiggsTalker, prompt) -> tuple[float, float]:
+    """(host ms, CUDA-event ms) of one prefill step of ``prompt``; the request is cancelled after."""
+    eng = talker.engine
+    rid = eng.add_request(prompt, SamplingParams(temperature=0.0, max_frames=50))
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    eng.step()
+    end.record()
+    host = (time.perf_counter() - t0) * 1e3
+    end.synchronize()
+    assert eng.requests[rid].rows, "the step was not this request's prefill"
+    eng.cancel(rid)
+    eng.requests.pop(rid)
+    return host, start.elapsed_time(end)
+
+
+def kernel_ms(talker: HiggsTalker, prompt) -> float:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        prefill_once(talker, prompt)
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+
+
+def first_frame(talker: HiggsTalker, prompt) -> str:
+    eng = talker.engine
+    t0 = time.perf_counter()
+    rid = eng.add_request(prompt, SamplingParams(temperature=0.0, max_frames=50))
+    marks = []
+    while len(eng.requests[rid].rows) < talker.cfg.num_codebooks:
+        eng.step()
+        marks.append((time.perf_counter() - t0) * 1e3)
+    eng.cancel(rid)
+    eng.requests.pop(rid)
+    steps = [b - a for a, b in zip(marks, marks[1:], strict=False)]
+    each = statistics.median(steps) if steps else float("nan")
+    return (
+        f"prefill {marks[0]:.1f} ms, then {len(steps)} decode steps {sum(steps):.1f} ms ({each:.2f} each): "
+        f"{talker.cfg.num_codebooks} rows at {marks[-1]:.1f} ms"
+    )
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit(f"{Path(__file__).name} is a CUDA probe: no CUDA device here")
+    torch.set_grad_enabled(False)
+    cfg = TalkerConfig(text=TextConfig(**SHAPE_4B))
+    t0 = time.perf_counter()
+    talker = HiggsTalker.from_config(cfg, device="cuda", dtype="bfloat16", max_num_seqs=64, max_model_len=4096)
+    suppress_eoc(talker)
+    print(f"built auto in {time.perf_counter() - t0:.1f} s", flush=True)
+    for n in (32, 128, 512):
+        prompt = make_prompt(talker, n, seed=n)
+        prefill_once(talker, prompt)  # first use of this shape
+        runs = sorted(prefill_once(talker, prompt) for _ in range(5))
+        host, gpu = runs[2]
+        print(f"prefill {len(prompt):4d} tokens: host {host:.1f} ms, CUDA events {gpu:.1f} ms, "
+              f"kernels {kernel_ms(talker, prompt):.1f} ms", flush=True)  # fmt: skip
+        print(f"  first frame ({len(prompt)} tokens): {first_frame(talker, prompt)}", flush=True)
+    prompt = make_prompt(talker, 128, seed=128)
+    prof = cProfile.Profile()
+    prof.enable()
+    prefill_once(talker, prompt)
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+    print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()
