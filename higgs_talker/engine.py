@@ -13,7 +13,8 @@ the step it waited for, and the codes are the same; the device no longer idles w
 plans. A request that ends at step t (EOC, cancel) has had step t + 1 computed for nothing.
 
 The public methods take one lock, so an engine may be shared by threads; ``HiggsTalker`` drives it from one
-worker thread that batches every caller's requests.
+worker thread that batches every caller's requests. ``step()`` lets go of it while it waits for the device, so
+callers add and cancel requests without waiting for a step to finish (one ``step()`` runs at a time).
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ class Engine:
         self.async_scheduling = self.device.type == "cuda" if ec.async_scheduling is None else ec.async_scheduling
         self._ahead: _Launched | None = None  # a decode step on the device whose rows are not published yet
         self.num_steps = 0
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the scheduler's state
+        self._stepping = threading.Lock()  # one step() at a time (it lets go of _lock while the device works)
 
     def _budget_blocks(self, want: int, per_seq: int) -> int:
         """Enough blocks for max_num_seqs full-length sequences, at most what ``kv_memory_fraction`` of the free
@@ -154,37 +156,39 @@ class Engine:
         raises, the requests it was running end with ``finish_reason="error"`` and the exception in
         ``Request.error``, and the exception propagates; all other requests are untouched.
         """
-        with self._lock, torch.inference_mode():
+        with self._stepping, torch.inference_mode():
             outputs: list[StepOutput] = []
-            current, self._ahead = self._ahead, None
-            if current is None:
-                batch = self.scheduler.schedule(outputs)
-                if batch is None:
-                    self.num_steps += 1
-                    return outputs
-                try:
-                    current = self._launch(batch)
-                except BaseException as exc:
-                    self.scheduler.abort(exc)
-                    raise
-                if not (self.async_scheduling and batch.is_decode):
-                    outputs += self._publish(current)
-                    self.num_steps += 1
-                    return outputs
-            try:  # the next decode goes on the device before this one's rows are read
-                ahead = self.scheduler.schedule_ahead()
-                self._ahead = None if ahead is None else self._launch(ahead)
+            with self._lock:
+                current, self._ahead = self._ahead, None
+                if current is None:
+                    batch = self.scheduler.schedule(outputs)
+                    if batch is None:
+                        self.num_steps += 1
+                        return outputs
+                    try:
+                        current = self._launch(batch)
+                    except BaseException as exc:
+                        self.scheduler.abort(exc)
+                        raise
+                    ahead_allowed = self.async_scheduling and batch.is_decode
+                else:
+                    ahead_allowed = self.async_scheduling  # ``current`` is a decode scheduled ahead
                 failed = None
-            except BaseException as exc:  # noqa: BLE001 - publish the running step first, then fail this one
-                failed = exc
+                if ahead_allowed:
+                    try:  # the next decode goes on the device before this one's rows are read
+                        ahead = self.scheduler.schedule_ahead()
+                        self._ahead = None if ahead is None else self._launch(ahead)
+                    except BaseException as exc:  # noqa: BLE001 - publish the running step first, then fail this one
+                        failed = exc
             outputs += self._publish(current)
-            if failed is not None:
-                self.scheduler.abort(failed)
-                raise failed
-            if self._ahead is not None and self.scheduler.discard_finished():
-                self._ahead = None  # every request of the step ahead has ended: its rows are never read
-            self.num_steps += 1
-            return outputs
+            with self._lock:
+                if failed is not None:
+                    self.scheduler.abort(failed)
+                    raise failed
+                if self._ahead is not None and self.scheduler.discard_finished():
+                    self._ahead = None  # every request of the step ahead has ended: its rows are never read
+                self.num_steps += 1
+                return outputs
 
     def _launch(self, batch) -> _Launched:
         graphs = self.graphs
@@ -192,12 +196,14 @@ class Engine:
         return _Launched(rows)
 
     def _publish(self, launched: _Launched) -> list[StepOutput]:
-        """Wait for the oldest unpublished step and publish it; if waiting raises (the device failed), every
-        unpublished step's requests fail."""
+        """Wait (without the lock) for the oldest unpublished step and publish it; if waiting raises (the device
+        failed), every unpublished step's requests fail."""
         try:
             rows = launched.wait()
         except BaseException as exc:
-            self._ahead = None
-            self.scheduler.abort_all(exc)
+            with self._lock:
+                self._ahead = None
+                self.scheduler.abort_all(exc)
             raise
-        return self.scheduler.publish(rows)
+        with self._lock:
+            return self.scheduler.publish(rows)

@@ -255,3 +255,55 @@ def test_context_limit_with_a_step_in_flight(talker, extra):
         rows[on] = torch.stack(req.rows)
         assert_idle(_Idle(engine))
     assert torch.equal(rows[True], rows[False])
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["sync", "async"])
+def test_callers_are_not_held_while_a_step_waits_for_the_device(talker, monkeypatch, on):
+    """While ``step()`` waits for the device, other threads add and cancel requests at once (the lock is let
+    go); what they did is seen by the step's publish: the cancelled request publishes nothing more, the added
+    one is prefilled next, and every code equals a run without the interruption."""
+    import threading
+
+    from higgs_talker import engine as engine_module
+
+    engine = engine_for(talker, on)
+    remember_idle(_Idle(engine))
+    params = [SamplingParams(seed=40 + i, max_frames=20) for i in range(3)]
+    prompts = [talker.build_prompt(t) for t in TEXTS[:3]]
+    ids = [engine.add_request(prompts[i], params[i]) for i in range(2)]
+    real_wait = engine_module._Launched.wait
+    seen = {}
+
+    def wait_with_callers(self):
+        if "done" not in seen and len(engine.requests[ids[0]].rows) == 5:
+            seen["done"] = True
+
+            def caller() -> None:
+                seen["added"] = engine.add_request(prompts[2], params[2])
+                seen["cancelled"] = engine.cancel(ids[1])
+
+            t = threading.Thread(target=caller)
+            t.start()
+            t.join(timeout=30)
+            seen["free"] = not t.is_alive()
+        return real_wait(self)
+
+    monkeypatch.setattr(engine_module._Launched, "wait", wait_with_callers)
+    published = {}
+    while engine.has_unfinished() or "added" not in seen:
+        for o in engine.step():
+            published.setdefault(o.request_id, []).append(o)
+    monkeypatch.undo()
+    assert seen["free"], "add_request / cancel waited for the step (the lock was held over the device wait)"
+    assert seen["cancelled"]
+    cancelled = engine.pop_finished(ids[1])
+    assert cancelled.finish_reason == "cancelled"
+    assert len(published[ids[1]]) == len(cancelled.rows)  # nothing published after the cancel
+    alone = engine_for(talker, False)
+    for rid, i in ((ids[0], 0), (seen["added"], 2)):
+        rows = torch.stack(engine.pop_finished(rid).rows)
+        other = alone.add_request(prompts[i], params[i])
+        while alone.has_unfinished():
+            alone.step()
+        assert torch.equal(rows, torch.stack(alone.pop_finished(other).rows)), rid
+    assert_idle(_Idle(engine))
