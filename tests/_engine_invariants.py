@@ -1,4 +1,4 @@
-"""Checks shared by the reliability tests: an engine back at idle, and the delay pattern of published rows."""
+"""Shared by the reliability tests: their offered load, an engine back at idle, the delay pattern of published rows."""
 
 from __future__ import annotations
 
@@ -10,6 +10,18 @@ from torch import Tensor
 from higgs_talker.api import HiggsTalker
 from higgs_talker.engine import Engine
 from higgs_talker.heads.sampling import race_scores
+
+# an offered load of varied prompts (the engine reliability tests batch them; some end on EOC when sampled)
+LOAD_TEXTS = [
+    "Hello there.",
+    "A somewhat longer sentence to make a longer prompt.",
+    "Short.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Numbers: one two three four five six.",
+    "Is this thing on?",
+    "Another one.",
+    "And the last one of the batch, a little longer than most.",
+]
 
 _IDLE: weakref.WeakKeyDictionary[Engine, tuple[int, frozenset[int]]] = weakref.WeakKeyDictionary()
 

@@ -13,20 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from _engine_invariants import assert_idle, check_delay_pattern, remember_idle
+from _engine_invariants import LOAD_TEXTS, assert_idle, check_delay_pattern, remember_idle
 
 from higgs_talker.api import HiggsTalker
 from higgs_talker.engine import Engine, EngineConfig
 from higgs_talker.heads.sampling import SamplingParams
 
-TEXTS = [
-    "Hello there.",
-    "A somewhat longer sentence to make a longer prompt.",
-    "Short.",
-    "The quick brown fox jumps over the lazy dog.",
-    "Numbers: one two three four five six.",
-    "Is this thing on?",
-]
+TEXTS = LOAD_TEXTS[:6]
 
 
 def load() -> list[SamplingParams]:

@@ -12,21 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _engine_invariants import assert_idle, check_delay_pattern, explain_divergence, remember_idle
+from _engine_invariants import LOAD_TEXTS, assert_idle, check_delay_pattern, explain_divergence, remember_idle
 
 from higgs_talker.api import HiggsTalker
 from higgs_talker.heads.sampling import SamplingParams
 
-TEXTS = [
-    "Hello there.",
-    "A somewhat longer sentence to make a longer prompt.",
-    "Short.",
-    "The quick brown fox jumps over the lazy dog.",
-    "Numbers: one two three four five six.",
-    "Is this thing on?",
-    "Another one.",
-    "And the last one of the batch, a little longer than most.",
-]
+TEXTS = LOAD_TEXTS
 
 
 def offered_load() -> list[SamplingParams]:
