@@ -90,6 +90,14 @@ def test_decode_refuses_a_budget_the_peers_would_eat(bench, capsys) -> None:
     assert mod.parse_args(["--budget-s", "60", "--no-peers"]).budget_s == 60
 
 
+def test_decode_refuses_an_unknown_decode_kernel(bench, capsys) -> None:
+    mod = bench("bench_decode")
+    with pytest.raises(SystemExit) as exc:
+        mod.parse_args(["--decode-kernels", "xqa,fast", "--no-peers"])
+    assert exc.value.code == 2 and "unknown decode kernel(s) ['fast']" in capsys.readouterr().err
+    assert mod.parse_args(["--decode-kernels", "native_tc,auto", "--no-peers"]).decode_kernels == ["native_tc", "auto"]
+
+
 def test_e2e_smoke(bench, tmp_path: Path) -> None:
     mod = bench("bench_e2e")
     argv = ["--device", "cpu", "--tiny", "--modes", "eager", "--levels", "1,2", "--requests", "2",

@@ -1,10 +1,10 @@
 """Where a prefill step's time goes, and what the first frame waits for (TTFP).
 
 CUDA only. 4B shape, random bf16 weights, graph mode ``auto``. For prompts of 32, 128 and 512 tokens (one
-request): the prefill ``engine.step()`` timed on the host and with CUDA events (the GPU's busy time inside it:
-kernel time summed by torch.profiler), median of 5; then one request from submission to its 8th row (the
-first complete frame) split into the prefill and the decode steps after it; then a cProfile of one 128-token
-prefill (the host functions that take the time).
+request): the prefill ``engine.step()`` timed on the host and with CUDA events (median of 5), beside the
+kernel time inside it that torch.profiler sums (their gap is the GPU waiting for the host); then one request
+from submission to its 8th row (the first complete frame), split into the prefill and the decode steps after
+it; then a cProfile of one 128-token prefill (the host functions that take the time).
 
     python benchmarks/probes/profile_prefill.py
 """
