@@ -23,6 +23,7 @@ from .config import TalkerConfig, check_fits_device, register_hf_config
 from .cuda_graphs.policy import GraphMode
 from .driver import Driver, Ticket
 from .engine import Engine, EngineConfig, Request
+from .flashinfer_attention import check_decode_kernel
 from .heads.delay import codec_frames
 from .heads.sampling import SamplingParams
 from .model import TalkerModel
@@ -99,6 +100,7 @@ class HiggsTalker:
         (transformers' layout) that encodes ``Reference(audio=...)`` instead of the bundled encoder.
         """
         device, dtype, mode = _resolve_runtime(device, dtype, graph_mode)
+        check_decode_kernel(decode_kernel)
         engine_config = _engine_config(engine_options)
         path = _checkpoint_dir(path)
         register_hf_config()
@@ -142,6 +144,7 @@ class HiggsTalker:
         ``engine_options`` and ``fuse_qk_rope`` as for ``from_pretrained``.
         """
         device, dtype, mode = _resolve_runtime(device, dtype, graph_mode)
+        check_decode_kernel(decode_kernel)
         engine_config = _engine_config(engine_options)
         if not isinstance(cfg, TalkerConfig):
             raise TypeError(f"cfg must be a TalkerConfig, got {type(cfg).__name__}")

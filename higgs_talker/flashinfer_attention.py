@@ -30,6 +30,13 @@ if TYPE_CHECKING:
 WORKSPACE_BYTES = 256 * 1024 * 1024
 KERNELS = ("native", "xqa", "native_tc")
 
+
+def check_decode_kernel(kernel: str) -> None:
+    """Refuse a ``decode_kernel`` option that names no kernel (on every device: CPU ignores the option)."""
+    if kernel not in ("auto", *KERNELS):
+        raise ValueError(f"decode_kernel must be 'auto' or one of {', '.join(KERNELS)}, got {kernel!r}")
+
+
 Attend = Callable[[Tensor, Tensor], Tensor]  # (q [N, Hq, D], layer cache) -> [N, Hq, D]
 
 
@@ -50,8 +57,7 @@ class FlashInferAttention:
     ) -> None:
         import flashinfer
 
-        if decode_kernel not in ("auto", *KERNELS):
-            raise ValueError(f"decode_kernel must be 'auto' or one of {', '.join(KERNELS)}, got {decode_kernel!r}")
+        check_decode_kernel(decode_kernel)
         self.fi = flashinfer
         self.kv_caches = kv_caches
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim

@@ -19,6 +19,7 @@ from torch import Tensor
 from .attention import AttentionBackend, SdpaAttention, use_backend
 from .batch import DeviceBatch, StepBatch
 from .config import SpecialTokens, TalkerConfig
+from .flashinfer_attention import check_decode_kernel
 from .heads.slots import SlotStore, sample_frame
 from .kv_cache import allocate_kv_caches
 from .model import PostAttention, TalkerModel, post_attention_block
@@ -59,6 +60,7 @@ class ModelRunner:
         attention: AttentionBackend | None = None,
         decode_kernel: str = "auto",
     ) -> None:
+        check_decode_kernel(decode_kernel)
         self.model, self.cfg, self.specials = model, cfg, specials
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from higgs_talker import api
 from higgs_talker.api import HiggsTalker, Reference
 from higgs_talker.config import TalkerConfig
-from higgs_talker.engine import EngineConfig
+from higgs_talker.engine import Engine, EngineConfig
 from higgs_talker.heads.sampling import SamplingParams
 from higgs_talker.prompt import Prompt
 from higgs_talker.tiny import write_checkpoint
@@ -387,6 +387,15 @@ LOADER_CASES = [
     pytest.param(nothing, ValueError, "unknown device 'tpu0'", id="api-device"),
     pytest.param(nothing, ValueError, "max_num_seqs must be an integer > 0, got 0", id="api-max-num-seqs"),
     pytest.param(nothing, ValueError, "num_blocks must be an integer > 0, got -4", id="api-num-blocks"),
+    pytest.param(
+        nothing,
+        ValueError,
+        "decode_kernel must be 'auto' or one of native, xqa, native_tc, got 'fast'",
+        id="api-decode-kernel",
+    ),
+    pytest.param(
+        nothing, ValueError, "async_scheduling must be True, False or None, got 'yes'", id="api-async-scheduling"
+    ),
 ]
 API_KWARGS = {
     "api-graph-mode": dict(graph_mode="bogus"),
@@ -394,6 +403,8 @@ API_KWARGS = {
     "api-device": dict(device="tpu0"),
     "api-max-num-seqs": dict(max_num_seqs=0),
     "api-num-blocks": dict(num_blocks=-4),
+    "api-decode-kernel": dict(decode_kernel="fast"),
+    "api-async-scheduling": dict(async_scheduling="yes"),
 }
 
 
@@ -601,6 +612,12 @@ CALL_CASES = [
     ),
     pytest.param(
         lambda t: EngineConfig(block_size=0), ValueError, "block_size must be an integer > 0, got 0", id="engine-cfg"
+    ),
+    pytest.param(
+        lambda t: Engine(t.model, t.cfg, t.tokenizer.specials, EngineConfig(max_num_seqs=2), decode_kernel="fast"),
+        ValueError,
+        "decode_kernel must be 'auto' or one of native, xqa, native_tc, got 'fast'",
+        id="engine-decode-kernel",
     ),
     pytest.param(lambda t: t.generate(["ok"], max_frames=-1), ValueError, "got -1", id="batch-max-frames"),
     pytest.param(
