@@ -20,6 +20,7 @@ from torch import Tensor
 from . import checkpoint
 from .audio import CodecLoader, has_bundled_codec
 from .config import TalkerConfig, check_fits_device, register_hf_config
+from .cuda_graphs.buckets import normalize_buckets
 from .cuda_graphs.policy import GraphMode
 from .driver import Driver, Ticket
 from .engine import Engine, EngineConfig, Request
@@ -59,6 +60,7 @@ class HiggsTalker:
         graph_mode: GraphMode | str = GraphMode.EAGER,
         decode_kernel: str = "auto",
         buckets: Sequence[int] | None = None,
+        prefill_buckets: Sequence[int] | None = None,
         codec_loader: CodecLoader | None = None,
     ) -> None:
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
@@ -66,7 +68,7 @@ class HiggsTalker:
         self.graph_mode = GraphMode.parse(graph_mode)
         self.engine = Engine(model, cfg, tokenizer.specials, engine_config, decode_kernel=decode_kernel)
         if self.engine.device.type == "cuda":
-            self.engine.warm_up(self.graph_mode, buckets)
+            self.engine.warm_up(self.graph_mode, buckets, prefill_buckets)
         self._driver = Driver(self.engine)
 
     @classmethod
@@ -80,6 +82,7 @@ class HiggsTalker:
         decode_kernel: str = "auto",
         fuse_qk_rope: bool = True,
         buckets: Sequence[int] | None = None,
+        prefill_buckets: Sequence[int] | None = None,
         codec: bool = True,
         audio_tokenizer: str | Path | None = None,
         codec_dtype: str | torch.dtype = torch.float32,
@@ -95,12 +98,16 @@ class HiggsTalker:
         QK-norm, RoPE and the K/V cache writes of each layer in one Triton kernel (H200: 7% off a batch-1 decode
         step; greedy codes equal to the separate kernels' up to bf16 near ties).
 
+        ``buckets`` (decode batch sizes) and ``prefill_buckets`` (prefill token counts, ``()`` for none; default
+        16-1024): the CUDA graph buckets, checked on every device.
+
         ``codec``: results carry ``audio`` decoded by the codec bundled in the checkpoint (when it has one),
         loaded on first use in ``codec_dtype`` on ``device``. ``audio_tokenizer``: an audio tokenizer directory
         (transformers' layout) that encodes ``Reference(audio=...)`` instead of the bundled encoder.
         """
         device, dtype, mode = _resolve_runtime(device, dtype, graph_mode)
         check_decode_kernel(decode_kernel)
+        _check_buckets(buckets, prefill_buckets)
         engine_config = _engine_config(engine_options)
         path = _checkpoint_dir(path)
         register_hf_config()
@@ -120,7 +127,7 @@ class HiggsTalker:
             logger.info("%s bundles no codec: results carry codes only", path)
         return cls(
             model, cfg, tokenizer, engine_config, graph_mode=mode, decode_kernel=decode_kernel, buckets=buckets,
-            codec_loader=loader,
+            prefill_buckets=prefill_buckets, codec_loader=loader,
         )  # fmt: skip
 
     @classmethod
@@ -136,6 +143,7 @@ class HiggsTalker:
         decode_kernel: str = "auto",
         fuse_qk_rope: bool = True,
         buckets: Sequence[int] | None = None,
+        prefill_buckets: Sequence[int] | None = None,
         **engine_options,
     ) -> HiggsTalker:
         """A talker of any shape with random weights (benchmarks, tests); the tokenizer defaults to the tiny one.
@@ -145,6 +153,7 @@ class HiggsTalker:
         """
         device, dtype, mode = _resolve_runtime(device, dtype, graph_mode)
         check_decode_kernel(decode_kernel)
+        _check_buckets(buckets, prefill_buckets)
         engine_config = _engine_config(engine_options)
         if not isinstance(cfg, TalkerConfig):
             raise TypeError(f"cfg must be a TalkerConfig, got {type(cfg).__name__}")
@@ -159,7 +168,10 @@ class HiggsTalker:
                     param.normal_(0.0, 0.02, generator=g)
         model.eval().requires_grad_(False)
         tokenizer = TalkerTokenizer.from_pretrained(tokenizer_path or tiny_checkpoint(), cfg)
-        return cls(model, cfg, tokenizer, engine_config, graph_mode=mode, decode_kernel=decode_kernel, buckets=buckets)
+        return cls(
+            model, cfg, tokenizer, engine_config, graph_mode=mode, decode_kernel=decode_kernel, buckets=buckets,
+            prefill_buckets=prefill_buckets,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ prompts
 
@@ -366,6 +378,14 @@ def _engine_config(options: dict) -> EngineConfig:
         known = ", ".join(EngineConfig.__dataclass_fields__)
         unknown = ", ".join(sorted(k for k in options if k not in EngineConfig.__dataclass_fields__))
         raise TypeError(f"unknown engine option(s) {unknown}; engine options are {known}") from None
+
+
+def _check_buckets(buckets: Sequence[int] | None, prefill_buckets: Sequence[int] | None) -> None:
+    """Refuse bad graph buckets before anything is loaded (CPU, which captures no graphs, included)."""
+    if buckets is not None:
+        normalize_buckets(buckets)
+    if prefill_buckets is not None:
+        normalize_buckets(prefill_buckets, allow_empty=True)
 
 
 def _resolve_runtime(

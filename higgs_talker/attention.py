@@ -8,6 +8,9 @@ full):
     plan(batch)             host, eager steps: prefill or decode of exactly this ``StepBatch``
     plan_bucket(batch)      host, graph-bucket decode steps: ``batch``, already padded to its bucket, goes into
                             that bucket's fixed device buffers, which a captured graph reads at replay
+    plan_prefill_bucket(batch)  the same for a prefill padded to a token bucket (``StepBatch.padded_prefill``);
+                            only where ``supports_prefill_graphs`` (FlashInfer; SDPA's prefill loops over
+                            requests on the host, so it cannot replay)
     forward(layer, q, k, v) device: writes the step's K/V into the cache, then attends (graph-safe after
                             ``plan_bucket``); q [N, Hq, D], k/v [N, Hk, D] -> [N, Hq * D]
     kv_destination(layer)   (flat cache [R, Hk, D], rows [2, N] int64) where this step's K and V go, for a
@@ -43,6 +46,7 @@ class AttentionBackend(Protocol):
     scale: float
     max_model_len: int
     decode_kernels: tuple[str, ...]
+    supports_prefill_graphs: bool
 
     def plan(self, batch: StepBatch) -> None: ...
 
@@ -124,6 +128,7 @@ class SdpaAttention:
     """
 
     decode_kernels = ("sdpa",)
+    supports_prefill_graphs = False
 
     def __init__(
         self,
@@ -199,6 +204,8 @@ class SdpaAttention:
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         start = 0
         for i, (q_len, ctx) in enumerate(zip(query_lens, seq_lens, strict=True)):
+            if q_len == 0:  # an empty padding request
+                continue
             ck, cv = gather_kv(cache, tables[i], ctx)
             qi = q[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
             ki, vi = ck.transpose(0, 1).to(q.dtype), cv.transpose(0, 1).to(q.dtype)

@@ -114,12 +114,18 @@ class Engine:
     def requests(self) -> dict[str, Request]:
         return self.scheduler.requests
 
-    def warm_up(self, graph_mode, buckets: Sequence[int] | None = None) -> None:
-        """CUDA only: measure the decode kernels and capture the graphs ``graph_mode`` needs (before serving)."""
-        from .cuda_graphs import DEFAULT_BUCKETS, GraphRunner
+    def warm_up(
+        self, graph_mode, buckets: Sequence[int] | None = None, prefill_buckets: Sequence[int] | None = None
+    ) -> None:
+        """CUDA only: measure the decode kernels and capture the graphs ``graph_mode`` needs (before serving).
+        ``buckets``: decode batch buckets; ``prefill_buckets``: prefill token buckets (``()``: none)."""
+        from .cuda_graphs import DEFAULT_BUCKETS, DEFAULT_PREFILL_BUCKETS, GraphRunner
 
         with self._lock:
-            runner = GraphRunner(self.runner, graph_mode, buckets or DEFAULT_BUCKETS, self.config.max_num_seqs)
+            runner = GraphRunner(
+                self.runner, graph_mode, buckets or DEFAULT_BUCKETS, self.config.max_num_seqs,
+                DEFAULT_PREFILL_BUCKETS if prefill_buckets is None else prefill_buckets,
+            )  # fmt: skip
             runner.warm_up()
             self.graphs = runner
 
@@ -192,7 +198,7 @@ class Engine:
 
     def _launch(self, batch) -> _Launched:
         graphs = self.graphs
-        rows = graphs.run(batch) if graphs is not None and batch.is_decode else self.runner.run(batch)
+        rows = self.runner.run(batch) if graphs is None else graphs.run(batch)
         return _Launched(rows)
 
     def _publish(self, launched: _Launched) -> list[StepOutput]:

@@ -7,10 +7,11 @@ tile, which suits GQA) and ``xqa`` (``trtllm_batch_decode_with_kv_cache(backend=
 zeroed workspace: sharing the native wrapper's made it return wrong outputs wherever it splits sequences
 (GPU.md).
 
-Planning happens on the host in ``plan`` / ``plan_bucket``; ``forward`` only launches kernels. Every bucket
-reads slices ``[:size]`` of one set of fixed device buffers sized for the largest batch (allocated here,
-refreshed by each bucket's ``plan_bucket``), so a captured decode step replays with whatever the last
-``plan_bucket`` of its bucket wrote.
+Planning happens on the host in ``plan`` / ``plan_bucket`` / ``plan_prefill_bucket``; ``forward`` only
+launches kernels. Every decode bucket reads slices ``[:size]`` of one set of fixed device buffers sized for the
+largest batch (allocated here, refreshed by each bucket's ``plan_bucket``), so a captured decode step replays
+with whatever the last ``plan_bucket`` of its bucket wrote. A prefill token bucket has its own prefill wrapper
+in FlashInfer's CUDA-graph mode (fixed request count, at most the bucket's tokens) and its own buffers.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ Attend = Callable[[Tensor, Tensor], Tensor]  # (q [N, Hq, D], layer cache) -> [N
 class FlashInferAttention:
     """CUDA backend. ``scratch_block`` is a KV block no request owns (padding rows write there); ``max_batch``
     sizes the decode buffers that graph buckets share."""
+
+    supports_prefill_graphs = True
 
     def __init__(
         self,
@@ -84,7 +87,8 @@ class FlashInferAttention:
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
         self.bucket_kernel: dict[int, str] = {}
         self._graph_wrappers: dict[tuple[int, str], object] = {}  # (bucket, native kernel) -> wrapper
-        self._plan_copied: dict[int, torch.cuda.Event] = {}  # id(decode wrapper) -> after its last plan's copies
+        self._plan_copied: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> after its last plan's copies
+        self._prefill_buckets: dict[tuple[int, int], tuple[object, Tensor]] = {}  # (tokens, reqs) -> wrapper, rows
         self._kv: Tensor | None = None  # [2, N] flat cache rows of this step's K and V
         self._attend: Attend | None = None
 
@@ -111,22 +115,34 @@ class FlashInferAttention:
         indptr = np.zeros(len(used) + 1, dtype=np.int32)
         np.cumsum(used, out=indptr[1:])
         indices = np.fromiter((b for t, u in zip(tables, used, strict=True) for b in t[:u]), dtype=np.int32)
-        last = np.asarray(seq_lens, dtype=np.int32) - (np.asarray(used, dtype=np.int32) - 1) * self.block_size
+        lens = np.asarray(seq_lens, dtype=np.int32)
+        last = lens - np.maximum(np.asarray(used, dtype=np.int32) - 1, 0) * self.block_size  # 0: no context
         return indptr, indices, last
 
-    def _plan_decode(self, wrapper, batch: StepBatch) -> None:
+    def _plan_once_copied(self, wrapper, plan: Callable[[], None]) -> None:
         # A wrapper stages its plan in one pinned host buffer and copies it to the device on the stream. With a
         # step queued ahead (asynchronous scheduling) the previous plan's copy may still be waiting there.
         copied = self._plan_copied.get(id(wrapper))
         if copied is not None:
             copied.synchronize()
-        indptr, indices, last = (torch.from_numpy(a) for a in self._paged(batch.block_tables, batch.seq_lens))
-        wrapper.plan(
-            indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size,
-            pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
-        )  # fmt: skip
+        plan()
         copied = self._plan_copied[id(wrapper)] = torch.cuda.Event()
         copied.record()
+
+    def _plan_decode(self, wrapper, batch: StepBatch) -> None:
+        indptr, indices, last = (torch.from_numpy(a) for a in self._paged(batch.block_tables, batch.seq_lens))
+        self._plan_once_copied(wrapper, lambda: wrapper.plan(
+            indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size,
+            pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
+        ))  # fmt: skip
+
+    def _plan_prefill(self, wrapper, query_lens: list[int], seq_lens: list[int], tables: list[list[int]]) -> None:
+        indptr, indices, last = (torch.from_numpy(a) for a in self._paged(tables, seq_lens))
+        qo = torch.from_numpy(np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32))
+        self._plan_once_copied(wrapper, lambda: wrapper.plan(
+            qo, indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size,
+            causal=True, q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
+        ))  # fmt: skip
 
     def _kv_rows(self, slots: list[int]) -> Tensor:
         """[2, N] int64 (host): the flat cache rows of each new token's K and V (cache viewed as [-1, Hk, D])."""
@@ -148,12 +164,7 @@ class FlashInferAttention:
         """Eager step: plan prefill or decode for exactly this batch."""
         self._kv = self._kv_rows(batch.slot_mapping).to(self.device, non_blocking=True)
         if not batch.is_decode:
-            indptr, indices, last = (torch.from_numpy(a) for a in self._paged(batch.block_tables, batch.seq_lens))
-            qo = torch.from_numpy(np.concatenate([[0], np.cumsum(batch.query_lens)]).astype(np.int32))
-            self.prefill.plan(
-                qo, indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size,
-                causal=True, q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
-            )  # fmt: skip
+            self._plan_prefill(self.prefill, batch.query_lens, batch.seq_lens, batch.block_tables)
             self._attend = self.prefill.run
         elif self.decode_kernels == ("xqa",):
             tables = block_table_array(batch.block_tables, self.max_blocks, self.scratch_block)
@@ -185,6 +196,40 @@ class FlashInferAttention:
             self.block_tables[:size].copy_(torch.from_numpy(tables), non_blocking=True)
             self.seq_lens[:size].copy_(torch.tensor(batch.seq_lens, dtype=torch.int32), non_blocking=True)
             self._attend = self._xqa(self.block_tables[:size], self.seq_lens[:size])
+
+    def prefill_pages(self, tokens: int, reqs: int) -> int:
+        """The KV pages a prefill token bucket's buffers hold: enough for ``reqs`` requests whose contexts
+        add up to ``tokens`` (a prefill's context is its query)."""
+        return -(-tokens // self.block_size) + reqs
+
+    def plan_prefill_bucket(self, batch: StepBatch) -> None:
+        """A prefill batch padded to a token bucket (``StepBatch.padded_prefill``) into that bucket's wrapper and
+        buffers, which a captured prefill step reads at replay. Its contexts must fit ``prefill_pages``."""
+        tokens, reqs = batch.num_tokens, batch.num_reqs
+        entry = self._prefill_buckets.get((tokens, reqs))
+        if entry is None:
+            entry = self._prefill_buckets[tokens, reqs] = self._prefill_bucket(tokens, reqs)
+        wrapper, rows = entry
+        rows.copy_(self._kv_rows(batch.slot_mapping), non_blocking=True)
+        self._kv = rows
+        self._plan_prefill(wrapper, batch.query_lens, batch.seq_lens, batch.block_tables)
+        self._attend = wrapper.run
+
+    def _prefill_bucket(self, tokens: int, reqs: int) -> tuple[object, Tensor]:
+        dev, pages = self.device, self.prefill_pages(tokens, reqs)
+        wrapper = self.fi.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True,
+            qo_indptr_buf=torch.zeros(reqs + 1, dtype=torch.int32, device=dev),
+            paged_kv_indptr_buf=torch.zeros(reqs + 1, dtype=torch.int32, device=dev),
+            paged_kv_indices_buf=torch.zeros(pages, dtype=torch.int32, device=dev),
+            paged_kv_last_page_len_buf=torch.zeros(reqs, dtype=torch.int32, device=dev),
+        )  # fmt: skip
+        # The first plan fixes the most rows the wrapper's kernels are launched for: plan all ``tokens`` once
+        # (as one padding request over the scratch block).
+        tables = [[]] * (reqs - 1) + [[self.scratch_block] * -(-tokens // self.block_size)]
+        lens = [0] * (reqs - 1) + [tokens]
+        self._plan_prefill(wrapper, lens, lens, tables)
+        return wrapper, torch.zeros(2, tokens, dtype=torch.long, device=dev)
 
     # ------------------------------------------------------------------ device side
 

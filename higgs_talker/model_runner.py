@@ -62,12 +62,14 @@ class ModelRunner:
     ) -> None:
         check_decode_kernel(decode_kernel)
         self.model, self.cfg, self.specials = model, cfg, specials
+        self.max_num_seqs = max_num_seqs
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size, self.max_model_len = block_size, max_model_len
-        # one extra block that no request owns: padding rows of graph buckets write their K/V there
-        self.scratch_block = num_blocks
-        self.kv_caches = allocate_kv_caches(cfg.text, num_blocks + 1, block_size, self.dtype, self.device)
+        # two extra blocks that no request owns (batch.py's padding rules): padding requests of decode buckets
+        # write and read the scratch block; padding tokens of prefill buckets read it and write the dump block
+        self.scratch_block, self.dump_block = num_blocks, num_blocks + 1
+        self.kv_caches = allocate_kv_caches(cfg.text, num_blocks + 2, block_size, self.dtype, self.device)
         self.slots = SlotStore(max_num_seqs, cfg.num_codebooks, cfg.codebook_size, cfg.boc_id, cfg.eoc_id, self.device)
         self.attn = attention or default_backend(
             self.kv_caches, cfg, max_model_len, self.scratch_block, max_num_seqs, decode_kernel
@@ -80,6 +82,22 @@ class ModelRunner:
     def padding_batch(self, size: int) -> StepBatch:
         """A decode batch of ``size`` padding requests only (graph capture and warm-up)."""
         return self.padded(StepBatch([], [], [], [], [], []), size)
+
+    def prefill_requests(self, tokens: int) -> int:
+        """The request count of a prefill batch padded to ``tokens`` tokens: as many real ones as it could hold,
+        plus the padding request."""
+        return min(tokens, self.max_num_seqs) + 1
+
+    def padded_prefill(self, batch: StepBatch, tokens: int) -> StepBatch:
+        """A prefill batch padded to ``tokens`` tokens and ``prefill_requests(tokens)`` requests."""
+        return batch.padded_prefill(
+            tokens, self.prefill_requests(tokens), self.slots.scratch, self.scratch_block, self.dump_block,
+            self.block_size,
+        )  # fmt: skip
+
+    def prefill_padding_batch(self, tokens: int) -> StepBatch:
+        """A prefill batch of ``tokens`` padding tokens only (graph capture: it touches no request's state)."""
+        return self.padded_prefill(StepBatch([], [], [], [], [], [], token_ids=[]), tokens)
 
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> Tensor:
@@ -99,14 +117,20 @@ class ModelRunner:
             if inputs.is_decode:
                 hidden = model(self._feedback(inputs.slots), inputs.positions, post_attention)  # [B, H]
             else:
-                embeds = model.embed_text(inputs.token_ids)
-                if inputs.audio_index.numel():
-                    fed = model.multimodal_embedding(inputs.audio_codes).to(embeds.dtype)
-                    embeds = embeds.index_copy(0, inputs.audio_index, fed)
+                embeds = self.embed_prompt(inputs) if inputs.embeds is None else inputs.embeds
                 hidden = model(embeds, inputs.positions)[inputs.last_token]  # [B, H]
         logits = model.modality_head(hidden).float()  # [B, C, V]
         emitted, new = sample_frame(self.slots, inputs.slots, logits, draw=inputs.draw, filter=inputs.filter)
         return torch.cat([emitted, new.done[:, None].long()], dim=1)
+
+    def embed_prompt(self, inputs: DeviceBatch) -> Tensor:
+        """A prefill's token embeddings [N, H]: text ids, with the audio positions embedded from their codes."""
+        model = self.model
+        embeds = model.embed_text(inputs.token_ids)
+        if inputs.audio_index.numel():
+            fed = model.multimodal_embedding(inputs.audio_codes).to(embeds.dtype)
+            embeds = embeds.index_copy(0, inputs.audio_index, fed)
+        return embeds
 
     def eager_post_attention(self, layer: int, hidden: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """Layer ``layer``'s post-attention block, eagerly (what local MLP graphs capture)."""

@@ -16,7 +16,7 @@ from _engine_invariants import explain_divergence  # noqa: E402
 from _qk_rope import check_qk_norm_rope_store  # noqa: E402
 from _tolerance import bf16_score_gap, kernel_rel_tol, rel_err  # noqa: E402
 
-from higgs_talker import HiggsTalker, SamplingParams  # noqa: E402
+from higgs_talker import HiggsTalker, Reference, SamplingParams  # noqa: E402
 from higgs_talker.config import TalkerConfig, TextConfig  # noqa: E402
 from higgs_talker.cuda_graphs.capture import capture_graph  # noqa: E402
 from higgs_talker.ops import FlashInferKernels, TorchKernels, rope_cache  # noqa: E402
@@ -373,6 +373,94 @@ def test_graphs_were_captured(talkers):
     assert full.local is None  # policy: the local path is off under full-decode graphs
     auto = talkers["auto"].engine.graphs
     assert set(auto.choice) == set(auto.buckets)
+
+
+@pytest.fixture(scope="module")
+def unpadded_prefill_talker():
+    """The ``auto`` talker's settings with no prefill token buckets: every prefill runs unpadded and eagerly."""
+    return HiggsTalker.from_config(
+        medium_config(), device="cuda", graph_mode="auto", max_num_seqs=64, max_model_len=1024, seed=0,
+        prefill_buckets=(),
+    )  # fmt: skip
+
+
+def test_prefill_graphs_were_captured(talkers):
+    auto = talkers["auto"].engine.graphs
+    assert auto.prefill is not None and not auto.prefill.failed
+    assert auto.prefill.sizes == auto.prefill_buckets == (16, 32, 64, 128, 256, 512, 1024)
+    for mode in ("eager", "local_mlp", "full_decode"):  # the same padded prefills, without graphs
+        graphs = talkers[mode].engine.graphs
+        assert graphs.prefill is None and graphs.prefill_buckets == auto.prefill_buckets
+
+
+def _reference_prompts(talker: HiggsTalker, n: int) -> list:
+    """Prompts with reference audio codes of different lengths (their prefills embed audio rows)."""
+    g = torch.Generator().manual_seed(5)
+    prompts = []
+    for i in range(n):
+        codes = torch.randint(0, talker.cfg.codebook_size, (3 + 7 * i, talker.cfg.num_codebooks), generator=g)
+        prompts.append(talker.build_prompt(f"reference prompt {i} " * (1 + i % 2), Reference(codes, "ref words")))
+    return prompts
+
+
+@pytest.mark.parametrize("batch", [1, 13, 64])
+def test_prefill_graphs_give_the_codes_of_unpadded_prefills(talkers, unpadded_prefill_talker, batch):
+    """Prefill graphs (``auto``) against unpadded eager prefills: the same greedy codes. The two plan FlashInfer's
+    prefill attention for different row counts, so a code may flip only at a provable bf16 near tie against an
+    eager solo run (``explain_divergence``)."""
+    got = _run_schedule(talkers["auto"], batch)
+    want = _run_schedule(unpadded_prefill_talker, batch)
+    assert_same_or_near_tie(got, want, talkers["eager"], batch)
+
+
+def test_prefill_graphs_with_reference_audio_give_the_codes_of_unpadded_prefills(talkers, unpadded_prefill_talker):
+    """Prompts with audio rows, alone and five at once (one prefill step), through the prefill graphs."""
+    params = SamplingParams(temperature=0, max_frames=24)
+    for talker in (talkers["auto"], unpadded_prefill_talker):
+        assert talker.engine.graphs is not None
+    prompts = _reference_prompts(talkers["auto"], 5)
+    for group in ([prompts[0]], [prompts[3]], prompts):
+        got = [r.rows for r in talkers["auto"].generate(group, params)]
+        want = [r.rows for r in unpadded_prefill_talker.generate(group, params)]
+        for prompt, a, b in zip(group, got, want, strict=True):
+            if torch.equal(a, b):
+                continue
+            solo = _solo_rows(talkers["eager"], prompt, params)
+            for which in (a, b):
+                explain_divergence(talkers["eager"], prompt, params, which.long(), solo,
+                                   rel_gap=bf16_score_gap(talkers["eager"].cfg.text))  # fmt: skip
+
+
+def test_prefill_graph_replay_equals_the_eager_padded_prefill(talkers):
+    """The graph of a bucket, replayed on a real padded prefill, gives the rows of the same padded batch run
+    eagerly (same plan, same kernels): exactly, and the real requests' K/V in the cache equal too."""
+    talker = talkers["auto"]
+    eng, graphs = talker.engine, talker.engine.graphs
+    runner = eng.runner
+    prompts = _reference_prompts(talker, 2) + [talker.build_prompt("a plain text prompt")]
+    ids = [eng.add_request(p, SamplingParams(temperature=0, max_frames=4)) for p in prompts]
+    outputs = []
+    batch = eng.scheduler.schedule(outputs)
+    assert batch is not None and not batch.is_decode and batch.num_reqs == 3
+    size = graphs.prefill_bucket_for(batch)
+    assert size is not None and size in graphs.prefill.graphs
+    padded = runner.padded_prefill(batch, size)
+    real = sorted({b for t in batch.block_tables for b in t})
+    slots = list(batch.slots)
+    with torch.inference_mode(), runner.slots.preserved(slots + [runner.slots.scratch]):
+        runner.slots.reset(padded.new_slots)
+        runner.attn.plan_prefill_bucket(padded)
+        want = runner.forward(padded.to_device(runner.device)).clone()
+        want_kv = [c[real].clone() for c in runner.kv_caches]
+    with torch.inference_mode(), runner.slots.preserved(slots + [runner.slots.scratch]):
+        runner.slots.reset(padded.new_slots)
+        got = graphs.prefill.run(padded).clone()
+        got_kv = [c[real].clone() for c in runner.kv_caches]
+    eng.scheduler.abort(RuntimeError("test over"))
+    for rid in ids:
+        eng.pop_finished(rid)
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(got_kv, want_kv, strict=True))
 
 
 def test_first_decode_step_after_capture_equals_eager():

@@ -1,17 +1,20 @@
 """Where a prefill step's time goes, and what the first frame waits for (TTFP).
 
-CUDA only. 4B shape, random bf16 weights, graph mode ``auto``. For prompts of 32, 128 and 512 tokens (one
-request): the prefill ``engine.step()`` timed on the host and with CUDA events (median of 5), beside the
-kernel time inside it that torch.profiler sums (their gap is the GPU waiting for the host); then one request
-from submission to its 8th row (the first complete frame), split into the prefill and the decode steps after
-it; then a cProfile of one 128-token prefill (the host functions that take the time).
+CUDA only. 4B shape, random bf16 weights, graph mode ``auto``, with its prefill graphs (``graphs``) and with
+no prefill token buckets (``unpadded``: eager prefills, as before prefill graphs). For prompts of 32, 128 and
+512 tokens (one request): the prefill ``engine.step()`` timed on the host and with CUDA events (median of 5),
+beside the kernel time inside it that torch.profiler sums (their gap is the GPU waiting for the host); then one
+request from submission to its 8th row (the first complete frame), split into the prefill and the decode steps
+after it; then a cProfile of one 128-token prefill (the host functions that take the time).
 
-    python benchmarks/probes/profile_prefill.py
+    python benchmarks/probes/profile_prefill.py [--variants graphs,unpadded]
 """
 
 from __future__ import annotations
 
+import argparse
 import cProfile
+import gc
 import io
 import pstats
 import statistics
@@ -70,15 +73,35 @@ def first_frame(talker: HiggsTalker, prompt) -> str:
     )
 
 
+VARIANTS = {"graphs": None, "unpadded": ()}  # name -> prefill_buckets
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", default="graphs,unpadded", help=f"comma list of {', '.join(VARIANTS)}")
+    args = ap.parse_args()
+    names = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown or not names:
+        sys.exit(f"--variants: unknown {', '.join(unknown) or 'empty list'}; choose from {', '.join(VARIANTS)}")
     if not torch.cuda.is_available():
         sys.exit(f"{Path(__file__).name} is a CUDA probe: no CUDA device here")
     torch.set_grad_enabled(False)
+    for name in names:
+        profile_variant(name, VARIANTS[name])
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def profile_variant(name: str, prefill_buckets) -> None:
     cfg = TalkerConfig(text=TextConfig(**SHAPE_4B))
     t0 = time.perf_counter()
-    talker = HiggsTalker.from_config(cfg, device="cuda", dtype="bfloat16", max_num_seqs=64, max_model_len=4096)
+    talker = HiggsTalker.from_config(
+        cfg, device="cuda", dtype="bfloat16", max_num_seqs=64, max_model_len=4096, prefill_buckets=prefill_buckets
+    )
     suppress_eoc(talker)
-    print(f"built auto in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"== {name}: built auto in {time.perf_counter() - t0:.1f} s "
+          f"(graph warm-up {talker.engine.graphs.warmup_s:.1f} s)", flush=True)  # fmt: skip
     for n in (32, 128, 512):
         prompt = make_prompt(talker, n, seed=n)
         prefill_once(talker, prompt)  # first use of this shape

@@ -1,12 +1,20 @@
 """CUDA graphs: the mode policy, batch buckets, the capture recipe, kernel choice by measurement, local MLP
-graphs, full decode-step graphs, and the graph runner that wraps a ``ModelRunner``.
+graphs, full decode-step graphs, prefill graphs, and the graph runner that wraps a ``ModelRunner``.
 
 Nothing here imports the engine or the scheduler: the graph runner has the model runner's
 ``run(batch) -> rows`` contract.
 """
 
-from .buckets import DEFAULT_BUCKETS
+from .buckets import DEFAULT_BUCKETS, DEFAULT_PREFILL_BUCKETS
 from .policy import GraphDecision, GraphMode, decide, local_graphs_allowed_now
 from .runner import GraphRunner
 
-__all__ = ["DEFAULT_BUCKETS", "GraphDecision", "GraphMode", "GraphRunner", "decide", "local_graphs_allowed_now"]
+__all__ = [
+    "DEFAULT_BUCKETS",
+    "DEFAULT_PREFILL_BUCKETS",
+    "GraphDecision",
+    "GraphMode",
+    "GraphRunner",
+    "decide",
+    "local_graphs_allowed_now",
+]

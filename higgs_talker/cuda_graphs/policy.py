@@ -41,12 +41,14 @@ VLLM_GRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_P
 
 @dataclass(frozen=True)
 class GraphDecision:
-    """Whether the local MLP graph path is on, whether full-decode graphs are ours to capture, and why."""
+    """Whether the local MLP graph path is on, whether full-decode (and prefill) graphs are ours to capture, and
+    why."""
 
     mode: GraphMode
     local_mlp: bool
     full_decode: bool
     reason: str
+    full_prefill: bool = False
 
 
 def vllm_cudagraph_mode_name(vllm_config: Any) -> str | None:
@@ -77,7 +79,8 @@ def decide(mode: GraphMode | str | None = None, vllm_config: Any = None) -> Grap
 
     Under vLLM, the local MLP path is on exactly when vLLM captures no graphs of its own; ``mode`` may then
     still turn it off ("eager"). Without vLLM, ``mode`` alone decides: eager (none), local_mlp (local only),
-    full_decode (our full-step graphs, local off), auto (both kinds captured, never both in one step).
+    full_decode (our full-step graphs, local off), auto (both kinds captured, never both in one step, and
+    prefill graphs per token bucket).
     """
     if vllm_config is not None:
         external, why = vllm_captures_graphs(vllm_config)
@@ -95,8 +98,9 @@ def decide(mode: GraphMode | str | None = None, vllm_config: Any = None) -> Grap
     if m is GraphMode.FULL_DECODE:
         return GraphDecision(m, False, True, "mode=full_decode: whole decode-step graphs, local MLP graphs off")
     return GraphDecision(
-        m, True, True, "mode=auto: per bucket, the faster of full-decode and local MLP graphs (measured)"
-    )
+        m, True, True, "mode=auto: per bucket, the faster of full-decode and local MLP graphs (measured); "
+        "prefill graphs per token bucket", full_prefill=True,
+    )  # fmt: skip
 
 
 def stream_is_capturing() -> bool:

@@ -1,14 +1,16 @@
-"""The graph runner: wraps a ``ModelRunner`` with the same ``run(batch) -> rows`` contract, for decode steps.
+"""The graph runner: wraps a ``ModelRunner`` with the same ``run(batch) -> rows`` contract.
 
 - ``eager``: no graphs, but batches still take the bucket path (padded, fixed attention buffers), so every
   mode launches the same kernels on the same shapes and gives the same codes.
-- ``local_mlp``: local MLP graphs; attention eager.
+- ``local_mlp``: local MLP graphs for decode; attention eager.
 - ``full_decode``: full decode-step graphs; the local path is off (policy).
-- ``auto``: both sets, one pool. At warm-up each bucket times a full-graph replay against an eager step with
-  local MLP graphs (same padded batch) and keeps the faster; a step then uses exactly one of them.
+- ``auto``: both sets of decode graphs, one pool. At warm-up each bucket times a full-graph replay against an
+  eager step with local MLP graphs (same padded batch) and keeps the faster; a step then uses exactly one of
+  them. Prefills replay prefill graphs (``prefill.py``), one per token bucket.
 
-Warm-up first measures the attention backend's decode kernels per bucket (``kernels.choose_decode_kernels``).
-Batches above the largest bucket run on the model runner unpadded.
+Prefills take the token-bucket path in every mode where the attention backend can replay one (FlashInfer), for
+the same reason as decodes. Warm-up first measures the attention backend's decode kernels per bucket
+(``kernels.choose_decode_kernels``). Batches above the largest bucket run on the model runner unpadded.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .buckets import DEFAULT_BUCKETS, bucket_for, normalize_buckets
+from .buckets import DEFAULT_BUCKETS, DEFAULT_PREFILL_BUCKETS, bucket_for, normalize_buckets
 from .capture import median_ms
 from .full_decode import FullDecodeGraphs
 from .kernels import choose_decode_kernels
 from .local_mlp import LocalMLPGraphs
 from .policy import GraphMode, decide
+from .prefill import PrefillGraphs
 
 if TYPE_CHECKING:
     from ..batch import StepBatch
@@ -42,13 +45,18 @@ class GraphRunner:
         mode: GraphMode | str,
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         max_batch: int | None = None,
+        prefill_buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS,
     ) -> None:
         self.runner = runner
         self.decision = decide(mode=mode)
         self.mode = self.decision.mode
         self.buckets = normalize_buckets(buckets, max_batch)
+        # token buckets of prefills (none: prefills run unpadded); only where the backend can replay a prefill
+        padded = getattr(runner.attn, "supports_prefill_graphs", False)
+        self.prefill_buckets = normalize_buckets(prefill_buckets, allow_empty=True) if padded else ()
         self.local: LocalMLPGraphs | None = None
         self.full: FullDecodeGraphs | None = None
+        self.prefill: PrefillGraphs | None = None
         self.choice: dict[int, str] = {}  # bucket -> "full_decode" | "local_mlp" (auto)
         self.kernel_timings: list[dict] = []
         self.timings: list[dict] = []
@@ -62,6 +70,9 @@ class GraphRunner:
         self.kernel_timings = choose_decode_kernels(runner.attn, list(self.buckets))
         if self.decision.full_decode or self.decision.local_mlp:
             pool = torch.cuda.graph_pool_handle()
+            if self.decision.full_prefill and self.prefill_buckets:
+                self.prefill = PrefillGraphs(runner, self.prefill_buckets, pool)
+                self.prefill.capture()
             if self.decision.full_decode:
                 self.full = FullDecodeGraphs(runner, self.buckets, pool)
                 self.full.capture()
@@ -74,8 +85,8 @@ class GraphRunner:
         if runner.device.type == "cuda":
             torch.cuda.synchronize()
         self.warmup_s = time.perf_counter() - start
-        logger.info("CUDA graph warm-up (%s, buckets %s) took %.1f s", self.mode.value, list(self.buckets),
-                    self.warmup_s)  # fmt: skip
+        logger.info("CUDA graph warm-up (%s, buckets %s, prefill token buckets %s) took %.1f s", self.mode.value,
+                    list(self.buckets), list(self.prefill_buckets), self.warmup_s)  # fmt: skip
 
     def _choose(self) -> None:
         """auto: per bucket, time both paths on a padded batch and keep the faster (measured, not guessed)."""
@@ -116,10 +127,22 @@ class GraphRunner:
             return "local_mlp"
         return "eager"
 
+    def prefill_bucket_for(self, batch: StepBatch) -> int | None:
+        """The token bucket a prefill batch takes (None: it runs unpadded): the smallest that holds its tokens
+        and whose buffers hold its contexts' KV pages."""
+        size = bucket_for(batch.num_tokens, self.prefill_buckets)
+        if size is None:
+            return None
+        bs, attn = self.runner.block_size, self.runner.attn
+        pages = sum(-(-n // bs) for n in batch.seq_lens) + -(-(size - batch.num_tokens) // bs)
+        return size if pages <= attn.prefill_pages(size, self.runner.prefill_requests(size)) else None
+
     def run(self, batch: StepBatch) -> Tensor:
-        """One decode step -> rows [B, C + 1] (codes, done flag)."""
+        """One step -> rows [B, C + 1] (codes, done flag)."""
+        if not batch.is_decode:
+            return self._run_prefill(batch)
         runner = self.runner
-        assert batch.is_decode and not batch.new_slots, "graphs run decode steps of running requests only"
+        assert not batch.new_slots, "decode steps run requests that are already running"
         b = batch.num_reqs
         size = bucket_for(b, self.buckets)
         if size is None:
@@ -130,3 +153,15 @@ class GraphRunner:
             return self.full.run(padded)[:b]
         hook = self.local.post_attention_or_eager if path == "local_mlp" else None
         return self._bucket_step(padded, padded.to_device(runner.device), hook)[:b]
+
+    def _run_prefill(self, batch: StepBatch) -> Tensor:
+        runner = self.runner
+        size = self.prefill_bucket_for(batch)
+        if size is None:
+            return runner.run(batch)
+        padded = runner.padded_prefill(batch, size)
+        runner.slots.reset(padded.new_slots)
+        if self.prefill is not None and size in self.prefill.graphs:
+            return self.prefill.run(padded)[: batch.num_reqs]
+        runner.attn.plan_prefill_bucket(padded)
+        return runner.forward(padded.to_device(runner.device))[: batch.num_reqs]
