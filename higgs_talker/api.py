@@ -98,8 +98,10 @@ class HiggsTalker:
         QK-norm, RoPE and the K/V cache writes of each layer in one Triton kernel (H200: 7% off a batch-1 decode
         step; greedy codes equal to the separate kernels' up to bf16 near ties).
 
-        ``buckets`` (decode batch sizes) and ``prefill_buckets`` (prefill token counts, ``()`` for none; default
-        16-1024): the CUDA graph buckets, checked on every device.
+        ``buckets``: the decode batch sizes of CUDA graphs. ``prefill_buckets`` (opt-in, none by default; e.g.
+        ``cuda_graphs.PREFILL_BUCKETS``): prefill token counts to capture whole-prefill graphs for (modes
+        full_decode and auto, with FlashInfer); a prefill is padded to the smallest captured bucket that holds
+        it, and runs eagerly otherwise. Both are checked on every device, before anything is loaded.
 
         ``codec``: results carry ``audio`` decoded by the codec bundled in the checkpoint (when it has one),
         loaded on first use in ``codec_dtype`` on ``device``. ``audio_tokenizer``: an audio tokenizer directory
@@ -383,9 +385,9 @@ def _engine_config(options: dict) -> EngineConfig:
 def _check_buckets(buckets: Sequence[int] | None, prefill_buckets: Sequence[int] | None) -> None:
     """Refuse bad graph buckets before anything is loaded (CPU, which captures no graphs, included)."""
     if buckets is not None:
-        normalize_buckets(buckets)
+        normalize_buckets(buckets, name="buckets")
     if prefill_buckets is not None:
-        normalize_buckets(prefill_buckets, allow_empty=True)
+        normalize_buckets(prefill_buckets, allow_empty=True, name="prefill_buckets")
 
 
 def _resolve_runtime(

@@ -118,14 +118,13 @@ class Engine:
         self, graph_mode, buckets: Sequence[int] | None = None, prefill_buckets: Sequence[int] | None = None
     ) -> None:
         """CUDA only: measure the decode kernels and capture the graphs ``graph_mode`` needs (before serving).
-        ``buckets``: decode batch buckets; ``prefill_buckets``: prefill token buckets (``()``: none)."""
-        from .cuda_graphs import DEFAULT_BUCKETS, DEFAULT_PREFILL_BUCKETS, GraphRunner
+        ``buckets``: decode batch buckets; ``prefill_buckets``: prefill token buckets (default none)."""
+        from .cuda_graphs import DEFAULT_BUCKETS, GraphRunner
 
         with self._lock:
             runner = GraphRunner(
-                self.runner, graph_mode, buckets or DEFAULT_BUCKETS, self.config.max_num_seqs,
-                DEFAULT_PREFILL_BUCKETS if prefill_buckets is None else prefill_buckets,
-            )  # fmt: skip
+                self.runner, graph_mode, buckets or DEFAULT_BUCKETS, self.config.max_num_seqs, prefill_buckets or ()
+            )
             runner.warm_up()
             self.graphs = runner
 

@@ -18,6 +18,7 @@ from _tolerance import bf16_score_gap, kernel_rel_tol, rel_err  # noqa: E402
 
 from higgs_talker import HiggsTalker, Reference, SamplingParams  # noqa: E402
 from higgs_talker.config import TalkerConfig, TextConfig  # noqa: E402
+from higgs_talker.cuda_graphs import PREFILL_BUCKETS  # noqa: E402
 from higgs_talker.cuda_graphs.capture import capture_graph  # noqa: E402
 from higgs_talker.ops import FlashInferKernels, TorchKernels, rope_cache  # noqa: E402
 
@@ -357,6 +358,15 @@ def test_async_scheduling_gives_the_codes_of_synchronous_steps(talkers, mode, ba
     assert_same_or_near_tie(got, want, talkers["eager"], batch)
 
 
+def _engine_rows(talker: HiggsTalker, prompts: list, params: SamplingParams) -> list[torch.Tensor]:
+    """Each prompt's rows [T, C] int64, all submitted at once (their prefills share a step)."""
+    eng = talker.engine
+    ids = [eng.add_request(p, params) for p in prompts]
+    while eng.has_unfinished():
+        eng.step()
+    return [torch.stack(eng.pop_finished(i).rows).long() for i in ids]
+
+
 def _solo_rows(talker: HiggsTalker, prompt, params: SamplingParams) -> torch.Tensor:
     eng = talker.engine
     rid = eng.add_request(prompt, params)
@@ -376,21 +386,20 @@ def test_graphs_were_captured(talkers):
 
 
 @pytest.fixture(scope="module")
-def unpadded_prefill_talker():
-    """The ``auto`` talker's settings with no prefill token buckets: every prefill runs unpadded and eagerly."""
+def prefill_graph_talker():
+    """The ``auto`` talker's settings with prefill graphs (``PREFILL_BUCKETS``)."""
     return HiggsTalker.from_config(
         medium_config(), device="cuda", graph_mode="auto", max_num_seqs=64, max_model_len=1024, seed=0,
-        prefill_buckets=(),
+        prefill_buckets=PREFILL_BUCKETS,
     )  # fmt: skip
 
 
-def test_prefill_graphs_were_captured(talkers):
-    auto = talkers["auto"].engine.graphs
-    assert auto.prefill is not None and not auto.prefill.failed
-    assert auto.prefill.sizes == auto.prefill_buckets == (16, 32, 64, 128, 256, 512, 1024)
-    for mode in ("eager", "local_mlp", "full_decode"):  # the same padded prefills, without graphs
-        graphs = talkers[mode].engine.graphs
-        assert graphs.prefill is None and graphs.prefill_buckets == auto.prefill_buckets
+def test_prefill_graphs_were_captured(talkers, prefill_graph_talker):
+    graphs = prefill_graph_talker.engine.graphs
+    assert graphs.prefill is not None and not graphs.prefill.failed
+    assert graphs.prefill.sizes == graphs.prefill_buckets == PREFILL_BUCKETS
+    for mode in MODES:  # opt-in: none by default
+        assert talkers[mode].engine.graphs.prefill is None
 
 
 def _reference_prompts(talker: HiggsTalker, n: int) -> list:
@@ -404,37 +413,35 @@ def _reference_prompts(talker: HiggsTalker, n: int) -> list:
 
 
 @pytest.mark.parametrize("batch", [1, 13, 64])
-def test_prefill_graphs_give_the_codes_of_unpadded_prefills(talkers, unpadded_prefill_talker, batch):
-    """Prefill graphs (``auto``) against unpadded eager prefills: the same greedy codes. The two plan FlashInfer's
-    prefill attention for different row counts, so a code may flip only at a provable bf16 near tie against an
-    eager solo run (``explain_divergence``)."""
-    got = _run_schedule(talkers["auto"], batch)
-    want = _run_schedule(unpadded_prefill_talker, batch)
+def test_prefill_graphs_give_the_codes_of_unpadded_prefills(talkers, prefill_graph_talker, batch):
+    """Prefill graphs against unpadded eager prefills (``auto`` without them): the same greedy codes. The two
+    plan FlashInfer's prefill attention for different row counts, so a code may flip only at a provable bf16 near
+    tie against an eager solo run (``explain_divergence``)."""
+    got = _run_schedule(prefill_graph_talker, batch)
+    want = _run_schedule(talkers["auto"], batch)
     assert_same_or_near_tie(got, want, talkers["eager"], batch)
 
 
-def test_prefill_graphs_with_reference_audio_give_the_codes_of_unpadded_prefills(talkers, unpadded_prefill_talker):
+def test_prefill_graphs_with_reference_audio_give_the_codes_of_unpadded_prefills(talkers, prefill_graph_talker):
     """Prompts with audio rows, alone and five at once (one prefill step), through the prefill graphs."""
     params = SamplingParams(temperature=0, max_frames=24)
-    for talker in (talkers["auto"], unpadded_prefill_talker):
-        assert talker.engine.graphs is not None
-    prompts = _reference_prompts(talkers["auto"], 5)
+    prompts = _reference_prompts(prefill_graph_talker, 5)
     for group in ([prompts[0]], [prompts[3]], prompts):
-        got = [r.rows for r in talkers["auto"].generate(group, params)]
-        want = [r.rows for r in unpadded_prefill_talker.generate(group, params)]
+        got = _engine_rows(prefill_graph_talker, group, params)
+        want = _engine_rows(talkers["auto"], group, params)
         for prompt, a, b in zip(group, got, want, strict=True):
             if torch.equal(a, b):
                 continue
             solo = _solo_rows(talkers["eager"], prompt, params)
             for which in (a, b):
-                explain_divergence(talkers["eager"], prompt, params, which.long(), solo,
+                explain_divergence(talkers["eager"], prompt, params, which, solo,
                                    rel_gap=bf16_score_gap(talkers["eager"].cfg.text))  # fmt: skip
 
 
-def test_prefill_graph_replay_equals_the_eager_padded_prefill(talkers):
+def test_prefill_graph_replay_equals_the_eager_padded_prefill(prefill_graph_talker):
     """The graph of a bucket, replayed on a real padded prefill, gives the rows of the same padded batch run
     eagerly (same plan, same kernels): exactly, and the real requests' K/V in the cache equal too."""
-    talker = talkers["auto"]
+    talker = prefill_graph_talker
     eng, graphs = talker.engine, talker.engine.graphs
     runner = eng.runner
     prompts = _reference_prompts(talker, 2) + [talker.build_prompt("a plain text prompt")]

@@ -1,7 +1,7 @@
 """Where a prefill step's time goes, and what the first frame waits for (TTFP).
 
-CUDA only. 4B shape, random bf16 weights, graph mode ``auto``, with its prefill graphs (``graphs``) and with
-no prefill token buckets (``unpadded``: eager prefills, as before prefill graphs). For prompts of 32, 128 and
+CUDA only. 4B shape, random bf16 weights, graph mode ``auto``, with prefill graphs (``graphs``:
+``PREFILL_BUCKETS``) and without (``unpadded``: eager prefills, the default). For prompts of 32, 128 and
 512 tokens (one request): the prefill ``engine.step()`` timed on the host and with CUDA events (median of 5),
 beside the kernel time inside it that torch.profiler sums (their gap is the GPU waiting for the host); then one
 request from submission to its 8th row (the first complete frame), split into the prefill and the decode steps
@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_decode import SHAPE_4B, make_prompt, suppress_eoc  # noqa: E402
 
 from higgs_talker import HiggsTalker, SamplingParams, TalkerConfig, TextConfig  # noqa: E402
+from higgs_talker.cuda_graphs import PREFILL_BUCKETS  # noqa: E402
 
 
 def prefill_once(talker: HiggsTalker, prompt) -> tuple[float, float]:
@@ -73,7 +74,7 @@ def first_frame(talker: HiggsTalker, prompt) -> str:
     )
 
 
-VARIANTS = {"graphs": None, "unpadded": ()}  # name -> prefill_buckets
+VARIANTS = {"graphs": PREFILL_BUCKETS, "unpadded": ()}  # name -> prefill_buckets
 
 
 def main() -> None:

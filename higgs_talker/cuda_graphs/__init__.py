@@ -5,13 +5,13 @@ Nothing here imports the engine or the scheduler: the graph runner has the model
 ``run(batch) -> rows`` contract.
 """
 
-from .buckets import DEFAULT_BUCKETS, DEFAULT_PREFILL_BUCKETS
+from .buckets import DEFAULT_BUCKETS, PREFILL_BUCKETS
 from .policy import GraphDecision, GraphMode, decide, local_graphs_allowed_now
 from .runner import GraphRunner
 
 __all__ = [
     "DEFAULT_BUCKETS",
-    "DEFAULT_PREFILL_BUCKETS",
+    "PREFILL_BUCKETS",
     "GraphDecision",
     "GraphMode",
     "GraphRunner",

@@ -5,28 +5,29 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode: requests
-# prefill: tokens. Past ~1000 tokens a prefill's kernels take about as long as its eager launches, and padding
-# up to the next bucket would cost more than a graph saves.
-DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
+# prefill token buckets to opt in with (``prefill_buckets``). Past ~1000 tokens a prefill's kernels take about
+# as long as its eager launches (H200, 4B: 7 ms of kernels in a 27 ms step at 512 tokens), and padding up to the
+# next bucket would cost more than a graph saves.
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
 
 
 def normalize_buckets(
-    buckets: Sequence[int], max_batch: int | None = None, *, allow_empty: bool = False
+    buckets: Sequence[int], max_batch: int | None = None, *, allow_empty: bool = False, name: str = "buckets"
 ) -> tuple[int, ...]:
-    """Sorted, de-duplicated buckets; ``ValueError`` for a non-positive entry, or for none unless
-    ``allow_empty``. Buckets above ``max_batch`` are dropped, and ``max_batch`` itself is added so every batch the
-    engine can form has a bucket."""
-    if isinstance(buckets, int | str) or not hasattr(buckets, "__iter__"):
-        raise ValueError(f"graph buckets must be a sequence of integers, got {buckets!r}")
+    """Sorted, de-duplicated buckets; ``ValueError`` (naming the option ``name``) for anything but a sequence of
+    integers > 0, or for an empty one unless ``allow_empty``. Buckets above ``max_batch`` are dropped, and
+    ``max_batch`` itself is added so every batch the engine can form has a bucket."""
+    if isinstance(buckets, str | bytes) or not isinstance(buckets, Sequence | set | frozenset):
+        raise ValueError(f"{name} must be a sequence of integers > 0, got {buckets!r}")
     out = set()
     for b in buckets:
         if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
-            raise ValueError(f"graph bucket sizes must be integers > 0, got {b!r}")
+            raise ValueError(f"{name}: every size must be an integer > 0, got {b!r}")
         out.add(b)
     if not out:
         if allow_empty:
             return ()
-        raise ValueError("at least one graph bucket size is needed")
+        raise ValueError(f"{name}: at least one size is needed, got {buckets!r}")
     if max_batch is not None:
         out = {b for b in out if b <= max_batch}
         out.add(max_batch) if not out or max(out) < max_batch else None

@@ -48,7 +48,7 @@ def capture_buckets(
             captured[size] = capture_one(size)
         except Exception as exc:  # noqa: BLE001 - any failure means: this bucket runs eagerly
             failed[size] = f"{type(exc).__name__}: {exc}"
-            logger.warning("%s capture failed for batch bucket %d (%s); that bucket runs eagerly", what, size,
+            logger.warning("%s capture failed for bucket %d (%s); that bucket runs eagerly", what, size,
                            failed[size])  # fmt: skip
     return captured, failed
 

@@ -41,8 +41,8 @@ VLLM_GRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_P
 
 @dataclass(frozen=True)
 class GraphDecision:
-    """Whether the local MLP graph path is on, whether full-decode (and prefill) graphs are ours to capture, and
-    why."""
+    """Whether the local MLP graph path is on, whether full-decode graphs are ours to capture, whether prefill
+    graphs may be (where buckets are asked for), and why."""
 
     mode: GraphMode
     local_mlp: bool
@@ -79,8 +79,8 @@ def decide(mode: GraphMode | str | None = None, vllm_config: Any = None) -> Grap
 
     Under vLLM, the local MLP path is on exactly when vLLM captures no graphs of its own; ``mode`` may then
     still turn it off ("eager"). Without vLLM, ``mode`` alone decides: eager (none), local_mlp (local only),
-    full_decode (our full-step graphs, local off), auto (both kinds captured, never both in one step, and
-    prefill graphs per token bucket).
+    full_decode (our full-step graphs, local off), auto (both kinds captured, never both in one step). Prefill
+    graphs (opt-in by token buckets) go with the modes that capture whole steps: full_decode and auto.
     """
     if vllm_config is not None:
         external, why = vllm_captures_graphs(vllm_config)
@@ -96,10 +96,12 @@ def decide(mode: GraphMode | str | None = None, vllm_config: Any = None) -> Grap
     if m is GraphMode.LOCAL_MLP:
         return GraphDecision(m, True, False, "mode=local_mlp: per-layer MLP graphs, attention eager")
     if m is GraphMode.FULL_DECODE:
-        return GraphDecision(m, False, True, "mode=full_decode: whole decode-step graphs, local MLP graphs off")
+        return GraphDecision(
+            m, False, True, "mode=full_decode: whole decode-step graphs, local MLP graphs off", full_prefill=True
+        )
     return GraphDecision(
-        m, True, True, "mode=auto: per bucket, the faster of full-decode and local MLP graphs (measured); "
-        "prefill graphs per token bucket", full_prefill=True,
+        m, True, True, "mode=auto: per bucket, the faster of full-decode and local MLP graphs (measured)",
+        full_prefill=True,
     )  # fmt: skip
 
 

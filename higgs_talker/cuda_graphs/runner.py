@@ -6,11 +6,13 @@
 - ``full_decode``: full decode-step graphs; the local path is off (policy).
 - ``auto``: both sets of decode graphs, one pool. At warm-up each bucket times a full-graph replay against an
   eager step with local MLP graphs (same padded batch) and keeps the faster; a step then uses exactly one of
-  them. Prefills replay prefill graphs (``prefill.py``), one per token bucket.
+  them.
 
-Prefills take the token-bucket path in every mode where the attention backend can replay one (FlashInfer), for
-the same reason as decodes. Warm-up first measures the attention backend's decode kernels per bucket
-(``kernels.choose_decode_kernels``). Batches above the largest bucket run on the model runner unpadded.
+Prefill graphs (``prefill.py``, opt-in: ``prefill_buckets``, none by default) are captured in ``full_decode``
+and ``auto`` where the attention backend can replay a prefill (FlashInfer). A prefill is padded only to a
+bucket whose graph was captured and checked; every other prefill runs unpadded on the model runner, as without
+prefill graphs. Warm-up first measures the attention backend's decode kernels per bucket
+(``kernels.choose_decode_kernels``). Decode batches above the largest bucket run on the model runner unpadded.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .buckets import DEFAULT_BUCKETS, DEFAULT_PREFILL_BUCKETS, bucket_for, normalize_buckets
+from .buckets import DEFAULT_BUCKETS, bucket_for, normalize_buckets
 from .capture import median_ms
 from .full_decode import FullDecodeGraphs
 from .kernels import choose_decode_kernels
@@ -45,15 +47,15 @@ class GraphRunner:
         mode: GraphMode | str,
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         max_batch: int | None = None,
-        prefill_buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS,
+        prefill_buckets: Sequence[int] = (),
     ) -> None:
         self.runner = runner
         self.decision = decide(mode=mode)
         self.mode = self.decision.mode
         self.buckets = normalize_buckets(buckets, max_batch)
-        # token buckets of prefills (none: prefills run unpadded); only where the backend can replay a prefill
-        padded = getattr(runner.attn, "supports_prefill_graphs", False)
-        self.prefill_buckets = normalize_buckets(prefill_buckets, allow_empty=True) if padded else ()
+        # prefill token buckets to capture; only where the backend can replay a prefill
+        prefill_buckets = normalize_buckets(prefill_buckets, allow_empty=True, name="prefill_buckets")
+        self.prefill_buckets = prefill_buckets if getattr(runner.attn, "supports_prefill_graphs", False) else ()
         self.local: LocalMLPGraphs | None = None
         self.full: FullDecodeGraphs | None = None
         self.prefill: PrefillGraphs | None = None
@@ -128,9 +130,9 @@ class GraphRunner:
         return "eager"
 
     def prefill_bucket_for(self, batch: StepBatch) -> int | None:
-        """The token bucket a prefill batch takes (None: it runs unpadded): the smallest that holds its tokens
-        and whose buffers hold its contexts' KV pages."""
-        size = bucket_for(batch.num_tokens, self.prefill_buckets)
+        """The prefill graph a prefill batch replays (None: it runs unpadded): the smallest captured token bucket
+        that holds its tokens and whose buffers hold its contexts' KV pages."""
+        size = bucket_for(batch.num_tokens, self.prefill.sizes) if self.prefill is not None else None
         if size is None:
             return None
         bs, attn = self.runner.block_size, self.runner.attn
@@ -161,7 +163,4 @@ class GraphRunner:
             return runner.run(batch)
         padded = runner.padded_prefill(batch, size)
         runner.slots.reset(padded.new_slots)
-        if self.prefill is not None and size in self.prefill.graphs:
-            return self.prefill.run(padded)[: batch.num_reqs]
-        runner.attn.plan_prefill_bucket(padded)
-        return runner.forward(padded.to_device(runner.device))[: batch.num_reqs]
+        return self.prefill.run(padded)[: batch.num_reqs]

@@ -1,0 +1,233 @@
+"""Prefill graphs on CPU: the padding rule, and everything around the graph with a stand-in for the capture.
+
+CUDA graphs need a GPU (``tests/test_gpu.py`` replays real ones). Here a stand-in graph runs the captured
+function again on each replay, reading the same static tensors, so the rest runs as it does on CUDA: the padded
+batch, the static inputs refreshed before each replay, the capture-time check, a bucket that fails to capture,
+the engine's routing. The attention is SDPA taught the padded layout (its prefill loops over the requests on the
+host, so it could not be captured for real). The reference is the same checkpoint without graphs: the same
+rows, sampled and greedy, since padding only adds rows that no real row reads.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from higgs_talker import HiggsTalker, Reference, SamplingParams
+from higgs_talker.attention import SdpaAttention
+from higgs_talker.batch import DeviceBatch, StepBatch
+from higgs_talker.cuda_graphs import PREFILL_BUCKETS, GraphRunner
+from higgs_talker.cuda_graphs import prefill as prefill_graphs
+from higgs_talker.cuda_graphs.buckets import normalize_buckets
+from higgs_talker.flashinfer_attention import FlashInferAttention
+
+BS = 16
+
+
+class PaddedSdpa(SdpaAttention):
+    """SDPA with the backend side of prefill graphs: FlashInfer's page budget, and a record of each plan."""
+
+    supports_prefill_graphs = True
+    prefill_pages = FlashInferAttention.prefill_pages
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.planned: list[tuple[int, int]] = []
+
+    def plan_prefill_bucket(self, batch: StepBatch) -> None:
+        pages = sum(-(-n // self.block_size) for n in batch.seq_lens)
+        assert pages <= self.prefill_pages(batch.num_tokens, batch.num_reqs), "the bucket's page buffer overflows"
+        self.planned.append((batch.num_tokens, batch.num_reqs))
+        self.plan(batch)
+
+
+class ReplayedGraph:
+    """Stands in for a captured CUDA graph: ``replay`` runs the function again into the captured output."""
+
+    def __init__(self, fn, out: torch.Tensor) -> None:
+        self.fn, self.out, self.replays = fn, out, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.out.copy_(self.fn())
+
+
+def stand_in_capture(fn, pool=None):
+    out = fn()
+    return ReplayedGraph(fn, out), out
+
+
+def graph_talker(tiny_dir, monkeypatch, buckets=(16, 32, 64), capture=stand_in_capture) -> HiggsTalker:
+    """The tiny talker with prefill graphs (stand-ins) for ``buckets`` and decode steps on the eager bucket path."""
+    talker = HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=8, max_model_len=1024)
+    runner = talker.engine.runner
+    a = runner.attn
+    runner.attn = PaddedSdpa(runner.kv_caches, a.num_heads, a.num_kv_heads, a.head_dim, a.max_model_len,
+                             runner.scratch_block)  # fmt: skip
+    monkeypatch.setattr(prefill_graphs, "capture_graph", capture)
+    graphs = GraphRunner(runner, "auto", (1, 2, 4, 8), 8, prefill_buckets=buckets)
+    graphs.prefill = prefill_graphs.PrefillGraphs(runner, graphs.prefill_buckets, pool="no pool on CPU")
+    graphs.prefill.capture()
+    talker.engine.graphs = graphs
+    return talker
+
+
+def engine_rows(talker: HiggsTalker, prompts: list, params: SamplingParams) -> list[torch.Tensor]:
+    """Each prompt's rows, all submitted at once (their prefills share one step)."""
+    eng = talker.engine
+    ids = [eng.add_request(p, params) for p in prompts]
+    while eng.has_unfinished():
+        eng.step()
+    return [torch.stack(eng.pop_finished(i).rows).long() for i in ids]
+
+
+def reference_codes(frames: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 1024, (frames, 8), generator=torch.Generator().manual_seed(seed))
+
+
+# --------------------------------------------------------------------------------------------------- the rule
+
+
+def _prefill(lens: list[int], first_block: int = 0) -> StepBatch:
+    positions, slots, tables, nxt = [], [], [], first_block
+    for n in lens:
+        blocks = list(range(nxt, nxt + -(-n // BS)))
+        nxt += len(blocks)
+        tables.append(blocks)
+        positions += range(n)
+        slots += [blocks[p // BS] * BS + p % BS for p in range(n)]
+    ids = [7 + i for i in range(len(positions))]
+    return StepBatch(list(range(len(lens))), positions, slots, list(lens), list(lens), tables, token_ids=ids)
+
+
+@pytest.mark.parametrize("lens", [[5], [13, 3], [20, 12], [1, 1, 1]])
+def test_padded_prefill_layout(lens):
+    scratch_slot, scratch, dump, tokens, reqs = 8, 40, 41, 32, 9
+    batch = _prefill(lens)
+    n, r = batch.num_tokens, batch.num_reqs
+    padded = batch.padded_prefill(tokens, reqs, scratch_slot, scratch, dump, BS)
+    assert padded.num_tokens == tokens and padded.num_reqs == reqs
+    assert sum(padded.query_lens) == tokens  # every token belongs to a request (FlashInfer checks q against it)
+    # the real part is untouched
+    assert padded.positions[:n] == batch.positions and padded.slot_mapping[:n] == batch.slot_mapping
+    assert padded.token_ids[:n] == batch.token_ids and padded.block_tables[:r] == batch.block_tables
+    # empty requests, then the padding request over the scratch block, writing the dump block
+    assert padded.query_lens[r:-1] == padded.seq_lens[r:-1] == [0] * (reqs - r - 1)
+    assert padded.block_tables[r:-1] == [[]] * (reqs - r - 1)
+    assert padded.query_lens[-1] == padded.seq_lens[-1] == tokens - n
+    assert padded.block_tables[-1] == [scratch] * -(-(tokens - n) // BS)
+    assert padded.slot_mapping[n:] == [dump * BS] * (tokens - n) and padded.positions[n:] == [0] * (tokens - n)
+    assert padded.slots[r:] == [scratch_slot] * (reqs - r)
+    # the packed integer inputs: each request samples its own last token; empty ones the last real token
+    dev = DeviceBatch.prefill(padded.prefill_packed(), tokens)
+    ends = torch.tensor(lens).cumsum(0) - 1
+    assert dev.last_token.tolist() == ends.tolist() + [n - 1] * (reqs - r - 1) + [tokens - 1]
+    assert dev.token_ids.tolist() == padded.token_ids and dev.positions.tolist() == padded.positions
+    assert dev.slots.tolist() == padded.slots and dev.embeds is None and not dev.is_decode
+
+
+def test_padded_prefill_of_a_full_bucket_has_an_empty_padding_request():
+    batch = _prefill([20, 12])
+    padded = batch.padded_prefill(32, 4, 8, 40, 41, BS)
+    assert padded.query_lens == [20, 12, 0, 0] and padded.block_tables[-1] == []
+
+
+@pytest.mark.parametrize(
+    ("tokens", "reqs", "match"),
+    [(16, 9, "a prefill batch of 18 tokens / 2 requests -> 16 / 9"), (32, 2, "-> 32 / 2")],
+)
+def test_padding_a_prefill_down_is_refused(tokens, reqs, match):
+    with pytest.raises(ValueError, match=match):
+        _prefill([13, 5]).padded_prefill(tokens, reqs, 8, 40, 41, BS)
+
+
+def test_padding_a_decode_batch_as_a_prefill_is_refused():
+    decode = StepBatch([0], [4], [4], [1], [5], [[0]])
+    with pytest.raises(ValueError, match="a decode batch of 1 tokens"):
+        decode.padded_prefill(16, 4, 8, 40, 41, BS)
+
+
+def test_flashinfer_pages_of_empty_requests():
+    """FlashInfer's (indptr, indices, last_page_len) of a padded batch: an empty request has no page and a last
+    page of 0 (so FlashInfer's ``get_seq_lens`` gives it 0), a full last page is 16, not 0."""
+    me = SimpleNamespace(block_size=BS)
+    indptr, indices, last = FlashInferAttention._paged(me, [[3], [], [5, 6], [9]], [10, 0, 17, 16])
+    assert indptr.tolist() == [0, 1, 1, 3, 4] and indices.tolist() == [3, 5, 6, 9] and last.tolist() == [10, 0, 1, 16]
+
+
+# --------------------------------------------------------------------------------------------------- the graphs
+
+
+def test_prefill_graphs_give_the_rows_of_unpadded_prefills(tiny_dir, talker, monkeypatch):
+    t = graph_talker(tiny_dir, monkeypatch)
+    graphs, attn = t.engine.graphs, t.engine.runner.attn
+    assert graphs.prefill.sizes == (16, 32, 64) and not graphs.prefill.failed
+    captured = {size: g.graph for size, g in graphs.prefill.graphs.items()}
+    long_text = "a prompt too long for the largest bucket, so it runs unpadded " * 2
+    groups = [
+        ["short"],
+        [t.build_prompt("with reference audio", Reference(reference_codes(9, 1), "reference words"))],
+        ["one", "two prompts and", "three in one prefill step"],
+        [long_text],
+    ]
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, max_frames=24, seed=11)
+    greedy = SamplingParams(temperature=0.0, max_frames=24)
+    for group in groups:
+        prompts = [p if not isinstance(p, str) else t.build_prompt(p) for p in group]
+        tokens = sum(len(p) for p in prompts)
+        for params in (sampled, greedy):
+            before = {size: g.replays for size, g in captured.items()}
+            got = engine_rows(t, prompts, params)
+            want = engine_rows(talker, prompts, params)
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(a, b)
+            replayed = {size for size, g in captured.items() if g.replays > before[size]}
+            size = next((s for s in (16, 32, 64) if s >= tokens), None)
+            assert replayed == ({size} if size else set()), f"{tokens} tokens replayed {replayed}"
+    assert (64, t.engine.runner.prefill_requests(64)) in attn.planned
+
+
+def test_a_bucket_that_fails_to_capture_is_left_out_with_one_warning(tiny_dir, talker, monkeypatch, caplog):
+    calls = []
+
+    def failing_first(fn, pool=None):  # buckets are captured largest first: this fails bucket 64
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("capture refused")
+        return stand_in_capture(fn, pool)
+
+    with caplog.at_level(logging.WARNING):
+        t = graph_talker(tiny_dir, monkeypatch, capture=failing_first)
+    graphs = t.engine.graphs
+    warnings = [r.getMessage() for r in caplog.records if "prefill graph capture failed" in r.getMessage()]
+    assert len(warnings) == 1 and "bucket 64" in warnings[0] and "capture refused" in warnings[0]
+    assert list(graphs.prefill.failed) == [64] and graphs.prefill.sizes == (16, 32)
+    prompt = t.build_prompt("between thirty-two and sixty-four")
+    assert 32 < len(prompt) <= 64
+    assert graphs.prefill_bucket_for(_prefill([len(prompt)])) is None  # no captured bucket holds it: unpadded
+    params = SamplingParams(temperature=0.0, max_frames=12)
+    assert torch.equal(engine_rows(t, [prompt], params)[0], engine_rows(talker, [prompt], params)[0])
+
+
+def test_a_prefill_whose_contexts_overflow_the_bucket_pages_runs_unpadded(tiny_dir, monkeypatch):
+    t = graph_talker(tiny_dir, monkeypatch)
+    graphs = t.engine.graphs
+    fits = _prefill([10, 4], first_block=0)
+    assert graphs.prefill_bucket_for(fits) == 16
+    # a context far longer than the query (as a chunked prefill would have) needs more pages than bucket 16 holds
+    long_ctx = StepBatch([0], list(range(500, 510)), list(range(10)), [10], [510], [list(range(32))],
+                         token_ids=[1] * 10)  # fmt: skip
+    assert graphs.prefill_bucket_for(long_ctx) is None
+    assert graphs.prefill_bucket_for(_prefill([40, 30])) is None  # 70 tokens: above every bucket
+
+
+def test_prefill_buckets_are_opt_in(tiny_dir):
+    t = HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=8, max_model_len=1024)
+    runner = t.engine.runner
+    assert GraphRunner(runner, "auto", (1, 2), 8).prefill_buckets == ()
+    # SDPA cannot replay a prefill: buckets asked for are dropped there
+    assert GraphRunner(runner, "auto", (1, 2), 8, prefill_buckets=PREFILL_BUCKETS).prefill_buckets == ()
+    assert normalize_buckets(PREFILL_BUCKETS) == PREFILL_BUCKETS  # sorted, distinct, positive
