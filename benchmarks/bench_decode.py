@@ -61,6 +61,7 @@ from common import (
 )
 
 from higgs_talker import HiggsTalker, SamplingParams, TalkerConfig, TextConfig
+from higgs_talker.cuda_graphs import PREFILL_BUCKETS
 from higgs_talker.tiny import tiny_config
 
 SHAPE_4B = dict(
@@ -76,6 +77,7 @@ SHAPE_4B = dict(
 MODES = ("eager", "local_mlp", "full_decode", "auto")
 FUSED = "-fused"  # label suffix: the mode with fuse_qk_rope=True
 SYNC = "-sync"  # label suffix: async_scheduling=False
+PREFILL = "+prefill"  # label suffix: prefill graphs on (prefill_buckets=PREFILL_BUCKETS)
 DECODE_KERNELS = ("auto", "native", "xqa", "native_tc")
 
 
@@ -87,11 +89,14 @@ class Variant:
     fuse: bool = True
     async_scheduling: bool | None = True  # None: the library's default (on CUDA)
     kernel: str = "auto"
+    prefill_graphs: bool = False  # capture prefill graphs (PREFILL_BUCKETS; opt-in in the library)
 
     @property
     def label(self) -> str:
         kernel = "" if self.kernel == "auto" else f"+{self.kernel}"
-        return f"{self.mode}{FUSED if self.fuse else ''}{kernel}{SYNC if self.async_scheduling is False else ''}"
+        prefill = PREFILL if self.prefill_graphs else ""
+        sync = SYNC if self.async_scheduling is False else ""
+        return f"{self.mode}{FUSED if self.fuse else ''}{kernel}{prefill}{sync}"
 
 
 PEER_RESERVE_S = 100.0  # the time budget keeps this much for the transformers rows
@@ -113,6 +118,7 @@ def build_talker(args: argparse.Namespace, cfg: TalkerConfig, variant: Variant, 
     common = dict(
         graph_mode=variant.mode, max_num_seqs=args.max_num_seqs, num_blocks=num_blocks, fuse_qk_rope=variant.fuse,
         decode_kernel=variant.kernel, async_scheduling=variant.async_scheduling,
+        prefill_buckets=PREFILL_BUCKETS if variant.prefill_graphs else (),
     )  # fmt: skip
     if args.max_model_len:
         common["max_model_len"] = args.max_model_len

@@ -15,6 +15,7 @@ p50/p90/p99 of each over the level's requests, plus the level's audio seconds pe
 
     python benchmarks/bench_e2e.py --out $OUT                     # 4B shape, mode auto (H200: ~1.5-2 min)
     python benchmarks/bench_e2e.py --modes eager,auto --levels 1,16 --out $OUT
+    python benchmarks/bench_e2e.py --prefill-graphs both --out $OUT  # auto without and with prefill graphs
     python benchmarks/bench_e2e.py --device cpu --tiny            # smoke test, seconds
 """
 
@@ -28,7 +29,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 
 import torch
-from bench_decode import Variant, build_talker, model_config, suppress_eoc
+from bench_decode import PREFILL, Variant, build_talker, model_config, suppress_eoc
 from common import (
     ResultFile,
     environment,
@@ -166,12 +167,13 @@ def warm_up(talker: HiggsTalker, concurrency: int) -> float:
     return time.perf_counter() - t0
 
 
-def run_mode(mode: str, cfg, args, writer: ResultFile, deadline: float) -> None:
+def run_mode(variant: Variant, cfg, args, writer: ResultFile, deadline: float) -> None:
     device = torch.device(args.device)
     levels = args.levels
+    mode = variant.mode + (PREFILL if variant.prefill_graphs else "")  # the library's defaults otherwise
     try:
         t0 = time.perf_counter()
-        talker = build_talker(args, cfg, Variant(mode, async_scheduling=None), num_blocks_for(args, cfg))
+        talker = build_talker(args, cfg, variant, num_blocks_for(args, cfg))
         if not args.model:
             suppress_eoc(talker)
         build_s = time.perf_counter() - t0
@@ -216,6 +218,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="checkpoint directory (default: random weights)")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--modes", type=strs_arg, default=["auto"])
+    p.add_argument("--prefill-graphs", choices=("off", "on", "both"), default="off",
+                   help="prefill graphs (PREFILL_BUCKETS; rows MODE+prefill); off: the library's default")  # fmt: skip
     p.add_argument("--levels", type=ints_arg, default=None, help="concurrency levels (default 1,4,16,64)")
     p.add_argument("--requests", type=int, default=None, help="requests per level (default max(2C, 8))")
     p.add_argument("--prompt-tokens", type=ints_arg, default=None, help="min,max prompt tokens (default 30,200)")
@@ -257,8 +261,10 @@ def main(argv: Sequence[str] | None = None) -> ResultFile:
     writer = ResultFile(args.out, "e2e", meta)
     log(f"writing {writer.path}")
     deadline = t_start + args.budget_s
+    prefill = {"off": (False,), "on": (True,), "both": (False, True)}[args.prefill_graphs]
     for mode in args.modes:
-        run_mode(mode, cfg, args, writer, deadline)
+        for graphs in prefill:
+            run_mode(Variant(mode, async_scheduling=None, prefill_graphs=graphs), cfg, args, writer, deadline)
     writer.meta["wall_s"] = time.perf_counter() - t_start
     writer.save()
     cols = ["mode", "concurrency", "requests", "ttfp_ms_p50", "ttfp_ms_p90", "ttfp_ms_p99", "rtf_p50", "rtf_p90",

@@ -111,6 +111,16 @@ def test_e2e_smoke(bench, tmp_path: Path) -> None:
         assert req["finish_reason"] == "max_frames" and req["frames"] == req["target_frames"]
 
 
+def test_e2e_prefill_graphs_both_gives_a_row_set_each(bench, tmp_path: Path) -> None:
+    """``--prefill-graphs both``: each mode without and with prefill graphs, labelled apart (CPU builds no graphs,
+    so this checks the labels and the plumbing into the API)."""
+    mod = bench("bench_e2e")
+    argv = ["--device", "cpu", "--tiny", "--modes", "eager", "--levels", "1", "--requests", "1",
+            "--audio-s", "0.3,0.3", "--prefill-graphs", "both", "--out", str(tmp_path)]  # fmt: skip
+    data = load(mod.main(argv))
+    assert [(r["mode"], r["status"]) for r in data["rows"]] == [("eager", "ok"), ("eager+prefill", "ok")]
+
+
 def test_plot_smoke(bench, tmp_path: Path) -> None:
     """plot.py turns the JSONs into PNGs, or says matplotlib is missing and writes nothing."""
     plot = bench("plot")
