@@ -25,6 +25,7 @@ from higgs_talker.cuda_graphs.buckets import normalize_buckets
 from higgs_talker.flashinfer_attention import FlashInferAttention
 
 BS = 16
+MODES = ("eager", "local_mlp", "full_decode", "auto")
 
 
 class PaddedSdpa(SdpaAttention):
@@ -230,4 +231,10 @@ def test_prefill_buckets_are_opt_in(tiny_dir):
     assert GraphRunner(runner, "auto", (1, 2), 8).prefill_buckets == ()
     # SDPA cannot replay a prefill: buckets asked for are dropped there
     assert GraphRunner(runner, "auto", (1, 2), 8, prefill_buckets=PREFILL_BUCKETS).prefill_buckets == ()
+    # with a backend that can: the modes that graph whole steps keep them, the others graph no prefill
+    a = runner.attn
+    runner.attn = PaddedSdpa(runner.kv_caches, a.num_heads, a.num_kv_heads, a.head_dim, a.max_model_len,
+                             runner.scratch_block)  # fmt: skip
+    kept = {m: GraphRunner(runner, m, (1, 2), 8, prefill_buckets=(32, 16)).prefill_buckets for m in MODES}
+    assert kept == {"eager": (), "local_mlp": (), "full_decode": (16, 32), "auto": (16, 32)}
     assert normalize_buckets(PREFILL_BUCKETS) == PREFILL_BUCKETS  # sorted, distinct, positive

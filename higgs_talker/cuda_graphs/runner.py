@@ -53,9 +53,14 @@ class GraphRunner:
         self.decision = decide(mode=mode)
         self.mode = self.decision.mode
         self.buckets = normalize_buckets(buckets, max_batch)
-        # prefill token buckets to capture; only where the backend can replay a prefill
-        prefill_buckets = normalize_buckets(prefill_buckets, allow_empty=True, name="prefill_buckets")
-        self.prefill_buckets = prefill_buckets if getattr(runner.attn, "supports_prefill_graphs", False) else ()
+        # prefill token buckets to capture: only in the modes that capture whole steps, where the backend can
+        # replay a prefill
+        asked = normalize_buckets(prefill_buckets, allow_empty=True, name="prefill_buckets")
+        replays = getattr(runner.attn, "supports_prefill_graphs", False)
+        self.prefill_buckets = asked if replays and self.decision.full_prefill else ()
+        if asked and not self.prefill_buckets:
+            why = f"mode {self.mode.value} graphs no prefills" if replays else "the attention backend cannot replay one"
+            logger.info("prefill graphs off (%s): prefills run eagerly", why)
         self.local: LocalMLPGraphs | None = None
         self.full: FullDecodeGraphs | None = None
         self.prefill: PrefillGraphs | None = None
@@ -72,7 +77,7 @@ class GraphRunner:
         self.kernel_timings = choose_decode_kernels(runner.attn, list(self.buckets))
         if self.decision.full_decode or self.decision.local_mlp:
             pool = torch.cuda.graph_pool_handle()
-            if self.decision.full_prefill and self.prefill_buckets:
+            if self.prefill_buckets:
                 self.prefill = PrefillGraphs(runner, self.prefill_buckets, pool)
                 self.prefill.capture()
             if self.decision.full_decode:
