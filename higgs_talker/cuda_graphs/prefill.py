@@ -9,7 +9,7 @@ eagerly before the replay (how many audio rows a prompt has varies) into the gra
 integer inputs are views of one buffer (``StepBatch.prefill_packed``), refreshed by one copy per replay; the
 attention backend's ``plan_prefill_bucket`` refreshes the rest. Capture and checking follow the full decode
 graphs: on an all-padding batch, one replay compared with an eager run; a bucket that fails is dropped with one
-warning and its batches run eagerly on the same padded shapes.
+warning, and the graph runner pads prefills only to the buckets captured here (the rest run unpadded).
 """
 
 from __future__ import annotations
