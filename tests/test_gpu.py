@@ -606,6 +606,26 @@ def test_masked_codes_are_never_sampled_on_cuda():
     assert torch.isfinite(gpu).all() and (gpu > 0).all()
 
 
+@pytest.mark.parametrize("rows", [1, 64, 4096])
+def test_fused_noise_kernel_gives_the_reference_words_on_cuda(rows):
+    """The Triton noise kernel on the GPU: the torch hash's uniforms bit for bit, eagerly and replayed in a CUDA
+    graph; and the sampler's first-use check accepted it (or the suite would run the reference silently)."""
+    from higgs_talker.heads import noise_triton, sampling
+
+    n = 8 * 1026
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    seeds = torch.randint(0, 2**63 - 1, (rows,), generator=g, device="cuda")
+    steps = torch.randint(0, 2**31 - 1, (rows,), generator=g, device="cuda")
+    want = sampling.uniform_from_bits(sampling.noise_words(seeds, steps, n))
+    assert torch.equal(noise_triton.uniform_noise(seeds, steps, n), want)
+    graph, out = capture_graph(lambda: noise_triton.uniform_noise(seeds, steps, n))
+    steps.add_(1)
+    graph.replay()
+    assert torch.equal(out, sampling.uniform_from_bits(sampling.noise_words(seeds, steps, n)))
+    sampling.uniform_noise(seeds[:2], steps[:2], n)  # the first use on this device checks the kernel
+    assert sampling._fused_state == "ok"
+
+
 # --------------------------------------------------------------------------------------------------- no FlashInfer
 
 

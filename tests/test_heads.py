@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import re
+import sys
+import types
 
 import numpy as np
 import pytest
 import torch
 from _tolerance import assert_matmul_close, assert_within, chain_rel_tol, sum_bound, unit_roundoff
 
+from higgs_talker.heads import sampling
 from higgs_talker.heads.codebooks import FusedCodebookEmbedding, FusedCodebookHead
 from higgs_talker.heads.delay import (
     DelayState,
@@ -499,6 +503,81 @@ def test_noise_is_a_pure_function_of_seed_and_step():
     assert not torch.equal(exponential_noise(torch.tensor([0]), torch.tensor([1]), N, 30)[0], a[0])
     hi = exponential_noise(torch.tensor([3, 2**32 + 3]), torch.tensor([9, 9]), N, 30)
     assert not torch.equal(hi[0], hi[1])
+
+
+class _StubKernel(types.ModuleType):
+    """Stands in for ``heads.noise_triton``: ``make(seeds, steps, n)`` is what its kernel returns."""
+
+    def __init__(self, make) -> None:
+        super().__init__("higgs_talker.heads.noise_triton")
+        self.make, self.calls = make, 0
+
+    def supports(self, n: int) -> bool:
+        return True
+
+    def uniform_noise(self, seeds, steps, n):
+        self.calls += 1
+        return self.make(seeds, steps, n)
+
+
+def _reference_uniform(seeds, steps, n):
+    return uniform_from_bits(sampling.noise_words(seeds, steps, n))
+
+
+def _use_stub(monkeypatch, make) -> _StubKernel:
+    """The fused path on CPU tensors, with a stub kernel, from a fresh state."""
+    stub = _StubKernel(make)
+    monkeypatch.setitem(sys.modules, "higgs_talker.heads.noise_triton", stub)
+    monkeypatch.setattr(sampling, "_on_kernel_device", lambda t: True)
+    monkeypatch.setattr(sampling, "_capturing", lambda: False)
+    monkeypatch.setattr(sampling, "_fused_state", "untried")
+    monkeypatch.setattr(sampling, "_fused", None)
+    return stub
+
+
+NOISE_SEEDS, NOISE_STEPS = torch.tensor([0, 7, 2**63 - 1]), torch.tensor([0, 3, 2**31 - 2])
+
+
+def test_fused_noise_is_used_once_it_matches_the_reference(monkeypatch, caplog):
+    stub = _use_stub(monkeypatch, _reference_uniform)
+    want = _reference_uniform(NOISE_SEEDS, NOISE_STEPS, N * 40)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            assert torch.equal(sampling.uniform_noise(NOISE_SEEDS, NOISE_STEPS, N * 40), want)
+    assert stub.calls == 3 and sampling._fused_state == "ok" and not caplog.records
+
+
+@pytest.mark.parametrize(
+    ("make", "warning"),
+    [
+        (lambda seeds, steps, n: _reference_uniform(seeds, steps, n).nextafter(torch.tensor(1.0)), "differs"),
+        (lambda seeds, steps, n: 1 / 0, "ZeroDivisionError"),
+    ],
+    ids=["differs", "raises"],
+)
+def test_fused_noise_that_differs_or_fails_is_turned_off_with_one_warning(monkeypatch, caplog, make, warning):
+    stub = _use_stub(monkeypatch, make)
+    want = _reference_uniform(NOISE_SEEDS, NOISE_STEPS, N * 40)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            assert torch.equal(sampling.uniform_noise(NOISE_SEEDS, NOISE_STEPS, N * 40), want)
+    assert stub.calls == 1 and sampling._fused_state == "off"
+    assert len(caplog.records) == 1 and warning in caplog.records[0].getMessage()
+
+
+def test_fused_noise_is_not_tried_inside_a_capture_or_when_switched_off(monkeypatch):
+    stub = _use_stub(monkeypatch, _reference_uniform)
+    monkeypatch.setattr(sampling, "_capturing", lambda: True)
+    want = _reference_uniform(NOISE_SEEDS, NOISE_STEPS, 30)
+    assert torch.equal(sampling.uniform_noise(NOISE_SEEDS, NOISE_STEPS, 30), want)
+    assert stub.calls == 0 and sampling._fused_state == "untried"  # still to be checked, outside a capture
+    monkeypatch.setattr(sampling, "_capturing", lambda: False)
+    monkeypatch.setattr(sampling, "FUSED_NOISE", False)
+    assert torch.equal(sampling.uniform_noise(NOISE_SEEDS, NOISE_STEPS, 30), want) and stub.calls == 0
+
+
+def test_noise_on_cpu_never_tries_the_kernel():
+    assert sampling._fused_noise(NOISE_SEEDS, NOISE_STEPS, 30) is None
 
 
 def test_seeded_codes_do_not_depend_on_the_batch():

@@ -91,3 +91,47 @@ def test_fused_attention_path_gives_the_reference_greedy_codes(talker, tiny_dir)
     assert kernels.calls > 0
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------------------------------- noise
+
+
+@pytest.mark.parametrize(("rows", "n"), [(1, 8 * 1026), (3, 30), (5, 1025), (2, 1), (0, 64)])
+def test_noise_kernel_gives_the_reference_words_bit_for_bit(rows, n):
+    from higgs_talker.heads import noise_triton
+    from higgs_talker.heads.sampling import noise_words, uniform_from_bits
+
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    seeds = torch.randint(0, 2**63 - 1, (rows,), generator=g)
+    steps = torch.randint(0, 2**31 - 1, (rows,), generator=g)
+    if rows:
+        seeds[0], steps[0] = 2**63 - 1, 0  # both halves of the largest seed, the first row
+    got = noise_triton.uniform_noise(seeds, steps, n)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    assert torch.equal(got, uniform_from_bits(noise_words(seeds, steps, n)))
+
+
+def test_noise_kernel_rejects_what_it_cannot_take():
+    from higgs_talker.heads import noise_triton
+
+    with pytest.raises(ValueError, match="seeds and steps must be"):
+        noise_triton.uniform_noise(torch.zeros(2, dtype=torch.long), torch.zeros(3, dtype=torch.long), 8)
+    with pytest.raises(ValueError, match="beyond the 32-bit index"):
+        noise_triton.uniform_noise(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 2**31)
+    assert noise_triton.supports(8 * 1026) and not noise_triton.supports(0)
+
+
+def test_sampled_generation_with_the_fused_noise_equals_the_reference(talker, tiny_dir, monkeypatch):
+    """The engine's sampler through the (interpreted) fused noise on CPU: the same sampled rows."""
+    from higgs_talker.heads import sampling
+
+    params = SamplingParams(temperature=1.0, top_k=40, top_p=0.9, seed=5, max_frames=16)
+    want = [r.rows for r in talker.generate(["fused noise", "a second request"], params)]
+    monkeypatch.setattr(sampling, "_on_kernel_device", lambda t: True)
+    monkeypatch.setattr(sampling, "_capturing", lambda: False)
+    monkeypatch.setattr(sampling, "_fused_state", "untried")
+    monkeypatch.setattr(sampling, "_fused", None)
+    got = [r.rows for r in talker.generate(["fused noise", "a second request"], params)]
+    assert sampling._fused_state == "ok"
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)

@@ -10,6 +10,8 @@ the exponential race ``argmax(p / E)`` with ``E ~ Exp(1)``, which draws from ``p
 
 from __future__ import annotations
 
+import importlib
+import logging
 import math
 import numbers
 import secrets
@@ -18,7 +20,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+logger = logging.getLogger(__name__)
+
 _M32 = 0xFFFFFFFF
+CODE_KEY = 0x9E3779B9  # added to each code's index before it is hashed (noise_words)
 MAX_SEED = 2**63 - 1
 FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: the engine keeps temperature in float32
 MAX_FRAMES = 2**31 - 1  # max_frames / min_frames bound: row indices stay inside the 32-bit word the noise hashes
@@ -131,15 +136,73 @@ def uniform_from_bits(bits: Tensor) -> Tensor:
     return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
-def exponential_noise(seeds: Tensor, steps: Tensor, num_codebooks: int, codebook_size: int) -> Tensor:
-    """Exp(1) noise [B, C, V] fp32, finite and > 0, that is a pure function of (seeds [B], steps [B]) int64."""
+def noise_words(seeds: Tensor, steps: Tensor, n: int) -> Tensor:
+    """The hash words [B, n] int64 (each < 2**32) of code indices 0..n-1 for each (seed, step) pair [B] int64:
+    the torch reference of the noise (``noise_triton`` computes the same words in one kernel)."""
     h = _mix32(seeds & _M32)
     h = _mix32(h ^ ((seeds >> 32) & _M32))
     h = _mix32(h ^ (steps & _M32))  # [B]
-    idx = torch.arange(num_codebooks * codebook_size, device=seeds.device, dtype=torch.long)
-    bits = _mix32(h[:, None] ^ _mix32(idx + 0x9E3779B9)[None, :])
-    bits = _mix32(bits ^ h[:, None])  # second round: decorrelates neighbouring (seed, step) pairs
-    return (-torch.log(uniform_from_bits(bits))).view(-1, num_codebooks, codebook_size)
+    idx = torch.arange(n, device=seeds.device, dtype=torch.long)
+    bits = _mix32(h[:, None] ^ _mix32(idx + CODE_KEY)[None, :])
+    return _mix32(bits ^ h[:, None])  # second round: decorrelates neighbouring (seed, step) pairs
+
+
+FUSED_NOISE = True  # on CUDA, where triton imports: the hash in one Triton kernel (False: the torch reference)
+_fused: object | None = None  # noise_triton, once imported and checked against the reference on this machine
+_fused_state = "untried"  # untried | ok | off
+
+
+def _on_kernel_device(t: Tensor) -> bool:
+    return t.is_cuda
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _fused_noise(seeds: Tensor, steps: Tensor, n: int) -> Tensor | None:
+    """The fused kernel's uniforms, or None where it is off, unavailable, or unproven and cannot be checked now.
+
+    Its first use outside a CUDA graph capture checks it against the torch reference on the same inputs (one
+    sync, once per process); an import error, a launch error or any difference turns it off with one warning,
+    so the noise is always the reference's."""
+    global _fused, _fused_state
+    if not FUSED_NOISE or _fused_state == "off" or not _on_kernel_device(seeds):
+        return None
+    if _fused_state == "ok":
+        return _fused.uniform_noise(seeds, steps, n) if _fused.supports(n) else None
+    if _capturing():
+        return None  # unproven, and a capture cannot check it: this graph keeps the reference
+    try:
+        kernel = importlib.import_module(f"{__package__}.noise_triton")
+        if not kernel.supports(n):
+            return None
+        got = kernel.uniform_noise(seeds, steps, n)
+        same = torch.equal(got, uniform_from_bits(noise_words(seeds, steps, n)))
+    except Exception as exc:  # noqa: BLE001 - no triton, a compile or launch error: the reference it is
+        _fused_state = "off"
+        logger.warning("fused sampler noise unavailable (%s: %s); using the torch reference", type(exc).__name__,
+                       exc)  # fmt: skip
+        return None
+    if not same:
+        _fused_state = "off"
+        logger.warning("fused sampler noise differs from the torch reference on this device; using the reference")
+        return None
+    _fused, _fused_state = kernel, "ok"
+    return got
+
+
+def uniform_noise(seeds: Tensor, steps: Tensor, n: int) -> Tensor:
+    """Uniform fp32 [B, n] in (0, 1) from the hash words: one fused kernel on CUDA (``FUSED_NOISE``), else torch;
+    the values are the same."""
+    fused = _fused_noise(seeds, steps, n)
+    return fused if fused is not None else uniform_from_bits(noise_words(seeds, steps, n))
+
+
+def exponential_noise(seeds: Tensor, steps: Tensor, num_codebooks: int, codebook_size: int) -> Tensor:
+    """Exp(1) noise [B, C, V] fp32, finite and > 0, that is a pure function of (seeds [B], steps [B]) int64."""
+    u = uniform_noise(seeds, steps, num_codebooks * codebook_size)
+    return (-torch.log(u)).view(-1, num_codebooks, codebook_size)
 
 
 def top_k_top_p_filter(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
