@@ -20,9 +20,9 @@ RoPE and the K/V writes in one Triton kernel) and ``MODE`` (``fuse_qk_rope=False
 the same run; ``--fuse on`` (the default) times the first only, ``off`` the second. Likewise ``--async both``
 adds ``...-sync`` rows (``async_scheduling=False``: each step's rows read before the next step is queued), and
 ``--decode-kernels native,xqa,native_tc`` pins the decode attention kernel (``...+KERNEL`` rows) instead of the
-per-bucket measurement (``auto``), and ``--noise both`` adds ``...-torchnoise`` rows (the sampler's noise hash
-as torch operations instead of the one Triton kernel that is the CUDA default; graphs capture whichever the
-variant uses).
+per-bucket measurement (``auto``), and ``--head-kernels both`` adds ``...-torchhead`` rows (the frame's noise
+hash, delay mask and state update as torch operations instead of the Triton kernels that are the CUDA default,
+``heads.fused``; graphs capture whichever the variant uses).
 
 With random weights the codebook-0 EOC row of the table is zeroed, so greedy decoding never ends a request
 early (its logit is exactly 0 while the max of 1024 random logits is positive); ``meta.eoc_suppressed`` says so.
@@ -64,7 +64,7 @@ from common import (
 
 from higgs_talker import HiggsTalker, SamplingParams, TalkerConfig, TextConfig
 from higgs_talker.cuda_graphs import PREFILL_BUCKETS
-from higgs_talker.heads import sampling
+from higgs_talker.heads import fused
 from higgs_talker.tiny import tiny_config
 
 SHAPE_4B = dict(
@@ -81,7 +81,7 @@ MODES = ("eager", "local_mlp", "full_decode", "auto")
 FUSED = "-fused"  # label suffix: the mode with fuse_qk_rope=True
 SYNC = "-sync"  # label suffix: async_scheduling=False
 PREFILL = "+prefill"  # label suffix: prefill graphs on (prefill_buckets=PREFILL_BUCKETS)
-TORCH_NOISE = "-torchnoise"  # label suffix: heads.sampling.FUSED_NOISE = False
+TORCH_HEAD = "-torchhead"  # label suffix: heads.fused.ENABLED = False
 DECODE_KERNELS = ("auto", "native", "xqa", "native_tc")
 
 
@@ -94,15 +94,15 @@ class Variant:
     async_scheduling: bool | None = True  # None: the library's default (on CUDA)
     kernel: str = "auto"
     prefill_graphs: bool = False  # capture prefill graphs (PREFILL_BUCKETS; opt-in in the library)
-    fused_noise: bool = True  # the sampler's noise hash in one Triton kernel (the CUDA default)
+    head_kernels: bool = True  # the frame's Triton kernels (heads.fused; the CUDA default)
 
     @property
     def label(self) -> str:
         kernel = "" if self.kernel == "auto" else f"+{self.kernel}"
         prefill = PREFILL if self.prefill_graphs else ""
         sync = SYNC if self.async_scheduling is False else ""
-        noise = "" if self.fused_noise else TORCH_NOISE
-        return f"{self.mode}{FUSED if self.fuse else ''}{kernel}{prefill}{sync}{noise}"
+        head = "" if self.head_kernels else TORCH_HEAD
+        return f"{self.mode}{FUSED if self.fuse else ''}{kernel}{prefill}{sync}{head}"
 
 
 PEER_RESERVE_S = 100.0  # the time budget keeps this much for the transformers rows
@@ -270,25 +270,25 @@ def both(choice: str) -> list[bool]:
 
 
 def variants(args: argparse.Namespace) -> list[Variant]:
-    """What to time: every mode x ``--fuse`` x ``--decode-kernels`` x ``--async`` x ``--noise``."""
+    """What to time: every mode x ``--fuse`` x ``--decode-kernels`` x ``--async`` x ``--head-kernels``."""
     return [
-        Variant(m, fuse, on, kernel, fused_noise=noise)
+        Variant(m, fuse, on, kernel, head_kernels=head)
         for m in args.modes
         for fuse in both(args.fuse)
         for kernel in args.decode_kernels
         for on in both(args.async_scheduling)
-        for noise in both({"fused": "on", "torch": "off", "both": "both"}[args.noise])
+        for head in both({"fused": "on", "torch": "off", "both": "both"}[args.head_kernels])
     ]
 
 
 def run_mode(variant: Variant, cfg: TalkerConfig, args, writer: ResultFile, bw: float, share_s: float) -> None:
     """Time every (context, batch) point of one variant; points left after ``share_s`` seconds of timing (build,
     warm-up and first-use kernel compilation not counted) are recorded as skipped."""
-    sampling.FUSED_NOISE = variant.fused_noise  # from the build on: graphs capture the path the variant uses
+    fused.ENABLED = variant.head_kernels  # from the build on: graphs capture the path the variant uses
     try:
         _run_variant(variant, cfg, args, writer, bw, share_s)
     finally:
-        sampling.FUSED_NOISE = True
+        fused.ENABLED = True
 
 
 def _run_variant(variant: Variant, cfg: TalkerConfig, args, writer: ResultFile, bw: float, share_s: float) -> None:
@@ -617,9 +617,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--decode-kernels", type=strs_arg, default=["auto"],
                    help=f"decode attention kernels to pin, each timed apart (of {', '.join(DECODE_KERNELS)}; "
                    "default auto: measured per bucket)")  # fmt: skip
-    p.add_argument("--noise", choices=("fused", "torch", "both"), default="fused",
-                   help="the sampler's noise hash: one Triton kernel (fused, the CUDA default), torch operations "
-                   "(MODE-torchnoise rows), or both")  # fmt: skip
+    p.add_argument("--head-kernels", choices=("fused", "torch", "both"), default="fused",
+                   help="the frame's noise hash, delay mask and state update: Triton kernels (fused, the CUDA "
+                   "default), torch operations (MODE-torchhead rows), or both")  # fmt: skip
     p.add_argument("--batches", type=ints_arg, default=None, help="default 1,2,4,8,13,16,32,64")
     p.add_argument("--contexts", type=ints_arg, default=None, help="default 512,2048")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps per point (default 24)")

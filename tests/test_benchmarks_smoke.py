@@ -82,21 +82,21 @@ def test_decode_smoke(bench, tmp_path: Path) -> None:
     assert data["meta"]["peer_rel_err"] <= tol, (data["meta"]["peer_rel_err"], tol)
 
 
-def test_decode_noise_both_times_each_variant_with_its_own_noise_path(bench, tmp_path: Path, monkeypatch) -> None:
-    """``--noise both``: a ``-torchnoise`` row beside each mode's, built and timed with the torch noise (the
-    switch is read while the variant runs, then put back)."""
-    from higgs_talker.heads import sampling
+def test_decode_head_kernels_both_times_each_variant_with_its_own_path(bench, tmp_path: Path, monkeypatch) -> None:
+    """``--head-kernels both``: a ``-torchhead`` row beside each mode's, built and timed with the torch frame
+    operations (the switch is read while the variant runs, then put back)."""
+    from higgs_talker.heads import fused
 
     mod = bench("bench_decode")
     seen = []
     real = mod._run_variant
-    monkeypatch.setattr(mod, "_run_variant", lambda v, *a: (seen.append((v.label, sampling.FUSED_NOISE)), real(v, *a)))
+    monkeypatch.setattr(mod, "_run_variant", lambda v, *a: (seen.append((v.label, fused.ENABLED)), real(v, *a)))
     argv = ["--device", "cpu", "--tiny", "--modes", "eager", "--batches", "1", "--contexts", "16", "--steps", "2",
-            "--warmup", "1", "--noise", "both", "--no-peers", "--out", str(tmp_path)]  # fmt: skip
+            "--warmup", "1", "--head-kernels", "both", "--no-peers", "--out", str(tmp_path)]  # fmt: skip
     data = load(mod.main(argv))
-    assert seen == [("eager-fused", True), ("eager-fused-torchnoise", False)]
-    assert [(r["mode"], r["status"]) for r in data["rows"]] == [("eager-fused", "ok"), ("eager-fused-torchnoise", "ok")]
-    assert sampling.FUSED_NOISE
+    assert seen == [("eager-fused", True), ("eager-fused-torchhead", False)]
+    assert [(r["mode"], r["status"]) for r in data["rows"]] == [("eager-fused", "ok"), ("eager-fused-torchhead", "ok")]
+    assert fused.ENABLED
 
 
 def test_decode_refuses_a_budget_the_peers_would_eat(bench, capsys) -> None:

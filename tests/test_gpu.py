@@ -607,23 +607,49 @@ def test_masked_codes_are_never_sampled_on_cuda():
 
 
 @pytest.mark.parametrize("rows", [1, 64, 4096])
-def test_fused_noise_kernel_gives_the_reference_words_on_cuda(rows):
-    """The Triton noise kernel on the GPU: the torch hash's uniforms bit for bit, eagerly and replayed in a CUDA
-    graph; and the sampler's first-use check accepted it (or the suite would run the reference silently)."""
-    from higgs_talker.heads import noise_triton, sampling
+def test_frame_kernels_give_the_reference_values_on_cuda(rows):
+    """The Triton frame kernels on the GPU: the noise words, the delay mask and the state update equal their
+    torch references, eagerly and (noise) replayed in a CUDA graph; and the first-use checks accepted all three
+    (or every frame would quietly run the references)."""
+    from dataclasses import fields
 
-    n = 8 * 1026
+    from higgs_talker.heads import fused, sampling, triton_kernels
+    from higgs_talker.heads.delay import DelayState, apply_delay_mask, update_state
+
+    n, c, v = 8 * 1026, 8, 1026
     g = torch.Generator(device="cuda").manual_seed(rows)
     seeds = torch.randint(0, 2**63 - 1, (rows,), generator=g, device="cuda")
     steps = torch.randint(0, 2**31 - 1, (rows,), generator=g, device="cuda")
     want = sampling.uniform_from_bits(sampling.noise_words(seeds, steps, n))
-    assert torch.equal(noise_triton.uniform_noise(seeds, steps, n), want)
-    graph, out = capture_graph(lambda: noise_triton.uniform_noise(seeds, steps, n))
+    assert torch.equal(triton_kernels.uniform_noise(seeds, steps, n, sampling.CODE_KEY), want)
+    graph, out = capture_graph(lambda: triton_kernels.uniform_noise(seeds, steps, n, sampling.CODE_KEY))
     steps.add_(1)
     graph.replay()
     assert torch.equal(out, sampling.uniform_from_bits(sampling.noise_words(seeds, steps, n)))
-    sampling.uniform_noise(seeds[:2], steps[:2], n)  # the first use on this device checks the kernel
-    assert sampling._fused_state == "ok"
+    state = DelayState(
+        last_codes=torch.randint(0, v, (rows, c), generator=g, device="cuda"),
+        has_codes=torch.rand(rows, generator=g, device="cuda") < 0.5,
+        delay=torch.randint(0, c, (rows,), generator=g, device="cuda"),
+        countdown=torch.randint(-1, c, (rows,), generator=g, device="cuda"),
+        done=torch.rand(rows, generator=g, device="cuda") < 0.1,
+    )
+    allowed = torch.rand(rows, generator=g, device="cuda") < 0.5
+    logits = torch.randn(rows, c, v, generator=g, device="cuda")
+    ref = apply_delay_mask(logits.clone(), state.delay, state.countdown, v - 2, v - 1, allowed)
+    assert torch.equal(triton_kernels.delay_mask(logits.clone(), state.delay, state.countdown, v - 2, v - 1, allowed),
+                       ref)  # fmt: skip
+    codes = torch.where(torch.rand(rows, c, generator=g, device="cuda") < 0.2, v - 1, ref.argmax(-1))
+    active = torch.rand(rows, generator=g, device="cuda") < 0.9
+    emitted, new = update_state(codes, state, active, v - 2, v - 1)
+    got_emitted, got_new = triton_kernels.update_state(codes, state, active, v - 2, v - 1)
+    assert torch.equal(got_emitted, emitted)
+    assert all(torch.equal(getattr(got_new, f.name), getattr(new, f.name)) for f in fields(DelayState))
+    t = HiggsTalker.from_config(medium_config(num_hidden_layers=1), device="cuda", graph_mode="eager", max_num_seqs=4,
+                                max_model_len=256)  # fmt: skip
+    t.generate("check the kernels", SamplingParams(temperature=1.0, seed=1), max_frames=3)
+    assert {name: fused.state(name) for name in ("sampler noise", "delay mask", "delay state update")} == dict.fromkeys(
+        ("sampler noise", "delay mask", "delay state update"), "ok"
+    )
 
 
 # --------------------------------------------------------------------------------------------------- no FlashInfer

@@ -13,6 +13,7 @@ import pytest
 import torch
 from _tolerance import assert_matmul_close, assert_within, chain_rel_tol, sum_bound, unit_roundoff
 
+from higgs_talker.heads import fused as fused_kernels
 from higgs_talker.heads import sampling
 from higgs_talker.heads.codebooks import FusedCodebookEmbedding, FusedCodebookHead
 from higgs_talker.heads.delay import (
@@ -505,17 +506,14 @@ def test_noise_is_a_pure_function_of_seed_and_step():
     assert not torch.equal(hi[0], hi[1])
 
 
-class _StubKernel(types.ModuleType):
-    """Stands in for ``heads.noise_triton``: ``make(seeds, steps, n)`` is what its kernel returns."""
+class _StubKernels(types.ModuleType):
+    """Stands in for ``heads.triton_kernels``: ``uniform_noise`` returns what ``make`` does."""
 
     def __init__(self, make) -> None:
-        super().__init__("higgs_talker.heads.noise_triton")
+        super().__init__("higgs_talker.heads.triton_kernels")
         self.make, self.calls = make, 0
 
-    def supports(self, n: int) -> bool:
-        return True
-
-    def uniform_noise(self, seeds, steps, n):
+    def uniform_noise(self, seeds, steps, n, code_key):
         self.calls += 1
         return self.make(seeds, steps, n)
 
@@ -524,27 +522,26 @@ def _reference_uniform(seeds, steps, n):
     return uniform_from_bits(sampling.noise_words(seeds, steps, n))
 
 
-def _use_stub(monkeypatch, make) -> _StubKernel:
-    """The fused path on CPU tensors, with a stub kernel, from a fresh state."""
-    stub = _StubKernel(make)
-    monkeypatch.setitem(sys.modules, "higgs_talker.heads.noise_triton", stub)
-    monkeypatch.setattr(sampling, "_on_kernel_device", lambda t: True)
-    monkeypatch.setattr(sampling, "_capturing", lambda: False)
-    monkeypatch.setattr(sampling, "_fused_state", "untried")
-    monkeypatch.setattr(sampling, "_fused", None)
+def _use_stub(monkeypatch, make) -> _StubKernels:
+    """The kernels' path on CPU tensors, with stub kernels, from a fresh state."""
+    stub = _StubKernels(make)
+    monkeypatch.setitem(sys.modules, "higgs_talker.heads.triton_kernels", stub)
+    monkeypatch.setattr(fused_kernels, "_on_kernel_device", lambda t: True)
+    monkeypatch.setattr(fused_kernels, "_capturing", lambda: False)
+    monkeypatch.setattr(fused_kernels, "_state", {})
     return stub
 
 
 NOISE_SEEDS, NOISE_STEPS = torch.tensor([0, 7, 2**63 - 1]), torch.tensor([0, 3, 2**31 - 2])
 
 
-def test_fused_noise_is_used_once_it_matches_the_reference(monkeypatch, caplog):
+def test_a_kernel_is_used_once_it_matches_its_reference(monkeypatch, caplog):
     stub = _use_stub(monkeypatch, _reference_uniform)
     want = _reference_uniform(NOISE_SEEDS, NOISE_STEPS, N * 40)
     with caplog.at_level(logging.WARNING):
         for _ in range(3):
             assert torch.equal(sampling.uniform_noise(NOISE_SEEDS, NOISE_STEPS, N * 40), want)
-    assert stub.calls == 3 and sampling._fused_state == "ok" and not caplog.records
+    assert stub.calls == 3 and fused_kernels.state("sampler noise") == "ok" and not caplog.records
 
 
 @pytest.mark.parametrize(
@@ -555,29 +552,38 @@ def test_fused_noise_is_used_once_it_matches_the_reference(monkeypatch, caplog):
     ],
     ids=["differs", "raises"],
 )
-def test_fused_noise_that_differs_or_fails_is_turned_off_with_one_warning(monkeypatch, caplog, make, warning):
+def test_a_kernel_that_differs_or_fails_is_turned_off_with_one_warning(monkeypatch, caplog, make, warning):
     stub = _use_stub(monkeypatch, make)
     want = _reference_uniform(NOISE_SEEDS, NOISE_STEPS, N * 40)
     with caplog.at_level(logging.WARNING):
         for _ in range(3):
             assert torch.equal(sampling.uniform_noise(NOISE_SEEDS, NOISE_STEPS, N * 40), want)
-    assert stub.calls == 1 and sampling._fused_state == "off"
+    assert stub.calls == 1 and fused_kernels.state("sampler noise") == "off"
     assert len(caplog.records) == 1 and warning in caplog.records[0].getMessage()
 
 
-def test_fused_noise_is_not_tried_inside_a_capture_or_when_switched_off(monkeypatch):
+def test_a_kernel_is_not_tried_inside_a_capture_or_when_switched_off(monkeypatch):
     stub = _use_stub(monkeypatch, _reference_uniform)
-    monkeypatch.setattr(sampling, "_capturing", lambda: True)
+    monkeypatch.setattr(fused_kernels, "_capturing", lambda: True)
     want = _reference_uniform(NOISE_SEEDS, NOISE_STEPS, 30)
     assert torch.equal(sampling.uniform_noise(NOISE_SEEDS, NOISE_STEPS, 30), want)
-    assert stub.calls == 0 and sampling._fused_state == "untried"  # still to be checked, outside a capture
-    monkeypatch.setattr(sampling, "_capturing", lambda: False)
-    monkeypatch.setattr(sampling, "FUSED_NOISE", False)
+    assert stub.calls == 0 and fused_kernels.state("sampler noise") == "untried"  # checked later, outside a capture
+    monkeypatch.setattr(fused_kernels, "_capturing", lambda: False)
+    monkeypatch.setattr(fused_kernels, "ENABLED", False)
     assert torch.equal(sampling.uniform_noise(NOISE_SEEDS, NOISE_STEPS, 30), want) and stub.calls == 0
 
 
-def test_noise_on_cpu_never_tries_the_kernel():
-    assert sampling._fused_noise(NOISE_SEEDS, NOISE_STEPS, 30) is None
+def test_cpu_tensors_never_try_the_kernels(monkeypatch):
+    monkeypatch.setattr(fused_kernels, "_state", {})
+    sampling.uniform_noise(NOISE_SEEDS, NOISE_STEPS, 30)
+    assert fused_kernels.state("sampler noise") == "untried"
+
+
+def test_same_values_matches_nan_with_nan_and_nothing_else():
+    a = torch.tensor([1.0, float("nan"), float("-inf")])
+    assert fused_kernels.same_values(a, a.clone())
+    assert not fused_kernels.same_values(a, torch.tensor([1.0, 0.0, float("-inf")]))
+    assert not fused_kernels.same_values(a, a.double()) and not fused_kernels.same_values(a, a[:2])
 
 
 def test_seeded_codes_do_not_depend_on_the_batch():

@@ -93,12 +93,12 @@ def test_fused_attention_path_gives_the_reference_greedy_codes(talker, tiny_dir)
         assert torch.equal(a, b)
 
 
-# --------------------------------------------------------------------------------------------------- noise
+# --------------------------------------------------------------------------------------------------- frame kernels
 
 
 @pytest.mark.parametrize(("rows", "n"), [(1, 8 * 1026), (3, 30), (5, 1025), (2, 1), (0, 64)])
 def test_noise_kernel_gives_the_reference_words_bit_for_bit(rows, n):
-    from higgs_talker.heads import noise_triton
+    from higgs_talker.heads import sampling, triton_kernels
     from higgs_talker.heads.sampling import noise_words, uniform_from_bits
 
     g = torch.Generator().manual_seed(rows * 1000 + n)
@@ -106,32 +106,78 @@ def test_noise_kernel_gives_the_reference_words_bit_for_bit(rows, n):
     steps = torch.randint(0, 2**31 - 1, (rows,), generator=g)
     if rows:
         seeds[0], steps[0] = 2**63 - 1, 0  # both halves of the largest seed, the first row
-    got = noise_triton.uniform_noise(seeds, steps, n)
+    got = triton_kernels.uniform_noise(seeds, steps, n, sampling.CODE_KEY)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     assert torch.equal(got, uniform_from_bits(noise_words(seeds, steps, n)))
 
 
 def test_noise_kernel_rejects_what_it_cannot_take():
-    from higgs_talker.heads import noise_triton
+    from higgs_talker.heads import triton_kernels
+    from higgs_talker.heads.sampling import CODE_KEY as KEY
 
     with pytest.raises(ValueError, match="seeds and steps must be"):
-        noise_triton.uniform_noise(torch.zeros(2, dtype=torch.long), torch.zeros(3, dtype=torch.long), 8)
+        triton_kernels.uniform_noise(torch.zeros(2, dtype=torch.long), torch.zeros(3, dtype=torch.long), 8, KEY)
     with pytest.raises(ValueError, match="beyond the 32-bit index"):
-        noise_triton.uniform_noise(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 2**31)
-    assert noise_triton.supports(8 * 1026) and not noise_triton.supports(0)
+        triton_kernels.uniform_noise(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 2**31, KEY)
+    assert triton_kernels.noise_supports(8 * 1026, KEY) and not triton_kernels.noise_supports(0, KEY)
 
 
-def test_sampled_generation_with_the_fused_noise_equals_the_reference(talker, tiny_dir, monkeypatch):
-    """The engine's sampler through the (interpreted) fused noise on CPU: the same sampled rows."""
-    from higgs_talker.heads import sampling
+def _every_delay_state(n: int, boc: int, eoc: int, v: int, seed: int):
+    """One row per reachable (delay, countdown) pair x done x has_codes x active x eoc_allowed, with codes that
+    hit BOC, EOC and real codes on random codebooks (delay.py's state space, for C = n)."""
+    from higgs_talker.heads.delay import DelayState
+
+    pairs = [(d, -1) for d in range(n)] + [(d, c) for d in range(n) for c in range(n)]
+    combos = [(d, c, done, has, act, allow) for d, c in pairs for done in (0, 1) for has in (0, 1)
+              for act in (0, 1) for allow in (0, 1)]  # fmt: skip
+    b = len(combos)
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, v, (b, n), generator=g)
+    pick = torch.rand(b, n, generator=g)
+    codes = torch.where(pick < 0.15, eoc, torch.where(pick < 0.25, boc, codes))
+    t = torch.tensor(combos)
+    state = DelayState(
+        last_codes=torch.randint(0, v, (b, n), generator=g), has_codes=t[:, 3].bool(), delay=t[:, 0],
+        countdown=t[:, 1], done=t[:, 2].bool(),
+    )  # fmt: skip
+    return codes, state, t[:, 4].bool(), t[:, 5].bool()
+
+
+@pytest.mark.parametrize(("n", "v"), [(8, 1026), (4, 30), (3, 11)])
+def test_delay_kernels_equal_the_reference_on_every_state(n, v):
+    from dataclasses import fields
+
+    from higgs_talker.heads import triton_kernels
+    from higgs_talker.heads.delay import DelayState, apply_delay_mask, update_state
+
+    boc, eoc = v - 2, v - 1
+    codes, state, active, allowed = _every_delay_state(n, boc, eoc, v, seed=n * v)
+    logits = torch.randn(codes.shape[0], n, v, generator=torch.Generator().manual_seed(v))
+    logits[0, 0, 3] = float("nan")  # copied through where allowed, as masked_fill_ does
+    for eoc_allowed in (allowed, None):
+        want = apply_delay_mask(logits.clone(), state.delay, state.countdown, boc, eoc, eoc_allowed)
+        got = triton_kernels.delay_mask(logits.clone(), state.delay, state.countdown, boc, eoc, eoc_allowed)
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    emitted, new = update_state(codes, state, active, boc, eoc)
+    got_emitted, got_new = triton_kernels.update_state(codes, state, active, boc, eoc)
+    assert torch.equal(got_emitted, emitted)
+    for f in fields(DelayState):
+        a, b = getattr(got_new, f.name), getattr(new, f.name)
+        assert a.dtype == b.dtype and torch.equal(a, b), f.name
+
+
+def test_sampled_generation_through_the_frame_kernels_equals_the_reference(talker, monkeypatch):
+    """The engine's frames through the (interpreted) noise, mask and update kernels on CPU: the same rows, with
+    every kernel checked and in use."""
+    from higgs_talker.heads import fused
 
     params = SamplingParams(temperature=1.0, top_k=40, top_p=0.9, seed=5, max_frames=16)
-    want = [r.rows for r in talker.generate(["fused noise", "a second request"], params)]
-    monkeypatch.setattr(sampling, "_on_kernel_device", lambda t: True)
-    monkeypatch.setattr(sampling, "_capturing", lambda: False)
-    monkeypatch.setattr(sampling, "_fused_state", "untried")
-    monkeypatch.setattr(sampling, "_fused", None)
-    got = [r.rows for r in talker.generate(["fused noise", "a second request"], params)]
-    assert sampling._fused_state == "ok"
+    texts = ["frame kernels", "and a second request"]
+    want = [r.rows for r in talker.generate(texts, params)]
+    monkeypatch.setattr(fused, "_on_kernel_device", lambda t: True)
+    monkeypatch.setattr(fused, "_capturing", lambda: False)
+    monkeypatch.setattr(fused, "_state", {})
+    got = [r.rows for r in talker.generate(texts, params)]
+    assert fused._state == {"sampler noise": "ok", "delay mask": "ok", "delay state update": "ok"}
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)

@@ -10,8 +10,6 @@ the exponential race ``argmax(p / E)`` with ``E ~ Exp(1)``, which draws from ``p
 
 from __future__ import annotations
 
-import importlib
-import logging
 import math
 import numbers
 import secrets
@@ -20,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-logger = logging.getLogger(__name__)
+from . import fused
 
 _M32 = 0xFFFFFFFF
 CODE_KEY = 0x9E3779B9  # added to each code's index before it is hashed (noise_words)
@@ -138,7 +136,7 @@ def uniform_from_bits(bits: Tensor) -> Tensor:
 
 def noise_words(seeds: Tensor, steps: Tensor, n: int) -> Tensor:
     """The hash words [B, n] int64 (each < 2**32) of code indices 0..n-1 for each (seed, step) pair [B] int64:
-    the torch reference of the noise (``noise_triton`` computes the same words in one kernel)."""
+    the torch reference of the noise (``triton_kernels.uniform_noise`` computes the same words in one kernel)."""
     h = _mix32(seeds & _M32)
     h = _mix32(h ^ ((seeds >> 32) & _M32))
     h = _mix32(h ^ (steps & _M32))  # [B]
@@ -147,56 +145,15 @@ def noise_words(seeds: Tensor, steps: Tensor, n: int) -> Tensor:
     return _mix32(bits ^ h[:, None])  # second round: decorrelates neighbouring (seed, step) pairs
 
 
-FUSED_NOISE = True  # on CUDA, where triton imports: the hash in one Triton kernel (False: the torch reference)
-_fused: object | None = None  # noise_triton, once imported and checked against the reference on this machine
-_fused_state = "untried"  # untried | ok | off
-
-
-def _on_kernel_device(t: Tensor) -> bool:
-    return t.is_cuda
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _fused_noise(seeds: Tensor, steps: Tensor, n: int) -> Tensor | None:
-    """The fused kernel's uniforms, or None where it is off, unavailable, or unproven and cannot be checked now.
-
-    Its first use outside a CUDA graph capture checks it against the torch reference on the same inputs (one
-    sync, once per process); an import error, a launch error or any difference turns it off with one warning,
-    so the noise is always the reference's."""
-    global _fused, _fused_state
-    if not FUSED_NOISE or _fused_state == "off" or not _on_kernel_device(seeds):
-        return None
-    if _fused_state == "ok":
-        return _fused.uniform_noise(seeds, steps, n) if _fused.supports(n) else None
-    if _capturing():
-        return None  # unproven, and a capture cannot check it: this graph keeps the reference
-    try:
-        kernel = importlib.import_module(f"{__package__}.noise_triton")
-        if not kernel.supports(n):
-            return None
-        got = kernel.uniform_noise(seeds, steps, n)
-        same = torch.equal(got, uniform_from_bits(noise_words(seeds, steps, n)))
-    except Exception as exc:  # noqa: BLE001 - no triton, a compile or launch error: the reference it is
-        _fused_state = "off"
-        logger.warning("fused sampler noise unavailable (%s: %s); using the torch reference", type(exc).__name__,
-                       exc)  # fmt: skip
-        return None
-    if not same:
-        _fused_state = "off"
-        logger.warning("fused sampler noise differs from the torch reference on this device; using the reference")
-        return None
-    _fused, _fused_state = kernel, "ok"
-    return got
-
-
 def uniform_noise(seeds: Tensor, steps: Tensor, n: int) -> Tensor:
-    """Uniform fp32 [B, n] in (0, 1) from the hash words: one fused kernel on CUDA (``FUSED_NOISE``), else torch;
-    the values are the same."""
-    fused = _fused_noise(seeds, steps, n)
-    return fused if fused is not None else uniform_from_bits(noise_words(seeds, steps, n))
+    """Uniform fp32 [B, n] in (0, 1) from the hash words (``uniform_from_bits(noise_words(...))``): one Triton
+    kernel on CUDA once it is checked (``heads.fused``), the torch operations elsewhere; the values are equal."""
+    if not n - 1 + CODE_KEY < 2**32:  # the kernel's index would leave the 32-bit word: only torch agrees here
+        return uniform_from_bits(noise_words(seeds, steps, n))
+    return fused.run_checked(
+        "sampler noise", seeds, lambda k, checking: k.uniform_noise(seeds, steps, n, CODE_KEY),
+        lambda checking: uniform_from_bits(noise_words(seeds, steps, n)), fused.same_values,
+    )  # fmt: skip
 
 
 def exponential_noise(seeds: Tensor, steps: Tensor, num_codebooks: int, codebook_size: int) -> Tensor:

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
 
+from . import fused
 from .delay import DelayState, apply_delay_mask, update_state
 from .sampling import sample_codes
 
@@ -140,6 +141,38 @@ class SlotStore:
         )
 
 
+def masked_logits(logits: Tensor, state: DelayState, boc_id: int, eoc_id: int, eoc_allowed: Tensor) -> None:
+    """``apply_delay_mask`` in place: one Triton kernel on CUDA once checked (``heads.fused``), else torch."""
+
+    def kernel(k, checking: bool) -> Tensor:
+        out = logits.clone() if checking else logits
+        if not k.delay_mask_supports(out):
+            raise ValueError(f"the mask kernel does not take logits {tuple(out.shape)} {out.dtype}")
+        return k.delay_mask(out, state.delay, state.countdown, boc_id, eoc_id, eoc_allowed)
+
+    def reference(checking: bool) -> Tensor:
+        out = logits.clone() if checking else logits
+        return apply_delay_mask(out, state.delay, state.countdown, boc_id, eoc_id, eoc_allowed)
+
+    out = fused.run_checked("delay mask", logits, kernel, reference, fused.same_values)
+    if out is not logits:  # the first use, checked on copies
+        logits.copy_(out)
+
+
+def next_state(codes: Tensor, state: DelayState, active: Tensor, boc_id: int, eoc_id: int) -> tuple[Tensor, DelayState]:
+    """``update_state``: one Triton kernel on CUDA once checked (``heads.fused``), else torch."""
+
+    def same(a: tuple[Tensor, DelayState], b: tuple[Tensor, DelayState]) -> bool:
+        return fused.same_values(a[0], b[0]) and all(
+            fused.same_values(getattr(a[1], f.name), getattr(b[1], f.name)) for f in fields(DelayState)
+        )
+
+    return fused.run_checked(
+        "delay state update", codes, lambda k, checking: k.update_state(codes, state, active, boc_id, eoc_id),
+        lambda checking: update_state(codes, state, active, boc_id, eoc_id), same,
+    )  # fmt: skip
+
+
 def sample_frame(
     store: SlotStore,
     slots: Tensor,
@@ -166,13 +199,13 @@ def sample_frame(
         state = state.where_fresh(fresh, store.boc_id)
         steps = torch.where(fresh, 0, steps)
     eoc_allowed = steps >= store.min_rows.index_select(0, slots)  # steps: the row index about to be produced
-    apply_delay_mask(logits, state.delay, state.countdown, store.boc_id, store.eoc_id, eoc_allowed)
+    masked_logits(logits, state, store.boc_id, store.eoc_id, eoc_allowed)
     temperature, top_k, top_p = params if params is not None else store.params(slots)
     seeds = store.seeds.index_select(0, slots)
     codes = sample_codes(logits, temperature, top_k, top_p, seeds, steps, draw=draw, filter=filter)
     if active is None:
         active = torch.ones_like(state.done)
-    emitted, new = update_state(codes, state, active, store.boc_id, store.eoc_id)
+    emitted, new = next_state(codes, state, active, store.boc_id, store.eoc_id)
     store.state.scatter(slots, new)
     store.num_rows.index_copy_(0, slots, steps + active.long())
     return emitted, new

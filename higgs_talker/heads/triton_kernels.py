@@ -1,0 +1,193 @@
+"""The frame's per-step work as three Triton kernels (``heads.fused`` decides where they run).
+
+- ``uniform_noise``: the sampler's noise words, ``sampling.uniform_from_bits(sampling.noise_words(...))``. In
+  torch the counter-based hash is about 120 elementwise launches (three rounds of a 32-bit finaliser per
+  request, two per code, each round nine operations, each multiplication split in six so that int64 never
+  overflows); here one launch over (request, block of codes) does the same int64 operations in registers and
+  stores the uniform float32 value of each word. The two ``log``\\ s after it stay in torch.
+- ``delay_mask``: ``delay.apply_delay_mask`` in place, one program per (request, codebook) row.
+- ``update_state``: ``delay.update_state``, one program per request.
+
+Each computes exactly what its reference computes (integer and boolean operations, and float values copied or
+replaced by -inf), so the results are equal, not close. This module needs triton; under ``TRITON_INTERPRET=1``
+the kernels run on CPU tensors (tests).
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .delay import DelayState
+
+BLOCK = 1024
+MAX_VOCAB = 1 << 16  # the mask kernel holds a codebook row in one block
+
+
+@triton.jit
+def _mul32(x, M_LO: tl.constexpr, M_HI: tl.constexpr):
+    # (x * m) mod 2**32 for x in [0, 2**32), m = M_HI * 2**16 + M_LO, in int64 without overflow
+    return (x * M_LO + (((x * M_HI) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+@triton.jit
+def _mix32(x):
+    # sampling._mix32: xorshift-multiply finaliser of a 32-bit word held in int64
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x352D, 0x7FEB)  # 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0xA68B, 0x846C)  # 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _uniform_noise_kernel(seeds_ptr, steps_ptr, out_ptr, n, BLOCK: tl.constexpr, CODE_KEY: tl.constexpr):
+    row = tl.program_id(0)
+    seed = tl.load(seeds_ptr + row).to(tl.int64)
+    step = tl.load(steps_ptr + row).to(tl.int64)
+    h = _mix32(seed & 0xFFFFFFFF)
+    h = _mix32(h ^ ((seed >> 32) & 0xFFFFFFFF))
+    h = _mix32(h ^ (step & 0xFFFFFFFF))
+    idx = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    bits = _mix32(h ^ _mix32(idx + CODE_KEY))
+    bits = _mix32(bits ^ h)
+    u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # the top 23 bits: exact in fp32
+    tl.store(out_ptr + row.to(tl.int64) * n + idx, u, mask=idx < n)
+
+
+def noise_supports(n: int, code_key: int) -> bool:
+    """Whether the kernel equals the torch hash for ``n`` codes per row: every index plus ``code_key`` must stay
+    a 32-bit word (true for any real codebook table: with sampling's key the limit is about 1.6e9 codes)."""
+    return n > 0 and code_key >= 0 and n - 1 + code_key < 2**32
+
+
+def uniform_noise(seeds: Tensor, steps: Tensor, n: int, code_key: int) -> Tensor:
+    """seeds, steps [B] int64 -> uniform fp32 [B, n] in (0, 1): ``sampling.uniform_from_bits`` of
+    ``sampling.noise_words``, bit for bit (``code_key``: ``sampling.CODE_KEY``)."""
+    if seeds.dim() != 1 or steps.shape != seeds.shape or seeds.dtype != torch.long or steps.dtype != torch.long:
+        raise ValueError(
+            f"seeds and steps must be [B] int64 alike, got {tuple(seeds.shape)} {seeds.dtype} and "
+            f"{tuple(steps.shape)} {steps.dtype}"
+        )
+    if not noise_supports(n, code_key):
+        raise ValueError(f"{n} codes per row is beyond the 32-bit index of the noise hash")
+    out = torch.empty(seeds.shape[0], n, dtype=torch.float32, device=seeds.device)
+    if seeds.shape[0]:
+        grid = (seeds.shape[0], triton.cdiv(n, BLOCK))
+        _uniform_noise_kernel[grid](seeds.contiguous(), steps.contiguous(), out, n, BLOCK=BLOCK, CODE_KEY=code_key)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- delay mask
+
+
+@triton.jit
+def _delay_mask_kernel(
+    logits_ptr, stride_b, stride_c, delay_ptr, countdown_ptr, allowed_ptr, V,
+    BOC: tl.constexpr, EOC: tl.constexpr, C: tl.constexpr, HAS_ALLOWED: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    b = pid // C
+    q = pid % C
+    delay = tl.load(delay_ptr + b)
+    countdown = tl.load(countdown_ptr + b)
+    started = q < tl.minimum(delay + 1, C)
+    ramp = countdown >= 0
+    locked = ramp & (q < C - countdown)
+    eoc_free = started & (countdown < 0) & (q == 0)
+    if HAS_ALLOWED:
+        eoc_free = eoc_free & (tl.load(allowed_ptr + b) != 0)
+    force = tl.where(started, tl.where(locked, EOC, -1), BOC)  # -1: not forced
+    v = tl.arange(0, BLOCK_V)
+    row = logits_ptr + b.to(tl.int64) * stride_b + q.to(tl.int64) * stride_c
+    x = tl.load(row + v, mask=v < V)
+    free = (v != BOC) & ((v != EOC) | eoc_free)
+    allowed = tl.where(force >= 0, v == force, free)
+    tl.store(row + v, tl.where(allowed, x, float("-inf")), mask=v < V)
+
+
+def delay_mask_supports(logits: Tensor) -> bool:
+    """A [B, C, V] float tensor with unit stride along V and V within one block."""
+    return logits.dim() == 3 and logits.is_floating_point() and logits.stride(2) == 1 and logits.shape[2] <= MAX_VOCAB
+
+
+def delay_mask(
+    logits: Tensor, delay: Tensor, countdown: Tensor, boc_id: int, eoc_id: int, eoc_allowed: Tensor | None = None
+) -> Tensor:
+    """``delay.apply_delay_mask`` (same arguments, in place on ``logits``, which it returns)."""
+    if not delay_mask_supports(logits):
+        raise ValueError(f"logits must be [B, C, V] floats with unit stride along V, V <= {MAX_VOCAB}; got "
+                         f"{tuple(logits.shape)} {logits.dtype}, strides {logits.stride()}")  # fmt: skip
+    b, n, v = logits.shape
+    if b:
+        allowed = eoc_allowed if eoc_allowed is not None else delay  # a placeholder pointer, never read
+        _delay_mask_kernel[(b * n,)](
+            logits, logits.stride(0), logits.stride(1), delay.contiguous(), countdown.contiguous(),
+            allowed.contiguous(), v, BOC=boc_id, EOC=eoc_id, C=n, HAS_ALLOWED=eoc_allowed is not None,
+            BLOCK_V=triton.next_power_of_2(v),
+        )  # fmt: skip
+    return logits
+
+
+# --------------------------------------------------------------------------------------------------- state update
+
+
+@triton.jit
+def _update_state_kernel(
+    codes_ptr, last_ptr, has_ptr, delay_ptr, countdown_ptr, done_ptr, active_ptr,
+    emit_out, last_out, has_out, delay_out, countdown_out, done_out,
+    BOC: tl.constexpr, EOC: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64)
+    q = tl.arange(0, CP)
+    inside = q < C
+    codes = tl.load(codes_ptr + b * C + q, mask=inside, other=0)
+    last_codes = tl.load(last_ptr + b * C + q, mask=inside, other=0)
+    has_codes = tl.load(has_ptr + b)
+    delay = tl.load(delay_ptr + b)
+    countdown = tl.load(countdown_ptr + b)
+    was_done = tl.load(done_ptr + b)
+    a = tl.load(active_ptr + b) != 0
+    ramp = countdown >= 0
+    # 1. ramp-up: codebooks that have not started are BOC
+    ramping_up = delay + 1 < C
+    codes = tl.where(ramping_up & (q > delay), BOC, codes)
+    new_delay = tl.where(ramping_up, delay + 1, delay)
+    # 2. ramp-down lock
+    codes = tl.where(ramp & (q < C - countdown), EOC, codes)
+    # 3. a new EOC on a normal row: every codebook up to the last EOC one becomes EOC
+    is_eoc = (codes == EOC) & (countdown < 0) & inside
+    last = tl.max(tl.where(is_eoc, q, -1), axis=0)
+    codes = tl.where(q <= last, EOC, codes)
+    new_countdown = tl.where(ramp, countdown - 1, tl.where(last >= 0, C - last - 1, -1).to(countdown.dtype))
+    # 4. the terminal row
+    done = (new_countdown == 0) & a
+    new_delay = tl.where(done, 0, new_delay)
+    new_countdown = tl.where(done, -1, new_countdown)
+    tl.store(emit_out + b * C + q, tl.where(a, codes, -1), mask=inside)
+    tl.store(last_out + b * C + q, tl.where(a, codes, last_codes), mask=inside)
+    tl.store(has_out + b, tl.where(a, done == 0, has_codes != 0))
+    tl.store(delay_out + b, tl.where(a, new_delay, delay))
+    tl.store(countdown_out + b, tl.where(a, new_countdown, countdown))
+    tl.store(done_out + b, tl.where(a, done, was_done != 0))
+
+
+def update_state(
+    codes: Tensor, state: DelayState, active: Tensor, boc_id: int, eoc_id: int
+) -> tuple[Tensor, DelayState]:
+    """``delay.update_state`` (same arguments; new tensors, batch order)."""
+    b, n = codes.shape
+    new = DelayState(
+        last_codes=torch.empty_like(state.last_codes), has_codes=torch.empty_like(state.has_codes),
+        delay=torch.empty_like(state.delay), countdown=torch.empty_like(state.countdown),
+        done=torch.empty_like(state.done),
+    )  # fmt: skip
+    emitted = torch.empty_like(codes)
+    if b:
+        _update_state_kernel[(b,)](
+            codes.contiguous(), state.last_codes.contiguous(), state.has_codes.contiguous(), state.delay.contiguous(),
+            state.countdown.contiguous(), state.done.contiguous(), active.contiguous(),
+            emitted, new.last_codes, new.has_codes, new.delay, new.countdown, new.done,
+            BOC=boc_id, EOC=eoc_id, C=n, CP=triton.next_power_of_2(n),
+        )  # fmt: skip
+    return emitted, new
