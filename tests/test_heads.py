@@ -579,6 +579,21 @@ def test_cpu_tensors_never_try_the_kernels(monkeypatch):
     assert fused_kernels.state("sampler noise") == "untried"
 
 
+def test_logits_the_mask_kernel_cannot_take_go_to_the_reference(monkeypatch):
+    """Even with the mask kernel checked and in use, logits with a strided code axis never reach it."""
+    from higgs_talker.heads import slots
+
+    stub = _use_stub(monkeypatch, _reference_uniform)
+    stub.delay_mask = lambda *a: (_ for _ in ()).throw(AssertionError("the kernel was called"))
+    monkeypatch.setattr(fused_kernels, "_state", {"delay mask": "ok"})
+    state = DelayState.allocate(2, N, BOC)
+    base = torch.randn(2, 40, N, generator=torch.Generator().manual_seed(2))
+    logits = base.transpose(1, 2)  # [2, N, 40], stride 40 along the codes
+    want = apply_delay_mask(logits.clone(), state.delay, state.countdown, BOC - 1000, EOC - 1000)
+    slots.masked_logits(logits, state, BOC - 1000, EOC - 1000, torch.ones(2, dtype=torch.bool))
+    assert torch.equal(logits, want)
+
+
 def test_same_values_matches_nan_with_nan_and_nothing_else():
     a = torch.tensor([1.0, float("nan"), float("-inf")])
     assert fused_kernels.same_values(a, a.clone())

@@ -27,6 +27,7 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 ENABLED = True
+MASK_MAX_VOCAB = 1 << 16  # the mask kernel holds one codebook row in one block
 T = TypeVar("T")
 _state: dict[str, str] = {}  # kernel name -> "ok" | "off" (absent: not tried yet)
 

@@ -144,15 +144,18 @@ class SlotStore:
 def masked_logits(logits: Tensor, state: DelayState, boc_id: int, eoc_id: int, eoc_allowed: Tensor) -> None:
     """``apply_delay_mask`` in place: one Triton kernel on CUDA once checked (``heads.fused``), else torch."""
 
-    def kernel(k, checking: bool) -> Tensor:
-        out = logits.clone() if checking else logits
-        if not k.delay_mask_supports(out):
-            raise ValueError(f"the mask kernel does not take logits {tuple(out.shape)} {out.dtype}")
-        return k.delay_mask(out, state.delay, state.countdown, boc_id, eoc_id, eoc_allowed)
-
     def reference(checking: bool) -> Tensor:
         out = logits.clone() if checking else logits
         return apply_delay_mask(out, state.delay, state.countdown, boc_id, eoc_id, eoc_allowed)
+
+    takes = logits.dim() == 3 and logits.stride(2) == 1 and logits.shape[2] <= fused.MASK_MAX_VOCAB
+    if not takes:
+        reference(False)
+        return
+
+    def kernel(k, checking: bool) -> Tensor:
+        out = logits.clone() if checking else logits
+        return k.delay_mask(out, state.delay, state.countdown, boc_id, eoc_id, eoc_allowed)
 
     out = fused.run_checked("delay mask", logits, kernel, reference, fused.same_values)
     if out is not logits:  # the first use, checked on copies

@@ -19,9 +19,10 @@ import triton.language as tl
 from torch import Tensor
 
 from .delay import DelayState
+from .fused import MASK_MAX_VOCAB
 
 BLOCK = 1024
-MAX_VOCAB = 1 << 16  # the mask kernel holds a codebook row in one block
+MAX_VOCAB = MASK_MAX_VOCAB
 
 
 @triton.jit
