@@ -22,7 +22,8 @@ adds ``...-sync`` rows (``async_scheduling=False``: each step's rows read before
 ``--decode-kernels native,xqa,native_tc`` pins the decode attention kernel (``...+KERNEL`` rows) instead of the
 per-bucket measurement (``auto``), and ``--head-kernels both`` adds ``...-torchhead`` rows (the frame's noise
 hash, delay mask and state update as torch operations instead of the Triton kernels that are the CUDA default,
-``heads.fused``; graphs capture whichever the variant uses).
+``heads.fused``; graphs capture whichever the variant uses); ``--sampler-variants both`` adds
+``...-wholesampler`` rows (full-decode graphs without the cheaper greedy / no-filter sampler variants).
 
 With random weights the codebook-0 EOC row of the table is zeroed, so greedy decoding never ends a request
 early (its logit is exactly 0 while the max of 1024 random logits is positive); ``meta.eoc_suppressed`` says so.
@@ -64,8 +65,11 @@ from common import (
 
 from higgs_talker import HiggsTalker, SamplingParams, TalkerConfig, TextConfig
 from higgs_talker.cuda_graphs import PREFILL_BUCKETS
+from higgs_talker.cuda_graphs import full_decode as full_graphs
 from higgs_talker.heads import fused
 from higgs_talker.tiny import tiny_config
+
+DEFAULT_SAMPLER_VARIANTS = full_graphs.SAMPLER_VARIANTS
 
 SHAPE_4B = dict(
     vocab_size=151936,
@@ -82,6 +86,7 @@ FUSED = "-fused"  # label suffix: the mode with fuse_qk_rope=True
 SYNC = "-sync"  # label suffix: async_scheduling=False
 PREFILL = "+prefill"  # label suffix: prefill graphs on (prefill_buckets=PREFILL_BUCKETS)
 TORCH_HEAD = "-torchhead"  # label suffix: heads.fused.ENABLED = False
+WHOLE_SAMPLER = "-wholesampler"  # label suffix: no sampler variants (cuda_graphs.full_decode.SAMPLER_VARIANTS)
 DECODE_KERNELS = ("auto", "native", "xqa", "native_tc")
 
 
@@ -95,6 +100,7 @@ class Variant:
     kernel: str = "auto"
     prefill_graphs: bool = False  # capture prefill graphs (PREFILL_BUCKETS; opt-in in the library)
     head_kernels: bool = True  # the frame's Triton kernels (heads.fused; the CUDA default)
+    sampler_variants: bool = True  # full-decode graphs with the cheaper samplers (the default)
 
     @property
     def label(self) -> str:
@@ -102,7 +108,8 @@ class Variant:
         prefill = PREFILL if self.prefill_graphs else ""
         sync = SYNC if self.async_scheduling is False else ""
         head = "" if self.head_kernels else TORCH_HEAD
-        return f"{self.mode}{FUSED if self.fuse else ''}{kernel}{prefill}{sync}{head}"
+        whole = "" if self.sampler_variants else WHOLE_SAMPLER
+        return f"{self.mode}{FUSED if self.fuse else ''}{kernel}{prefill}{sync}{head}{whole}"
 
 
 PEER_RESERVE_S = 100.0  # the time budget keeps this much for the transformers rows
@@ -193,6 +200,8 @@ def graph_info(talker: HiggsTalker) -> dict:
         info["graph_reason"] = graphs.decision.reason
         if graphs.choice:
             info["auto_choice"] = {str(k): v for k, v in graphs.choice.items()}
+        if graphs.full is not None:
+            info["sampler_variants"] = sorted(f"{size}:draw={d},filter={f}" for size, d, f in graphs.full.variants)
     return info
 
 
@@ -270,14 +279,16 @@ def both(choice: str) -> list[bool]:
 
 
 def variants(args: argparse.Namespace) -> list[Variant]:
-    """What to time: every mode x ``--fuse`` x ``--decode-kernels`` x ``--async`` x ``--head-kernels``."""
+    """What to time: every mode x ``--fuse`` x ``--decode-kernels`` x ``--async`` x ``--head-kernels`` x
+    ``--sampler-variants``."""
     return [
-        Variant(m, fuse, on, kernel, head_kernels=head)
+        Variant(m, fuse, on, kernel, head_kernels=head, sampler_variants=sv)
         for m in args.modes
         for fuse in both(args.fuse)
         for kernel in args.decode_kernels
         for on in both(args.async_scheduling)
         for head in both({"fused": "on", "torch": "off", "both": "both"}[args.head_kernels])
+        for sv in both(args.sampler_variants)
     ]
 
 
@@ -285,10 +296,11 @@ def run_mode(variant: Variant, cfg: TalkerConfig, args, writer: ResultFile, bw: 
     """Time every (context, batch) point of one variant; points left after ``share_s`` seconds of timing (build,
     warm-up and first-use kernel compilation not counted) are recorded as skipped."""
     fused.ENABLED = variant.head_kernels  # from the build on: graphs capture the path the variant uses
+    full_graphs.SAMPLER_VARIANTS = DEFAULT_SAMPLER_VARIANTS if variant.sampler_variants else ()
     try:
         _run_variant(variant, cfg, args, writer, bw, share_s)
     finally:
-        fused.ENABLED = True
+        fused.ENABLED, full_graphs.SAMPLER_VARIANTS = True, DEFAULT_SAMPLER_VARIANTS
 
 
 def _run_variant(variant: Variant, cfg: TalkerConfig, args, writer: ResultFile, bw: float, share_s: float) -> None:
@@ -620,6 +632,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--head-kernels", choices=("fused", "torch", "both"), default="fused",
                    help="the frame's noise hash, delay mask and state update: Triton kernels (fused, the CUDA "
                    "default), torch operations (MODE-torchhead rows), or both")  # fmt: skip
+    p.add_argument("--sampler-variants", choices=("on", "off", "both"), default="on",
+                   help="full-decode graphs with the cheaper sampler variants (on, the default), the whole sampler "
+                   "only (off: MODE-wholesampler rows), or both")  # fmt: skip
     p.add_argument("--batches", type=ints_arg, default=None, help="default 1,2,4,8,13,16,32,64")
     p.add_argument("--contexts", type=ints_arg, default=None, help="default 512,2048")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps per point (default 24)")

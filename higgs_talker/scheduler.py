@@ -271,8 +271,9 @@ class Scheduler:
     def _sampling_flags(self, batch: list[Request]) -> tuple[bool, bool]:
         """(draw, filter) from host-side params: lets eager steps skip work no row needs.
 
-        Exact: an inactive top-k/top-p filter masks nothing, and greedy rows take the argmax either way. Graphs
-        are captured with both on, so they serve any batch.
+        Exact: an inactive top-k/top-p filter masks nothing, and greedy rows take the argmax either way.
+        Full-decode graphs have one variant per combination (``cuda_graphs.full_decode``); the one with both on
+        serves any batch.
         """
         v = self.cfg.codebook_size
         sampled = [r.params for r in batch if r.params.temperature > 0]

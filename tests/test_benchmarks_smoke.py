@@ -99,6 +99,14 @@ def test_decode_head_kernels_both_times_each_variant_with_its_own_path(bench, tm
     assert fused.ENABLED
 
 
+def test_decode_variant_grid_and_labels(bench) -> None:
+    mod = bench("bench_decode")
+    args = mod.parse_args(["--modes", "auto", "--sampler-variants", "both", "--head-kernels", "both", "--no-peers"])
+    labels = [v.label for v in mod.variants(args)]
+    assert labels == ["auto-fused", "auto-fused-wholesampler", "auto-fused-torchhead",
+                      "auto-fused-torchhead-wholesampler"]  # fmt: skip
+
+
 def test_decode_refuses_a_budget_the_peers_would_eat(bench, capsys) -> None:
     mod = bench("bench_decode")
     with pytest.raises(SystemExit) as exc:

@@ -380,6 +380,7 @@ def test_graphs_were_captured(talkers):
     full = talkers["full_decode"].engine.graphs
     assert local.local is not None and not local.local.failed and len(local.local.buckets) == 7
     assert full.full is not None and not full.full.failed and len(full.full.graphs) == 7
+    assert len(full.full.variants) == 14 and not full.full.failed_variants  # no-filter and greedy samplers
     assert full.local is None  # policy: the local path is off under full-decode graphs
     auto = talkers["auto"].engine.graphs
     assert set(auto.choice) == set(auto.buckets)

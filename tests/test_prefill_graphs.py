@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _stand_in_graphs import stand_in_capture
 
 from higgs_talker import HiggsTalker, Reference, SamplingParams
 from higgs_talker.attention import SdpaAttention
@@ -43,22 +44,6 @@ class PaddedSdpa(SdpaAttention):
         assert pages <= self.prefill_pages(batch.num_tokens, batch.num_reqs), "the bucket's page buffer overflows"
         self.planned.append((batch.num_tokens, batch.num_reqs))
         self.plan(batch)
-
-
-class ReplayedGraph:
-    """Stands in for a captured CUDA graph: ``replay`` runs the function again into the captured output."""
-
-    def __init__(self, fn, out: torch.Tensor) -> None:
-        self.fn, self.out, self.replays = fn, out, 0
-
-    def replay(self) -> None:
-        self.replays += 1
-        self.out.copy_(self.fn())
-
-
-def stand_in_capture(fn, pool=None):
-    out = fn()
-    return ReplayedGraph(fn, out), out
 
 
 def graph_talker(tiny_dir, monkeypatch, buckets=(16, 32, 64), capture=stand_in_capture) -> HiggsTalker:

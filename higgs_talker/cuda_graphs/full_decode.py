@@ -6,6 +6,12 @@ This is our engine's analogue of vLLM's FULL_DECODE_ONLY. Each bucket is capture
 and compared with an eager run on the same inputs; a bucket that fails either is dropped with one warning and
 its batches run eagerly. A graph's static inputs are views of one ``[2, size]`` buffer (slots, positions),
 refreshed by one copy per replay; the attention backend's ``plan_bucket`` refreshes the rest.
+
+The graph of a bucket (``graphs``) samples with the whole sampler, so it serves any batch. Each bucket also gets
+two cheaper variants (``variants``), used where the batch allows them: one for batches with no top-k / top-p
+(no sort and filter), one for all-greedy batches (the argmax of the masked logits only, no noise). They skip
+only work whose result those batches do not use (``StepBatch.draw`` / ``filter``), so every variant gives the
+rows the whole sampler gives. A variant that fails to capture leaves its batches on the bucket's graph.
 """
 
 from __future__ import annotations
@@ -32,13 +38,18 @@ class _Graph:
     out: Tensor  # [size, C + 1] int64, written by each replay
 
 
+SAMPLER_VARIANTS = ((True, False), (False, False))  # (draw, filter) beside the whole sampler's (True, True)
+
+
 class FullDecodeGraphs:
     def __init__(self, runner: ModelRunner, buckets: Sequence[int], pool=None) -> None:
         self.runner = runner
         self.requested = normalize_buckets(buckets)
         self.pool = pool
-        self.graphs: dict[int, _Graph] = {}
+        self.graphs: dict[int, _Graph] = {}  # bucket -> graph of the whole sampler
         self.failed: dict[int, str] = {}
+        self.variants: dict[tuple[int, bool, bool], _Graph] = {}  # (bucket, draw, filter) -> cheaper sampler
+        self.failed_variants: dict[tuple[int, bool, bool], str] = {}
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -48,12 +59,19 @@ class FullDecodeGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         self.graphs, self.failed = capture_buckets(self.requested, self._capture_one, "full decode graph")
+        for draw, filter in SAMPLER_VARIANTS:
+            captured, failed = capture_buckets(
+                self.sizes, lambda size, d=draw, f=filter: self._capture_one(size, d, f),
+                f"full decode graph (draw={draw}, filter={filter})",
+            )  # fmt: skip
+            self.variants |= {(size, draw, filter): g for size, g in captured.items()}
+            self.failed_variants |= {(size, draw, filter): why for size, why in failed.items()}
 
-    def _capture_one(self, size: int) -> _Graph:
+    def _capture_one(self, size: int, draw: bool = True, filter: bool = True) -> _Graph:
         runner = self.runner
         padding = runner.padding_batch(size)
         packed = padding.decode_packed().to(runner.device)
-        inputs = DeviceBatch.decode(packed)
+        inputs = DeviceBatch.decode(packed, draw, filter)
         runner.attn.plan_bucket(padding)
         scratch = [runner.slots.scratch]
         # the capture's warm-up run, the eager reference and the replay each start from the same scratch state
@@ -70,7 +88,8 @@ class FullDecodeGraphs:
     def run(self, batch: StepBatch) -> Tensor:
         """Replay the graph of a decode batch already padded to one of ``sizes`` -> rows [size, C + 1] (a view
         valid until the bucket's next replay)."""
-        g = self.graphs[batch.num_reqs]
+        size = batch.num_reqs
+        g = self.variants.get((size, batch.draw, batch.filter and batch.draw)) or self.graphs[size]
         g.packed.copy_(batch.decode_packed(), non_blocking=True)
         self.runner.attn.plan_bucket(batch)
         g.graph.replay()
