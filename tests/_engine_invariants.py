@@ -1,4 +1,5 @@
-"""Shared by the reliability tests: their offered load, an engine back at idle, the delay pattern of published rows."""
+"""Shared by the reliability tests: their offered load, an engine back at idle, the delay pattern of published rows,
+and the rows of prompts run through an engine."""
 
 from __future__ import annotations
 
@@ -22,6 +23,17 @@ LOAD_TEXTS = [
     "Another one.",
     "And the last one of the batch, a little longer than most.",
 ]
+
+
+def engine_rows(talker: HiggsTalker, prompts: list, params) -> list[Tensor]:
+    """Each prompt's rows [T, C] int64, all submitted at once (their prefills share a step), the engine stepped
+    until idle."""
+    eng = talker.engine
+    ids = [eng.add_request(p, params) for p in prompts]
+    while eng.has_unfinished():
+        eng.step()
+    return [torch.stack(eng.pop_finished(i).rows).long() for i in ids]
+
 
 _IDLE: weakref.WeakKeyDictionary[Engine, tuple[int, frozenset[int]]] = weakref.WeakKeyDictionary()
 

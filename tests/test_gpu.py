@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 
 flashinfer = pytest.importorskip("flashinfer") if torch.cuda.is_available() else None
 
-from _engine_invariants import explain_divergence  # noqa: E402
+from _engine_invariants import engine_rows, explain_divergence  # noqa: E402
 from _qk_rope import check_qk_norm_rope_store  # noqa: E402
 from _tolerance import bf16_score_gap, kernel_rel_tol, rel_err  # noqa: E402
 
@@ -358,21 +358,8 @@ def test_async_scheduling_gives_the_codes_of_synchronous_steps(talkers, mode, ba
     assert_same_or_near_tie(got, want, talkers["eager"], batch)
 
 
-def _engine_rows(talker: HiggsTalker, prompts: list, params: SamplingParams) -> list[torch.Tensor]:
-    """Each prompt's rows [T, C] int64, all submitted at once (their prefills share a step)."""
-    eng = talker.engine
-    ids = [eng.add_request(p, params) for p in prompts]
-    while eng.has_unfinished():
-        eng.step()
-    return [torch.stack(eng.pop_finished(i).rows).long() for i in ids]
-
-
 def _solo_rows(talker: HiggsTalker, prompt, params: SamplingParams) -> torch.Tensor:
-    eng = talker.engine
-    rid = eng.add_request(prompt, params)
-    while eng.has_unfinished():
-        eng.step()
-    return torch.stack(eng.pop_finished(rid).rows).long()
+    return engine_rows(talker, [prompt], params)[0]
 
 
 def test_graphs_were_captured(talkers):
@@ -428,8 +415,8 @@ def test_prefill_graphs_with_reference_audio_give_the_codes_of_unpadded_prefills
     params = SamplingParams(temperature=0, max_frames=24)
     prompts = _reference_prompts(prefill_graph_talker, 5)
     for group in ([prompts[0]], [prompts[3]], prompts):
-        got = _engine_rows(prefill_graph_talker, group, params)
-        want = _engine_rows(talkers["auto"], group, params)
+        got = engine_rows(prefill_graph_talker, group, params)
+        want = engine_rows(talkers["auto"], group, params)
         for prompt, a, b in zip(group, got, want, strict=True):
             if torch.equal(a, b):
                 continue

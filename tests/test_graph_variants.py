@@ -13,6 +13,7 @@ from _stand_in_graphs import stand_in_capture
 
 from higgs_talker import HiggsTalker, SamplingParams
 from higgs_talker.cuda_graphs import GraphRunner
+from higgs_talker.cuda_graphs import capture as capture_module
 from higgs_talker.cuda_graphs import full_decode as full_graphs
 
 BUCKETS = (1, 2, 4, 8)
@@ -20,7 +21,7 @@ BUCKETS = (1, 2, 4, 8)
 
 def variant_talker(tiny_dir, monkeypatch, capture=stand_in_capture) -> HiggsTalker:
     talker = HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=8, max_model_len=1024)
-    monkeypatch.setattr(full_graphs, "capture_graph", capture)
+    monkeypatch.setattr(capture_module, "capture_graph", capture)
     graphs = GraphRunner(talker.engine.runner, "full_decode", BUCKETS, 8)
     graphs.full = full_graphs.FullDecodeGraphs(talker.engine.runner, graphs.buckets, pool="no pool on CPU")
     graphs.full.capture()

@@ -15,12 +15,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _engine_invariants import engine_rows
 from _stand_in_graphs import stand_in_capture
 
 from higgs_talker import HiggsTalker, Reference, SamplingParams
 from higgs_talker.attention import SdpaAttention
 from higgs_talker.batch import DeviceBatch, StepBatch
 from higgs_talker.cuda_graphs import PREFILL_BUCKETS, GraphRunner
+from higgs_talker.cuda_graphs import capture as capture_module
 from higgs_talker.cuda_graphs import prefill as prefill_graphs
 from higgs_talker.cuda_graphs.buckets import normalize_buckets
 from higgs_talker.flashinfer_attention import FlashInferAttention
@@ -53,21 +55,12 @@ def graph_talker(tiny_dir, monkeypatch, buckets=(16, 32, 64), capture=stand_in_c
     a = runner.attn
     runner.attn = PaddedSdpa(runner.kv_caches, a.num_heads, a.num_kv_heads, a.head_dim, a.max_model_len,
                              runner.scratch_block)  # fmt: skip
-    monkeypatch.setattr(prefill_graphs, "capture_graph", capture)
+    monkeypatch.setattr(capture_module, "capture_graph", capture)
     graphs = GraphRunner(runner, "auto", (1, 2, 4, 8), 8, prefill_buckets=buckets)
     graphs.prefill = prefill_graphs.PrefillGraphs(runner, graphs.prefill_buckets, pool="no pool on CPU")
     graphs.prefill.capture()
     talker.engine.graphs = graphs
     return talker
-
-
-def engine_rows(talker: HiggsTalker, prompts: list, params: SamplingParams) -> list[torch.Tensor]:
-    """Each prompt's rows, all submitted at once (their prefills share one step)."""
-    eng = talker.engine
-    ids = [eng.add_request(p, params) for p in prompts]
-    while eng.has_unfinished():
-        eng.step()
-    return [torch.stack(eng.pop_finished(i).rows).long() for i in ids]
 
 
 def reference_codes(frames: int, seed: int) -> torch.Tensor:

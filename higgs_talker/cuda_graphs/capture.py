@@ -30,6 +30,22 @@ def capture_graph(fn: Callable[[], T], pool=None) -> tuple[torch.cuda.CUDAGraph,
     return graph, out
 
 
+def capture_checked(forward: Callable[[], torch.Tensor], slots, size: int, pool=None):
+    """Capture ``forward`` (a step on an all-padding batch, whose state lives in the scratch slot of ``slots``),
+    replay it once and compare with an eager run; raises on any difference. The capture's warm-up run, the eager
+    reference and the replay each start from the same scratch state. Returns (graph, its output)."""
+    scratch = [slots.scratch]
+    with slots.preserved(scratch):
+        graph, out = capture_graph(forward, pool)
+    with slots.preserved(scratch):
+        want = forward().clone()
+    with slots.preserved(scratch):
+        graph.replay()
+    if not torch.equal(out, want):
+        raise RuntimeError(f"replay of bucket {size} differs from eager: {out.tolist()} vs {want.tolist()}")
+    return graph, out
+
+
 def capture_buckets(
     sizes: Iterable[int], capture_one: Callable[[int], T], what: str
 ) -> tuple[dict[int, T], dict[int, str]]:

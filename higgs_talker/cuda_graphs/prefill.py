@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..batch import DeviceBatch, StepBatch
 from .buckets import normalize_buckets
-from .capture import capture_buckets, capture_graph
+from .capture import capture_buckets, capture_checked
 
 if TYPE_CHECKING:
     from ..model_runner import ModelRunner
@@ -62,16 +62,7 @@ class PrefillGraphs:
         inputs = DeviceBatch.prefill(packed, tokens, embeds=embeds)
         embeds.copy_(runner.embed_prompt(inputs))
         runner.attn.plan_prefill_bucket(padding)
-        scratch = [runner.slots.scratch]
-        # the capture's warm-up run, the eager reference and the replay each start from the same scratch state
-        with runner.slots.preserved(scratch):
-            graph, out = capture_graph(lambda: runner.forward(inputs), self.pool)
-        with runner.slots.preserved(scratch):
-            want = runner.forward(inputs).clone()
-        with runner.slots.preserved(scratch):
-            graph.replay()
-        if not torch.equal(out, want):
-            raise RuntimeError(f"replay of bucket {tokens} differs from eager: {out.tolist()} vs {want.tolist()}")
+        graph, out = capture_checked(lambda: runner.forward(inputs), runner.slots, tokens, self.pool)
         return _Graph(packed, embeds, graph, out)
 
     def run(self, batch: StepBatch) -> Tensor:

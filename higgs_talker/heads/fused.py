@@ -32,6 +32,19 @@ T = TypeVar("T")
 _state: dict[str, str] = {}  # kernel name -> "ok" | "off" (absent: not tried yet)
 
 
+def noise_supports(n: int, code_key: int) -> bool:
+    """Whether the noise kernel equals the torch hash for ``n`` codes per row: every index plus ``code_key`` must
+    stay a 32-bit word (true for any real codebook table: with sampling's key the limit is about 1.6e9 codes)."""
+    return n > 0 and code_key >= 0 and n - 1 + code_key < 2**32
+
+
+def delay_mask_supports(logits: Tensor) -> bool:
+    """Whether the mask kernel takes these logits: [B, C, V] floats with unit stride along V, V within one block."""
+    if logits.dim() != 3 or not logits.is_floating_point():
+        return False
+    return logits.stride(2) == 1 and logits.shape[2] <= MASK_MAX_VOCAB
+
+
 def _on_kernel_device(t: Tensor) -> bool:
     return t.is_cuda
 

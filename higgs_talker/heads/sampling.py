@@ -148,7 +148,7 @@ def noise_words(seeds: Tensor, steps: Tensor, n: int) -> Tensor:
 def uniform_noise(seeds: Tensor, steps: Tensor, n: int) -> Tensor:
     """Uniform fp32 [B, n] in (0, 1) from the hash words (``uniform_from_bits(noise_words(...))``): one Triton
     kernel on CUDA once it is checked (``heads.fused``), the torch operations elsewhere; the values are equal."""
-    if not n - 1 + CODE_KEY < 2**32:  # the kernel's index would leave the 32-bit word: only torch agrees here
+    if not fused.noise_supports(n, CODE_KEY):  # the kernel's index would leave the 32-bit word
         return uniform_from_bits(noise_words(seeds, steps, n))
     return fused.run_checked(
         "sampler noise", seeds, lambda k, checking: k.uniform_noise(seeds, steps, n, CODE_KEY),

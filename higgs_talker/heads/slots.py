@@ -148,8 +148,7 @@ def masked_logits(logits: Tensor, state: DelayState, boc_id: int, eoc_id: int, e
         out = logits.clone() if checking else logits
         return apply_delay_mask(out, state.delay, state.countdown, boc_id, eoc_id, eoc_allowed)
 
-    takes = logits.dim() == 3 and logits.stride(2) == 1 and logits.shape[2] <= fused.MASK_MAX_VOCAB
-    if not takes:
+    if not fused.delay_mask_supports(logits):
         reference(False)
         return
 

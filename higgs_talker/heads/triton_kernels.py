@@ -19,10 +19,9 @@ import triton.language as tl
 from torch import Tensor
 
 from .delay import DelayState
-from .fused import MASK_MAX_VOCAB
+from .fused import MASK_MAX_VOCAB, delay_mask_supports, noise_supports
 
 BLOCK = 1024
-MAX_VOCAB = MASK_MAX_VOCAB
 
 
 @triton.jit
@@ -54,12 +53,6 @@ def _uniform_noise_kernel(seeds_ptr, steps_ptr, out_ptr, n, BLOCK: tl.constexpr,
     bits = _mix32(bits ^ h)
     u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # the top 23 bits: exact in fp32
     tl.store(out_ptr + row.to(tl.int64) * n + idx, u, mask=idx < n)
-
-
-def noise_supports(n: int, code_key: int) -> bool:
-    """Whether the kernel equals the torch hash for ``n`` codes per row: every index plus ``code_key`` must stay
-    a 32-bit word (true for any real codebook table: with sampling's key the limit is about 1.6e9 codes)."""
-    return n > 0 and code_key >= 0 and n - 1 + code_key < 2**32
 
 
 def uniform_noise(seeds: Tensor, steps: Tensor, n: int, code_key: int) -> Tensor:
@@ -107,17 +100,12 @@ def _delay_mask_kernel(
     tl.store(row + v, tl.where(allowed, x, float("-inf")), mask=v < V)
 
 
-def delay_mask_supports(logits: Tensor) -> bool:
-    """A [B, C, V] float tensor with unit stride along V and V within one block."""
-    return logits.dim() == 3 and logits.is_floating_point() and logits.stride(2) == 1 and logits.shape[2] <= MAX_VOCAB
-
-
 def delay_mask(
     logits: Tensor, delay: Tensor, countdown: Tensor, boc_id: int, eoc_id: int, eoc_allowed: Tensor | None = None
 ) -> Tensor:
     """``delay.apply_delay_mask`` (same arguments, in place on ``logits``, which it returns)."""
     if not delay_mask_supports(logits):
-        raise ValueError(f"logits must be [B, C, V] floats with unit stride along V, V <= {MAX_VOCAB}; got "
+        raise ValueError(f"logits must be [B, C, V] floats with unit stride along V, V <= {MASK_MAX_VOCAB}; got "
                          f"{tuple(logits.shape)} {logits.dtype}, strides {logits.stride()}")  # fmt: skip
     b, n, v = logits.shape
     if b:
