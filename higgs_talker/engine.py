@@ -6,9 +6,9 @@ holds it (else the model runner executes it eagerly), and the scheduler publishe
 row per request. A step that raises fails exactly the requests it was running (``Request.error``) and leaves
 every other request as it was.
 
-With asynchronous scheduling (``EngineConfig.async_scheduling``, on by default on CUDA) a decode step is
-published while the next one already runs: ``step()`` queues decode t + 1 on the device (``Scheduler.
-schedule_ahead``), then waits for decode t's rows and publishes them. Each call still returns the rows of
+With asynchronous scheduling (``EngineConfig.async_scheduling``, on by default on CUDA) a step is published
+while the next decode already runs: ``step()`` queues decode t + 1 on the device (``Scheduler.schedule_ahead``),
+then waits for step t's rows (a decode's or a prefill's) and publishes them. Each call still returns the rows of
 the step it waited for, and the codes are the same; the device no longer idles while the host publishes and
 plans. A request that ends at step t (EOC, cancel) has had step t + 1 computed for nothing.
 
@@ -175,11 +175,8 @@ class Engine:
                     except BaseException as exc:
                         self.scheduler.abort(exc)
                         raise
-                    ahead_allowed = self.async_scheduling and batch.is_decode
-                else:
-                    ahead_allowed = self.async_scheduling  # ``current`` is a decode scheduled ahead
                 failed = None
-                if ahead_allowed:
+                if self.async_scheduling:
                     try:  # the next decode goes on the device before this one's rows are read
                         ahead = self.scheduler.schedule_ahead()
                         self._ahead = None if ahead is None else self._launch(ahead)

@@ -5,11 +5,11 @@ admitted (or resumed) requests, else a decode step of every running request (one
 runner has executed it, ``publish(rows)`` records each request's row (an owned ``[1, C]`` int32 row per request
 and step) and finishes the requests that ended; ``abort(exc)`` fails them instead when the step raised.
 
-Asynchronous scheduling: while a decode step runs, ``schedule_ahead()`` schedules the decode after it before
-its rows are known, so the device never waits for the host. Every request goes one position further except
-those the running step certainly ends (row or context limit); a request that ends there by EOC, or is
-cancelled, is skipped when the step ahead is published (its extra row is dropped). Steps are published in the
-order they were scheduled. Nothing is scheduled ahead that needs the published state: an admission, a
+Asynchronous scheduling: while a step runs (a decode or a prefill), ``schedule_ahead()`` schedules the decode
+after it before its rows are known, so the device never waits for the host. Every request goes one position
+further except those the running step certainly ends (row or context limit); a request that ends there by EOC,
+or is cancelled, is skipped when the step ahead is published (its extra row is dropped). Steps are published in
+the order they were scheduled. Nothing is scheduled ahead that needs the published state: an admission, a
 preemption.
 
 A request keeps its decode-state slot from admission to its end. When the KV cache runs out during decode, the
@@ -184,23 +184,38 @@ class Scheduler:
         return self._decode_batch(running)
 
     def schedule_ahead(self) -> StepBatch | None:
-        """The decode step after the one decode step not yet published, scheduled before its rows are known
-        (see the module docstring); None when it cannot be: the unpublished step is a prefill, a waiting request
-        could be admitted now, no request is sure to go on, or one needs a KV block when none is free."""
-        if len(self._unpublished) != 1 or self._unpublished[0][1] is not None or self._admissible():
+        """The decode step after the one step not yet published (a prefill or a decode), scheduled before its rows
+        are known (see the module docstring); None when it cannot be: two steps are unpublished, a waiting
+        request could be admitted now, no request is sure to go on, or one needs a KV block when none is free.
+
+        After a prefill it is the decode that ``schedule()`` would give once the prefill is published: every
+        running request, the prefilled ones at their first decode position."""
+        if len(self._unpublished) != 1 or self._admissible():
             return None
-        current = self._unpublished[0][0]
-        batch = [r for r in current if not r.finished and self._limit_reason(r, len(r.rows) + 1) is None]
+        current, started = self._unpublished[0]
+        in_flight = {id(r) for r in current}
+        batch, positions = [], []
+        for req in self.running:
+            if req.status is not Status.RUNNING:
+                continue
+            if id(req) not in in_flight:  # published: its limits were checked then
+                pos = req.num_computed
+            elif self._limit_reason(req, len(req.rows) + 1) is not None:
+                continue  # the running step certainly ends it
+            else:
+                pos = self._prefill_tokens(req) if started is not None else req.num_computed + 1
+            batch.append(req)
+            positions.append(pos)
         bs = self.config.block_size
-        for req in batch:  # room for the token after the running one
-            if len(req.blocks) * bs < req.num_computed + 2:
+        for req, pos in zip(batch, positions, strict=True):  # room for the token at pos
+            if len(req.blocks) * bs < pos + 1:
                 if not self.blocks.can_allocate(1):
                     return None  # preemption needs the published state: schedule after publishing
                 req.blocks += self.blocks.allocate(1)
         if not batch:
             return None
         self._unpublished.append((batch, None))
-        return self._decode_batch(batch, ahead=1)
+        return self._decode_batch(batch, positions)
 
     def _prefill_tokens(self, req: Request) -> int:
         return len(req.prompt) + len(req.rows)  # a resumed request recomputes every fed position
@@ -318,11 +333,12 @@ class Scheduler:
         p = req.params
         return SlotInit(req.slot, req.seed, float(p.temperature), p.top_k, float(p.top_p), p.min_frames)
 
-    def _decode_batch(self, batch: list[Request], ahead: int = 0) -> StepBatch:
-        """One token per request at its next position (``ahead``: tokens already scheduled but not published)."""
+    def _decode_batch(self, batch: list[Request], positions: list[int] | None = None) -> StepBatch:
+        """One token per request at its next position (``positions``: given when steps before it are not yet
+        published; by default each request's ``num_computed``)."""
         bs = self.config.block_size
         draw, filter = self._sampling_flags(batch)
-        pos = [r.num_computed + ahead for r in batch]
+        pos = [r.num_computed for r in batch] if positions is None else positions
         return StepBatch(
             slots=[r.slot for r in batch],
             positions=pos,

@@ -131,6 +131,50 @@ def test_cancelling_the_last_request_drops_the_step_ahead(talker):
     assert_idle(_Idle(engine))
 
 
+def test_the_first_decode_is_queued_behind_the_prefill(talker):
+    """A prefill is published while the decode after it already runs: with running requests (a join) too."""
+    engine = engine_for(talker, True)
+    remember_idle(_Idle(engine))
+    params = SamplingParams(seed=4, max_frames=12, min_frames=12)
+    first = engine.add_request(talker.build_prompt("Hi"), params)
+    outs = engine.step()  # the prefill, published behind decode 1
+    assert [o.request_id for o in outs] == [first] and engine._ahead is not None
+    assert len(engine.scheduler._unpublished) == 1
+    engine.step()
+    second = engine.add_request(talker.build_prompt("Hello there."), params)
+    outs = engine.step()  # decode 2 is published first; the waiting request stops the queue ahead
+    assert [o.request_id for o in outs] == [first] and engine._ahead is None
+    outs = engine.step()  # the join's prefill, published behind a decode of both
+    assert [o.request_id for o in outs] == [second] and engine._ahead is not None
+    while engine.has_unfinished():
+        engine.step()
+    got = [torch.stack(engine.pop_finished(r).rows) for r in (first, second)]
+    alone = engine_for(talker, False)
+    for rows, text in zip(got, ("Hi", "Hello there."), strict=True):
+        rid = alone.add_request(talker.build_prompt(text), params)
+        while alone.has_unfinished():
+            alone.step()
+        assert torch.equal(rows, torch.stack(alone.pop_finished(rid).rows)), text
+    assert_idle(_Idle(engine))
+
+
+def test_a_request_that_fills_its_context_after_the_prefill(talker):
+    """max_model_len = prompt + 1: one decode after the prefill, then the context ends it, with or without
+    running ahead."""
+    prompt = talker.build_prompt("Hello there.")
+    results = {}
+    for on in (False, True):
+        engine = engine_for(talker, on, max_model_len=len(prompt) + 1)
+        rid = engine.add_request(prompt, SamplingParams(seed=5, max_frames=20))
+        while engine.has_unfinished():
+            engine.step()
+        req = engine.pop_finished(rid)
+        results[on] = (req.finish_reason, torch.stack(req.rows))
+        assert not engine.scheduler._unpublished
+    assert results[True][0] == results[False][0] == "max_model_len"
+    assert len(results[True][1]) == 2 and torch.equal(results[True][1], results[False][1])
+
+
 @pytest.mark.parametrize(("block_size", "num_blocks"), [(16, 13), (4, 34)])
 def test_preemption_under_async_scheduling(talker, reference, block_size, num_blocks):
     """A pool too small for the load: preemptions happen (between steps run ahead) and change no code."""
