@@ -93,7 +93,8 @@ class HiggsTalker:
         dtype defaults to float32 on CPU and bfloat16 on CUDA; ``graph_mode`` (eager, local_mlp, full_decode,
         auto) defaults to auto on CUDA, and CPU runs eager only. ``engine_options`` are ``EngineConfig``
         fields (max_num_seqs, block_size, num_blocks, max_model_len, max_prefill_tokens, kv_memory_fraction,
-        async_scheduling).
+        async_scheduling, prefix_caching: requests whose prompts start the same way, the same reference voice
+        included, share the K/V of those prompt blocks and prefill only the rest).
         ``fuse_qk_rope`` (CUDA with FlashInfer and triton; on by default, False for the separate kernels):
         QK-norm, RoPE and the K/V cache writes of each layer in one Triton kernel (H200: 7% off a batch-1 decode
         step; greedy codes equal to the separate kernels' up to bf16 near ties).
@@ -354,6 +355,7 @@ class HiggsTalker:
             decode_ms=decode_ms,
             frame_rate=self.cfg.frame_rate,
             sample_rate=None if self.codec_loader is None else self.cfg.sample_rate,
+            cached_tokens=req.cached_tokens,
             codec=self.codec_loader,
         )
 

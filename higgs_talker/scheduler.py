@@ -16,6 +16,14 @@ A request keeps its decode-state slot from admission to its end. When the KV cac
 most recently admitted request is preempted: its blocks are freed and it is re-queued; on resume its prompt and
 every generated position (each embedded from the row fed back there) are recomputed in one prefill, so its
 codes do not change.
+
+Prefix caching (``EngineConfig.prefix_caching``, off by default): once a prefill is published, each full block
+of its prompt is registered under a hash of the prompt up to that block's end (token ids and reference codes,
+``kv_cache.prefix_hashes``). A later prompt that starts the same way holds those blocks too and prefills only
+the rest (at least its last token, which the first row is sampled from). Cached blocks nobody holds count as
+free and are evicted least recently freed first. Prompt blocks are never written after their prefill (decode
+writes after the prompt), so sharing them is safe; the codes are those of a full prefill up to floating-point
+reduction order (the cached K/V were computed in another batch).
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from .batch import StepBatch
 from .config import TalkerConfig
 from .heads.sampling import SamplingParams
 from .heads.slots import FreeList, SlotInit
-from .kv_cache import BlockAllocator, kv_slot, slot_mapping
+from .kv_cache import BlockAllocator, kv_slot, prefix_hashes, slot_mapping
 from .prompt import Prompt, validate_prompt
 
 
@@ -62,6 +70,9 @@ class Request:
     finished_at: float | None = None
     prefill_ms: float = 0.0
     preemptions: int = 0
+    num_cached: int = 0  # prompt tokens of its latest prefill whose K/V came from the prefix cache
+    cached_tokens: int = 0  # the same, summed over its prefills (a preempted request is prefilled again)
+    prefix_hashes: list[bytes] | None = None  # one per full prompt block (prefix caching), computed on admission
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +103,7 @@ class EngineConfig:
     max_prefill_tokens: int = 8192
     kv_memory_fraction: float = 0.6  # share of the free device (CUDA) or host (CPU) memory the KV cache may take
     async_scheduling: bool | None = None  # queue decode t + 1 before publishing t (engine docstring); None: on CUDA
+    prefix_caching: bool = False  # reuse the K/V of full prompt blocks another request computed (module docstring)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_prefill_tokens", "num_blocks", "max_model_len"):
@@ -102,6 +114,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer > 0, got {value!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
+        if not isinstance(self.prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be True or False, got {self.prefix_caching!r}")
         f = self.kv_memory_fraction
         if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f <= 0.95:
             raise ValueError(f"kv_memory_fraction must lie in (0, 0.95], got {f!r}")
@@ -220,6 +234,15 @@ class Scheduler:
     def _prefill_tokens(self, req: Request) -> int:
         return len(req.prompt) + len(req.rows)  # a resumed request recomputes every fed position
 
+    def _cache_hits(self, req: Request) -> list[int]:
+        """The cached blocks of ``req``'s prompt prefix (prefix caching), at most all but its last token's."""
+        if not self.config.prefix_caching:
+            return []
+        bs = self.config.block_size
+        if req.prefix_hashes is None:
+            req.prefix_hashes = prefix_hashes(req.prompt, bs)
+        return self.blocks.lookup(req.prefix_hashes[: (len(req.prompt) - 1) // bs])
+
     def _admissible(self) -> bool:
         """Whether the first waiting request could be admitted now."""
         if not self.waiting:
@@ -227,23 +250,29 @@ class Scheduler:
         req = self.waiting[0]
         if req.slot < 0 and not self.free_slots.num_free:
             return False
-        return self.blocks.can_allocate(self.blocks.blocks_for(self._prefill_tokens(req) + 1))
+        hits = self._cache_hits(req)
+        unheld = sum(self.blocks.refs(b) == 0 for b in hits)  # cached blocks that count as free until shared
+        need = self.blocks.blocks_for(self._prefill_tokens(req) + 1) - len(hits)
+        return self.blocks.can_allocate(need + unheld)
 
     def _admit(self) -> list[Request]:
-        batch, tokens = [], 0
+        batch, tokens, bs = [], 0, self.config.block_size
         while self._admissible():
             req = self.waiting[0]
             n = self._prefill_tokens(req)
-            need = self.blocks.blocks_for(n + 1)  # room for the first decode token too
-            if batch and tokens + n > self.config.max_prefill_tokens:
+            hits = self._cache_hits(req)
+            if batch and tokens + n - len(hits) * bs > self.config.max_prefill_tokens:
                 break
             self.waiting.popleft()
-            req.blocks = self.blocks.allocate(need)
+            self.blocks.share(hits)
+            req.blocks = hits + self.blocks.allocate(self.blocks.blocks_for(n + 1) - len(hits))  # + the first decode
+            req.num_cached = len(hits) * bs
+            req.cached_tokens += req.num_cached
             if req.slot < 0:
                 req.slot = self.free_slots.acquire()
             req.status = Status.RUNNING
             batch.append(req)
-            tokens += n
+            tokens += n - req.num_cached
         if not batch and self.waiting and not self.running:
             req = self.waiting.popleft()
             self._finish(req, "error")  # it can never fit: fail it once instead of blocking every later step
@@ -296,29 +325,32 @@ class Scheduler:
 
     def _prefill_batch(self, batch: list[Request]) -> StepBatch:
         bs, audio = self.config.block_size, None
-        token_ids, positions, slots_kv, audio_index, codes, lens, new = [], [], [], [], [], [], []
+        token_ids, positions, slots_kv, audio_index, codes, query_lens, lens, new = [], [], [], [], [], [], [], []
         for req in batch:
-            p, start = req.prompt, len(token_ids)
+            p, start, cached = req.prompt, len(token_ids), req.num_cached  # positions [cached, n) are computed
             n = len(p) + len(req.rows)
             audio = audio if audio is not None else int(p.input_ids[-1])  # any valid id: the embedding is replaced
-            token_ids += p.input_ids.tolist() + [audio] * len(req.rows)
-            positions += range(n)
-            slots_kv += slot_mapping(req.blocks, 0, n, bs)
+            token_ids += p.input_ids[cached:].tolist() + [audio] * len(req.rows)
+            positions += range(cached, n)
+            slots_kv += slot_mapping(req.blocks, cached, n, bs)
             if p.audio_codes is not None:
-                audio_index += (p.audio_positions + start).tolist()
-                codes.append(p.audio_codes.long())
+                keep = p.audio_positions >= cached
+                if bool(keep.any()):
+                    audio_index += (p.audio_positions[keep] - cached + start).tolist()
+                    codes.append(p.audio_codes[keep].long())
             if req.rows:  # resume after preemption: position P + j was fed row j
-                audio_index += range(start + len(p), start + n)
+                audio_index += range(start + len(p) - cached, start + n - cached)
                 codes.append(torch.stack(req.rows).long())
             if not req.rows:  # a first prefill (a preempted request has rows): its stream starts now
                 new.append(self._slot_init(req))
+            query_lens.append(n - cached)
             lens.append(n)
         draw, filter = self._sampling_flags(batch)
         return StepBatch(
             slots=[r.slot for r in batch],
             positions=positions,
             slot_mapping=slots_kv,
-            query_lens=lens,
+            query_lens=query_lens,
             seq_lens=lens,
             block_tables=[list(r.blocks) for r in batch],
             token_ids=token_ids,
@@ -369,6 +401,10 @@ class Scheduler:
             if req.finished:
                 continue
             req.num_computed = len(req.prompt) + len(req.rows) if prefill else req.num_computed + 1
+            if prefill and req.prefix_hashes is not None:  # its full prompt blocks now hold their K/V
+                first = req.num_cached // self.config.block_size
+                for block, h in zip(req.blocks[first:], req.prefix_hashes[first:], strict=False):
+                    self.blocks.register(block, h)
             req.prefill_ms += prefill_ms
             req.rows.append(kept[i])
             if req.first_row_at is None:

@@ -396,6 +396,7 @@ LOADER_CASES = [
     pytest.param(
         nothing, ValueError, "async_scheduling must be True, False or None, got 'yes'", id="api-async-scheduling"
     ),
+    pytest.param(nothing, ValueError, "prefix_caching must be True or False, got 1", id="api-prefix-caching"),
     pytest.param(nothing, ValueError, E("buckets: every size must be an integer > 0, got 2.5"), id="api-buckets"),
     pytest.param(
         nothing, ValueError, E("prefill_buckets: every size must be an integer > 0, got 0"), id="api-prefill-buckets"
@@ -412,6 +413,7 @@ API_KWARGS = {
     "api-num-blocks": dict(num_blocks=-4),
     "api-decode-kernel": dict(decode_kernel="fast"),
     "api-async-scheduling": dict(async_scheduling="yes"),
+    "api-prefix-caching": dict(prefix_caching=1),
     "api-buckets": dict(buckets=[1, 2.5]),
     "api-prefill-buckets": dict(prefill_buckets=(16, 0)),
     "api-prefill-int": dict(prefill_buckets=64),

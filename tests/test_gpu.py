@@ -390,6 +390,40 @@ def test_prefill_graphs_were_captured(talkers, prefill_graph_talker):
         assert talkers[mode].engine.graphs.prefill is None
 
 
+@pytest.fixture(scope="module")
+def prefix_cache_talker():
+    """The ``auto`` talker's settings with prefix caching."""
+    return HiggsTalker.from_config(
+        medium_config(), device="cuda", graph_mode="auto", max_num_seqs=64, max_model_len=1024, seed=0,
+        prefix_caching=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("batch", [1, 13, 64])
+def test_prefix_cache_hits_give_the_codes_of_full_prefills(talkers, prefix_cache_talker, batch, monkeypatch):
+    """The schedule twice through a prefix-caching talker (the second time every prompt is found in the cache,
+    so FlashInfer's prefill attends over cached context) against ``auto`` without the cache. The suffix's
+    GEMMs see other row counts than a full prefill's, so a code may flip only at a provable bf16 near tie
+    against an eager solo run (``explain_divergence``)."""
+    from higgs_talker.scheduler import Scheduler
+
+    hits, real = [], Scheduler._cache_hits
+
+    def counted(self, req):
+        found = real(self, req)
+        hits.append(len(found))
+        return found
+
+    monkeypatch.setattr(Scheduler, "_cache_hits", counted)
+    first = _run_schedule(prefix_cache_talker, batch)
+    again = _run_schedule(prefix_cache_talker, batch)
+    monkeypatch.undo()
+    assert max(hits) > 0, "the second run should have found its prompts in the cache"
+    want = _run_schedule(talkers["auto"], batch)
+    for got in (first, again):
+        assert_same_or_near_tie(got, want, talkers["eager"], batch)
+
+
 def _reference_prompts(talker: HiggsTalker, n: int) -> list:
     """Prompts with reference audio codes of different lengths (their prefills embed audio rows)."""
     g = torch.Generator().manual_seed(5)

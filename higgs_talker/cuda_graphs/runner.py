@@ -136,10 +136,10 @@ class GraphRunner:
 
     def prefill_bucket_for(self, batch: StepBatch) -> int | None:
         """The prefill graph a prefill batch replays (None: it runs unpadded): the smallest captured token bucket
-        that holds its tokens and whose buffers hold its contexts' KV pages."""
+        that holds its tokens and whose buffers hold its contexts' KV pages, for a batch without cached context."""
         size = bucket_for(batch.num_tokens, self.prefill.sizes) if self.prefill is not None else None
-        if size is None:
-            return None
+        if size is None or batch.query_lens != batch.seq_lens:
+            return None  # a prefix-cache hit (context before the queries) runs unpadded: not checked in a graph
         bs, attn = self.runner.block_size, self.runner.attn
         pages = sum(-(-n // bs) for n in batch.seq_lens) + -(-(size - batch.num_tokens) // bs)
         return size if pages <= attn.prefill_pages(size, self.runner.prefill_requests(size)) else None
