@@ -85,6 +85,7 @@ MODES = ("eager", "local_mlp", "full_decode", "auto")
 FUSED = "-fused"  # label suffix: the mode with fuse_qk_rope=True
 SYNC = "-sync"  # label suffix: async_scheduling=False
 PREFILL = "+prefill"  # label suffix: prefill graphs on (prefill_buckets=PREFILL_BUCKETS)
+PREFIX_CACHE = "+pcache"  # label suffix: prefix caching on (prefix_caching=True)
 TORCH_HEAD = "-torchhead"  # label suffix: heads.fused.ENABLED = False
 WHOLE_SAMPLER = "-wholesampler"  # label suffix: no sampler variants (cuda_graphs.full_decode.SAMPLER_VARIANTS)
 DECODE_KERNELS = ("auto", "native", "xqa", "native_tc")
@@ -99,13 +100,14 @@ class Variant:
     async_scheduling: bool | None = True  # None: the library's default (on CUDA)
     kernel: str = "auto"
     prefill_graphs: bool = False  # capture prefill graphs (PREFILL_BUCKETS; opt-in in the library)
+    prefix_caching: bool = False  # share the K/V of common prompt prefixes (opt-in in the library)
     head_kernels: bool = True  # the frame's Triton kernels (heads.fused; the CUDA default)
     sampler_variants: bool = True  # full-decode graphs with the cheaper samplers (the default)
 
     @property
     def label(self) -> str:
         kernel = "" if self.kernel == "auto" else f"+{self.kernel}"
-        prefill = PREFILL if self.prefill_graphs else ""
+        prefill = (PREFILL if self.prefill_graphs else "") + (PREFIX_CACHE if self.prefix_caching else "")
         sync = SYNC if self.async_scheduling is False else ""
         head = "" if self.head_kernels else TORCH_HEAD
         whole = "" if self.sampler_variants else WHOLE_SAMPLER
@@ -131,7 +133,7 @@ def build_talker(args: argparse.Namespace, cfg: TalkerConfig, variant: Variant, 
     common = dict(
         graph_mode=variant.mode, max_num_seqs=args.max_num_seqs, num_blocks=num_blocks, fuse_qk_rope=variant.fuse,
         decode_kernel=variant.kernel, async_scheduling=variant.async_scheduling,
-        prefill_buckets=PREFILL_BUCKETS if variant.prefill_graphs else (),
+        prefill_buckets=PREFILL_BUCKETS if variant.prefill_graphs else (), prefix_caching=variant.prefix_caching,
     )  # fmt: skip
     if args.max_model_len:
         common["max_model_len"] = args.max_model_len

@@ -16,6 +16,11 @@ p50/p90/p99 of each over the level's requests, plus the level's audio seconds pe
     python benchmarks/bench_e2e.py --out $OUT                     # 4B shape, mode auto (H200: ~1.5-2 min)
     python benchmarks/bench_e2e.py --modes eager,auto --levels 1,16 --out $OUT
     python benchmarks/bench_e2e.py --prefill-graphs both --out $OUT  # auto without and with prefill graphs
+    python benchmarks/bench_e2e.py --voice-s 10 --prefix-caching both --out $OUT  # one voice, with/without cache
+
+``--voice-s S``: every request clones one voice (S seconds of random reference codes, the same for all, with a
+reference text) before its own text, as a service with a few voices would see; with ``--prefix-caching on``
+the requests after the first find that voice's prompt blocks in the cache and prefill only their own text.
     python benchmarks/bench_e2e.py --device cpu --tiny            # smoke test, seconds
 """
 
@@ -29,7 +34,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 
 import torch
-from bench_decode import PREFILL, Variant, build_talker, model_config, suppress_eoc
+from bench_decode import PREFILL, PREFIX_CACHE, Variant, build_talker, model_config, suppress_eoc
 from common import (
     ResultFile,
     environment,
@@ -45,7 +50,7 @@ from common import (
     sync,
 )
 
-from higgs_talker import HiggsTalker, SamplingParams
+from higgs_talker import HiggsTalker, Reference, SamplingParams
 from higgs_talker.heads.delay import codec_frames
 
 METRICS = ("ttfp_ms", "ttfp_stream_ms", "rtf", "rtf_engine", "ms_per_step", "queue_ms")
@@ -55,11 +60,17 @@ def make_jobs(talker: HiggsTalker, n: int, args: argparse.Namespace, seed: int) 
     """n (prompt, SamplingParams, prompt_tokens, target_frames) with random lengths, built before timing."""
     rng = random.Random(seed)
     cfg = talker.cfg
+    voice = None
+    if args.voice_s:  # one voice for every request (and every level): the same codes from a fixed seed
+        frames = max(1, round(args.voice_s * cfg.frame_rate))
+        g = torch.Generator().manual_seed(args.seed)
+        codes = torch.randint(0, cfg.num_real_codes, (frames, cfg.num_codebooks), generator=g)
+        voice = Reference(codes, text="the reference speaker says these words")
     jobs = []
     for i in range(n):
         words = rng.randint(args.prompt_tokens[0], args.prompt_tokens[1])
         text = "".join(rng.choice(string.ascii_lowercase) for _ in range(max(1, words - 3)))
-        prompt = talker.build_prompt(text)
+        prompt = talker.build_prompt(text, voice)
         frames = round(rng.uniform(args.audio_s[0], args.audio_s[1]) * cfg.frame_rate)
         params = SamplingParams(temperature=args.temperature, max_frames=frames, seed=seed + i)
         jobs.append((prompt, params, len(prompt), frames))
@@ -129,6 +140,7 @@ def finish(rec: dict, req, talker: HiggsTalker) -> dict:
         "rows": len(req.rows),
         "finish_reason": req.finish_reason,
         "preemptions": req.preemptions,
+        "cached_tokens": req.cached_tokens,
         "ttfp_ms": (t_frame - rec["t_submit"]) * 1e3 if t_frame else None,
         "ttfp_stream_ms": (t_stream - rec["t_submit"]) * 1e3 if t_stream else None,
         "queue_ms": max(0.0, (first - rec["t_submit"]) * 1e3 - req.prefill_ms),
@@ -170,7 +182,7 @@ def warm_up(talker: HiggsTalker, concurrency: int) -> float:
 def run_mode(variant: Variant, cfg, args, writer: ResultFile, deadline: float) -> None:
     device = torch.device(args.device)
     levels = args.levels
-    mode = variant.mode + (PREFILL if variant.prefill_graphs else "")  # the library's defaults otherwise
+    mode = variant.mode + (PREFILL if variant.prefill_graphs else "") + (PREFIX_CACHE if variant.prefix_caching else "")
     try:
         t0 = time.perf_counter()
         talker = build_talker(args, cfg, variant, num_blocks_for(args, cfg))
@@ -207,7 +219,8 @@ def run_mode(variant: Variant, cfg, args, writer: ResultFile, deadline: float) -
 
 
 def num_blocks_for(args: argparse.Namespace, cfg) -> int:
-    longest = args.prompt_tokens[1] + 4 + round(args.audio_s[1] * cfg.frame_rate) + cfg.num_codebooks + 16
+    voice = round(args.voice_s * cfg.frame_rate) + cfg.num_codebooks + 48 if args.voice_s else 0  # rows + ref text
+    longest = voice + args.prompt_tokens[1] + 4 + round(args.audio_s[1] * cfg.frame_rate) + cfg.num_codebooks + 16
     return max(args.levels) * -(-longest // 16) + 64
 
 
@@ -220,6 +233,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", type=strs_arg, default=["auto"])
     p.add_argument("--prefill-graphs", choices=("off", "on", "both"), default="off",
                    help="prefill graphs (PREFILL_BUCKETS; rows MODE+prefill); off: the library's default")  # fmt: skip
+    p.add_argument("--prefix-caching", choices=("off", "on", "both"), default="off",
+                   help="prefix caching (rows MODE+pcache); off: the library's default")  # fmt: skip
+    p.add_argument("--voice-s", type=float, default=0.0, help="seconds of one reference voice in every prompt")
     p.add_argument("--levels", type=ints_arg, default=None, help="concurrency levels (default 1,4,16,64)")
     p.add_argument("--requests", type=int, default=None, help="requests per level (default max(2C, 8))")
     p.add_argument("--prompt-tokens", type=ints_arg, default=None, help="min,max prompt tokens (default 30,200)")
@@ -253,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> ResultFile:
         "model": args.model or ("tiny (random)" if args.tiny else "4B shape (random)"),
         "eoc_suppressed": not args.model,
         "prompt_tokens": args.prompt_tokens,
+        "voice_s": args.voice_s,
         "audio_s": args.audio_s,
         "temperature": args.temperature,
         "ttfp": "submitted -> N delayed rows exist (first aligned frame complete)",
@@ -261,10 +278,12 @@ def main(argv: Sequence[str] | None = None) -> ResultFile:
     writer = ResultFile(args.out, "e2e", meta)
     log(f"writing {writer.path}")
     deadline = t_start + args.budget_s
-    prefill = {"off": (False,), "on": (True,), "both": (False, True)}[args.prefill_graphs]
+    choice = {"off": (False,), "on": (True,), "both": (False, True)}
     for mode in args.modes:
-        for graphs in prefill:
-            run_mode(Variant(mode, async_scheduling=None, prefill_graphs=graphs), cfg, args, writer, deadline)
+        for graphs in choice[args.prefill_graphs]:
+            for caching in choice[args.prefix_caching]:
+                variant = Variant(mode, async_scheduling=None, prefill_graphs=graphs, prefix_caching=caching)
+                run_mode(variant, cfg, args, writer, deadline)
     writer.meta["wall_s"] = time.perf_counter() - t_start
     writer.save()
     cols = ["mode", "concurrency", "requests", "ttfp_ms_p50", "ttfp_ms_p90", "ttfp_ms_p99", "rtf_p50", "rtf_p90",

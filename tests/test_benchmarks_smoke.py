@@ -146,6 +146,21 @@ def test_e2e_prefill_graphs_both_gives_a_row_set_each(bench, tmp_path: Path) -> 
     assert [(r["mode"], r["status"]) for r in data["rows"]] == [("eager", "ok"), ("eager+prefill", "ok")]
 
 
+def test_e2e_one_voice_with_and_without_prefix_caching(bench, tmp_path: Path) -> None:
+    """``--voice-s`` puts one reference voice in every prompt; ``--prefix-caching both`` runs each mode without and
+    with the cache: with it, every request after the first finds the voice's blocks, and the rows agree."""
+    mod = bench("bench_e2e")
+    argv = ["--device", "cpu", "--tiny", "--modes", "eager", "--levels", "1", "--requests", "3", "--voice-s", "1",
+            "--audio-s", "0.3,0.3", "--prefix-caching", "both", "--out", str(tmp_path)]  # fmt: skip
+    data = load(mod.main(argv))
+    assert [(r["mode"], r["status"]) for r in data["rows"]] == [("eager", "ok"), ("eager+pcache", "ok")]
+    reqs = {m: [r for r in data["requests"] if r["mode"] == m] for m in ("eager", "eager+pcache")}
+    assert all(r["prompt_tokens"] > 25 for r in data["requests"])  # 1 s of voice: 32 placeholder rows and more
+    assert [r["cached_tokens"] for r in reqs["eager"]] == [0, 0, 0]
+    cached = [r["cached_tokens"] for r in reqs["eager+pcache"]]
+    assert cached[0] == 0 and min(cached[1:]) >= 32, cached  # the first request fills the cache (warm-up: no voice)
+
+
 def test_plot_smoke(bench, tmp_path: Path) -> None:
     """plot.py turns the JSONs into PNGs, or says matplotlib is missing and writes nothing."""
     plot = bench("plot")
