@@ -7,10 +7,11 @@ row per request. A step that raises fails exactly the requests it was running (`
 every other request as it was.
 
 With asynchronous scheduling (``EngineConfig.async_scheduling``, on by default on CUDA) a step is published
-while the next decode already runs: ``step()`` queues decode t + 1 on the device (``Scheduler.schedule_ahead``),
-then waits for step t's rows (a decode's or a prefill's) and publishes them. Each call still returns the rows of
-the step it waited for, and the codes are the same; the device no longer idles while the host publishes and
-plans. A request that ends at step t (EOC, cancel) has had step t + 1 computed for nothing.
+while the next one already runs: ``step()`` queues step t + 1 on the device (``Scheduler.schedule_ahead``: the
+prefill of requests that can be admitted, else the next decode), then waits for step t's rows and publishes
+them. Each call still returns the rows of the step it waited for, and the codes are the same; the device no
+longer idles while the host publishes and plans. A request that ends at step t (EOC, cancel) has had step t + 1
+computed for nothing.
 
 The public methods take one lock, so an engine may be shared by threads; ``HiggsTalker`` drives it from one
 worker thread that batches every caller's requests. ``step()`` lets go of it while it waits for the device, so
@@ -157,7 +158,7 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Run one prefill or decode step; returns one output per request that took part (or finished).
 
-        With asynchronous scheduling the next decode step is queued first (module docstring). If the step
+        With asynchronous scheduling the next step is queued first (module docstring). If the step
         raises, the requests it was running end with ``finish_reason="error"`` and the exception in
         ``Request.error``, and the exception propagates; all other requests are untouched.
         """
@@ -177,7 +178,7 @@ class Engine:
                         raise
                 failed = None
                 if self.async_scheduling:
-                    try:  # the next decode goes on the device before this one's rows are read
+                    try:  # the next step goes on the device before this one's rows are read
                         ahead = self.scheduler.schedule_ahead()
                         self._ahead = None if ahead is None else self._launch(ahead)
                     except BaseException as exc:  # noqa: BLE001 - publish the running step first, then fail this one

@@ -5,12 +5,13 @@ admitted (or resumed) requests, else a decode step of every running request (one
 runner has executed it, ``publish(rows)`` records each request's row (an owned ``[1, C]`` int32 row per request
 and step) and finishes the requests that ended; ``abort(exc)`` fails them instead when the step raised.
 
-Asynchronous scheduling: while a step runs (a decode or a prefill), ``schedule_ahead()`` schedules the decode
-after it before its rows are known, so the device never waits for the host. Every request goes one position
-further except those the running step certainly ends (row or context limit); a request that ends there by EOC,
-or is cancelled, is skipped when the step ahead is published (its extra row is dropped). Steps are published in
-the order they were scheduled. Nothing is scheduled ahead that needs the published state: an admission, a
-preemption.
+Asynchronous scheduling: while a step runs (a decode or a prefill), ``schedule_ahead()`` schedules the step
+after it before its rows are known, so the device never waits for the host: a prefill of the waiting requests
+that can be admitted now (admission needs free blocks and slots only), else a decode in which every request
+goes one position further, except those the running step certainly ends (row or context limit); a request that
+ends there by EOC, or is cancelled, is skipped when the step ahead is published (its extra row is dropped).
+Steps are published in the order they were scheduled. A preemption needs the published state, so it waits
+until no step runs ahead.
 
 A request keeps its decode-state slot from admission to its end. When the KV cache runs out during decode, the
 most recently admitted request is preempted: its blocks are freed and it is re-queued; on resume its prompt and
@@ -198,14 +199,19 @@ class Scheduler:
         return self._decode_batch(running)
 
     def schedule_ahead(self) -> StepBatch | None:
-        """The decode step after the one step not yet published (a prefill or a decode), scheduled before its rows
-        are known (see the module docstring); None when it cannot be: two steps are unpublished, a waiting
-        request could be admitted now, no request is sure to go on, or one needs a KV block when none is free.
+        """The step after the one step not yet published (a prefill or a decode), scheduled before its rows are
+        known (see the module docstring); None when it cannot be: two steps are unpublished, no request is
+        sure to go on, or one needs a KV block when none is free.
 
-        After a prefill it is the decode that ``schedule()`` would give once the prefill is published: every
-        running request, the prefilled ones at their first decode position."""
-        if len(self._unpublished) != 1 or self._admissible():
+        A prefill when a waiting request can be admitted (admission needs only free blocks and slots), else the
+        decode that ``schedule()`` would give once the running step is published: every running request, those
+        it prefills at their first decode position."""
+        if len(self._unpublished) != 1:
             return None
+        if self._admissible():
+            prefill = self._admit()
+            self._unpublished.append((prefill, time.perf_counter()))
+            return self._prefill_batch(prefill)
         current, started = self._unpublished[0]
         in_flight = {id(r) for r in current}
         batch, positions = [], []

@@ -4,7 +4,7 @@ reasons and freed resources must be equal, and the asynchronous run must really 
 
 On CPU the steps run synchronously inside ``step()``, but the scheduling is the same code as on CUDA: steps
 scheduled before the previous rows are known, requests that end (EOC, limits, cancel) with a step in flight,
-preemption and admission deferred until nothing is in flight, faults in either step.
+admissions queued behind the step in flight, preemption deferred until nothing is, faults in either step.
 """
 
 from __future__ import annotations
@@ -132,7 +132,8 @@ def test_cancelling_the_last_request_drops_the_step_ahead(talker):
 
 
 def test_the_first_decode_is_queued_behind_the_prefill(talker):
-    """A prefill is published while the decode after it already runs: with running requests (a join) too."""
+    """A prefill is published while the decode after it already runs, and a join's prefill is queued behind the
+    decode in flight."""
     engine = engine_for(talker, True)
     remember_idle(_Idle(engine))
     params = SamplingParams(seed=4, max_frames=12, min_frames=12)
@@ -142,10 +143,13 @@ def test_the_first_decode_is_queued_behind_the_prefill(talker):
     assert len(engine.scheduler._unpublished) == 1
     engine.step()
     second = engine.add_request(talker.build_prompt("Hello there."), params)
-    outs = engine.step()  # decode 2 is published first; the waiting request stops the queue ahead
-    assert [o.request_id for o in outs] == [first] and engine._ahead is None
+    outs = engine.step()  # decode 2 is published, with the join's prefill queued behind it
+    assert [o.request_id for o in outs] == [first] and engine._ahead is not None
+    ahead = engine.scheduler._unpublished[-1]
+    assert [r.id for r in ahead[0]] == [second] and ahead[1] is not None  # a prefill
     outs = engine.step()  # the join's prefill, published behind a decode of both
     assert [o.request_id for o in outs] == [second] and engine._ahead is not None
+    assert [r.id for r in engine.scheduler._unpublished[-1][0]] == [first, second]
     while engine.has_unfinished():
         engine.step()
     got = [torch.stack(engine.pop_finished(r).rows) for r in (first, second)]
@@ -221,6 +225,41 @@ def test_a_fault_in_the_step_ahead_publishes_the_running_step_first(talker, monk
     rows = torch.stack(engine.pop_finished(again).rows)
     assert torch.equal(rows, torch.stack(alone.pop_finished(other).rows))
     assert torch.equal(rows[:5], torch.stack(req.rows))
+    assert_idle(_Idle(engine))
+
+
+def test_a_fault_in_a_prefill_queued_ahead_fails_only_the_joining_request(talker, monkeypatch):
+    """A request joins while a decode runs; its prefill, queued behind that decode, fails to launch: the decode
+    is still published, the joining request fails with the error, and the running one goes on unchanged."""
+    engine = engine_for(talker, True)
+    remember_idle(_Idle(engine))
+    params = SamplingParams(seed=12, max_frames=20, min_frames=20)
+    keep = engine.add_request(talker.build_prompt("Hello there."), params)
+    for _ in range(3):
+        engine.step()
+    runner = engine.runner
+    real_run = type(runner).run
+
+    def faulty(self, batch):
+        if not batch.is_decode:
+            raise RuntimeError("injected prefill fault")
+        return real_run(self, batch)
+
+    monkeypatch.setattr(type(runner), "run", faulty)
+    joining = engine.add_request(talker.build_prompt("Hi"), params)
+    with pytest.raises(RuntimeError, match="injected prefill fault"):
+        engine.step()
+    monkeypatch.undo()
+    assert engine.requests[joining].finish_reason == "error" and not engine.requests[keep].finished
+    while engine.has_unfinished():
+        engine.step()
+    got = torch.stack(engine.pop_finished(keep).rows)
+    assert "injected prefill fault" in str(engine.pop_finished(joining).error)
+    alone = engine_for(talker, False)
+    rid = alone.add_request(talker.build_prompt("Hello there."), params)
+    while alone.has_unfinished():
+        alone.step()
+    assert torch.equal(got, torch.stack(alone.pop_finished(rid).rows))
     assert_idle(_Idle(engine))
 
 
