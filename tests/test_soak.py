@@ -14,8 +14,12 @@ queue and get preempted. Invariants:
   runner-up, within a relative 1e-4 of the winner); anything else fails;
 * the rows a step publishes are owned: they equal the request's final rows after all later steps;
 * every published row follows the delay pattern (ramp-up BOCs, one EOC onset, the 7-row ramp-down);
-* at every step each KV block and state row is either free or held by exactly one live request, and at the
-  end everything is free again.
+* at every step each KV block and state row is either free or held by exactly one live request (with prefix
+  caching: a block's reference count is the number of live requests holding it), and at the end everything is
+  free again.
+
+``test_soak_prefix_caching`` runs the same load with ``prefix_caching=True`` where half the requests repeat an
+earlier one's text and voice (so their prompts are found in the cache, also on resume after preemption).
 
 ``pytest tests/test_soak.py --soak 2000 -s`` runs a larger soak and prints its figures.
 """
@@ -40,6 +44,7 @@ from higgs_talker.tiny import write_checkpoint
 
 CI_REQUESTS = 80
 CI_EARLY_EOC_REQUESTS = 40
+CI_PREFIX_REQUESTS = 50
 MAX_NUM_SEQS = 6
 MAX_MODEL_LEN = 384
 NUM_BLOCKS = 40  # 640 token slots for up to 6 sequences of up to 384 tokens: requests queue and get preempted
@@ -63,7 +68,8 @@ class Plan:
         return (tuple(prompt.input_ids.tolist()), ref, self.params)
 
 
-def make_plans(n: int, seed: int, pace: int = 9) -> list[Plan]:
+def make_plans(n: int, seed: int, pace: int = 9, repeat: float = 0.0) -> list[Plan]:
+    """``repeat``: the share of requests that take an earlier one's text and voice (with their own params)."""
     rng = random.Random(seed)
     spread = max(1, n * pace)  # arrival window (steps); pace 9: a few more requests than seats are live
     plans = []
@@ -77,6 +83,9 @@ def make_plans(n: int, seed: int, pace: int = 9) -> list[Plan]:
             g = torch.Generator().manual_seed(rng.randrange(2**31))
             codes = torch.randint(0, 1024, (rng.randint(1, 24), 8), generator=g)
             reference = Reference(codes, rng.choice([None, "a short reference line"]))
+        if plans and rng.random() < repeat:
+            earlier = rng.choice(plans)
+            text, reference = earlier.text, earlier.reference
         u = rng.random()
         max_frames = rng.randint(1, 16) if u < 0.25 else rng.randint(17, 160) if u < 0.85 else rng.randint(160, 420)
         params = SamplingParams(
@@ -103,11 +112,15 @@ def run_alone(solo: HiggsTalker, prompt: Prompt, params: SamplingParams) -> tupl
 
 
 def check_accounting(talker: HiggsTalker, idle_blocks: int, idle_rows: int) -> None:
-    """Every KV block and state row is free or held by exactly one live request."""
+    """Every KV block and state row is free or held by exactly one live request (prefix caching: a block's
+    reference count is its number of live holders)."""
     e = talker.engine.scheduler
     live = [r for r in e.requests.values() if r.status is not Status.FINISHED]
-    held_blocks = [b for r in live for b in r.blocks]
-    assert len(held_blocks) == len(set(held_blocks)), "a KV block is held by two requests"
+    held_blocks = Counter(b for r in live for b in r.blocks)
+    if not e.config.prefix_caching:
+        assert max(held_blocks.values(), default=1) == 1, "a KV block is held by two requests"
+    for b, holders in held_blocks.items():
+        assert e.blocks.refs(b) == holders, f"block {b}: {e.blocks.refs(b)} references, {holders} holders"
     assert e.blocks.num_free + len(held_blocks) == idle_blocks, "KV blocks lost or double-counted"
     held_rows = [r.slot for r in live if r.slot >= 0]
     assert len(held_rows) == len(set(held_rows)), "a slot is held by two requests"
@@ -118,11 +131,11 @@ def check_accounting(talker: HiggsTalker, idle_blocks: int, idle_rows: int) -> N
     assert not finished_by_status, f"finished requests still hold blocks: {finished_by_status}"
 
 
-def soak(talker: HiggsTalker, solo: HiggsTalker, n: int, seed: int, pace: int = 9) -> Counter:
+def soak(talker: HiggsTalker, solo: HiggsTalker, n: int, seed: int, pace: int = 9, repeat: float = 0.0) -> Counter:
     """Run ``n`` planned requests through ``talker``'s engine, checking every invariant; returns the figures."""
     e = talker.engine
     idle_blocks, idle_rows = e.scheduler.blocks.num_free, e.scheduler.free_slots.num_free
-    plans = make_plans(n, seed, pace)
+    plans = make_plans(n, seed, pace, repeat)
     cache: dict[tuple, tuple[torch.Tensor, str]] = {}
     stats: Counter = Counter(requests=n)
     published: dict[str, list[torch.Tensor]] = {}
@@ -181,6 +194,7 @@ def _check_request(req, plan: Plan, prompt: Prompt, published, solo, cache, stat
         stats["solo_rows"] += len(cache[key][0])
     alone, alone_reason = cache[key]
     stats["preempted"] += req.preemptions > 0
+    stats["cache_hits"] += req.cached_tokens > 0
     cancelled = req.finish_reason == "cancelled"
     same = torch.equal(rows, alone[: len(rows)]) if cancelled else torch.equal(rows, alone)
     if not same:
@@ -205,11 +219,11 @@ def _check_request(req, plan: Plan, prompt: Prompt, published, solo, cache, stat
         assert len(rows) == plan.params.max_frames + rows.shape[1]
 
 
-def talkers(checkpoint: Path) -> tuple[HiggsTalker, HiggsTalker]:
-    """A busy engine with a small KV pool, and a one-seat engine for the solo runs."""
-    busy = HiggsTalker.from_pretrained(
-        checkpoint, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS
-    )
+def talkers(checkpoint: Path, **options) -> tuple[HiggsTalker, HiggsTalker]:
+    """A busy engine with a small KV pool (``options``: more engine options), and a one-seat engine for the solo
+    runs."""
+    options = {"max_num_seqs": MAX_NUM_SEQS, "max_model_len": MAX_MODEL_LEN, "num_blocks": NUM_BLOCKS, **options}
+    busy = HiggsTalker.from_pretrained(checkpoint, **options)
     solo = HiggsTalker.from_pretrained(checkpoint, max_num_seqs=1, max_model_len=MAX_MODEL_LEN)
     return remember_idle(busy), remember_idle(solo)
 
@@ -224,6 +238,18 @@ def test_soak(tiny_dir: Path, request) -> None:
     assert stats["finish_eoc"] >= max(1, n // 10), stats
     assert stats["finish_max_frames"] >= 1 and stats["cancelled"] >= 1, stats
     assert stats["preempted"] >= 1 and stats["max_batch"] == MAX_NUM_SEQS, stats
+
+
+def test_soak_prefix_caching(tiny_dir: Path, request) -> None:
+    """Half the requests repeat an earlier prompt: hits, shared blocks, evictions and preemptions together, and
+    every request still equals its solo run (which has no cache)."""
+    n = max(CI_PREFIX_REQUESTS, (request.config.getoption("--soak") or 0) // 4)
+    t0 = time.perf_counter()
+    pair = talkers(tiny_dir, prefix_caching=True, block_size=8, num_blocks=2 * NUM_BLOCKS)  # the same 640 slots
+    stats = soak(*pair, n, seed=99, repeat=0.5)
+    stats["seconds"] = round(time.perf_counter() - t0)
+    print(f"\nprefix-caching soak: {dict(stats)}")
+    assert stats["cache_hits"] >= n // 5 and stats["preempted"] >= 1 and stats["cancelled"] >= 1, stats
 
 
 def test_soak_early_eoc(tmp_path: Path, request) -> None:
