@@ -5,7 +5,8 @@ CUDA only. 4B shape, random bf16 weights, graph mode ``auto``, with prefill grap
 512 tokens (one request): the prefill ``engine.step()`` timed on the host and with CUDA events (median of 5),
 beside the kernel time inside it that torch.profiler sums (their gap is the GPU waiting for the host); then one
 request from submission to its 8th row (the first complete frame), split into the prefill and the decode steps
-after it; then a cProfile of one 128-token prefill (the host functions that take the time).
+after it (the engine's default scheduling: on CUDA the first decode is queued behind the prefill); then a
+cProfile of one 128-token prefill (the host functions that take the time).
 
     python benchmarks/probes/profile_prefill.py [--variants graphs,unpadded]
 """
@@ -33,16 +34,19 @@ from higgs_talker.cuda_graphs import PREFILL_BUCKETS  # noqa: E402
 
 
 def prefill_once(talker: HiggsTalker, prompt) -> tuple[float, float]:
-    """(host ms, CUDA-event ms) of one prefill step of ``prompt``; the request is cancelled after."""
+    """(host ms, CUDA-event ms) of one prefill step of ``prompt`` alone (no decode queued behind it: synchronous
+    scheduling for this step); the request is cancelled after."""
     eng = talker.engine
     rid = eng.add_request(prompt, SamplingParams(temperature=0.0, max_frames=50))
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    was, eng.async_scheduling = eng.async_scheduling, False
     t0 = time.perf_counter()
     start.record()
     eng.step()
     end.record()
     host = (time.perf_counter() - t0) * 1e3
+    eng.async_scheduling = was
     end.synchronize()
     assert eng.requests[rid].rows, "the step was not this request's prefill"
     eng.cancel(rid)
