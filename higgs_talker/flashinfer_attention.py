@@ -129,15 +129,24 @@ class FlashInferAttention:
         copied = self._plan_copied[id(wrapper)] = torch.cuda.Event()
         copied.record()
 
+    def _paged_for_plan(self, tables: list[list[int]], seq_lens: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """``_paged`` as plan() takes it: indptr and last_page_len on the host (plan schedules from them), the
+        page indices already on the device. FlashInfer's CUDA-graph wrappers copy host indices with a blocking
+        copy (``non_blocking`` only when they are on the device), which would synchronize the stream and make
+        the host wait for the step queued ahead; an asynchronous upload here does not."""
+        indptr, indices, last = self._paged(tables, seq_lens)
+        device_indices = torch.from_numpy(indices).to(self.device, non_blocking=True)
+        return torch.from_numpy(indptr), device_indices, torch.from_numpy(last)
+
     def _plan_decode(self, wrapper, batch: StepBatch) -> None:
-        indptr, indices, last = (torch.from_numpy(a) for a in self._paged(batch.block_tables, batch.seq_lens))
+        indptr, indices, last = self._paged_for_plan(batch.block_tables, batch.seq_lens)
         self._plan_once_copied(wrapper, lambda: wrapper.plan(
             indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size,
             pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
         ))  # fmt: skip
 
     def _plan_prefill(self, wrapper, query_lens: list[int], seq_lens: list[int], tables: list[list[int]]) -> None:
-        indptr, indices, last = (torch.from_numpy(a) for a in self._paged(tables, seq_lens))
+        indptr, indices, last = self._paged_for_plan(tables, seq_lens)
         qo = torch.from_numpy(np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32))
         self._plan_once_copied(wrapper, lambda: wrapper.plan(
             qo, indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size,
@@ -169,7 +178,8 @@ class FlashInferAttention:
         elif self.decode_kernels == ("xqa",):
             tables = block_table_array(batch.block_tables, self.max_blocks, self.scratch_block)
             lens = torch.tensor(batch.seq_lens, dtype=torch.int32)
-            self._attend = self._xqa(torch.from_numpy(tables).to(self.device), lens.to(self.device))
+            tables = torch.from_numpy(tables).to(self.device, non_blocking=True)
+            self._attend = self._xqa(tables, lens.to(self.device, non_blocking=True))
         else:
             self._plan_decode(self.decode, batch)
             self._attend = self.decode.run

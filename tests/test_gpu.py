@@ -358,6 +358,43 @@ def test_async_scheduling_gives_the_codes_of_synchronous_steps(talkers, mode, ba
     assert_same_or_near_tie(got, want, talkers["eager"], batch)
 
 
+@pytest.mark.parametrize("kernel", ["native", "native_tc", "xqa"])
+def test_queueing_a_decode_step_never_synchronizes(kernel, monkeypatch):
+    """Asynchronous scheduling overlaps only if queueing a step never waits for the device. FlashInfer's CUDA-graph
+    decode ``plan()`` copies page indices that are on the host with a blocking copy (a stream sync), so the
+    backend uploads them itself; torch's sync debug mode raises on any synchronizing torch call while decode
+    steps are queued (planned, inputs copied, graph replayed, rows' copy to the host queued)."""
+    talker = HiggsTalker.from_config(
+        medium_config(), device="cuda", graph_mode="full_decode", decode_kernel=kernel, max_num_seqs=8,
+        max_model_len=512, seed=0, buckets=(1, 2, 4, 8),
+    )  # fmt: skip
+    eng = talker.engine
+    for i, text in enumerate(["one", "and two", "three, four and five"]):
+        params = SamplingParams(temperature=1.0, seed=i, max_frames=30, min_frames=30)
+        eng.add_request(talker.build_prompt(text), params)
+    for _ in range(4):  # the prefill and the first decodes: every first-use check is behind us
+        eng.step()
+    real, queued = eng._launch, []
+
+    def launch(batch):
+        if not batch.is_decode:
+            return real(batch)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = real(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        queued.append(batch.num_reqs)
+        return out
+
+    monkeypatch.setattr(eng, "_launch", launch)
+    for _ in range(8):
+        eng.step()
+    assert len(queued) == 8 and set(queued) == {3}
+    for rid in list(eng.requests):
+        eng.cancel(rid)
+
+
 def _solo_rows(talker: HiggsTalker, prompt, params: SamplingParams) -> torch.Tensor:
     return engine_rows(talker, [prompt], params)[0]
 

@@ -529,6 +529,7 @@ def _use_stub(monkeypatch, make) -> _StubKernels:
     monkeypatch.setattr(fused_kernels, "_on_kernel_device", lambda t: True)
     monkeypatch.setattr(fused_kernels, "_capturing", lambda: False)
     monkeypatch.setattr(fused_kernels, "_state", {})
+    monkeypatch.setattr(fused_kernels, "_checked", {})
     return stub
 
 
@@ -575,23 +576,57 @@ def test_a_kernel_is_not_tried_inside_a_capture_or_when_switched_off(monkeypatch
 
 def test_cpu_tensors_never_try_the_kernels(monkeypatch):
     monkeypatch.setattr(fused_kernels, "_state", {})
+    monkeypatch.setattr(fused_kernels, "_checked", {})
     sampling.uniform_noise(NOISE_SEEDS, NOISE_STEPS, 30)
     assert fused_kernels.state("sampler noise") == "untried"
 
 
+def test_each_call_signature_is_checked_before_its_kernel_is_used(monkeypatch, caplog):
+    """Triton compiles a variant per signature (dtypes, shapes, strides, alignment): a kernel checked on one
+    signature is not trusted on another until that one matched too; inside a capture an unchecked signature keeps
+    the reference, and a signature that differs turns the kernel off."""
+    stub = _use_stub(monkeypatch, lambda seeds, steps, n: _reference_uniform(seeds, steps, n) if n < 100 else 1 / 0)
+    for n in (30, 30, 40):
+        want = _reference_uniform(NOISE_SEEDS, NOISE_STEPS, n)
+        assert torch.equal(sampling.uniform_noise(NOISE_SEEDS, NOISE_STEPS, n), want)
+    assert stub.calls == 3 and len(fused_kernels._checked["sampler noise"]) == 2  # n=30 checked once, then used
+    monkeypatch.setattr(fused_kernels, "_capturing", lambda: True)
+    sampling.uniform_noise(NOISE_SEEDS[:2], NOISE_STEPS[:2], 30)  # a new shape inside a capture: the reference
+    sampling.uniform_noise(NOISE_SEEDS, NOISE_STEPS, 30)  # a checked one: the kernel
+    assert stub.calls == 4
+    monkeypatch.setattr(fused_kernels, "_capturing", lambda: False)
+    with caplog.at_level(logging.WARNING):
+        assert torch.equal(sampling.uniform_noise(NOISE_SEEDS, NOISE_STEPS, 200),
+                           _reference_uniform(NOISE_SEEDS, NOISE_STEPS, 200))  # fmt: skip
+        sampling.uniform_noise(NOISE_SEEDS, NOISE_STEPS, 30)
+    assert fused_kernels.state("sampler noise") == "off" and stub.calls == 5 and len(caplog.records) == 1
+
+
 def test_logits_the_mask_kernel_cannot_take_go_to_the_reference(monkeypatch):
-    """Even with the mask kernel checked and in use, logits with a strided code axis never reach it."""
+    """Logits with a strided code axis, rows that overlap, or an unsupported dtype never reach the mask kernel
+    (not even for its check)."""
     from higgs_talker.heads import slots
 
     stub = _use_stub(monkeypatch, _reference_uniform)
     stub.delay_mask = lambda *a: (_ for _ in ()).throw(AssertionError("the kernel was called"))
-    monkeypatch.setattr(fused_kernels, "_state", {"delay mask": "ok"})
     state = DelayState.allocate(2, N, BOC)
     base = torch.randn(2, 40, N, generator=torch.Generator().manual_seed(2))
-    logits = base.transpose(1, 2)  # [2, N, 40], stride 40 along the codes
+    row = torch.randn(1, 1, 40, generator=torch.Generator().manual_seed(3))
+    cases = {
+        "strided codes": base.transpose(1, 2),  # [2, N, 40], stride 40 along the codes
+        "overlapping rows": row.expand(2, N, 40),  # stride 0: every row is the same memory
+        "half-overlapping rows": base.reshape(-1)[: 2 * N * 20 + 20].as_strided((2, N, 40), (N * 20, 20, 1)),
+        "integer logits": (base.transpose(1, 2) * 100).to(torch.int32).contiguous(),
+    }
+    for what, logits in cases.items():
+        assert not fused_kernels.delay_mask_supports(logits), what
+    logits = cases["strided codes"]  # the one a caller can mask in place (overlapping rows have no one answer)
     want = apply_delay_mask(logits.clone(), state.delay, state.countdown, BOC - 1000, EOC - 1000)
     slots.masked_logits(logits, state, BOC - 1000, EOC - 1000, torch.ones(2, dtype=torch.bool))
     assert torch.equal(logits, want)
+    assert fused_kernels.state("delay mask") == "untried"
+    assert fused_kernels.delay_mask_supports(base.transpose(1, 2).contiguous())
+    assert fused_kernels.delay_mask_supports(base.transpose(1, 2).contiguous()[:, :, :30])  # a slice: rows apart
 
 
 def test_same_values_matches_nan_with_nan_and_nothing_else():

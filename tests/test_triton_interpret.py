@@ -166,6 +166,35 @@ def test_delay_kernels_equal_the_reference_on_every_state(n, v):
         assert a.dtype == b.dtype and torch.equal(a, b), f.name
 
 
+def test_update_state_writes_row_major_whatever_its_inputs_layout():
+    """Dense but permuted inputs ([C, B] storage viewed as [B, C]): the outputs are still the reference's."""
+    from dataclasses import fields, replace
+
+    from higgs_talker.heads import triton_kernels
+    from higgs_talker.heads.delay import update_state
+
+    n, v = 8, 1026
+    codes, state, active, _ = _every_delay_state(n, v - 2, v - 1, v, seed=3)
+    codes, state = codes.t().contiguous().t(), replace(state, last_codes=state.last_codes.t().contiguous().t())
+    assert not codes.is_contiguous() and not state.last_codes.is_contiguous()
+    emitted, new = update_state(codes, state, active, v - 2, v - 1)
+    got_emitted, got_new = triton_kernels.update_state(codes, state, active, v - 2, v - 1)
+    assert torch.equal(got_emitted, emitted)
+    for f in fields(new):
+        assert torch.equal(getattr(got_new, f.name), getattr(new, f.name)), f.name
+
+
+def test_noise_for_more_requests_than_one_grid_row_of_blocks():
+    """Requests ride the grid's second axis, blocks of codes the first: 70 requests x 3 blocks, each row its
+    reference's."""
+    from higgs_talker.heads import sampling, triton_kernels
+
+    seeds, steps = torch.arange(70, dtype=torch.long) * 977, torch.arange(70, dtype=torch.long) % 5
+    n = 2 * triton_kernels.BLOCK + 17
+    want = sampling.uniform_from_bits(sampling.noise_words(seeds, steps, n))
+    assert torch.equal(triton_kernels.uniform_noise(seeds, steps, n, sampling.CODE_KEY), want)
+
+
 def test_sampled_generation_through_the_frame_kernels_equals_the_reference(talker, monkeypatch):
     """The engine's frames through the (interpreted) noise, mask and update kernels on CPU: the same rows, with
     every kernel checked and in use."""
@@ -177,7 +206,9 @@ def test_sampled_generation_through_the_frame_kernels_equals_the_reference(talke
     monkeypatch.setattr(fused, "_on_kernel_device", lambda t: True)
     monkeypatch.setattr(fused, "_capturing", lambda: False)
     monkeypatch.setattr(fused, "_state", {})
+    monkeypatch.setattr(fused, "_checked", {})
     got = [r.rows for r in talker.generate(texts, params)]
-    assert fused._state == {"sampler noise": "ok", "delay mask": "ok", "delay state update": "ok"}
+    names = ("sampler noise", "delay mask", "delay state update")
+    assert {name: fused.state(name) for name in names} == dict.fromkeys(names, "ok")
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)

@@ -7,11 +7,12 @@ replays them all at every decode step. Three kernels take the hash, the mask and
 and boolean operations, so their results are equal to the references' (``sampling.noise_words``,
 ``delay.apply_delay_mask``, ``delay.update_state``), not merely close.
 
-Each kernel is used on CUDA where triton imports, and only after its first use outside a graph capture gave
-exactly its reference's result on the same inputs (one sync, once per process); an import error, a launch
+Each kernel is used on CUDA where triton imports, and only for call signatures (dtypes, shapes, strides,
+alignment: what Triton compiles a variant for) whose first use outside a graph capture gave exactly its
+reference's result on the same inputs (one sync per signature, once per process); an import error, a launch
 error or any difference turns that kernel off with one warning and the reference runs from then on. Inside a
-capture an unchecked kernel is not used (the capture keeps the reference). ``ENABLED = False`` turns all three
-off (benchmarks' A/B).
+capture an unchecked signature is not used (the capture keeps the reference). ``ENABLED = False`` turns all
+three off (benchmarks' A/B).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ logger = logging.getLogger(__name__)
 ENABLED = True
 MASK_MAX_VOCAB = 1 << 16  # the mask kernel holds one codebook row in one block
 T = TypeVar("T")
-_state: dict[str, str] = {}  # kernel name -> "ok" | "off" (absent: not tried yet)
+_state: dict[str, str] = {}  # kernel name -> "off" once it failed a check or errored
+_checked: dict[str, set[tuple]] = {}  # kernel name -> the call signatures whose first use matched the reference
+_MASK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def noise_supports(n: int, code_key: int) -> bool:
@@ -39,10 +42,14 @@ def noise_supports(n: int, code_key: int) -> bool:
 
 
 def delay_mask_supports(logits: Tensor) -> bool:
-    """Whether the mask kernel takes these logits: [B, C, V] floats with unit stride along V, V within one block."""
-    if logits.dim() != 3 or not logits.is_floating_point():
+    """Whether the mask kernel takes these logits: [B, C, V] fp16/bf16/fp32/fp64 with unit stride along V, V
+    within one block, and rows that do not overlap (the kernel writes every row in place from its own program)."""
+    if logits.dim() != 3 or logits.dtype not in _MASK_DTYPES:
         return False
-    return logits.stride(2) == 1 and logits.shape[2] <= MASK_MAX_VOCAB
+    b, c, v = logits.shape
+    s0, s1, s2 = logits.stride()
+    apart = (c == 1 or s1 >= v) and (b == 1 or s0 >= (c - 1) * s1 + v)
+    return s2 == 1 and v <= MASK_MAX_VOCAB and apart
 
 
 def _on_kernel_device(t: Tensor) -> bool:
@@ -58,8 +65,18 @@ def _kernels():
 
 
 def state(name: str) -> str:
-    """``ok`` (checked and in use), ``off`` (failed its check or errored) or ``untried``."""
-    return _state.get(name, "untried")
+    """``off`` (failed a check or errored), ``ok`` (in use: checked for at least one call signature) or
+    ``untried``."""
+    if _state.get(name) == "off":
+        return "off"
+    return "ok" if _checked.get(name) else "untried"
+
+
+def signature(*args: object) -> tuple:
+    """A call's signature: each tensor's dtype, shape, strides and 16-byte alignment; other arguments as given."""
+    return tuple(
+        (a.dtype, tuple(a.shape), a.stride(), a.data_ptr() % 16 == 0) if isinstance(a, Tensor) else a for a in args
+    )
 
 
 def run_checked(
@@ -68,13 +85,15 @@ def run_checked(
     fused: Callable[[object, bool], T],
     reference: Callable[[bool], T],
     same: Callable[[T, T], bool],
+    key: tuple = (),
 ) -> T:
-    """``fused(kernels, checking)`` where the kernel is on and checked, else ``reference(checking)``; on the
-    first use, both on the same inputs (``checking=True``: neither may write its inputs), compared by ``same``."""
-    status = state(name)
-    if not ENABLED or status == "off" or not _on_kernel_device(device_tensor):
+    """``fused(kernels, checking)`` where the kernel is on and checked for this call's ``signature(*key)``, else
+    ``reference(checking)``; on a signature's first use, both on the same inputs (``checking=True``: neither may
+    write its inputs), compared by ``same``."""
+    if not ENABLED or _state.get(name) == "off" or not _on_kernel_device(device_tensor):
         return reference(False)
-    if status == "ok":
+    sig = signature(*key)
+    if sig in _checked.get(name, ()):
         return fused(_kernels(), False)
     if _capturing():
         return reference(False)  # unchecked, and a capture cannot check it
@@ -90,7 +109,7 @@ def run_checked(
         _state[name] = "off"
         logger.warning("fused %s differs from its torch reference on this device; using the reference", name)
         return want
-    _state[name] = "ok"
+    _checked.setdefault(name, set()).add(sig)
     return got
 
 

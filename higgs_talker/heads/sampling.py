@@ -152,7 +152,7 @@ def uniform_noise(seeds: Tensor, steps: Tensor, n: int) -> Tensor:
         return uniform_from_bits(noise_words(seeds, steps, n))
     return fused.run_checked(
         "sampler noise", seeds, lambda k, checking: k.uniform_noise(seeds, steps, n, CODE_KEY),
-        lambda checking: uniform_from_bits(noise_words(seeds, steps, n)), fused.same_values,
+        lambda checking: uniform_from_bits(noise_words(seeds, steps, n)), fused.same_values, (seeds, steps, n),
     )  # fmt: skip
 
 

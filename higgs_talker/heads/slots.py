@@ -93,11 +93,13 @@ class SlotStore:
             return
         v = self.codebook_size
         dev = self.device
-        idx = torch.tensor([i.slot for i in inits], dtype=torch.long, device=dev)
-        floats = torch.tensor([[i.temperature, i.top_p] for i in inits], dtype=torch.float32).to(dev)
+        # host tensors uploaded without blocking: a blocking copy would wait for the step queued ahead
+        idx = torch.tensor([i.slot for i in inits], dtype=torch.long).to(dev, non_blocking=True)
+        floats = torch.tensor([[i.temperature, i.top_p] for i in inits], dtype=torch.float32)
+        floats = floats.to(dev, non_blocking=True)
         # top_k is clamped to V here only so that any int fits the tensor; sample_codes treats >= V as off
         ints = [[min(i.top_k, v) if i.top_k > 0 else v, i.seed, i.min_rows] for i in inits]
-        ints = torch.tensor(ints, dtype=torch.long).to(dev)
+        ints = torch.tensor(ints, dtype=torch.long).to(dev, non_blocking=True)
         self.state.reset(idx, self.boc_id)
         self.temperature.index_copy_(0, idx, floats[:, 0])
         self.top_p.index_copy_(0, idx, floats[:, 1])
@@ -156,7 +158,8 @@ def masked_logits(logits: Tensor, state: DelayState, boc_id: int, eoc_id: int, e
         out = logits.clone() if checking else logits
         return k.delay_mask(out, state.delay, state.countdown, boc_id, eoc_id, eoc_allowed)
 
-    out = fused.run_checked("delay mask", logits, kernel, reference, fused.same_values)
+    key = (logits, state.delay, state.countdown, eoc_allowed, boc_id, eoc_id)
+    out = fused.run_checked("delay mask", logits, kernel, reference, fused.same_values, key)
     if out is not logits:  # the first use, checked on copies
         logits.copy_(out)
 
@@ -172,6 +175,7 @@ def next_state(codes: Tensor, state: DelayState, active: Tensor, boc_id: int, eo
     return fused.run_checked(
         "delay state update", codes, lambda k, checking: k.update_state(codes, state, active, boc_id, eoc_id),
         lambda checking: update_state(codes, state, active, boc_id, eoc_id), same,
+        (codes, active, boc_id, eoc_id, *(getattr(state, f.name) for f in fields(DelayState))),
     )  # fmt: skip
 
 

@@ -42,13 +42,13 @@ def _mix32(x):
 
 @triton.jit
 def _uniform_noise_kernel(seeds_ptr, steps_ptr, out_ptr, n, BLOCK: tl.constexpr, CODE_KEY: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(1)  # requests on the grid's y axis (at most 65535), blocks of codes on x
     seed = tl.load(seeds_ptr + row).to(tl.int64)
     step = tl.load(steps_ptr + row).to(tl.int64)
     h = _mix32(seed & 0xFFFFFFFF)
     h = _mix32(h ^ ((seed >> 32) & 0xFFFFFFFF))
     h = _mix32(h ^ (step & 0xFFFFFFFF))
-    idx = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     bits = _mix32(h ^ _mix32(idx + CODE_KEY))
     bits = _mix32(bits ^ h)
     u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # the top 23 bits: exact in fp32
@@ -67,7 +67,7 @@ def uniform_noise(seeds: Tensor, steps: Tensor, n: int, code_key: int) -> Tensor
         raise ValueError(f"{n} codes per row is beyond the 32-bit index of the noise hash")
     out = torch.empty(seeds.shape[0], n, dtype=torch.float32, device=seeds.device)
     if seeds.shape[0]:
-        grid = (seeds.shape[0], triton.cdiv(n, BLOCK))
+        grid = (triton.cdiv(n, BLOCK), seeds.shape[0])
         _uniform_noise_kernel[grid](seeds.contiguous(), steps.contiguous(), out, n, BLOCK=BLOCK, CODE_KEY=code_key)
     return out
 
@@ -105,8 +105,9 @@ def delay_mask(
 ) -> Tensor:
     """``delay.apply_delay_mask`` (same arguments, in place on ``logits``, which it returns)."""
     if not delay_mask_supports(logits):
-        raise ValueError(f"logits must be [B, C, V] floats with unit stride along V, V <= {MASK_MAX_VOCAB}; got "
-                         f"{tuple(logits.shape)} {logits.dtype}, strides {logits.stride()}")  # fmt: skip
+        raise ValueError(f"logits must be [B, C, V] fp16/bf16/fp32/fp64 rows that do not overlap, unit stride "
+                         f"along V, V <= {MASK_MAX_VOCAB}; got {tuple(logits.shape)} {logits.dtype}, strides "
+                         f"{logits.stride()}")  # fmt: skip
     b, n, v = logits.shape
     if b:
         allowed = eoc_allowed if eoc_allowed is not None else delay  # a placeholder pointer, never read
@@ -166,12 +167,15 @@ def update_state(
 ) -> tuple[Tensor, DelayState]:
     """``delay.update_state`` (same arguments; new tensors, batch order)."""
     b, n = codes.shape
+
+    def like(t: Tensor) -> Tensor:  # row-major, as the kernel writes (empty_like keeps a permuted layout)
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
     new = DelayState(
-        last_codes=torch.empty_like(state.last_codes), has_codes=torch.empty_like(state.has_codes),
-        delay=torch.empty_like(state.delay), countdown=torch.empty_like(state.countdown),
-        done=torch.empty_like(state.done),
+        last_codes=like(state.last_codes), has_codes=like(state.has_codes), delay=like(state.delay),
+        countdown=like(state.countdown), done=like(state.done),
     )  # fmt: skip
-    emitted = torch.empty_like(codes)
+    emitted = like(codes)
     if b:
         _update_state_kernel[(b,)](
             codes.contiguous(), state.last_codes.contiguous(), state.has_codes.contiguous(), state.delay.contiguous(),
