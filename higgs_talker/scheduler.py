@@ -69,7 +69,7 @@ class Request:
     submitted_at: float = 0.0
     first_row_at: float | None = None
     finished_at: float | None = None
-    prefill_ms: float = 0.0
+    prefill_ms: float = 0.0  # scheduled -> published, summed over its prefills (async: with the step queued before it)
     preemptions: int = 0
     num_cached: int = 0  # prompt tokens of its latest prefill whose K/V came from the prefix cache
     cached_tokens: int = 0  # the same, summed over its prefills (a preempted request is prefilled again)
