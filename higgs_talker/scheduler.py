@@ -249,24 +249,27 @@ class Scheduler:
             req.prefix_hashes = prefix_hashes(req.prompt, bs)
         return self.blocks.lookup(req.prefix_hashes[: (len(req.prompt) - 1) // bs])
 
-    def _admissible(self) -> bool:
-        """Whether the first waiting request could be admitted now."""
+    def _admission(self) -> list[int] | None:
+        """The cached blocks the first waiting request would share if it can be admitted now, else None."""
         if not self.waiting:
-            return False
+            return None
         req = self.waiting[0]
         if req.slot < 0 and not self.free_slots.num_free:
-            return False
+            return None
         hits = self._cache_hits(req)
         unheld = sum(self.blocks.refs(b) == 0 for b in hits)  # cached blocks that count as free until shared
         need = self.blocks.blocks_for(self._prefill_tokens(req) + 1) - len(hits)
-        return self.blocks.can_allocate(need + unheld)
+        return hits if self.blocks.can_allocate(need + unheld) else None
+
+    def _admissible(self) -> bool:
+        """Whether the first waiting request could be admitted now."""
+        return self._admission() is not None
 
     def _admit(self) -> list[Request]:
         batch, tokens, bs = [], 0, self.config.block_size
-        while self._admissible():
+        while (hits := self._admission()) is not None:
             req = self.waiting[0]
             n = self._prefill_tokens(req)
-            hits = self._cache_hits(req)
             if batch and tokens + n - len(hits) * bs > self.config.max_prefill_tokens:
                 break
             self.waiting.popleft()

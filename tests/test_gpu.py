@@ -210,23 +210,22 @@ def test_prefill_matches_sdpa_reference():
 MODES = ("eager", "local_mlp", "full_decode", "auto")
 
 
+def _talker(mode: str = "auto", **options) -> HiggsTalker:
+    """The suite's talker in ``mode``. Only ``auto`` (the CUDA default) measures the decode kernels; the others
+    use XQA, the kernel that measurement picks on the H200, so the suite spends no time re-measuring."""
+    kernel = "auto" if mode == "auto" else "xqa"
+    return HiggsTalker.from_config(
+        medium_config(), device="cuda", graph_mode=mode, max_num_seqs=64, max_model_len=1024, seed=0,
+        decode_kernel=kernel, **options,
+    )  # fmt: skip
+
+
 def _lazy_talkers(**options) -> dict[str, HiggsTalker]:
-    """One talker per mode, built on first use. Only ``auto`` (the CUDA default) measures the decode kernels;
-    the others use XQA, the kernel that measurement picks on the H200, so the suite spends no time re-measuring."""
+    """One talker per mode (``_talker``), built on first use."""
 
     class Lazy(dict):
         def __missing__(self, mode: str) -> HiggsTalker:
-            kernel = "auto" if mode == "auto" else "xqa"
-            self[mode] = HiggsTalker.from_config(
-                medium_config(),
-                device="cuda",
-                graph_mode=mode,
-                max_num_seqs=64,
-                max_model_len=1024,
-                seed=0,
-                decode_kernel=kernel,
-                **options,
-            )
+            self[mode] = _talker(mode, **options)
             return self[mode]
 
     return Lazy()
@@ -413,10 +412,7 @@ def test_graphs_were_captured(talkers):
 @pytest.fixture(scope="module")
 def prefill_graph_talker():
     """The ``auto`` talker's settings with prefill graphs (``PREFILL_BUCKETS``)."""
-    return HiggsTalker.from_config(
-        medium_config(), device="cuda", graph_mode="auto", max_num_seqs=64, max_model_len=1024, seed=0,
-        prefill_buckets=PREFILL_BUCKETS,
-    )  # fmt: skip
+    return _talker(prefill_buckets=PREFILL_BUCKETS)
 
 
 def test_prefill_graphs_were_captured(talkers, prefill_graph_talker):
@@ -430,10 +426,7 @@ def test_prefill_graphs_were_captured(talkers, prefill_graph_talker):
 @pytest.fixture(scope="module")
 def prefix_cache_talker():
     """The ``auto`` talker's settings with prefix caching."""
-    return HiggsTalker.from_config(
-        medium_config(), device="cuda", graph_mode="auto", max_num_seqs=64, max_model_len=1024, seed=0,
-        prefix_caching=True,
-    )  # fmt: skip
+    return _talker(prefix_caching=True)
 
 
 @pytest.mark.parametrize("batch", [1, 13, 64])
