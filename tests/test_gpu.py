@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
 
@@ -19,7 +20,7 @@ from _tolerance import bf16_score_gap, kernel_rel_tol, rel_err  # noqa: E402
 from higgs_talker import HiggsTalker, Reference, SamplingParams  # noqa: E402
 from higgs_talker.config import TalkerConfig, TextConfig  # noqa: E402
 from higgs_talker.cuda_graphs import PREFILL_BUCKETS  # noqa: E402
-from higgs_talker.cuda_graphs.capture import capture_graph  # noqa: E402
+from higgs_talker.cuda_graphs.capture import capture_graph, graph_pool  # noqa: E402
 from higgs_talker.ops import FlashInferKernels, TorchKernels, rope_cache  # noqa: E402
 
 # FlashInfer's norm, RoPE and activation kernels read bf16, compute in fp32 and round each output once to bf16
@@ -409,16 +410,36 @@ def test_graphs_were_captured(talkers):
     assert set(auto.choice) == set(auto.buckets)
 
 
+def test_a_dropped_graph_leaves_the_runners_pool_usable():
+    """A capture that fails its check drops its graph; when that was the pool's only graph, later captures into
+    the same pool still work (``graph_pool``: the pool lives as long as its owner, not its graphs)."""
+    pool = graph_pool()
+    x = torch.arange(8.0, device="cuda")
+    dropped, _ = capture_graph(lambda: x * 2, pool.id)
+    del dropped
+    gc.collect()
+    graph, out = capture_graph(lambda: x * 3 + 1, pool.id)
+    graph.replay()
+    torch.testing.assert_close(out, x * 3 + 1, rtol=0, atol=0)
+
+
 @pytest.fixture(scope="module")
 def prefill_graph_talker():
     """The ``auto`` talker's settings with prefill graphs (``PREFILL_BUCKETS``)."""
     return _talker(prefill_buckets=PREFILL_BUCKETS)
 
 
-def test_prefill_graphs_were_captured(talkers, prefill_graph_talker):
-    graphs = prefill_graph_talker.engine.graphs
-    assert graphs.prefill is not None and not graphs.prefill.failed
+def _require_prefill_graphs(talker: HiggsTalker) -> None:
+    """Every prefill bucket captured and checked, and the decode graphs captured after them in the same pool (a
+    test of codes through prefill graphs is only one if prefills replay them)."""
+    graphs = talker.engine.graphs
+    assert graphs.prefill is not None and not graphs.prefill.failed, graphs.prefill and graphs.prefill.failed
     assert graphs.prefill.sizes == graphs.prefill_buckets == PREFILL_BUCKETS
+    assert graphs.full is not None and not graphs.full.failed and len(graphs.full.graphs) == 7
+
+
+def test_prefill_graphs_were_captured(talkers, prefill_graph_talker):
+    _require_prefill_graphs(prefill_graph_talker)
     for mode in MODES:  # opt-in: none by default
         assert talkers[mode].engine.graphs.prefill is None
 
@@ -459,7 +480,7 @@ def _reference_prompts(talker: HiggsTalker, n: int) -> list:
     g = torch.Generator().manual_seed(5)
     prompts = []
     for i in range(n):
-        codes = torch.randint(0, talker.cfg.codebook_size, (3 + 7 * i, talker.cfg.num_codebooks), generator=g)
+        codes = torch.randint(0, talker.cfg.num_real_codes, (3 + 7 * i, talker.cfg.num_codebooks), generator=g)
         prompts.append(talker.build_prompt(f"reference prompt {i} " * (1 + i % 2), Reference(codes, "ref words")))
     return prompts
 
@@ -469,6 +490,7 @@ def test_prefill_graphs_give_the_codes_of_unpadded_prefills(talkers, prefill_gra
     """Prefill graphs against unpadded eager prefills (``auto`` without them): the same greedy codes. The two
     plan FlashInfer's prefill attention for different row counts, so a code may flip only at a provable bf16 near
     tie against an eager solo run (``explain_divergence``)."""
+    _require_prefill_graphs(prefill_graph_talker)
     got = _run_schedule(prefill_graph_talker, batch)
     want = _run_schedule(talkers["auto"], batch)
     assert_same_or_near_tie(got, want, talkers["eager"], batch)
@@ -476,6 +498,7 @@ def test_prefill_graphs_give_the_codes_of_unpadded_prefills(talkers, prefill_gra
 
 def test_prefill_graphs_with_reference_audio_give_the_codes_of_unpadded_prefills(talkers, prefill_graph_talker):
     """Prompts with audio rows, alone and five at once (one prefill step), through the prefill graphs."""
+    _require_prefill_graphs(prefill_graph_talker)
     params = SamplingParams(temperature=0, max_frames=24)
     prompts = _reference_prompts(prefill_graph_talker, 5)
     for group in ([prompts[0]], [prompts[3]], prompts):

@@ -30,20 +30,36 @@ def capture_graph(fn: Callable[[], T], pool=None) -> tuple[torch.cuda.CUDAGraph,
     return graph, out
 
 
-def capture_checked(forward: Callable[[], torch.Tensor], slots, size: int, pool=None):
+def capture_checked(
+    forward: Callable[[], torch.Tensor], slots, size: int, pool=None, refresh: Callable[[], None] | None = None
+):
     """Capture ``forward`` (a step on an all-padding batch, whose state lives in the scratch slot of ``slots``),
     replay it once and compare with an eager run; raises on any difference. The capture's warm-up run, the eager
-    reference and the replay each start from the same scratch state. Returns (graph, its output)."""
+    reference and the replay each start from the same scratch state, and from freshly written static inputs:
+    ``refresh()`` runs before each of them (a step may write its inputs in place, as a prefill's first layer does
+    its embeddings, the residual; a real replay rewrites them too). Returns (graph, its output)."""
     scratch = [slots.scratch]
+    refresh = refresh or (lambda: None)
+    refresh()
     with slots.preserved(scratch):
         graph, out = capture_graph(forward, pool)
+    refresh()
     with slots.preserved(scratch):
         want = forward().clone()
+    refresh()
     with slots.preserved(scratch):
         graph.replay()
     if not torch.equal(out, want):
         raise RuntimeError(f"replay of bucket {size} differs from eager: {out.tolist()} vs {want.tolist()}")
     return graph, out
+
+
+def graph_pool() -> torch.cuda.MemPool:
+    """A memory pool for a runner's graphs that lives as long as the returned object. A bare
+    ``graph_pool_handle()`` pool lives only as long as its graphs: a first capture that fails its check drops
+    the only graph, the pool goes with it, and every later capture into the handle trips an allocator assert.
+    Pass ``.id`` as ``pool``; keep the object while the graphs live."""
+    return torch.cuda.MemPool()
 
 
 def capture_buckets(

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..batch import DeviceBatch, StepBatch
 from .buckets import normalize_buckets
-from .capture import capture_buckets, capture_checked
+from .capture import capture_buckets, capture_checked, graph_pool
 
 if TYPE_CHECKING:
     from ..model_runner import ModelRunner
@@ -56,8 +56,9 @@ class FullDecodeGraphs:
         return tuple(sorted(self.graphs))
 
     def capture(self) -> None:
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+        if self.pool is None:  # a pool of their own, kept alive with them
+            self._pool_owner = graph_pool()
+            self.pool = self._pool_owner.id
         self.graphs, self.failed = capture_buckets(self.requested, self._capture_one, "full decode graph")
         for draw, filter in SAMPLER_VARIANTS:
             captured, failed = capture_buckets(

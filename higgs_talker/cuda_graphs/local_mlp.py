@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .buckets import DEFAULT_BUCKETS, bucket_for, normalize_buckets
-from .capture import capture_buckets, capture_graph
+from .capture import capture_buckets, capture_graph, graph_pool
 from .policy import local_graphs_allowed_now
 
 # (layer index, hidden [B, H], residual [B, H]) -> (mlp output [B, H], new residual [B, H])
@@ -65,8 +65,9 @@ class LocalMLPGraphs:
 
     def capture(self, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """Capture and check every bucket, largest first. Must run outside any stream capture."""
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+        if self.pool is None:  # a pool of their own, kept alive with them
+            self._pool_owner = graph_pool()
+            self.pool = self._pool_owner.id
 
         def capture_one(size: int) -> _Bucket:
             bucket = _Bucket(size, hidden_size, dtype, device)

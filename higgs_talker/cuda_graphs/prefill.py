@@ -1,15 +1,16 @@
-"""Prefill graphs: ``ModelRunner.forward`` of a prefill batch padded to a token bucket (every layer, the codebook
-head, delay masks, sampling, state update) captured as one CUDA graph per bucket.
+"""Prefill graphs: ``ModelRunner.forward`` of a prefill batch padded to a token bucket (every layer, the codebook head,
+delay masks, sampling, state update) captured as one CUDA graph per bucket.
 
-A prefill runs once per request, but eagerly its ~10 launches a layer cost the host several times what the GPU
-needs for a short prompt (H200, 4B: a 32-token prefill took 24 ms on the host for 3.3 ms of kernels), and it
-comes before the first frame. The padding rule is ``StepBatch.padded_prefill``: a bucket has a fixed token
-count and a fixed request count (as many as it could hold, plus the padding request). The token embedding runs
-eagerly before the replay (how many audio rows a prompt has varies) into the graph's static ``embeds``; the
-integer inputs are views of one buffer (``StepBatch.prefill_packed``), refreshed by one copy per replay; the
-attention backend's ``plan_prefill_bucket`` refreshes the rest. Capture and checking follow the full decode
-graphs: on an all-padding batch, one replay compared with an eager run; a bucket that fails is dropped with one
-warning, and the graph runner pads prefills only to the buckets captured here (the rest run unpadded).
+A prefill runs once per request, but eagerly its ~10 launches a layer cost the host several times what the GPU needs
+for a short prompt (H200, 4B: a 32-token prefill took 24 ms on the host for 3.3 ms of kernels), and it comes before
+the first frame. The padding rule is ``StepBatch.padded_prefill``: a bucket has a fixed token count and a fixed
+request count (as many as it could hold, plus the padding request). The token embedding runs eagerly before the
+replay (how many audio rows a prompt has varies) into the graph's static ``embeds``; the integer inputs are views of
+one buffer (``StepBatch.prefill_packed``), refreshed by one copy per replay; the attention backend's
+``plan_prefill_bucket`` refreshes the rest. The step writes ``embeds`` in place (the first layer's residual add), so
+they are rewritten before every replay and every run of the capture check. Capture and checking follow the full
+decode graphs: on an all-padding batch, one replay compared with an eager run; a bucket that fails is dropped with
+one warning, and the graph runner pads prefills only to the buckets captured here (the rest run unpadded).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import Tensor
 
 from ..batch import DeviceBatch, StepBatch
 from .buckets import normalize_buckets
-from .capture import capture_buckets, capture_checked
+from .capture import capture_buckets, capture_checked, graph_pool
 
 if TYPE_CHECKING:
     from ..model_runner import ModelRunner
@@ -50,8 +51,9 @@ class PrefillGraphs:
         return tuple(sorted(self.graphs))
 
     def capture(self) -> None:
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+        if self.pool is None:  # a pool of their own, kept alive with them
+            self._pool_owner = graph_pool()
+            self.pool = self._pool_owner.id
         self.graphs, self.failed = capture_buckets(self.requested, self._capture_one, "prefill graph")
 
     def _capture_one(self, tokens: int) -> _Graph:
@@ -60,9 +62,11 @@ class PrefillGraphs:
         packed = padding.prefill_packed().to(runner.device)
         embeds = torch.zeros(tokens, runner.cfg.hidden_size, dtype=runner.dtype, device=runner.device)
         inputs = DeviceBatch.prefill(packed, tokens, embeds=embeds)
-        embeds.copy_(runner.embed_prompt(inputs))
+        fresh = runner.embed_prompt(inputs)
         runner.attn.plan_prefill_bucket(padding)
-        graph, out = capture_checked(lambda: runner.forward(inputs), runner.slots, tokens, self.pool)
+        graph, out = capture_checked(
+            lambda: runner.forward(inputs), runner.slots, tokens, self.pool, refresh=lambda: embeds.copy_(fresh)
+        )
         return _Graph(packed, embeds, graph, out)
 
     def run(self, batch: StepBatch) -> Tensor:

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .buckets import DEFAULT_BUCKETS, bucket_for, normalize_buckets
-from .capture import median_ms
+from .capture import graph_pool, median_ms
 from .full_decode import FullDecodeGraphs
 from .kernels import choose_decode_kernels
 from .local_mlp import LocalMLPGraphs
@@ -63,6 +63,7 @@ class GraphRunner:
             logger.info("prefill graphs off (%s): prefills run eagerly", why)
         self.local: LocalMLPGraphs | None = None
         self.full: FullDecodeGraphs | None = None
+        self._pool: torch.cuda.MemPool | None = None  # the graphs' memory pool (warm_up), alive with them
         self.prefill: PrefillGraphs | None = None
         self.choice: dict[int, str] = {}  # bucket -> "full_decode" | "local_mlp" (auto)
         self.kernel_timings: list[dict] = []
@@ -76,7 +77,8 @@ class GraphRunner:
         start = time.perf_counter()
         self.kernel_timings = choose_decode_kernels(runner.attn, list(self.buckets))
         if self.decision.full_decode or self.decision.local_mlp:
-            pool = torch.cuda.graph_pool_handle()
+            self._pool = graph_pool()  # one pool for every graph here, alive as long as the runner
+            pool = self._pool.id
             if self.prefill_buckets:
                 self.prefill = PrefillGraphs(runner, self.prefill_buckets, pool)
                 self.prefill.capture()
