@@ -84,7 +84,7 @@ SHAPE_4B = dict(
 MODES = ("eager", "local_mlp", "full_decode", "auto")
 FUSED = "-fused"  # label suffix: the mode with fuse_qk_rope=True
 SYNC = "-sync"  # label suffix: async_scheduling=False
-PREFILL = "+prefill"  # label suffix: prefill graphs on (prefill_buckets=PREFILL_BUCKETS)
+UNPADDED = "-eagerprefill"  # label suffix: no prefill graphs (prefill_buckets=(): prefills run eagerly)
 PREFIX_CACHE = "+pcache"  # label suffix: prefix caching on (prefix_caching=True)
 TORCH_HEAD = "-torchhead"  # label suffix: heads.fused.ENABLED = False
 WHOLE_SAMPLER = "-wholesampler"  # label suffix: no sampler variants (cuda_graphs.full_decode.SAMPLER_VARIANTS)
@@ -99,7 +99,7 @@ class Variant:
     fuse: bool = True
     async_scheduling: bool | None = True  # None: the library's default (on CUDA)
     kernel: str = "auto"
-    prefill_graphs: bool = False  # capture prefill graphs (PREFILL_BUCKETS; opt-in in the library)
+    prefill_graphs: bool = True  # prefill graphs (PREFILL_BUCKETS: the default in full_decode and auto)
     prefix_caching: bool = False  # share the K/V of common prompt prefixes (opt-in in the library)
     head_kernels: bool = True  # the frame's Triton kernels (heads.fused; the CUDA default)
     sampler_variants: bool = True  # full-decode graphs with the cheaper samplers (the default)
@@ -107,7 +107,7 @@ class Variant:
     @property
     def label(self) -> str:
         kernel = "" if self.kernel == "auto" else f"+{self.kernel}"
-        prefill = (PREFILL if self.prefill_graphs else "") + (PREFIX_CACHE if self.prefix_caching else "")
+        prefill = ("" if self.prefill_graphs else UNPADDED) + (PREFIX_CACHE if self.prefix_caching else "")
         sync = SYNC if self.async_scheduling is False else ""
         head = "" if self.head_kernels else TORCH_HEAD
         whole = "" if self.sampler_variants else WHOLE_SAMPLER

@@ -34,7 +34,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 
 import torch
-from bench_decode import PREFILL, PREFIX_CACHE, Variant, build_talker, model_config, suppress_eoc
+from bench_decode import PREFIX_CACHE, UNPADDED, Variant, build_talker, model_config, suppress_eoc
 from common import (
     ResultFile,
     environment,
@@ -182,7 +182,8 @@ def warm_up(talker: HiggsTalker, concurrency: int) -> float:
 def run_mode(variant: Variant, cfg, args, writer: ResultFile, deadline: float) -> None:
     device = torch.device(args.device)
     levels = args.levels
-    mode = variant.mode + (PREFILL if variant.prefill_graphs else "") + (PREFIX_CACHE if variant.prefix_caching else "")
+    mode = variant.mode + ("" if variant.prefill_graphs else UNPADDED)
+    mode += PREFIX_CACHE if variant.prefix_caching else ""
     try:
         t0 = time.perf_counter()
         talker = build_talker(args, cfg, variant, num_blocks_for(args, cfg))
@@ -231,8 +232,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="checkpoint directory (default: random weights)")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--modes", type=strs_arg, default=["auto"])
-    p.add_argument("--prefill-graphs", choices=("off", "on", "both"), default="off",
-                   help="prefill graphs (PREFILL_BUCKETS; rows MODE+prefill); off: the library's default")  # fmt: skip
+    p.add_argument("--prefill-graphs", choices=("off", "on", "both"), default="on",
+                   help="prefill graphs (the library's default: on; off: rows MODE-eagerprefill)")  # fmt: skip
     p.add_argument("--prefix-caching", choices=("off", "on", "both"), default="off",
                    help="prefix caching (rows MODE+pcache); off: the library's default")  # fmt: skip
     p.add_argument("--voice-s", type=float, default=0.0, help="seconds of one reference voice in every prompt")

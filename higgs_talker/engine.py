@@ -119,13 +119,15 @@ class Engine:
         self, graph_mode, buckets: Sequence[int] | None = None, prefill_buckets: Sequence[int] | None = None
     ) -> None:
         """CUDA only: measure the decode kernels and capture the graphs ``graph_mode`` needs (before serving).
-        ``buckets``: decode batch buckets; ``prefill_buckets``: prefill token buckets (default none)."""
-        from .cuda_graphs import DEFAULT_BUCKETS, GraphRunner
+        ``buckets``: decode batch buckets; ``prefill_buckets``: prefill token buckets (default ``PREFILL_BUCKETS``
+        in the modes that graph whole steps; ``()``: every prefill runs eagerly)."""
+        from .cuda_graphs import DEFAULT_BUCKETS, PREFILL_BUCKETS, GraphRunner
 
         with self._lock:
             runner = GraphRunner(
-                self.runner, graph_mode, buckets or DEFAULT_BUCKETS, self.config.max_num_seqs, prefill_buckets or ()
-            )
+                self.runner, graph_mode, buckets or DEFAULT_BUCKETS, self.config.max_num_seqs,
+                PREFILL_BUCKETS if prefill_buckets is None else prefill_buckets,
+            )  # fmt: skip
             runner.warm_up()
             self.graphs = runner
 

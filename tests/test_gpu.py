@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import inspect
 import logging
@@ -424,9 +425,15 @@ def test_a_dropped_graph_leaves_the_runners_pool_usable():
 
 
 @pytest.fixture(scope="module")
-def prefill_graph_talker():
-    """The ``auto`` talker's settings with prefill graphs (``PREFILL_BUCKETS``)."""
-    return _talker(prefill_buckets=PREFILL_BUCKETS)
+def prefill_graph_talker(talkers):
+    """The ``auto`` talker: prefill graphs (``PREFILL_BUCKETS``) by default."""
+    return talkers["auto"]
+
+
+@pytest.fixture(scope="module")
+def unpadded_talker():
+    """The ``auto`` talker's settings without prefill token buckets: every prefill unpadded and eager."""
+    return _talker(prefill_buckets=())
 
 
 def _require_prefill_graphs(talker: HiggsTalker) -> None:
@@ -438,10 +445,13 @@ def _require_prefill_graphs(talker: HiggsTalker) -> None:
     assert graphs.full is not None and not graphs.full.failed and len(graphs.full.graphs) == 7
 
 
-def test_prefill_graphs_were_captured(talkers, prefill_graph_talker):
-    _require_prefill_graphs(prefill_graph_talker)
-    for mode in MODES:  # opt-in: none by default
-        assert talkers[mode].engine.graphs.prefill is None
+def test_prefill_graphs_were_captured(talkers, unpadded_talker):
+    for mode in ("full_decode", "auto"):  # the default in the modes that graph whole steps
+        _require_prefill_graphs(talkers[mode])
+    for mode in ("eager", "local_mlp"):  # the others pad prefills to the same buckets and run them eagerly
+        graphs = talkers[mode].engine.graphs
+        assert graphs.prefill is None and graphs.prefill_buckets == PREFILL_BUCKETS
+    assert unpadded_talker.engine.graphs.prefill is None and unpadded_talker.engine.graphs.prefill_buckets == ()
 
 
 @pytest.fixture(scope="module")
@@ -486,24 +496,26 @@ def _reference_prompts(talker: HiggsTalker, n: int) -> list:
 
 
 @pytest.mark.parametrize("batch", [1, 13, 64])
-def test_prefill_graphs_give_the_codes_of_unpadded_prefills(talkers, prefill_graph_talker, batch):
+def test_prefill_graphs_give_the_codes_of_unpadded_prefills(talkers, prefill_graph_talker, unpadded_talker, batch):
     """Prefill graphs against unpadded eager prefills (``auto`` without them): the same greedy codes. The two
     plan FlashInfer's prefill attention for different row counts, so a code may flip only at a provable bf16 near
     tie against an eager solo run (``explain_divergence``)."""
     _require_prefill_graphs(prefill_graph_talker)
     got = _run_schedule(prefill_graph_talker, batch)
-    want = _run_schedule(talkers["auto"], batch)
+    want = _run_schedule(unpadded_talker, batch)
     assert_same_or_near_tie(got, want, talkers["eager"], batch)
 
 
-def test_prefill_graphs_with_reference_audio_give_the_codes_of_unpadded_prefills(talkers, prefill_graph_talker):
+def test_prefill_graphs_with_reference_audio_give_the_codes_of_unpadded_prefills(
+    talkers, prefill_graph_talker, unpadded_talker
+):
     """Prompts with audio rows, alone and five at once (one prefill step), through the prefill graphs."""
     _require_prefill_graphs(prefill_graph_talker)
     params = SamplingParams(temperature=0, max_frames=24)
     prompts = _reference_prompts(prefill_graph_talker, 5)
     for group in ([prompts[0]], [prompts[3]], prompts):
         got = engine_rows(prefill_graph_talker, group, params)
-        want = engine_rows(talkers["auto"], group, params)
+        want = engine_rows(unpadded_talker, group, params)
         for prompt, a, b in zip(group, got, want, strict=True):
             if torch.equal(a, b):
                 continue
@@ -515,7 +527,8 @@ def test_prefill_graphs_with_reference_audio_give_the_codes_of_unpadded_prefills
 
 def test_prefill_graph_replay_equals_the_eager_padded_prefill(prefill_graph_talker):
     """The graph of a bucket, replayed on a real padded prefill, gives the rows of the same padded batch run
-    eagerly (same plan, same kernels): exactly, and the real requests' K/V in the cache equal too."""
+    eagerly (same plan, same kernels, the whole sampler as in the graph, so the padding rows too): exactly, and
+    the real requests' K/V in the cache equal too."""
     talker = prefill_graph_talker
     eng, graphs = talker.engine, talker.engine.graphs
     runner = eng.runner
@@ -532,7 +545,7 @@ def test_prefill_graph_replay_equals_the_eager_padded_prefill(prefill_graph_talk
     with torch.inference_mode(), runner.slots.preserved(slots + [runner.slots.scratch]):
         runner.slots.reset(padded.new_slots)
         runner.attn.plan_prefill_bucket(padded)
-        want = runner.forward(padded.to_device(runner.device)).clone()
+        want = runner.forward(dataclasses.replace(padded, draw=True, filter=True).to_device(runner.device)).clone()
         want_kv = [c[real].clone() for c in runner.kv_caches]
     with torch.inference_mode(), runner.slots.preserved(slots + [runner.slots.scratch]):
         runner.slots.reset(padded.new_slots)

@@ -26,6 +26,7 @@ from higgs_talker.cuda_graphs import capture as capture_module
 from higgs_talker.cuda_graphs import prefill as prefill_graphs
 from higgs_talker.cuda_graphs.buckets import normalize_buckets
 from higgs_talker.flashinfer_attention import FlashInferAttention
+from higgs_talker.ops import TorchKernels
 
 BS = 16
 MODES = ("eager", "local_mlp", "full_decode", "auto")
@@ -186,9 +187,35 @@ def test_a_bucket_that_fails_to_capture_is_left_out_with_one_warning(tiny_dir, t
     assert list(graphs.prefill.failed) == [64] and graphs.prefill.sizes == (16, 32)
     prompt = t.build_prompt("between thirty-two and sixty-four")
     assert 32 < len(prompt) <= 64
-    assert graphs.prefill_bucket_for(_prefill([len(prompt)])) is None  # no captured bucket holds it: unpadded
+    # still padded to bucket 64, as every mode pads it, and run eagerly with the bucket's plan
+    assert graphs.prefill_bucket_for(_prefill([len(prompt)])) == 64
+    attn = t.engine.runner.attn
+    before = len(attn.planned)
     params = SamplingParams(temperature=0.0, max_frames=12)
     assert torch.equal(engine_rows(t, [prompt], params)[0], engine_rows(talker, [prompt], params)[0])
+    assert attn.planned[before] == (64, t.engine.runner.prefill_requests(64))
+
+
+def test_a_step_that_writes_its_embeddings_in_place_still_captures(tiny_dir, talker, monkeypatch):
+    """FlashInfer's fused residual add writes the residual in place, and a prefill's first residual is its
+    embeddings, the graph's static input: the capture check and each replay must start from freshly written
+    embeddings (else every bucket fails its check). Here the torch kernel does the same (exact in fp32)."""
+
+    def add_rms_norm_in_place(cls, x, residual, weight, eps):
+        residual.add_(x)
+        x.copy_(cls.rms_norm(residual, weight, eps))
+        return x, residual
+
+    monkeypatch.setattr(TorchKernels, "fused_add_rms_norm", classmethod(add_rms_norm_in_place))
+    t = graph_talker(tiny_dir, monkeypatch)
+    graphs = t.engine.graphs
+    assert graphs.prefill.sizes == (16, 32, 64) and not graphs.prefill.failed
+    prompts = [t.build_prompt(p) for p in ("short", "two prompts and", "three in one prefill step")]
+    params = SamplingParams(temperature=0.9, top_p=0.9, max_frames=16, seed=3)
+    replays = {size: g.graph.replays for size, g in graphs.prefill.graphs.items()}
+    for a, b in zip(engine_rows(t, prompts, params), engine_rows(talker, prompts, params), strict=True):
+        assert torch.equal(a, b)
+    assert any(g.graph.replays > replays[size] for size, g in graphs.prefill.graphs.items())
 
 
 def test_a_prefill_whose_contexts_overflow_the_bucket_pages_runs_unpadded(tiny_dir, monkeypatch):
@@ -203,16 +230,19 @@ def test_a_prefill_whose_contexts_overflow_the_bucket_pages_runs_unpadded(tiny_d
     assert graphs.prefill_bucket_for(_prefill([40, 30])) is None  # 70 tokens: above every bucket
 
 
-def test_prefill_buckets_are_opt_in(tiny_dir):
+def test_prefill_buckets_default_where_a_prefill_can_replay(tiny_dir):
     t = HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=8, max_model_len=1024)
     runner = t.engine.runner
+    # SDPA cannot replay a prefill: the default buckets, or any asked for, are dropped there
     assert GraphRunner(runner, "auto", (1, 2), 8).prefill_buckets == ()
-    # SDPA cannot replay a prefill: buckets asked for are dropped there
     assert GraphRunner(runner, "auto", (1, 2), 8, prefill_buckets=PREFILL_BUCKETS).prefill_buckets == ()
-    # with a backend that can: the modes that graph whole steps keep them, the others graph no prefill
+    # with a backend that can: every mode pads prefills to them (PREFILL_BUCKETS unless asked otherwise; ()
+    # turns them off); only the modes that graph whole steps capture them
     a = runner.attn
     runner.attn = PaddedSdpa(runner.kv_caches, a.num_heads, a.num_kv_heads, a.head_dim, a.max_model_len,
                              runner.scratch_block)  # fmt: skip
-    kept = {m: GraphRunner(runner, m, (1, 2), 8, prefill_buckets=(32, 16)).prefill_buckets for m in MODES}
-    assert kept == {"eager": (), "local_mlp": (), "full_decode": (16, 32), "auto": (16, 32)}
+    assert all(GraphRunner(runner, m, (1, 2), 8).prefill_buckets == PREFILL_BUCKETS for m in MODES)
+    assert all(GraphRunner(runner, m, (1, 2), 8, prefill_buckets=(32, 16)).prefill_buckets == (16, 32) for m in MODES)
+    assert [m for m in MODES if GraphRunner(runner, m, (1, 2), 8).decision.full_prefill] == ["full_decode", "auto"]
+    assert GraphRunner(runner, "auto", (1, 2), 8, prefill_buckets=()).prefill_buckets == ()
     assert normalize_buckets(PREFILL_BUCKETS) == PREFILL_BUCKETS  # sorted, distinct, positive

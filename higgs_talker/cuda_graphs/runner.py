@@ -8,10 +8,11 @@
   eager step with local MLP graphs (same padded batch) and keeps the faster; a step then uses exactly one of
   them.
 
-Prefill graphs (``prefill.py``, opt-in: ``prefill_buckets``, none by default) are captured in ``full_decode``
-and ``auto`` where the attention backend can replay a prefill (FlashInfer). A prefill is padded only to a
-bucket whose graph was captured and checked; every other prefill runs unpadded on the model runner, as without
-prefill graphs. Warm-up first measures the attention backend's decode kernels per bucket
+Prefill token buckets (``prefill_buckets``, default ``PREFILL_BUCKETS``) work the same way where the attention
+backend has fixed buffers for them (FlashInfer): in every mode a prefill is padded to the smallest bucket that
+holds it, and ``full_decode`` and ``auto`` replay the bucket's prefill graph (``prefill.py``); a bucket whose
+capture failed, and the other modes, run the padded batch eagerly. A prefill that fits no bucket runs unpadded
+on the model runner. Warm-up first measures the attention backend's decode kernels per bucket
 (``kernels.choose_decode_kernels``). Decode batches above the largest bucket run on the model runner unpadded.
 """
 
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .buckets import DEFAULT_BUCKETS, bucket_for, normalize_buckets
+from .buckets import DEFAULT_BUCKETS, PREFILL_BUCKETS, bucket_for, normalize_buckets
 from .capture import graph_pool, median_ms
 from .full_decode import FullDecodeGraphs
 from .kernels import choose_decode_kernels
@@ -47,20 +48,18 @@ class GraphRunner:
         mode: GraphMode | str,
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         max_batch: int | None = None,
-        prefill_buckets: Sequence[int] = (),
+        prefill_buckets: Sequence[int] = PREFILL_BUCKETS,
     ) -> None:
         self.runner = runner
         self.decision = decide(mode=mode)
         self.mode = self.decision.mode
         self.buckets = normalize_buckets(buckets, max_batch)
-        # prefill token buckets to capture: only in the modes that capture whole steps, where the backend can
-        # replay a prefill
+        # prefill token buckets: where the backend has fixed buffers for them (captured in the modes that graph
+        # whole steps)
         asked = normalize_buckets(prefill_buckets, allow_empty=True, name="prefill_buckets")
-        replays = getattr(runner.attn, "supports_prefill_graphs", False)
-        self.prefill_buckets = asked if replays and self.decision.full_prefill else ()
+        self.prefill_buckets = asked if getattr(runner.attn, "supports_prefill_graphs", False) else ()
         if asked and not self.prefill_buckets:
-            why = f"mode {self.mode.value} graphs no prefills" if replays else "the attention backend cannot replay one"
-            logger.info("prefill graphs off (%s): prefills run eagerly", why)
+            logger.info("prefill token buckets off (the attention backend has none): prefills run unpadded")
         self.local: LocalMLPGraphs | None = None
         self.full: FullDecodeGraphs | None = None
         self._pool: torch.cuda.MemPool | None = None  # the graphs' memory pool (warm_up), alive with them
@@ -79,7 +78,7 @@ class GraphRunner:
         if self.decision.full_decode or self.decision.local_mlp:
             self._pool = graph_pool()  # one pool for every graph here, alive as long as the runner
             pool = self._pool.id
-            if self.prefill_buckets:
+            if self.prefill_buckets and self.decision.full_prefill:
                 self.prefill = PrefillGraphs(runner, self.prefill_buckets, pool)
                 self.prefill.capture()
             if self.decision.full_decode:
@@ -137,9 +136,9 @@ class GraphRunner:
         return "eager"
 
     def prefill_bucket_for(self, batch: StepBatch) -> int | None:
-        """The prefill graph a prefill batch replays (None: it runs unpadded): the smallest captured token bucket
-        that holds its tokens and whose buffers hold its contexts' KV pages, for a batch without cached context."""
-        size = bucket_for(batch.num_tokens, self.prefill.sizes) if self.prefill is not None else None
+        """The token bucket a prefill batch is padded to (None: it runs unpadded): the smallest that holds its
+        tokens and whose buffers hold its contexts' KV pages, for a batch without cached context."""
+        size = bucket_for(batch.num_tokens, self.prefill_buckets)
         if size is None or batch.query_lens != batch.seq_lens:
             return None  # a prefix-cache hit (context before the queries) runs unpadded: not checked in a graph
         bs, attn = self.runner.block_size, self.runner.attn
@@ -170,4 +169,7 @@ class GraphRunner:
             return runner.run(batch)
         padded = runner.padded_prefill(batch, size)
         runner.slots.reset(padded.new_slots)
-        return self.prefill.run(padded)[: batch.num_reqs]
+        if self.prefill is not None and size in self.prefill.graphs:
+            return self.prefill.run(padded)[: batch.num_reqs]
+        runner.attn.plan_prefill_bucket(padded)  # the bucket's kernels and plan, eagerly
+        return runner.forward(padded.to_device(runner.device))[: batch.num_reqs]
