@@ -563,6 +563,26 @@ def test_a_kernel_that_differs_or_fails_is_turned_off_with_one_warning(monkeypat
     assert len(caplog.records) == 1 and warning in caplog.records[0].getMessage()
 
 
+def test_a_comparison_that_fails_is_not_the_kernels_fault(monkeypatch):
+    """What fails while a first-use check waits for the device (a synchronizing call where none is allowed, an
+    earlier step's fault) propagates to the step; the kernel is not turned off for the rest of the process."""
+    stub = _use_stub(monkeypatch, _reference_uniform)
+
+    def waits(a, b):
+        raise RuntimeError("called a synchronizing CUDA operation")
+
+    monkeypatch.setattr(fused_kernels, "same_values", waits)
+    with pytest.raises(RuntimeError, match="synchronizing"):
+        sampling.uniform_noise(NOISE_SEEDS, NOISE_STEPS, 30)
+    assert stub.calls == 1 and fused_kernels.state("sampler noise") == "untried"
+    monkeypatch.undo()
+    stub = _use_stub(monkeypatch, _reference_uniform)
+    assert torch.equal(
+        sampling.uniform_noise(NOISE_SEEDS, NOISE_STEPS, 30), _reference_uniform(NOISE_SEEDS, NOISE_STEPS, 30)
+    )
+    assert fused_kernels.state("sampler noise") == "ok"
+
+
 def test_a_kernel_is_not_tried_inside_a_capture_or_when_switched_off(monkeypatch):
     stub = _use_stub(monkeypatch, _reference_uniform)
     monkeypatch.setattr(fused_kernels, "_capturing", lambda: True)
