@@ -676,6 +676,7 @@ def test_tiny_nucleus_equals_greedy_on_every_graph_path(talkers, mode):
 def test_masked_codes_are_never_sampled_on_cuda():
     """10^6 draws on the GPU from distributions with two allowed codes out of 1026: none outside the pair; the
     hash words equal the CPU's (integer arithmetic) and the noise agrees to 2 ulp, extreme words included."""
+    from higgs_talker.heads import fused
     from higgs_talker.heads.sampling import exponential_noise, sample_codes
 
     rows, n, v = 125_000, 8, 1026
@@ -689,6 +690,7 @@ def test_masked_codes_are_never_sampled_on_cuda():
     codes = sample_codes(logits, ones, torch.full((rows,), 50, device="cuda"), ones * 0.99,
                          torch.arange(rows, device="cuda") * 7 + 1, torch.arange(rows, device="cuda"))  # fmt: skip
     assert ((codes[..., None] == first) | (codes[..., None] == second)).all()
+    assert fused.state("sampler noise") != "off"  # more rows than a grid's y axis holds: still the kernel's
     seeds, steps = torch.tensor([0, 7, 7, 0]), torch.tensor([789, 108, 2014, 1993])
     # the hash words are integers (identical); CPU and CUDA log() may each be 1 ulp off: 2 ulp apart at most
     cpu, gpu = exponential_noise(seeds, steps, n, v), exponential_noise(seeds.cuda(), steps.cuda(), n, v).cpu()

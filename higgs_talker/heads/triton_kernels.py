@@ -41,18 +41,20 @@ def _mix32(x):
 
 
 @triton.jit
-def _uniform_noise_kernel(seeds_ptr, steps_ptr, out_ptr, n, BLOCK: tl.constexpr, CODE_KEY: tl.constexpr):
-    row = tl.program_id(1)  # requests on the grid's y axis (at most 65535), blocks of codes on x
+def _uniform_noise_kernel(seeds_ptr, steps_ptr, out_ptr, n, n_blocks, BLOCK: tl.constexpr, CODE_KEY: tl.constexpr):
+    # a 1-D grid of rows x blocks of codes (a 2-D grid's y axis would cap the rows at 65535)
+    pid = tl.program_id(0).to(tl.int64)
+    row, block = pid // n_blocks, pid % n_blocks
     seed = tl.load(seeds_ptr + row).to(tl.int64)
     step = tl.load(steps_ptr + row).to(tl.int64)
     h = _mix32(seed & 0xFFFFFFFF)
     h = _mix32(h ^ ((seed >> 32) & 0xFFFFFFFF))
     h = _mix32(h ^ (step & 0xFFFFFFFF))
-    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    idx = block * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     bits = _mix32(h ^ _mix32(idx + CODE_KEY))
     bits = _mix32(bits ^ h)
     u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # the top 23 bits: exact in fp32
-    tl.store(out_ptr + row.to(tl.int64) * n + idx, u, mask=idx < n)
+    tl.store(out_ptr + row * n + idx, u, mask=idx < n)
 
 
 def uniform_noise(seeds: Tensor, steps: Tensor, n: int, code_key: int) -> Tensor:
@@ -66,9 +68,11 @@ def uniform_noise(seeds: Tensor, steps: Tensor, n: int, code_key: int) -> Tensor
     if not noise_supports(n, code_key):
         raise ValueError(f"{n} codes per row is beyond the 32-bit index of the noise hash")
     out = torch.empty(seeds.shape[0], n, dtype=torch.float32, device=seeds.device)
+    n_blocks = triton.cdiv(n, BLOCK)
     if seeds.shape[0]:
-        grid = (triton.cdiv(n, BLOCK), seeds.shape[0])
-        _uniform_noise_kernel[grid](seeds.contiguous(), steps.contiguous(), out, n, BLOCK=BLOCK, CODE_KEY=code_key)
+        _uniform_noise_kernel[(seeds.shape[0] * n_blocks,)](
+            seeds.contiguous(), steps.contiguous(), out, n, n_blocks, BLOCK=BLOCK, CODE_KEY=code_key
+        )
     return out
 
 
