@@ -208,9 +208,9 @@ class FlashInferAttention:
             self._attend = self._xqa(self.block_tables[:size], self.seq_lens[:size])
 
     def prefill_pages(self, tokens: int, reqs: int) -> int:
-        """The KV pages a prefill token bucket's buffers hold: enough for ``reqs`` requests whose contexts
-        add up to ``tokens`` (a prefill's context is its query)."""
-        return -(-tokens // self.block_size) + reqs
+        """The KV pages a prefill token bucket's buffers hold: a context of up to ``max_model_len`` for each real
+        request (a prefix-cache hit attends over cached blocks before its query), plus the padding request's."""
+        return (reqs - 1) * self.max_blocks + -(-tokens // self.block_size)
 
     def plan_prefill_bucket(self, batch: StepBatch) -> None:
         """A prefill batch padded to a token bucket (``StepBatch.padded_prefill``) into that bucket's wrapper and

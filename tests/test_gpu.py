@@ -527,18 +527,23 @@ def test_prefill_graphs_with_reference_audio_give_the_codes_of_unpadded_prefills
                                    rel_gap=bf16_score_gap(talkers["eager"].cfg.text))  # fmt: skip
 
 
-def test_prefill_graph_replay_equals_the_eager_padded_prefill(prefill_graph_talker):
+@pytest.mark.parametrize("cached", [False, True])
+def test_prefill_graph_replay_equals_the_eager_padded_prefill(prefill_graph_talker, prefix_cache_talker, cached):
     """The graph of a bucket, replayed on a real padded prefill, gives the rows of the same padded batch run
     eagerly (same plan, same kernels, the whole sampler as in the graph, so the padding rows too): exactly, and
-    the real requests' K/V in the cache equal too."""
-    talker = prefill_graph_talker
+    the real requests' K/V in the cache equal too. ``cached``: prefix-cache hits, whose queries follow cached
+    blocks (the graph was captured and checked without any context)."""
+    talker = prefix_cache_talker if cached else prefill_graph_talker
     eng, graphs = talker.engine, talker.engine.graphs
     runner = eng.runner
     prompts = _reference_prompts(talker, 2) + [talker.build_prompt("a plain text prompt")]
+    if cached:  # the same prompts once before: their full blocks are in the cache now
+        engine_rows(talker, prompts, SamplingParams(temperature=0, max_frames=2))
     ids = [eng.add_request(p, SamplingParams(temperature=0, max_frames=4)) for p in prompts]
     outputs = []
     batch = eng.scheduler.schedule(outputs)
     assert batch is not None and not batch.is_decode and batch.num_reqs == 3
+    assert (batch.query_lens != batch.seq_lens) == cached
     size = graphs.prefill_bucket_for(batch)
     assert size is not None and size in graphs.prefill.graphs
     padded = runner.padded_prefill(batch, size)

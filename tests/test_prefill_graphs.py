@@ -49,9 +49,9 @@ class PaddedSdpa(SdpaAttention):
         self.plan(batch)
 
 
-def graph_talker(tiny_dir, monkeypatch, buckets=(16, 32, 64), capture=stand_in_capture) -> HiggsTalker:
+def graph_talker(tiny_dir, monkeypatch, buckets=(16, 32, 64), capture=stand_in_capture, **options) -> HiggsTalker:
     """The tiny talker with prefill graphs (stand-ins) for ``buckets`` and decode steps on the eager bucket path."""
-    talker = HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=8, max_model_len=1024)
+    talker = HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=8, max_model_len=1024, **options)
     runner = talker.engine.runner
     a = runner.attn
     runner.attn = PaddedSdpa(runner.kv_caches, a.num_heads, a.num_kv_heads, a.head_dim, a.max_model_len,
@@ -218,16 +218,41 @@ def test_a_step_that_writes_its_embeddings_in_place_still_captures(tiny_dir, tal
     assert any(g.graph.replays > replays[size] for size, g in graphs.prefill.graphs.items())
 
 
-def test_a_prefill_whose_contexts_overflow_the_bucket_pages_runs_unpadded(tiny_dir, monkeypatch):
+def test_a_bucket_holds_the_pages_of_any_context(tiny_dir, monkeypatch):
+    """A bucket is chosen by its queries; its page buffers hold a full-length context for every real request (a
+    prefix-cache hit reads cached blocks before its query), so only the token count decides."""
     t = graph_talker(tiny_dir, monkeypatch)
-    graphs = t.engine.graphs
-    fits = _prefill([10, 4], first_block=0)
-    assert graphs.prefill_bucket_for(fits) == 16
-    # a context far longer than the query (as a chunked prefill would have) needs more pages than bucket 16 holds
-    long_ctx = StepBatch([0], list(range(500, 510)), list(range(10)), [10], [510], [list(range(32))],
-                         token_ids=[1] * 10)  # fmt: skip
-    assert graphs.prefill_bucket_for(long_ctx) is None
+    graphs, runner = t.engine.graphs, t.engine.runner
+    assert graphs.prefill_bucket_for(_prefill([10, 4], first_block=0)) == 16
+    blocks = runner.max_model_len // BS
+    longest = StepBatch([0], list(range(1014, 1024)), list(range(10)), [10], [1024], [list(range(blocks))],
+                        token_ids=[1] * 10)  # fmt: skip
+    assert graphs.prefill_bucket_for(longest) == 16
     assert graphs.prefill_bucket_for(_prefill([40, 30])) is None  # 70 tokens: above every bucket
+    # the bucket of the most requests with full contexts: each one's pages fit
+    reqs = runner.prefill_requests(16) - 1
+    assert reqs * blocks + 1 <= runner.attn.prefill_pages(16, reqs + 1)
+
+
+def test_prefix_cache_hits_replay_the_prefill_graphs(tiny_dir, talker, monkeypatch):
+    """With prefix caching, a prompt seen before prefills only its uncached tail, through the bucket of that tail,
+    and gives the rows of the same prompt prefilled whole (sampled and greedy)."""
+    t = graph_talker(tiny_dir, monkeypatch, prefix_caching=True)
+    graphs = t.engine.graphs
+    voice = Reference(reference_codes(40, 4), "the reference words")
+    prompts = [t.build_prompt(text, voice) for text in ("first line", "a second, longer line of text")]
+    assert all(len(p) > 64 for p in prompts)  # whole, past every bucket: the first prefill runs unpadded
+    for params in (SamplingParams(temperature=0.9, top_p=0.9, max_frames=16, seed=5),
+                   SamplingParams(temperature=0.0, max_frames=16)):  # fmt: skip
+        engine_rows(t, prompts[:1], params)  # the voice's blocks are cached now
+        replays = {size: g.graph.replays for size, g in graphs.prefill.graphs.items()}
+        rid = t.engine.add_request(prompts[1], params)
+        while t.engine.has_unfinished():
+            t.engine.step()
+        req = t.engine.pop_finished(rid)
+        assert req.cached_tokens >= BS and len(prompts[1]) - req.cached_tokens <= 64  # the tail fits a bucket
+        assert torch.equal(torch.stack(req.rows).long(), engine_rows(talker, prompts[1:], params)[0])
+        assert any(g.graph.replays > replays[size] for size, g in graphs.prefill.graphs.items())
 
 
 def test_prefill_buckets_default_where_a_prefill_can_replay(tiny_dir):

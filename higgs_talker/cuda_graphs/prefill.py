@@ -10,7 +10,8 @@ one buffer (``StepBatch.prefill_packed``), refreshed by one copy per replay; the
 ``plan_prefill_bucket`` refreshes the rest. The step writes ``embeds`` in place (the first layer's residual add), so
 they are rewritten before every replay and every run of the capture check. Capture and checking follow the full
 decode graphs: on an all-padding batch, one replay compared with an eager run; a bucket that fails is dropped with
-one warning, and the graph runner pads prefills only to the buckets captured here (the rest run unpadded).
+one warning (the graph runner then runs that bucket's padded batches eagerly). A prefix-cache hit replays the same
+graph: its queries fill the bucket, its cached context is only read, through the attention plan.
 """
 
 from __future__ import annotations

@@ -137,10 +137,11 @@ class GraphRunner:
 
     def prefill_bucket_for(self, batch: StepBatch) -> int | None:
         """The token bucket a prefill batch is padded to (None: it runs unpadded): the smallest that holds its
-        tokens and whose buffers hold its contexts' KV pages, for a batch without cached context."""
+        tokens (its queries: a prefix-cache hit's cached context is read, not computed) and whose buffers hold its
+        contexts' KV pages."""
         size = bucket_for(batch.num_tokens, self.prefill_buckets)
-        if size is None or batch.query_lens != batch.seq_lens:
-            return None  # a prefix-cache hit (context before the queries) runs unpadded: not checked in a graph
+        if size is None:
+            return None
         bs, attn = self.runner.block_size, self.runner.attn
         pages = sum(-(-n // bs) for n in batch.seq_lens) + -(-(size - batch.num_tokens) // bs)
         return size if pages <= attn.prefill_pages(size, self.runner.prefill_requests(size)) else None
