@@ -100,10 +100,10 @@ class HiggsTalker:
         step; greedy codes equal to the separate kernels' up to bf16 near ties).
 
         ``buckets``: the decode batch sizes of CUDA graphs. ``prefill_buckets`` (default
-        ``cuda_graphs.PREFILL_BUCKETS``; ``()`` turns them off): prefill token counts to capture whole-prefill
-        graphs for (modes full_decode and auto, with FlashInfer); a prefill is padded to the smallest captured
-        bucket that holds it, and runs eagerly otherwise (H200, 4B: a 32-token prefill step takes 4.5 ms
-        replayed, 18.8 ms eagerly). Both are checked on every device, before anything is loaded.
+        ``cuda_graphs.PREFILL_BUCKETS``; ``()`` turns them off): prefill token counts (with FlashInfer) that a
+        prefill is padded up to, by the tokens it computes; modes full_decode and auto replay a whole-prefill
+        graph per bucket (H200, 4B: a 32-token prefill step takes 4.5 ms replayed, 18.8 ms eagerly), a longer
+        prefill runs unpadded. Both are checked on every device, before anything is loaded.
 
         ``codec``: results carry ``audio`` decoded by the codec bundled in the checkpoint (when it has one),
         loaded on first use in ``codec_dtype`` on ``device``. ``audio_tokenizer``: an audio tokenizer directory

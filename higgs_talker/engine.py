@@ -119,8 +119,8 @@ class Engine:
         self, graph_mode, buckets: Sequence[int] | None = None, prefill_buckets: Sequence[int] | None = None
     ) -> None:
         """CUDA only: measure the decode kernels and capture the graphs ``graph_mode`` needs (before serving).
-        ``buckets``: decode batch buckets; ``prefill_buckets``: prefill token buckets (default ``PREFILL_BUCKETS``
-        in the modes that graph whole steps; ``()``: every prefill runs eagerly)."""
+        ``buckets``: decode batch buckets; ``prefill_buckets``: prefill token buckets (default ``PREFILL_BUCKETS``,
+        replayed as graphs in the modes that graph whole steps; ``()``: every prefill runs unpadded)."""
         from .cuda_graphs import DEFAULT_BUCKETS, PREFILL_BUCKETS, GraphRunner
 
         with self._lock:
