@@ -105,9 +105,14 @@ class Variant:
     sampler_variants: bool = True  # full-decode graphs with the cheaper samplers (the default)
 
     @property
+    def prefill_label(self) -> str:
+        """The label suffixes of the prefill options (prefill graphs, prefix caching) that differ from the defaults."""
+        return ("" if self.prefill_graphs else UNPADDED) + (PREFIX_CACHE if self.prefix_caching else "")
+
+    @property
     def label(self) -> str:
         kernel = "" if self.kernel == "auto" else f"+{self.kernel}"
-        prefill = ("" if self.prefill_graphs else UNPADDED) + (PREFIX_CACHE if self.prefix_caching else "")
+        prefill = self.prefill_label
         sync = SYNC if self.async_scheduling is False else ""
         head = "" if self.head_kernels else TORCH_HEAD
         whole = "" if self.sampler_variants else WHOLE_SAMPLER

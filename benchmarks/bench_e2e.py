@@ -17,11 +17,11 @@ p50/p90/p99 of each over the level's requests, plus the level's audio seconds pe
     python benchmarks/bench_e2e.py --modes eager,auto --levels 1,16 --out $OUT
     python benchmarks/bench_e2e.py --prefill-graphs both --out $OUT  # auto without and with prefill graphs
     python benchmarks/bench_e2e.py --voice-s 10 --prefix-caching both --out $OUT  # one voice, with/without cache
+    python benchmarks/bench_e2e.py --device cpu --tiny            # smoke test, seconds
 
 ``--voice-s S``: every request clones one voice (S seconds of random reference codes, the same for all, with a
 reference text) before its own text, as a service with a few voices would see; with ``--prefix-caching on``
 the requests after the first find that voice's prompt blocks in the cache and prefill only their own text.
-    python benchmarks/bench_e2e.py --device cpu --tiny            # smoke test, seconds
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 
 import torch
-from bench_decode import PREFIX_CACHE, UNPADDED, Variant, build_talker, model_config, suppress_eoc
+from bench_decode import Variant, build_talker, model_config, suppress_eoc
 from common import (
     ResultFile,
     environment,
@@ -182,8 +182,7 @@ def warm_up(talker: HiggsTalker, concurrency: int) -> float:
 def run_mode(variant: Variant, cfg, args, writer: ResultFile, deadline: float) -> None:
     device = torch.device(args.device)
     levels = args.levels
-    mode = variant.mode + ("" if variant.prefill_graphs else UNPADDED)
-    mode += PREFIX_CACHE if variant.prefix_caching else ""
+    mode = variant.mode + variant.prefill_label  # the library's defaults otherwise
     try:
         t0 = time.perf_counter()
         talker = build_talker(args, cfg, variant, num_blocks_for(args, cfg))
