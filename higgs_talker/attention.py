@@ -45,6 +45,7 @@ class AttentionBackend(Protocol):
     num_heads: int
     scale: float
     max_model_len: int
+    scratch_block: int  # the KV block no request owns; blocks [0, scratch_block) are the requests' pool
     decode_kernels: tuple[str, ...]
     supports_prefill_graphs: bool
 

@@ -1,11 +1,18 @@
 """FlashInfer attention over the paged KV cache (CUDA): the ``attention.AttentionBackend`` protocol.
 
-Prefill runs FlashInfer's batched paged prefill. Decode runs one of three FlashInfer kernels, chosen per graph
-bucket by measurement (``cuda_graphs.kernels``): ``native`` (its paged decode kernel), ``native_tc`` (the same
-wrapper with ``use_tensor_cores=True``: the prefill kernels with each KV head's query heads packed into one
-tile, which suits GQA) and ``xqa`` (``trtllm_batch_decode_with_kv_cache(backend="xqa")``). XQA gets its own
-zeroed workspace: sharing the native wrapper's made it return wrong outputs wherever it splits sequences
-(GPU.md).
+Prefill runs FlashInfer's batched paged prefill. Decode runs one of FlashInfer's kernels, chosen per graph
+bucket by measurement (``cuda_graphs.kernels``):
+
+- ``native``: its paged decode kernel (CUDA cores);
+- ``native_tc``: the same wrapper with ``use_tensor_cores=True``: the FA2 prefill kernels with each KV head's
+  query heads packed into one tile, which suits GQA. In CUDA-graph mode FlashInfer always splits the KV into
+  chunks and merges the partial results in a second kernel;
+- ``native_tc_nosplit``: ``native_tc`` planned with ``disable_split_kv``: one CTA per (request, KV head) over the
+  whole context and no merge kernel (fewer launches for short contexts and large batches; slower for long
+  contexts at small batch, where the split spreads the work);
+- ``fa3``: tensor-core decode on FlashInfer's FA3 (Hopper, sm_90) kernels; offered to ``auto`` on sm_90 only;
+- ``xqa``: ``trtllm_batch_decode_with_kv_cache(backend="xqa")``. XQA gets its own zeroed workspace: sharing the
+  native wrapper's made it return wrong outputs wherever it splits sequences (GPU.md).
 
 Planning happens on the host in ``plan`` / ``plan_bucket`` / ``plan_prefill_bucket``; ``forward`` only
 launches kernels. Every decode bucket reads slices ``[:size]`` of one set of fixed device buffers sized for the
@@ -29,13 +36,28 @@ if TYPE_CHECKING:
     from .batch import StepBatch
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
-KERNELS = ("native", "xqa", "native_tc")
+KERNELS = ("native", "xqa", "native_tc", "native_tc_nosplit", "fa3")
+
+# The kernels that run through FlashInfer's decode wrapper: (wrapper options, plan options) of each.
+WRAPPER_KERNELS: dict[str, tuple[dict, dict]] = {
+    "native": ({"use_tensor_cores": False}, {}),
+    "native_tc": ({"use_tensor_cores": True}, {}),
+    "native_tc_nosplit": ({"use_tensor_cores": True}, {"disable_split_kv": True}),
+    "fa3": ({"use_tensor_cores": True, "backend": "fa3"}, {}),
+}
 
 
 def check_decode_kernel(kernel: str) -> None:
     """Refuse a ``decode_kernel`` option that names no kernel (on every device: CPU ignores the option)."""
     if kernel not in ("auto", *KERNELS):
         raise ValueError(f"decode_kernel must be 'auto' or one of {', '.join(KERNELS)}, got {kernel!r}")
+
+
+def auto_kernels(device: torch.device) -> tuple[str, ...]:
+    """The candidates ``auto`` measures on this device: every kernel, less ``fa3`` off Hopper (its kernels are
+    built for sm_90 only: elsewhere it would fail its measurement and cost a JIT attempt)."""
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return tuple(k for k in KERNELS if k != "fa3" or hopper)
 
 
 Attend = Callable[[Tensor, Tensor], Tensor]  # (q [N, Hq, D], layer cache) -> [N, Hq, D]
@@ -68,16 +90,17 @@ class FlashInferAttention:
         self.max_blocks = -(-max_model_len // self.block_size)
         self.max_model_len, self.scratch_block = max_model_len, scratch_block
         self.decode_kernel, self.max_batch = decode_kernel, max_batch
-        self.decode_kernels = KERNELS if decode_kernel == "auto" else (decode_kernel,)
         self.scale = head_dim**-0.5
         self.dtype = kv_caches[0].dtype
         dev = self.device = kv_caches[0].device
+        self.decode_kernels = auto_kernels(dev) if decode_kernel == "auto" else (decode_kernel,)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         self.xqa_workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)  # never shared
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=decode_kernel == "native_tc"
-        )
+        # eager decode steps: the pinned kernel's wrapper (XQA needs none), the plain decode kernel under auto
+        eager_kernel = decode_kernel if decode_kernel in WRAPPER_KERNELS else "native"
+        wrapper_options, self._eager_plan_options = WRAPPER_KERNELS[eager_kernel]
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", **wrapper_options)
         # fixed decode buffers for graph buckets (each bucket reads [:size])
         self.kv_index = torch.zeros(2, max_batch, dtype=torch.long, device=dev)
         self.indptr = torch.zeros(max_batch + 1, dtype=torch.int32, device=dev)
@@ -86,7 +109,7 @@ class FlashInferAttention:
         self.block_tables = torch.full((max_batch, self.max_blocks), scratch_block, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
         self.bucket_kernel: dict[int, str] = {}
-        self._graph_wrappers: dict[tuple[int, str], object] = {}  # (bucket, native kernel) -> wrapper
+        self._graph_wrappers: dict[tuple[int, str], object] = {}  # (bucket, wrapper kernel) -> wrapper
         self._plan_copied: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> after its last plan's copies
         self._prefill_buckets: dict[tuple[int, int], tuple[object, Tensor]] = {}  # (tokens, reqs) -> wrapper, rows
         self._kv: Tensor | None = None  # [2, N] flat cache rows of this step's K and V
@@ -138,11 +161,12 @@ class FlashInferAttention:
         device_indices = torch.from_numpy(indices).to(self.device, non_blocking=True)
         return torch.from_numpy(indptr), device_indices, torch.from_numpy(last)
 
-    def _plan_decode(self, wrapper, batch: StepBatch) -> None:
+    def _plan_decode(self, wrapper, batch: StepBatch, options: dict) -> None:
         indptr, indices, last = self._paged_for_plan(batch.block_tables, batch.seq_lens)
         self._plan_once_copied(wrapper, lambda: wrapper.plan(
             indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size,
             pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
+            **options,
         ))  # fmt: skip
 
     def _plan_prefill(self, wrapper, query_lens: list[int], seq_lens: list[int], tables: list[list[int]]) -> None:
@@ -181,7 +205,7 @@ class FlashInferAttention:
             tables = torch.from_numpy(tables).to(self.device, non_blocking=True)
             self._attend = self._xqa(tables, lens.to(self.device, non_blocking=True))
         else:
-            self._plan_decode(self.decode, batch)
+            self._plan_decode(self.decode, batch, self._eager_plan_options)
             self._attend = self.decode.run
 
     def plan_bucket(self, batch: StepBatch) -> None:
@@ -191,15 +215,16 @@ class FlashInferAttention:
         self.kv_index[:, :size].copy_(self._kv_rows(batch.slot_mapping), non_blocking=True)
         self._kv = self.kv_index[:, :size]
         if kernel != "xqa":
+            wrapper_options, plan_options = WRAPPER_KERNELS[kernel]
             wrapper = self._graph_wrappers.get((size, kernel))
             if wrapper is None:
                 wrapper = self._graph_wrappers[size, kernel] = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-                    self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=kernel == "native_tc",
+                    self.workspace, "NHD", use_cuda_graph=True,
                     paged_kv_indptr_buffer=self.indptr[: size + 1],
                     paged_kv_indices_buffer=self.indices[: size * self.max_blocks],
-                    paged_kv_last_page_len_buffer=self.last_page[:size],
+                    paged_kv_last_page_len_buffer=self.last_page[:size], **wrapper_options,
                 )  # fmt: skip
-            self._plan_decode(wrapper, batch)
+            self._plan_decode(wrapper, batch, plan_options)
             self._attend = wrapper.run
         else:
             tables = block_table_array(batch.block_tables, self.max_blocks, self.scratch_block)

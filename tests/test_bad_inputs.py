@@ -390,7 +390,7 @@ LOADER_CASES = [
     pytest.param(
         nothing,
         ValueError,
-        "decode_kernel must be 'auto' or one of native, xqa, native_tc, got 'fast'",
+        "decode_kernel must be 'auto' or one of native, xqa, native_tc, native_tc_nosplit, fa3, got 'fast'",
         id="api-decode-kernel",
     ),
     pytest.param(
@@ -628,7 +628,7 @@ CALL_CASES = [
     pytest.param(
         lambda t: Engine(t.model, t.cfg, t.tokenizer.specials, EngineConfig(max_num_seqs=2), decode_kernel="fast"),
         ValueError,
-        "decode_kernel must be 'auto' or one of native, xqa, native_tc, got 'fast'",
+        "decode_kernel must be 'auto' or one of native, xqa, native_tc, native_tc_nosplit, fa3, got 'fast'",
         id="engine-decode-kernel",
     ),
     pytest.param(lambda t: t.generate(["ok"], max_frames=-1), ValueError, "got -1", id="batch-max-frames"),

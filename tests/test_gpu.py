@@ -22,6 +22,7 @@ from higgs_talker import HiggsTalker, Reference, SamplingParams  # noqa: E402
 from higgs_talker.config import TalkerConfig, TextConfig  # noqa: E402
 from higgs_talker.cuda_graphs import PREFILL_BUCKETS  # noqa: E402
 from higgs_talker.cuda_graphs.capture import capture_graph, graph_pool  # noqa: E402
+from higgs_talker.flashinfer_attention import KERNELS  # noqa: E402
 from higgs_talker.ops import FlashInferKernels, TorchKernels, rope_cache  # noqa: E402
 
 # FlashInfer's norm, RoPE and activation kernels read bf16, compute in fp32 and round each output once to bf16
@@ -147,7 +148,7 @@ def _attention(caches, kernel: str, scratch_block: int, max_batch: int = 64, max
     return FlashInferAttention(caches, 32, 8, 128, max_model_len, scratch_block, kernel, max_batch)
 
 
-@pytest.mark.parametrize("kernel", ["native", "xqa", "native_tc"])
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("batch", [1, 4, 16, 64])
 @pytest.mark.parametrize("ctx", [256, 1024, 4096])
 def test_decode_kernels_vs_float64(kernel, batch, ctx):
@@ -292,7 +293,11 @@ def test_graph_modes_give_identical_greedy_codes(talkers, batch):
 
 
 # option: (our module, its entry points the model calls)
-KERNEL_OPTIONS = {"fuse_qk_rope": ("triton_ops", ["qk_norm_rope_store"])}
+KERNEL_OPTIONS = {
+    "fuse_qk_rope": ("triton_ops", ["qk_norm_rope_store"]),
+    "prefetch_weights": ("triton_ops", ["prefetch_l2"]),
+}
+EXACT_OPTIONS = {"prefetch_weights"}  # options that change no value: their codes must be equal, not near
 
 
 @pytest.mark.parametrize("option", list(KERNEL_OPTIONS))
@@ -324,7 +329,10 @@ def test_kernel_options_on_and_off_give_equal_greedy_codes(talkers, option_talke
     assert calls or mode != "eager", f"{option}: our kernel never ran"
     monkeypatch.undo()
     want = _run_schedule(off, batch)
-    assert_same_or_near_tie(got, want, solo, batch)
+    if option in EXACT_OPTIONS:
+        assert got == want
+    else:
+        assert_same_or_near_tie(got, want, solo, batch)
 
 
 def assert_same_or_near_tie(got: dict, want: dict, solo: HiggsTalker, batch: int) -> None:
@@ -361,7 +369,7 @@ def test_async_scheduling_gives_the_codes_of_synchronous_steps(talkers, mode, ba
     assert_same_or_near_tie(got, want, talkers["eager"], batch)
 
 
-@pytest.mark.parametrize("kernel", ["native", "native_tc", "xqa"])
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_queueing_a_decode_step_never_synchronizes(kernel, monkeypatch):
     """Asynchronous scheduling overlaps only if queueing a step never waits for the device. FlashInfer's CUDA-graph
     decode ``plan()`` copies page indices that are on the host with a blocking copy (a stream sync), so the
@@ -400,6 +408,33 @@ def test_queueing_a_decode_step_never_synchronizes(kernel, monkeypatch):
 
 def _solo_rows(talker: HiggsTalker, prompt, params: SamplingParams) -> torch.Tensor:
     return engine_rows(talker, [prompt], params)[0]
+
+
+def test_auto_chooses_each_buckets_kernel_by_its_whole_decode_step(talkers):
+    """auto times every correct decode kernel inside the model's whole decode step (a graph per bucket, context
+    and kernel) and gives each bucket the one with the least summed step time."""
+    from higgs_talker.cuda_graphs.kernels import pick_kernels
+
+    talker = talkers["auto"]
+    rows, attn = talker.engine.graphs.kernel_timings, talker.engine.runner.attn
+    kernels = attn.decode_kernels
+    assert len(kernels) >= 3 and {r["kernel"] for r in rows} == set(kernels)
+    ok = [r for r in rows if r["ok"]]
+    assert ok and all(0 < r["step_ms"] < 1e3 for r in ok)
+    assert {r["context"] for r in rows} == {512, 1024}  # (512, 2048) capped at max_model_len
+    assert attn.bucket_kernel == pick_kernels(rows, kernels, "step_ms")
+
+
+def test_prefetch_kernel_reads_every_block_of_the_weight():
+    from higgs_talker import triton_ops
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w = torch.randn(2560, 4096 + 8, generator=g, device="cuda").bfloat16()  # a partial last block
+    sink = triton_ops.prefetch_sink(w)
+    triton_ops.prefetch_l2(w, sink)
+    # masked lanes of the last block read 0, as the zero padding here
+    flat = torch.nn.functional.pad(w.flatten().float(), (0, sink.numel() * triton_ops.PREFETCH_BLOCK - w.numel()))
+    assert torch.equal(sink, flat.view(-1, triton_ops.PREFETCH_BLOCK).max(dim=1).values)
 
 
 def test_graphs_were_captured(talkers):

@@ -1,9 +1,12 @@
-"""The decode step's four linears (4B shape, bf16) under torch's two BLAS back ends: cuBLAS and cuBLASLt.
+"""The decode step's four linears (4B shape, bf16) under torch's two BLAS back ends, and at one row the same
+product with the operands swapped.
 
 CUDA only. For each linear (qkv, o_proj, gate_up, down) and M rows (default 1, 4, 16, 64): 36 distinct weight
 copies (as many as layers, so weights stream from HBM, not L2) are multiplied in one CUDA graph, captured
-once per back end (``torch.backends.cuda.preferred_blas_library``); the figure is the median replay time per
-product and the weight bandwidth it implies. Results are checked against each other (same products).
+once per variant; the figure is the median replay time per product and the weight bandwidth it implies.
+Results are checked against each other (same products). Variants: ``cublas`` and ``cublaslt``
+(``F.linear`` under ``torch.backends.cuda.preferred_blas_library``), and at M = 1 ``swapped`` (``W @ x^T``,
+which cuBLAS sees as a matrix-vector product with the weight as the left operand) and ``mv`` (``torch.mv``).
 
     python benchmarks/probes/blas.py --out $OUT
 """
@@ -32,13 +35,22 @@ def shapes() -> dict[str, tuple[int, int]]:
     return {"qkv": (q + 2 * kv, h), "o_proj": (h, q), "gate_up": (2 * i, h), "down": (h, i)}
 
 
-def time_backend(backend: str, weights: list[torch.Tensor], x: torch.Tensor) -> tuple[float, torch.Tensor]:
-    torch.backends.cuda.preferred_blas_library(backend)
+PRODUCTS = {
+    "cublas": lambda x, w: F.linear(x, w),
+    "cublaslt": lambda x, w: F.linear(x, w),
+    "swapped": lambda x, w: torch.mm(w, x.t()).view(1, -1),
+    "mv": lambda x, w: torch.mv(w, x[0]).view(1, -1),
+}
+
+
+def time_backend(variant: str, weights: list[torch.Tensor], x: torch.Tensor) -> tuple[float, torch.Tensor]:
+    torch.backends.cuda.preferred_blas_library("cublaslt" if variant == "cublaslt" else "cublas")
+    product = PRODUCTS[variant]
     outs = [None] * len(weights)
 
     def run() -> None:
         for n, w in enumerate(weights):
-            outs[n] = F.linear(x, w)
+            outs[n] = product(x, w)
 
     graph, _ = capture_graph(run)
     us = median_ms(lambda: [graph.replay() for _ in range(5)], iters=7) * 1e3 / (5 * len(weights))
@@ -63,19 +75,19 @@ def main() -> None:
             x = torch.randn(m, n_in, generator=g, device="cuda").bfloat16()
             row = {"linear": name, "m": m, "weight_mb": nbytes / 1e6}
             ref = None
-            for backend in ("cublas", "cublaslt"):
+            variants = ("cublas", "cublaslt", "swapped", "mv") if m == 1 else ("cublas", "cublaslt")
+            for backend in variants:
                 us, out = time_backend(backend, weights, x)
                 ref = out if ref is None else ref
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                 row[f"{backend}_us"], row[f"{backend}_rel_diff"] = us, err
                 row[f"{backend}_tb_per_s"] = nbytes / us / 1e6
             results.append(row)
-            print(
-                f"{name:8s} M={m:<3d} {row['weight_mb']:6.1f} MB  cublas {row['cublas_us']:7.2f} us "
-                f"({row['cublas_tb_per_s']:.2f} TB/s)  cublaslt {row['cublaslt_us']:7.2f} us "
-                f"({row['cublaslt_tb_per_s']:.2f} TB/s)  diff {row['cublaslt_rel_diff']:.1e}",
-                flush=True,
+            timings = "  ".join(
+                f"{v} {row[f'{v}_us']:7.2f} us ({row[f'{v}_tb_per_s']:.2f} TB/s, diff {row[f'{v}_rel_diff']:.1e})"
+                for v in variants
             )
+            print(f"{name:8s} M={m:<3d} {row['weight_mb']:6.1f} MB  {timings}", flush=True)
         del weights
         torch.cuda.empty_cache()
     torch.backends.cuda.preferred_blas_library("cublas")

@@ -12,15 +12,17 @@ Prefill token buckets (``prefill_buckets``, default ``PREFILL_BUCKETS``) work th
 backend has fixed buffers for them (FlashInfer): in every mode a prefill is padded to the smallest bucket that
 holds it, and ``full_decode`` and ``auto`` replay the bucket's prefill graph (``prefill.py``); a bucket whose
 capture failed, and the other modes, run the padded batch eagerly. A prefill that fits no bucket runs unpadded
-on the model runner. Warm-up first measures the attention backend's decode kernels per bucket
-(``kernels.choose_decode_kernels``). Decode batches above the largest bucket run on the model runner unpadded.
+on the model runner. Warm-up first measures the attention backend's decode kernels per bucket, on CUDA inside
+the model's whole decode step (``kernels.choose_decode_kernels``). Decode batches above the largest bucket run on
+the model runner unpadded.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -74,7 +76,9 @@ class GraphRunner:
         runner = self.runner
         logger.info("graph policy: %s", self.decision.reason)
         start = time.perf_counter()
-        self.kernel_timings = choose_decode_kernels(runner.attn, list(self.buckets))
+        step = self._kernel_step if runner.device.type == "cuda" else None
+        with runner.slots.preserved([runner.slots.scratch]):
+            self.kernel_timings = choose_decode_kernels(runner.attn, list(self.buckets), step=step)
         if self.decision.full_decode or self.decision.local_mlp:
             self._pool = graph_pool()  # one pool for every graph here, alive as long as the runner
             pool = self._pool.id
@@ -119,6 +123,14 @@ class GraphRunner:
             f"{t['bucket']}: full {t['full_decode_ms']:.2f} / local {t['local_mlp_ms']:.2f} ms" for t in self.timings
         )
         logger.info("auto graph mode per bucket: %s", table or "only one path available")
+
+    def _kernel_step(self, batch: StepBatch) -> Callable[[], Tensor]:
+        """The whole decode step (embedding, layers, head, sampler, state update) of a planned synthetic batch,
+        as the decode-kernel measurement times it; every request on the scratch slot (the caller keeps its
+        state)."""
+        runner = self.runner
+        inputs = replace(batch, slots=[runner.slots.scratch] * batch.num_reqs).to_device(runner.device)
+        return lambda: runner.forward(inputs)
 
     def _bucket_step(self, padded: StepBatch, inputs, hook) -> Tensor:
         """A padded decode step without a full-decode graph: the bucket's attention buffers, then the runner's
