@@ -23,9 +23,7 @@ adds ``...-sync`` rows (``async_scheduling=False``: each step's rows read before
 per-bucket measurement (``auto``), and ``--head-kernels both`` adds ``...-torchhead`` rows (the frame's noise
 hash, delay mask and state update as torch operations instead of the Triton kernels that are the CUDA default,
 ``heads.fused``; graphs capture whichever the variant uses); ``--sampler-variants both`` adds
-``...-wholesampler`` rows (full-decode graphs without the cheaper greedy / no-filter sampler variants), and
-``--prefetch both`` adds ``...-noprefetch`` rows (``prefetch_weights=False``: no L2 prefetch of o_proj's weight
-beside attention).
+``...-wholesampler`` rows (full-decode graphs without the cheaper greedy / no-filter sampler variants).
 
 With random weights the codebook-0 EOC row of the table is zeroed, so greedy decoding never ends a request
 early (its logit is exactly 0 while the max of 1024 random logits is positive); ``meta.eoc_suppressed`` says so.
@@ -91,7 +89,6 @@ UNPADDED = "-eagerprefill"  # label suffix: no prefill graphs (prefill_buckets=(
 PREFIX_CACHE = "+pcache"  # label suffix: prefix caching on (prefix_caching=True)
 TORCH_HEAD = "-torchhead"  # label suffix: heads.fused.ENABLED = False
 WHOLE_SAMPLER = "-wholesampler"  # label suffix: no sampler variants (cuda_graphs.full_decode.SAMPLER_VARIANTS)
-NO_PREFETCH = "-noprefetch"  # label suffix: prefetch_weights=False
 DECODE_KERNELS = ("auto", *KERNELS)
 
 
@@ -107,7 +104,6 @@ class Variant:
     prefix_caching: bool = False  # share the K/V of common prompt prefixes (opt-in in the library)
     head_kernels: bool = True  # the frame's Triton kernels (heads.fused; the CUDA default)
     sampler_variants: bool = True  # full-decode graphs with the cheaper samplers (the default)
-    prefetch: bool = True  # o_proj's weight read into L2 beside attention (prefetch_weights, the default)
 
     @property
     def prefill_label(self) -> str:
@@ -121,8 +117,7 @@ class Variant:
         sync = SYNC if self.async_scheduling is False else ""
         head = "" if self.head_kernels else TORCH_HEAD
         whole = "" if self.sampler_variants else WHOLE_SAMPLER
-        prefetch = "" if self.prefetch else NO_PREFETCH
-        return f"{self.mode}{FUSED if self.fuse else ''}{kernel}{prefill}{sync}{head}{whole}{prefetch}"
+        return f"{self.mode}{FUSED if self.fuse else ''}{kernel}{prefill}{sync}{head}{whole}"
 
 
 PEER_RESERVE_S = 100.0  # the time budget keeps this much for the transformers rows
@@ -145,7 +140,6 @@ def build_talker(args: argparse.Namespace, cfg: TalkerConfig, variant: Variant, 
         graph_mode=variant.mode, max_num_seqs=args.max_num_seqs, num_blocks=num_blocks, fuse_qk_rope=variant.fuse,
         decode_kernel=variant.kernel, async_scheduling=variant.async_scheduling,
         prefill_buckets=PREFILL_BUCKETS if variant.prefill_graphs else (), prefix_caching=variant.prefix_caching,
-        prefetch_weights=variant.prefetch,
     )  # fmt: skip
     if args.max_model_len:
         common["max_model_len"] = args.max_model_len
@@ -204,7 +198,6 @@ def graph_info(talker: HiggsTalker) -> dict:
         "attention": type(attn).__name__,
         "kernels": talker.model.kernels.name,
         "fuse_qk_rope": talker.model.kernels.fuse_qk_rope,  # what runs (False where triton did not import)
-        "prefetch_weights": getattr(talker.model.kernels, "prefetch_weights", False),
         "bucket_kernels": {str(k): v for k, v in getattr(attn, "bucket_kernel", {}).items()},
         "graph_runner": None,
     }
@@ -295,16 +288,15 @@ def both(choice: str) -> list[bool]:
 
 def variants(args: argparse.Namespace) -> list[Variant]:
     """What to time: every mode x ``--fuse`` x ``--decode-kernels`` x ``--async`` x ``--head-kernels`` x
-    ``--sampler-variants`` x ``--prefetch``."""
+    ``--sampler-variants``."""
     return [
-        Variant(m, fuse, on, kernel, head_kernels=head, sampler_variants=sv, prefetch=pf)
+        Variant(m, fuse, on, kernel, head_kernels=head, sampler_variants=sv)
         for m in args.modes
         for fuse in both(args.fuse)
         for kernel in args.decode_kernels
         for on in both(args.async_scheduling)
         for head in both({"fused": "on", "torch": "off", "both": "both"}[args.head_kernels])
         for sv in both(args.sampler_variants)
-        for pf in both(args.prefetch)
     ]
 
 
@@ -651,9 +643,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--sampler-variants", choices=("on", "off", "both"), default="on",
                    help="full-decode graphs with the cheaper sampler variants (on, the default), the whole sampler "
                    "only (off: MODE-wholesampler rows), or both")  # fmt: skip
-    p.add_argument("--prefetch", choices=("on", "off", "both"), default="on",
-                   help="o_proj's weight read into L2 beside each attention (on, the default), not (off: "
-                   "MODE-noprefetch rows), or both")  # fmt: skip
     p.add_argument("--batches", type=ints_arg, default=None, help="default 1,2,4,8,13,16,32,64")
     p.add_argument("--contexts", type=ints_arg, default=None, help="default 512,2048")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps per point (default 24)")

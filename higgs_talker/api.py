@@ -81,7 +81,6 @@ class HiggsTalker:
         graph_mode: str | None = None,
         decode_kernel: str = "auto",
         fuse_qk_rope: bool = True,
-        prefetch_weights: bool = True,
         buckets: Sequence[int] | None = None,
         prefill_buckets: Sequence[int] | None = None,
         codec: bool = True,
@@ -98,9 +97,7 @@ class HiggsTalker:
         included, share the K/V of those prompt blocks and prefill only the rest).
         ``fuse_qk_rope`` (CUDA with FlashInfer and triton; on by default, False for the separate kernels):
         QK-norm, RoPE and the K/V cache writes of each layer in one Triton kernel (H200: 7% off a batch-1 decode
-        step; greedy codes equal to the separate kernels' up to bf16 near ties). ``prefetch_weights`` (CUDA with
-        FlashInfer and triton; on by default): while a layer's attention runs, a side stream reads the layer's
-        output-projection weight into the L2 cache, so that the projection after it reads L2 (values unchanged).
+        step; greedy codes equal to the separate kernels' up to bf16 near ties).
 
         ``buckets``: the decode batch sizes of CUDA graphs. ``prefill_buckets`` (default
         ``cuda_graphs.PREFILL_BUCKETS``; ``()`` turns them off): prefill token counts (with FlashInfer) that a
@@ -122,7 +119,7 @@ class HiggsTalker:
         tokenizer = TalkerTokenizer.from_pretrained(path, cfg)
         header = checkpoint.check_checkpoint(path, cfg)  # config against the weights, before any allocation
         check_fits_device(cfg, device, dtype)
-        model = _empty_model(cfg, device, dtype, fuse_qk_rope, prefetch_weights)
+        model = _empty_model(cfg, device, dtype, fuse_qk_rope)
         checkpoint.load_into(model, checkpoint.iter_tensors(path, cfg, device, dtype, header=header), cfg)
         model.eval().requires_grad_(False)
         logger.info("loaded %s on %s (%s, kernels=%s, fused QK-norm/RoPE: %s)", path, device, dtype, model.kernels.name,
@@ -149,7 +146,6 @@ class HiggsTalker:
         graph_mode: str | None = None,
         decode_kernel: str = "auto",
         fuse_qk_rope: bool = True,
-        prefetch_weights: bool = True,
         buckets: Sequence[int] | None = None,
         prefill_buckets: Sequence[int] | None = None,
         **engine_options,
@@ -157,7 +153,7 @@ class HiggsTalker:
         """A talker of any shape with random weights (benchmarks, tests); the tokenizer defaults to the tiny one.
 
         Weights are drawn on the device (normal, std 0.02; norms 1), so a 4B-shaped model builds in seconds.
-        ``engine_options``, ``fuse_qk_rope`` and ``prefetch_weights`` as for ``from_pretrained``.
+        ``engine_options`` and ``fuse_qk_rope`` as for ``from_pretrained``.
         """
         device, dtype, mode = _resolve_runtime(device, dtype, graph_mode)
         check_decode_kernel(decode_kernel)
@@ -166,7 +162,7 @@ class HiggsTalker:
         if not isinstance(cfg, TalkerConfig):
             raise TypeError(f"cfg must be a TalkerConfig, got {type(cfg).__name__}")
         check_fits_device(cfg, device, dtype)  # before allocating: a huge config fails here, naming its size
-        model = _empty_model(cfg, device, dtype, fuse_qk_rope, prefetch_weights)
+        model = _empty_model(cfg, device, dtype, fuse_qk_rope)
         g = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -431,15 +427,13 @@ def _resolve_runtime(
     return dev, dt, mode
 
 
-def _empty_model(
-    cfg: TalkerConfig, device: torch.device, dtype: torch.dtype, fuse_qk_rope: bool, prefetch_weights: bool
-) -> TalkerModel:
+def _empty_model(cfg: TalkerConfig, device: torch.device, dtype: torch.dtype, fuse_qk_rope: bool) -> TalkerModel:
     """The model with uninitialised weights on ``device`` (built on the meta device: no host copy)."""
     with torch.device("meta"):
         model = TalkerModel(cfg)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
-    model.use_kernels(default_kernels(device, fuse_qk_rope, prefetch_weights))
+    model.use_kernels(default_kernels(device, fuse_qk_rope))
     t = cfg.text
     model.rotary_emb.cos_sin = rope_cache(t.head_dim, t.max_position_embeddings, t.rope_theta, device)
     model.multimodal_embedding.offsets = torch.arange(cfg.num_codebooks, device=device) * cfg.codebook_size

@@ -10,9 +10,11 @@ bucket by measurement (``cuda_graphs.kernels``):
 - ``native_tc_nosplit``: ``native_tc`` planned with ``disable_split_kv``: one CTA per (request, KV head) over the
   whole context and no merge kernel (fewer launches for short contexts and large batches; slower for long
   contexts at small batch, where the split spreads the work);
-- ``fa3``: tensor-core decode on FlashInfer's FA3 (Hopper, sm_90) kernels; offered to ``auto`` on sm_90 only;
+- ``fa3``: tensor-core decode on FlashInfer's FA3 (Hopper, sm_90) kernels;
 - ``xqa``: ``trtllm_batch_decode_with_kv_cache(backend="xqa")``. XQA gets its own zeroed workspace: sharing the
   native wrapper's made it return wrong outputs wherever it splits sequences (GPU.md).
+
+``decode_kernel="auto"`` measures ``AUTO_KERNELS``; any kernel can be pinned.
 
 Planning happens on the host in ``plan`` / ``plan_bucket`` / ``plan_prefill_bucket``; ``forward`` only
 launches kernels. Every decode bucket reads slices ``[:size]`` of one set of fixed device buffers sized for the
@@ -53,11 +55,10 @@ def check_decode_kernel(kernel: str) -> None:
         raise ValueError(f"decode_kernel must be 'auto' or one of {', '.join(KERNELS)}, got {kernel!r}")
 
 
-def auto_kernels(device: torch.device) -> tuple[str, ...]:
-    """The candidates ``auto`` measures on this device: every kernel, less ``fa3`` off Hopper (its kernels are
-    built for sm_90 only: elsewhere it would fail its measurement and cost a JIT attempt)."""
-    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-    return tuple(k for k in KERNELS if k != "fa3" or hopper)
+# What ``auto`` measures per bucket: the kernels that won a whole decode step somewhere on the H200 (4B shape,
+# contexts 512 and 2048, batches 1-64; benchmarks/results/h200_20261202b). ``native`` lost to ``native_tc`` at
+# every point and ``fa3`` tied it at batch 1 and lost by 20-75% from batch 16 on; both stay pinnable.
+AUTO_KERNELS = ("native_tc", "native_tc_nosplit", "xqa")
 
 
 Attend = Callable[[Tensor, Tensor], Tensor]  # (q [N, Hq, D], layer cache) -> [N, Hq, D]
@@ -93,7 +94,7 @@ class FlashInferAttention:
         self.scale = head_dim**-0.5
         self.dtype = kv_caches[0].dtype
         dev = self.device = kv_caches[0].device
-        self.decode_kernels = auto_kernels(dev) if decode_kernel == "auto" else (decode_kernel,)
+        self.decode_kernels = AUTO_KERNELS if decode_kernel == "auto" else (decode_kernel,)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         self.xqa_workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)  # never shared
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")

@@ -80,14 +80,10 @@ class Attention(nn.Module):
                 qkv, positions, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.rotary_emb.cos_sin,
                 *kv_dest,
             )  # fmt: skip
-            with self.kernels.overlap_prefetch(self.o_proj.weight):
-                out = backend.attend(self.layer_idx, q)
-            return self.o_proj(out)
+            return self.o_proj(backend.attend(self.layer_idx, q))
         q, k, v = qk_norm_rope(self.kernels, qkv, positions, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                self.rotary_emb.cos_sin, self.num_kv_heads, self.head_dim)  # fmt: skip
-        with self.kernels.overlap_prefetch(self.o_proj.weight):
-            out = backend.forward(self.layer_idx, q, k, v)
-        return self.o_proj(out)  # [N, Hq * D] -> [N, H]
+        return self.o_proj(backend.forward(self.layer_idx, q, k, v))  # [N, Hq * D] -> [N, H]
 
 
 class MLP(nn.Module):

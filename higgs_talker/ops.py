@@ -7,16 +7,11 @@ it is constructed only on CUDA and imports FlashInfer and triton lazily.
 
 The attention layer calls ``qk_norm_rope_store`` only where ``can_fuse_qk_rope(head_dim)`` holds and the
 step's attention backend gives a K/V destination (``kv_destination``); otherwise it runs the separate steps.
-It runs its attention inside ``overlap_prefetch(o_proj.weight)``: a no-op in torch, and with FlashInfer's
-kernels (``prefetch_weights``) a read of the output projection's weight into the L2 cache on a side stream
-while the attention runs, so that the projection after it reads L2 instead of HBM.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -55,12 +50,6 @@ class TorchKernels:
     @staticmethod
     def can_fuse_qk_rope(head_dim: int) -> bool:
         return False
-
-    @staticmethod
-    @contextlib.contextmanager
-    def overlap_prefetch(weight: Tensor) -> Iterator[None]:
-        """Run the body as is (no prefetch in the reference kernels)."""
-        yield
 
     @staticmethod
     def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -114,56 +103,23 @@ class FlashInferKernels:
 
     ``fuse_qk_rope``: QK-norm, RoPE and the K/V cache writes in one Triton kernel where triton imports (else,
     or with False, the separate FlashInfer kernels and index writes: the A/B switch of the benchmarks).
-    ``prefetch_weights``: ``overlap_prefetch`` reads the weight into L2 beside the body (Triton, where it imports).
     """
 
     name = "flashinfer"
 
-    def __init__(self, fuse_qk_rope: bool = False, prefetch_weights: bool = False) -> None:
+    def __init__(self, fuse_qk_rope: bool = False) -> None:
         import flashinfer  # noqa: F401 - fail early and clearly when the gpu extra is missing
 
         self._fi = flashinfer
-        triton_ops = None
-        if fuse_qk_rope or prefetch_weights:
+        self._fused = None
+        if fuse_qk_rope:
             try:
                 from . import triton_ops
-            except ImportError:
-                logger.info("triton is not installed: QK-norm, RoPE and the K/V writes run as separate kernels, "
-                            "and no weight is prefetched")  # fmt: skip
-        self._fused = triton_ops if fuse_qk_rope else None
-        self._prefetch = triton_ops if prefetch_weights else None
-        self.fuse_qk_rope = self._fused is not None
-        self.prefetch_weights = self._prefetch is not None
-        self._sinks: dict[int, Tensor] = {}  # data_ptr of a prefetched weight -> its sink
-        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    @contextlib.contextmanager
-    def overlap_prefetch(self, weight: Tensor) -> Iterator[None]:
-        """Read ``weight`` into the L2 cache on a side stream while the body runs on the current one; the current
-        stream waits for the read before anything after the body (a fork and a join, which a CUDA graph captures
-        as two branches). The body must be latency-bound (decode attention): it leaves the memory bus idle,
-        and the kernel after it then reads the weight from L2. Values are unchanged: the read writes nothing
-        that anyone reads."""
-        if self._prefetch is None or not weight.is_cuda:
-            yield
-            return
-        sink = self._sinks.get(weight.data_ptr())
-        if sink is None:
-            if torch.cuda.is_current_stream_capturing():  # first use inside a capture: skip rather than allocate
-                yield
-                return
-            sink = self._sinks[weight.data_ptr()] = self._prefetch.prefetch_sink(weight)
-        main = torch.cuda.current_stream(weight.device)
-        side = self._side_streams.get(weight.device)
-        if side is None:
-            side = self._side_streams[weight.device] = torch.cuda.Stream(weight.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            self._prefetch.prefetch_l2(weight, sink)
-        try:
-            yield
-        finally:
-            main.wait_stream(side)
+                self._fused = triton_ops
+            except ImportError:
+                logger.info("triton is not installed: QK-norm, RoPE and the K/V writes run as separate kernels")
+        self.fuse_qk_rope = self._fused is not None
 
     def can_fuse_qk_rope(self, head_dim: int) -> bool:
         return self._fused is not None and self._fused.supports(head_dim)
@@ -196,15 +152,12 @@ class FlashInferKernels:
         return self._fi.activation.silu_and_mul(x)
 
 
-def default_kernels(
-    device: torch.device | str, fuse_qk_rope: bool = False, prefetch_weights: bool = False
-) -> TorchKernels | FlashInferKernels:
-    """FlashInfer kernels on CUDA when FlashInfer is installed (``fuse_qk_rope``: with the Triton fusion,
-    ``prefetch_weights``: with the L2 prefetch beside attention, each where triton imports), else the torch
-    reference."""
+def default_kernels(device: torch.device | str, fuse_qk_rope: bool = False) -> TorchKernels | FlashInferKernels:
+    """FlashInfer kernels on CUDA when FlashInfer is installed (``fuse_qk_rope``: with the Triton fusion where
+    triton imports), else the torch reference."""
     if torch.device(device).type == "cuda":
         try:
-            return FlashInferKernels(fuse_qk_rope, prefetch_weights)
+            return FlashInferKernels(fuse_qk_rope)
         except ImportError:
             pass
     return TorchKernels()

@@ -1,4 +1,4 @@
-"""Triton kernels of the decoder layer: QK-norm + neox RoPE + the K/V cache writes in one, and an L2 prefetch.
+"""One Triton kernel for the attention input of a decoder layer: QK-norm + neox RoPE + the K/V cache writes.
 
 Unfused, a layer runs five small kernels between its qkv GEMM and attention (RMSNorm of q, of k, RoPE, two
 index writes into the paged cache); at batch 1 they cost about as much as the attention itself. Here one launch
@@ -8,10 +8,8 @@ over (token, head) reads the GEMM output once, writes the rotated Q to a new ten
 Numerics follow the unfused path step by step: the RMSNorm statistics and products in fp32, the normed head
 rounded once to the input dtype (as the norm kernel stores it), RoPE in fp32 on that value, rounded once more.
 
-``prefetch_l2`` reads a weight into the L2 cache (see ``ops.FlashInferKernels.overlap_prefetch``).
-
-This module needs triton; ``ops.FlashInferKernels`` imports it only when asked to fuse or prefetch, so ``import
-higgs_talker`` never imports triton. Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (tests).
+This module needs triton; ``ops.FlashInferKernels`` imports it only when asked to fuse, so ``import
+higgs_talker`` never imports triton. Under ``TRITON_INTERPRET=1`` the kernel runs on CPU tensors (tests).
 """
 
 import torch
@@ -138,40 +136,3 @@ def _check_inputs(
     devices = {t.device for t in (qkv, positions, q_weight, k_weight, cos_sin, flat_cache, kv_rows)}
     if len(devices) > 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
-
-
-# ------------------------------------------------------------------ L2 prefetch
-
-# Elements one program reads: 16 KB of bf16 (a few waves of programs cover a projection's weight).
-PREFETCH_BLOCK = 8192
-
-
-@triton.jit
-def _prefetch_kernel(src_ptr, n, sink_ptr, BLOCK: tl.constexpr):
-    # Read one block and keep one number of it: the loads bring the block into L2 (nothing reads the sink; it
-    # is written only so that the loads are not optimised away).
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(src_ptr + offs, mask=offs < n, other=0)
-    tl.store(sink_ptr + pid, tl.max(x.to(tl.float32), axis=0))
-
-
-def prefetch_sink(weight: Tensor) -> Tensor:
-    """The fp32 buffer ``prefetch_l2`` writes for ``weight`` (one value per program; allocate it once, outside
-    any graph capture)."""
-    return torch.empty(-(-weight.numel() // PREFETCH_BLOCK), dtype=torch.float32, device=weight.device)
-
-
-def prefetch_l2(weight: Tensor, sink: Tensor) -> None:
-    """Read all of ``weight`` (contiguous) once, so that it sits in the L2 cache for the next kernel that reads
-    it; ``sink`` from ``prefetch_sink(weight)`` gets the max of each block (nothing needs it). One launch, no host
-    sync (graph-capturable). Useful only on a stream running beside latency-bound work that leaves the memory
-    bus idle (``ops.FlashInferKernels.overlap_prefetch``)."""
-    if not weight.is_contiguous():
-        raise ValueError(f"prefetch_l2 needs a contiguous tensor, got strides {weight.stride()}")
-    programs = -(-weight.numel() // PREFETCH_BLOCK)
-    if sink.shape != (programs,) or sink.dtype != torch.float32 or sink.device != weight.device:
-        raise ValueError(f"sink must be a float32 [{programs}] tensor on {weight.device}, got {sink.dtype} "
-                         f"{tuple(sink.shape)} on {sink.device}")  # fmt: skip
-    if programs:
-        _prefetch_kernel[(programs,)](weight, weight.numel(), sink, BLOCK=PREFETCH_BLOCK, num_warps=8)

@@ -212,21 +212,3 @@ def test_sampled_generation_through_the_frame_kernels_equals_the_reference(talke
     assert {name: fused.state(name) for name in names} == dict.fromkeys(names, "ok")
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("numel", [1, triton_ops.PREFETCH_BLOCK, 3 * triton_ops.PREFETCH_BLOCK + 5])
-def test_prefetch_reads_every_block(numel):
-    """The L2 prefetch's one output: each block's max (masked lanes read 0), so every element was loaded."""
-    w = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).bfloat16()
-    sink = triton_ops.prefetch_sink(w)
-    triton_ops.prefetch_l2(w, sink)
-    padded = torch.nn.functional.pad(w.float(), (0, sink.numel() * triton_ops.PREFETCH_BLOCK - numel))
-    assert torch.equal(sink, padded.view(-1, triton_ops.PREFETCH_BLOCK).max(dim=1).values)
-
-
-def test_prefetch_rejects_what_it_cannot_take():
-    w = torch.zeros(64, 64).bfloat16()
-    with pytest.raises(ValueError, match="contiguous"):
-        triton_ops.prefetch_l2(w.t(), triton_ops.prefetch_sink(w))
-    with pytest.raises(ValueError, match=r"sink must be a float32 \[1\] tensor"):
-        triton_ops.prefetch_l2(w, torch.zeros(2))

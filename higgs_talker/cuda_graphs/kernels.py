@@ -102,7 +102,7 @@ def _step_ms(attn: AttentionBackend, step: StepFactory, size: int, ctx: int, ker
     attn.set_bucket_kernel(size, kernel)
     attn.plan_bucket(batch)
     graph, _ = capture_graph(step(batch))
-    return median_ms(lambda: [graph.replay() for _ in range(4)], iters=5) / 4
+    return median_ms(lambda: [graph.replay() for _ in range(3)], iters=3) / 3
 
 
 def pick_kernels(rows: list[dict], kernels: tuple[str, ...], key: str) -> dict[int, str]:
