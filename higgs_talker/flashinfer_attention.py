@@ -55,9 +55,11 @@ def check_decode_kernel(kernel: str) -> None:
         raise ValueError(f"decode_kernel must be 'auto' or one of {', '.join(KERNELS)}, got {kernel!r}")
 
 
-# What ``auto`` measures per bucket: the kernels that won a whole decode step somewhere on the H200 (4B shape,
-# contexts 512 and 2048, batches 1-64; benchmarks/results/h200_20261202b). ``native`` lost to ``native_tc`` at
-# every point and ``fa3`` tied it at batch 1 and lost by 20-75% from batch 16 on; both stay pinnable.
+# What ``auto`` measures per bucket. In whole decode steps on the H200 (4B shape, batches 1 / 16 / 64, contexts 512
+# and 2048; benchmarks/results/h200_20261202b/decode_kernels_20261202-042715.json) ``native_tc`` was fastest at
+# five points and ``native_tc_nosplit`` at batch 16, context 512; ``native`` lost at all six, ``fa3`` tied at
+# batch 1, context 512 and lost by 20% to 3x elsewhere. XQA lost at all six too, but it is the fastest kernel
+# alone at long contexts, so it stays a candidate for other shapes and GPUs. Every kernel can be pinned.
 AUTO_KERNELS = ("native_tc", "native_tc_nosplit", "xqa")
 
 

@@ -6,8 +6,8 @@ checked against an fp32 reference; a kernel that raises or misses the tolerance 
 from HBM, not L2: the fork has enough layers (distinct caches) to exceed the L2 several times.
 
 Alone is not how a kernel runs, though: in a step each attention call sits between weight-streaming GEMMs, and
-on the H200 that costs XQA 10-20 us a layer more than alone while the tensor-core kernels lose little (XQA, the
-fastest alone at batch 64, made the whole step 10% slower than ``native_tc``). So where the caller gives a
+on the H200 that costs XQA 9-22 us a layer more than alone (XQA, the fastest alone at batch 64, made the whole
+step 10% slower than ``native_tc``). So where the caller gives a
 ``step`` (the graph runner gives the model's whole decode step), the correct kernels are timed inside it: one
 CUDA graph of the whole step per (bucket, context, kernel), on the engine's own caches before any request
 exists, and the choice goes by that time.
