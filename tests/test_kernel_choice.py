@@ -48,8 +48,8 @@ def test_synthetic_batches_decode_the_last_position_and_wrap_around_the_pool():
     assert batch.block_tables == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     assert batch.positions == [39] * 3 and batch.seq_lens == [40] * 3 and batch.query_lens == [1] * 3
     assert batch.slot_mapping == [kv_slot(t, 39, 16) for t in batch.block_tables]
-    wrapped = synthetic_batch(3, 40, 16, num_blocks=4, slot=7)
-    assert wrapped.block_tables == [[0, 1, 2], [3, 0, 1], [2, 3, 0]] and wrapped.slots == [7] * 3
+    wrapped = synthetic_batch(3, 40, 16, num_blocks=4)
+    assert wrapped.block_tables == [[0, 1, 2], [3, 0, 1], [2, 3, 0]]
     assert all(0 <= s < 4 * 16 for s in wrapped.slot_mapping)
 
 

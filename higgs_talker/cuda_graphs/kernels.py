@@ -38,16 +38,16 @@ MAX_LAYERS = 36
 StepFactory = Callable[[StepBatch], Callable[[], object]]
 
 
-def synthetic_batch(batch: int, ctx: int, block_size: int, num_blocks: int | None = None, slot: int = 0) -> StepBatch:
-    """``batch`` requests of context ``ctx`` in consecutive blocks, each decoding its last position, all on
-    ``slot``. With ``num_blocks`` the block ids wrap around a pool of that many blocks (requests then share
-    blocks, and their K/V writes land in them)."""
+def synthetic_batch(batch: int, ctx: int, block_size: int, num_blocks: int | None = None) -> StepBatch:
+    """``batch`` requests of context ``ctx`` in consecutive blocks, each decoding its last position (all on
+    decode-state slot 0). With ``num_blocks`` the block ids wrap around a pool of that many blocks (requests then
+    share blocks, and their K/V writes land in them)."""
     per_seq = -(-ctx // block_size)
     wrap = num_blocks or batch * per_seq
     tables = [[b % wrap for b in range(i * per_seq, (i + 1) * per_seq)] for i in range(batch)]
     pos = ctx - 1
     return StepBatch(
-        slots=[slot] * batch,
+        slots=[0] * batch,
         positions=[pos] * batch,
         slot_mapping=[kv_slot(t, pos, block_size) for t in tables],
         query_lens=[1] * batch,
