@@ -23,7 +23,9 @@ adds ``...-sync`` rows (``async_scheduling=False``: each step's rows read before
 per-bucket measurement (``auto``), and ``--head-kernels both`` adds ``...-torchhead`` rows (the frame's noise
 hash, delay mask and state update as torch operations instead of the Triton kernels that are the CUDA default,
 ``heads.fused``; graphs capture whichever the variant uses); ``--sampler-variants both`` adds
-``...-wholesampler`` rows (full-decode graphs without the cheaper greedy / no-filter sampler variants).
+``...-wholesampler`` rows (full-decode graphs without the cheaper greedy / no-filter sampler variants);
+``--row-gemv auto,off`` times each mode with the one-row Triton GEMV measured per linear (``auto``, the default)
+and with cuBLAS for every linear (``...-cublasrows`` rows; ``on``: the GEMV on every linear, ``...-rowgemv``).
 
 With random weights the codebook-0 EOC row of the table is zeroed, so greedy decoding never ends a request
 early (its logit is exactly 0 while the max of 1024 random logits is positive); ``meta.eoc_suppressed`` says so.
@@ -89,6 +91,7 @@ UNPADDED = "-eagerprefill"  # label suffix: no prefill graphs (prefill_buckets=(
 PREFIX_CACHE = "+pcache"  # label suffix: prefix caching on (prefix_caching=True)
 TORCH_HEAD = "-torchhead"  # label suffix: heads.fused.ENABLED = False
 WHOLE_SAMPLER = "-wholesampler"  # label suffix: no sampler variants (cuda_graphs.full_decode.SAMPLER_VARIANTS)
+ROW_GEMV_LABELS = {"auto": "", "off": "-cublasrows", "on": "-rowgemv"}  # label suffix per row_gemv option
 DECODE_KERNELS = ("auto", *KERNELS)
 
 
@@ -104,6 +107,7 @@ class Variant:
     prefix_caching: bool = False  # share the K/V of common prompt prefixes (opt-in in the library)
     head_kernels: bool = True  # the frame's Triton kernels (heads.fused; the CUDA default)
     sampler_variants: bool = True  # full-decode graphs with the cheaper samplers (the default)
+    row_gemv: str = "auto"  # one-row inputs: the Triton GEMV where measured faster (auto), everywhere (on), nowhere
 
     @property
     def prefill_label(self) -> str:
@@ -117,7 +121,8 @@ class Variant:
         sync = SYNC if self.async_scheduling is False else ""
         head = "" if self.head_kernels else TORCH_HEAD
         whole = "" if self.sampler_variants else WHOLE_SAMPLER
-        return f"{self.mode}{FUSED if self.fuse else ''}{kernel}{prefill}{sync}{head}{whole}"
+        rows = ROW_GEMV_LABELS[self.row_gemv]
+        return f"{self.mode}{FUSED if self.fuse else ''}{kernel}{prefill}{sync}{head}{whole}{rows}"
 
 
 PEER_RESERVE_S = 100.0  # the time budget keeps this much for the transformers rows
@@ -140,6 +145,7 @@ def build_talker(args: argparse.Namespace, cfg: TalkerConfig, variant: Variant, 
         graph_mode=variant.mode, max_num_seqs=args.max_num_seqs, num_blocks=num_blocks, fuse_qk_rope=variant.fuse,
         decode_kernel=variant.kernel, async_scheduling=variant.async_scheduling,
         prefill_buckets=PREFILL_BUCKETS if variant.prefill_graphs else (), prefix_caching=variant.prefix_caching,
+        row_gemv=variant.row_gemv,
     )  # fmt: skip
     if args.max_model_len:
         common["max_model_len"] = args.max_model_len
@@ -198,6 +204,8 @@ def graph_info(talker: HiggsTalker) -> dict:
         "attention": type(attn).__name__,
         "kernels": talker.model.kernels.name,
         "fuse_qk_rope": talker.model.kernels.fuse_qk_rope,  # what runs (False where triton did not import)
+        "row_gemv": getattr(talker.model.kernels, "row_gemv", "off"),  # "off" where triton did not import
+        "row_linears": {k: list(v) for k, v in getattr(talker.model.kernels, "row_configs", {}).items()},
         "bucket_kernels": {str(k): v for k, v in getattr(attn, "bucket_kernel", {}).items()},
         "graph_runner": None,
     }
@@ -206,6 +214,7 @@ def graph_info(talker: HiggsTalker) -> dict:
         info["graph_runner"] = type(graphs).__name__
         info["graph_warmup_s"] = graphs.warmup_s
         info["graph_reason"] = graphs.decision.reason
+        info["row_timings"] = graphs.row_timings
         if graphs.choice:
             info["auto_choice"] = {str(k): v for k, v in graphs.choice.items()}
         if graphs.full is not None:
@@ -288,15 +297,16 @@ def both(choice: str) -> list[bool]:
 
 def variants(args: argparse.Namespace) -> list[Variant]:
     """What to time: every mode x ``--fuse`` x ``--decode-kernels`` x ``--async`` x ``--head-kernels`` x
-    ``--sampler-variants``."""
+    ``--sampler-variants`` x ``--row-gemv``."""
     return [
-        Variant(m, fuse, on, kernel, head_kernels=head, sampler_variants=sv)
+        Variant(m, fuse, on, kernel, head_kernels=head, sampler_variants=sv, row_gemv=rows)
         for m in args.modes
         for fuse in both(args.fuse)
         for kernel in args.decode_kernels
         for on in both(args.async_scheduling)
         for head in both({"fused": "on", "torch": "off", "both": "both"}[args.head_kernels])
         for sv in both(args.sampler_variants)
+        for rows in args.row_gemv
     ]
 
 
@@ -643,6 +653,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--sampler-variants", choices=("on", "off", "both"), default="on",
                    help="full-decode graphs with the cheaper sampler variants (on, the default), the whole sampler "
                    "only (off: MODE-wholesampler rows), or both")  # fmt: skip
+    p.add_argument("--row-gemv", type=strs_arg, default=["auto"],
+                   help="row_gemv options to time, each apart (of auto, on, off; default auto)")  # fmt: skip
     p.add_argument("--batches", type=ints_arg, default=None, help="default 1,2,4,8,13,16,32,64")
     p.add_argument("--contexts", type=ints_arg, default=None, help="default 512,2048")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps per point (default 24)")
@@ -664,6 +676,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     bad = [k for k in args.decode_kernels if k not in DECODE_KERNELS]
     if bad:
         p.error(f"unknown decode kernel(s) {bad}; choose from {list(DECODE_KERNELS)}")
+    bad = [r for r in args.row_gemv if r not in ROW_GEMV_LABELS]
+    if bad:
+        p.error(f"unknown row_gemv option(s) {bad}; choose from {list(ROW_GEMV_LABELS)}")
     if not args.no_peers and args.budget_s <= PEER_RESERVE_S:
         p.error(f"--budget-s {args.budget_s:g} leaves no time for our modes: {PEER_RESERVE_S:g} s of it are kept for "
                 "the transformers peers; raise it or pass --no-peers")  # fmt: skip

@@ -28,7 +28,7 @@ from .flashinfer_attention import check_decode_kernel
 from .heads.delay import codec_frames
 from .heads.sampling import SamplingParams
 from .model import TalkerModel
-from .ops import default_kernels, rope_cache
+from .ops import check_row_gemv, default_kernels, rope_cache
 from .prompt import Prompt, TalkerTokenizer
 from .results import GenerationError, GenerationResult, Reference
 from .tiny import TINY_NAME, tiny_checkpoint
@@ -81,6 +81,7 @@ class HiggsTalker:
         graph_mode: str | None = None,
         decode_kernel: str = "auto",
         fuse_qk_rope: bool = True,
+        row_gemv: str = "auto",
         buckets: Sequence[int] | None = None,
         prefill_buckets: Sequence[int] | None = None,
         codec: bool = True,
@@ -98,6 +99,10 @@ class HiggsTalker:
         ``fuse_qk_rope`` (CUDA with FlashInfer and triton; on by default, False for the separate kernels):
         QK-norm, RoPE and the K/V cache writes of each layer in one Triton kernel (H200: 7% off a batch-1 decode
         step; greedy codes equal to the separate kernels' up to bf16 near ties).
+        ``row_gemv`` (CUDA with FlashInfer and triton): one-row inputs (decode at batch 1) of a linear take our
+        Triton GEMV (``triton_gemv``; gate_up with SiLU-and-mul after it) instead of cuBLAS: ``"auto"`` (default)
+        where warm-up measured it correct and faster on this GPU (H200, 4B: 15 us a layer less), ``"on"`` on every
+        linear where it is correct (no timing: the same kernels on every start), ``"off"`` nowhere.
 
         ``buckets``: the decode batch sizes of CUDA graphs. ``prefill_buckets`` (default
         ``cuda_graphs.PREFILL_BUCKETS``; ``()`` turns them off): prefill token counts (with FlashInfer) that a
@@ -111,6 +116,7 @@ class HiggsTalker:
         """
         device, dtype, mode = _resolve_runtime(device, dtype, graph_mode)
         check_decode_kernel(decode_kernel)
+        check_row_gemv(row_gemv)
         _check_buckets(buckets, prefill_buckets)
         engine_config = _engine_config(engine_options)
         path = _checkpoint_dir(path)
@@ -119,7 +125,7 @@ class HiggsTalker:
         tokenizer = TalkerTokenizer.from_pretrained(path, cfg)
         header = checkpoint.check_checkpoint(path, cfg)  # config against the weights, before any allocation
         check_fits_device(cfg, device, dtype)
-        model = _empty_model(cfg, device, dtype, fuse_qk_rope)
+        model = _empty_model(cfg, device, dtype, fuse_qk_rope, row_gemv)
         checkpoint.load_into(model, checkpoint.iter_tensors(path, cfg, device, dtype, header=header), cfg)
         model.eval().requires_grad_(False)
         logger.info("loaded %s on %s (%s, kernels=%s, fused QK-norm/RoPE: %s)", path, device, dtype, model.kernels.name,
@@ -146,6 +152,7 @@ class HiggsTalker:
         graph_mode: str | None = None,
         decode_kernel: str = "auto",
         fuse_qk_rope: bool = True,
+        row_gemv: str = "auto",
         buckets: Sequence[int] | None = None,
         prefill_buckets: Sequence[int] | None = None,
         **engine_options,
@@ -153,16 +160,17 @@ class HiggsTalker:
         """A talker of any shape with random weights (benchmarks, tests); the tokenizer defaults to the tiny one.
 
         Weights are drawn on the device (normal, std 0.02; norms 1), so a 4B-shaped model builds in seconds.
-        ``engine_options`` and ``fuse_qk_rope`` as for ``from_pretrained``.
+        ``engine_options``, ``fuse_qk_rope`` and ``row_gemv`` as for ``from_pretrained``.
         """
         device, dtype, mode = _resolve_runtime(device, dtype, graph_mode)
         check_decode_kernel(decode_kernel)
+        check_row_gemv(row_gemv)
         _check_buckets(buckets, prefill_buckets)
         engine_config = _engine_config(engine_options)
         if not isinstance(cfg, TalkerConfig):
             raise TypeError(f"cfg must be a TalkerConfig, got {type(cfg).__name__}")
         check_fits_device(cfg, device, dtype)  # before allocating: a huge config fails here, naming its size
-        model = _empty_model(cfg, device, dtype, fuse_qk_rope)
+        model = _empty_model(cfg, device, dtype, fuse_qk_rope, row_gemv)
         g = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -427,13 +435,15 @@ def _resolve_runtime(
     return dev, dt, mode
 
 
-def _empty_model(cfg: TalkerConfig, device: torch.device, dtype: torch.dtype, fuse_qk_rope: bool) -> TalkerModel:
+def _empty_model(
+    cfg: TalkerConfig, device: torch.device, dtype: torch.dtype, fuse_qk_rope: bool, row_gemv: str = "auto"
+) -> TalkerModel:
     """The model with uninitialised weights on ``device`` (built on the meta device: no host copy)."""
     with torch.device("meta"):
         model = TalkerModel(cfg)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
-    model.use_kernels(default_kernels(device, fuse_qk_rope))
+    model.use_kernels(default_kernels(device, fuse_qk_rope, row_gemv))
     t = cfg.text
     model.rotary_emb.cos_sin = rope_cache(t.head_dim, t.max_position_embeddings, t.rope_theta, device)
     model.multimodal_embedding.offsets = torch.arange(cfg.num_codebooks, device=device) * cfg.codebook_size

@@ -72,7 +72,7 @@ class Attention(nn.Module):
 
     def forward(self, positions: Tensor, hidden_states: Tensor) -> Tensor:
         """hidden [N, H] -> [N, H]; K/V go into the cache of the step's backend."""
-        qkv = self.qkv_proj(hidden_states)  # [N, (Hq + 2 Hk) * D]
+        qkv = self.kernels.linear("qkv", hidden_states, self.qkv_proj)  # [N, (Hq + 2 Hk) * D]
         backend = current_backend()
         kv_dest = backend.kv_destination(self.layer_idx) if self.kernels.can_fuse_qk_rope(self.head_dim) else None
         if kv_dest is not None:  # one kernel: QK-norm, RoPE, and K/V straight into the cache
@@ -80,10 +80,10 @@ class Attention(nn.Module):
                 qkv, positions, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.rotary_emb.cos_sin,
                 *kv_dest,
             )  # fmt: skip
-            return self.o_proj(backend.attend(self.layer_idx, q))
+            return self.kernels.linear("o_proj", backend.attend(self.layer_idx, q), self.o_proj)
         q, k, v = qk_norm_rope(self.kernels, qkv, positions, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                self.rotary_emb.cos_sin, self.num_kv_heads, self.head_dim)  # fmt: skip
-        return self.o_proj(backend.forward(self.layer_idx, q, k, v))  # [N, Hq * D] -> [N, H]
+        return self.kernels.linear("o_proj", backend.forward(self.layer_idx, q, k, v), self.o_proj)  # -> [N, H]
 
 
 class MLP(nn.Module):
@@ -94,7 +94,7 @@ class MLP(nn.Module):
         self.kernels = kernels
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+        return self.kernels.linear("down", self.kernels.gate_up_silu(x, self.gate_up_proj), self.down_proj)
 
 
 class DecoderLayer(nn.Module):

@@ -1,9 +1,10 @@
-"""Elementwise kernels of the backbone: RMSNorm, fused add + RMSNorm, RoPE, SiLU-and-mul, and QK-norm + RoPE +
-K/V cache writes in one.
+"""Kernels of the backbone besides attention: RMSNorm, fused add + RMSNorm, RoPE, SiLU-and-mul, QK-norm + RoPE +
+K/V cache writes in one, and the linears.
 
 ``TorchKernels`` is the reference (and the CPU path). ``FlashInferKernels`` calls FlashInfer's fused CUDA
-kernels with the same signatures, and our Triton kernel (``triton_ops``) for the QK-norm + RoPE + K/V writes;
-it is constructed only on CUDA and imports FlashInfer and triton lazily.
+kernels with the same signatures, our Triton kernel (``triton_ops``) for the QK-norm + RoPE + K/V writes, and
+for one-row inputs our Triton GEMV (``triton_gemv``) on the linears where warm-up measured it faster than cuBLAS
+(``row_configs``); it is constructed only on CUDA and imports FlashInfer and triton lazily.
 
 The attention layer calls ``qk_norm_rope_store`` only where ``can_fuse_qk_rope(head_dim)`` holds and the
 step's attention backend gives a K/V destination (``kv_destination``); otherwise it runs the separate steps.
@@ -14,7 +15,8 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +43,32 @@ def qk_norm_rope(
     return q, k, v.reshape(n, hk, d)
 
 
+ROW_GEMV = ("auto", "on", "off")
+
+
+def check_row_gemv(option: str) -> str:
+    """Refuse a ``row_gemv`` option other than auto (measured per linear), on (every linear, the first correct
+    tile) and off (cuBLAS); returns it."""
+    if option not in ROW_GEMV:
+        raise ValueError(f"row_gemv must be one of {', '.join(map(repr, ROW_GEMV))}, got {option!r}")
+    return option
+
+
 class TorchKernels:
     """Plain PyTorch versions; numerics follow transformers' Qwen3 (fp32 accumulation, cast back)."""
 
     name = "torch"
     fuse_qk_rope = False  # the model runs the separate steps; qk_norm_rope_store is the reference of the fusion
+    row_gemv = "off"  # linears are F.linear at every row count
+
+    @staticmethod
+    def linear(name: str, x: Tensor, layer: nn.Linear) -> Tensor:
+        """``layer(x)``; ``name`` (qkv, o_proj, gate_up, down) lets a kernel set choose per linear."""
+        return F.linear(x, layer.weight, layer.bias)
+
+    def gate_up_silu(self, x: Tensor, layer: nn.Linear) -> Tensor:
+        """SiLU-and-mul of the gate_up linear's output: x [N, H] -> [N, I]."""
+        return self.silu_and_mul(self.linear("gate_up", x, layer))
 
     @staticmethod
     def can_fuse_qk_rope(head_dim: int) -> bool:
@@ -107,7 +130,7 @@ class FlashInferKernels:
 
     name = "flashinfer"
 
-    def __init__(self, fuse_qk_rope: bool = False) -> None:
+    def __init__(self, fuse_qk_rope: bool = False, row_gemv: str = "off") -> None:
         import flashinfer  # noqa: F401 - fail early and clearly when the gpu extra is missing
 
         self._fi = flashinfer
@@ -120,6 +143,30 @@ class FlashInferKernels:
             except ImportError:
                 logger.info("triton is not installed: QK-norm, RoPE and the K/V writes run as separate kernels")
         self.fuse_qk_rope = self._fused is not None
+        self._gemv = None
+        if check_row_gemv(row_gemv) != "off":
+            try:
+                from . import triton_gemv
+
+                self._gemv = triton_gemv
+            except ImportError:
+                logger.info("triton is not installed: one-row linears run on cuBLAS")
+        self.row_gemv = row_gemv if self._gemv is not None else "off"
+        # linear name -> the Triton GEMV tile its one-row inputs use (``cuda_graphs.kernels.choose_row_linears``
+        # fills it at warm-up, as ``row_gemv`` says); a linear not here stays on cuBLAS
+        self.row_configs: dict = {}
+
+    def linear(self, name: str, x: Tensor, layer: nn.Linear) -> Tensor:
+        config = self.row_configs.get(name)
+        if config is not None and x.shape[0] == 1:
+            return self._gemv.row_linear(x.contiguous(), layer.weight, layer.bias, config)
+        return F.linear(x, layer.weight, layer.bias)
+
+    def gate_up_silu(self, x: Tensor, layer: nn.Linear) -> Tensor:
+        config = self.row_configs.get("gate_up")
+        if config is not None and x.shape[0] == 1 and layer.bias is None:
+            return self._gemv.row_linear(x.contiguous(), layer.weight, None, config, silu_mul=True)
+        return self.silu_and_mul(F.linear(x, layer.weight, layer.bias))
 
     def can_fuse_qk_rope(self, head_dim: int) -> bool:
         return self._fused is not None and self._fused.supports(head_dim)
@@ -152,12 +199,14 @@ class FlashInferKernels:
         return self._fi.activation.silu_and_mul(x)
 
 
-def default_kernels(device: torch.device | str, fuse_qk_rope: bool = False) -> TorchKernels | FlashInferKernels:
-    """FlashInfer kernels on CUDA when FlashInfer is installed (``fuse_qk_rope``: with the Triton fusion where
-    triton imports), else the torch reference."""
+def default_kernels(
+    device: torch.device | str, fuse_qk_rope: bool = False, row_gemv: str = "off"
+) -> TorchKernels | FlashInferKernels:
+    """FlashInfer kernels on CUDA when FlashInfer is installed (``fuse_qk_rope``: with the Triton fusion, and
+    ``row_gemv``: the one-row Triton GEMV's option, where triton imports), else the torch reference."""
     if torch.device(device).type == "cuda":
         try:
-            return FlashInferKernels(fuse_qk_rope)
+            return FlashInferKernels(fuse_qk_rope, row_gemv)
         except ImportError:
             pass
     return TorchKernels()

@@ -393,6 +393,7 @@ LOADER_CASES = [
         "decode_kernel must be 'auto' or one of native, xqa, native_tc, native_tc_nosplit, fa3, got 'fast'",
         id="api-decode-kernel",
     ),
+    pytest.param(nothing, ValueError, "row_gemv must be one of 'auto', 'on', 'off', got True", id="api-row-gemv"),
     pytest.param(
         nothing, ValueError, "async_scheduling must be True, False or None, got 'yes'", id="api-async-scheduling"
     ),
@@ -412,6 +413,7 @@ API_KWARGS = {
     "api-max-num-seqs": dict(max_num_seqs=0),
     "api-num-blocks": dict(num_blocks=-4),
     "api-decode-kernel": dict(decode_kernel="fast"),
+    "api-row-gemv": dict(row_gemv=True),
     "api-async-scheduling": dict(async_scheduling="yes"),
     "api-prefix-caching": dict(prefix_caching=1),
     "api-buckets": dict(buckets=[1, 2.5]),

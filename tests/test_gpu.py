@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import inspect
 import logging
 
 import pytest
@@ -41,6 +40,32 @@ SILU_OPS = 18 + 1 + 4 + 1
 # RoPE: x1 cos - x2 sin per pair, two products and a sum; the rotation keeps norms, so the pairs' absolute
 # errors (3 u |(x1, x2)| each side) give a norm-wise 3 sqrt(2) u < 5 u
 ROPE_OPS = 5
+
+
+# the 4B shape's linears: name -> (weight rows, K)
+LINEARS_4B = {"qkv": (6144, 2560), "o_proj": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
+
+
+@pytest.mark.parametrize("tile", range(3))
+@pytest.mark.parametrize("linear", list(LINEARS_4B))
+def test_row_linear_matches_float64_on_the_4b_shapes(linear, tile):
+    """The one-row Triton GEMV (every tile warm-up tries) against a float64 product on the 4B shapes: one bf16
+    rounding plus the fp32 sum of K products; gate_up with SiLU-and-mul after it: each half rounded, then the
+    activation (SILU_OPS) rounded once more, counted as four roundings (SiLU's slope moves a half's rounding by
+    up to about 1.3x for randn-sized inputs)."""
+    triton_gemv = pytest.importorskip("higgs_talker.triton_gemv")
+    n, k = LINEARS_4B[linear]
+    silu = linear == "gate_up"
+    g = torch.Generator(device="cuda").manual_seed(tile)
+    x = torch.randn(1, k, generator=g, device="cuda").bfloat16()
+    w = (torch.randn(n, k, generator=g, device="cuda") * k**-0.5).bfloat16()
+    want = x.double() @ w.double().T
+    if silu:
+        gate, up = want.to(BF16).double().chunk(2, dim=-1)
+        want = torch.nn.functional.silu(gate) * up
+    got = triton_gemv.row_linear(x, w, config=triton_gemv.CONFIGS[tile], silu_mul=silu)
+    assert got.shape == (1, n // 2 if silu else n) and got.dtype == BF16
+    assert rel_err(got, want) <= kernel_rel_tol(BF16, 4 if silu else 1, [k], SILU_OPS if silu else 0)
 
 
 def medium_config(**text) -> TalkerConfig:
@@ -214,9 +239,11 @@ MODES = ("eager", "local_mlp", "full_decode", "auto")
 
 
 def _talker(mode: str = "auto", decode_kernel: str = "xqa", **options) -> HiggsTalker:
-    """The suite's talker in ``mode``. Every mode pins one decode kernel (XQA), so that modes compare on the same
-    kernels (two kernels round differently, and a greedy code can flip at a near tie) and the suite spends no
-    time measuring them; ``decode_kernel="auto"`` measures them (the CUDA default)."""
+    """The suite's talker in ``mode``. Every mode pins one decode kernel (XQA) and the one-row GEMV on every linear
+    (``row_gemv="on"``), so that modes compare on the same kernels (two kernels round differently, and a greedy
+    code can flip at a near tie) and the suite spends no time measuring them; ``"auto"`` measures them (the CUDA
+    defaults)."""
+    options = {"row_gemv": "on", **options}
     return HiggsTalker.from_config(
         medium_config(), device="cuda", graph_mode=mode, max_num_seqs=64, max_model_len=1024, seed=0,
         decode_kernel=decode_kernel, **options,
@@ -241,19 +268,22 @@ def talkers():
     return _lazy_talkers()
 
 
-def option_default(option: str) -> bool:
-    return inspect.signature(HiggsTalker.from_config).parameters[option].default
+# option: (our module, its entry points the model calls, the value that turns it on, the one that turns it off)
+KERNEL_OPTIONS = {
+    "fuse_qk_rope": ("triton_ops", ["qk_norm_rope_store"], True, False),
+    "row_gemv": ("triton_gemv", ["row_linear"], "on", "off"),
+}
 
 
 @pytest.fixture(scope="module")
 def option_talkers():
-    """``option_talkers(name)``: the same talkers with one kernel option flipped from its default
-    (``fuse_qk_rope``: QK-norm, RoPE and the K/V writes in one Triton kernel)."""
+    """``option_talkers(name)``: the suite's talkers (``talkers``: every option on) with one kernel option off
+    (``fuse_qk_rope``: QK-norm, RoPE and the K/V writes in one Triton kernel; ``row_gemv``: the one-row GEMV)."""
     built = {}
 
     def get(option: str) -> dict[str, HiggsTalker]:
         if option not in built:
-            built[option] = _lazy_talkers(**{option: not option_default(option)})
+            built[option] = _lazy_talkers(**{option: KERNEL_OPTIONS[option][3]})
         return built[option]
 
     return get
@@ -292,10 +322,6 @@ def test_graph_modes_give_identical_greedy_codes(talkers, batch):
             assert results[m][rid] == rows, f"mode {m} differs from eager for request {rid} at batch {batch}"
 
 
-# option: (our module, its entry points the model calls)
-KERNEL_OPTIONS = {"fuse_qk_rope": ("triton_ops", ["qk_norm_rope_store"])}
-
-
 @pytest.mark.parametrize("option", list(KERNEL_OPTIONS))
 @pytest.mark.parametrize("mode", ["eager", "full_decode"])
 @pytest.mark.parametrize("batch", [1, 13, 64])
@@ -307,14 +333,13 @@ def test_kernel_options_on_and_off_give_equal_greedy_codes(talkers, option_talke
     best scores are that close (seen on the H200: batch 64, one request, row 65, codebook 6, where the two best
     logits were both 1.015625, an exact tie). A flip is accepted only where both runs' rows equal a solo run's
     without the option, or leave it at that run's runner-up after identical rows, within the bf16 bound of one
-    forward (``explain_divergence``)."""
-    module_name, entries = KERNEL_OPTIONS[option]
+    forward (``explain_divergence``). The one-row GEMV rounds where cuBLAS stores, and sums in another order.
+    """
+    module_name, entries, on_value, off_value = KERNEL_OPTIONS[option]
     module = pytest.importorskip(f"higgs_talker.{module_name}")
-    on_set, off_set = option_talkers(option), talkers
-    if option_default(option):
-        on_set, off_set = off_set, on_set
+    on_set, off_set = talkers, option_talkers(option)
     on, off, solo = on_set[mode], off_set[mode], off_set["eager"]  # solo: eager, so the sampler can be watched
-    assert getattr(on.model.kernels, option) and not getattr(off.model.kernels, option)
+    assert getattr(on.model.kernels, option) == on_value and getattr(off.model.kernels, option) == off_value
     calls = []
     for entry in entries:
         real = getattr(module, entry)
@@ -422,6 +447,27 @@ def test_auto_chooses_each_buckets_kernel_by_its_whole_decode_step():
         eager.engine.runner.attn.set_bucket_kernel(size, kernel)
     for batch in (1, 13, 64):
         assert _run_schedule(talker, batch) == _run_schedule(eager, batch), f"batch {batch}"
+
+
+def test_warm_up_gives_one_row_inputs_the_gemv_where_it_measured_faster(talkers, option_talkers):
+    """row_gemv="auto" times each linear's cuBLAS path and every correct tile over all layers, and gives the
+    linear the fastest tile where it beat cuBLAS; "on" (the suite's talkers) gives every linear the first correct
+    tile without timing; "off" none."""
+    from higgs_talker.cuda_graphs.kernels import ROW_LINEARS
+    from higgs_talker.triton_gemv import CONFIGS
+
+    talker = _talker("eager", row_gemv="auto")
+    rows, chosen = talker.engine.graphs.row_timings, talker.model.kernels.row_configs
+    assert [r["linear"] for r in rows] == list(ROW_LINEARS)
+    for r in rows:
+        tiles = {key[2:]: us for key, us in r.items() if key.startswith("us(")}
+        assert len(tiles) == len(CONFIGS) and all(0 < us < 1e4 for us in [*tiles.values(), r["torch_us"]])
+        best = min(tiles, key=tiles.get)
+        assert r["chosen"] == (best if tiles[best] < r["torch_us"] else "torch")
+        assert r["chosen"] == (str(tuple(chosen[r["linear"]])) if r["linear"] in chosen else "torch")
+    assert talkers["eager"].model.kernels.row_configs == dict.fromkeys(ROW_LINEARS, CONFIGS[0])
+    off = option_talkers("row_gemv")["eager"]
+    assert off.model.kernels.row_configs == {} and off.engine.graphs.row_timings == []
 
 
 def test_graphs_were_captured(talkers):

@@ -1,5 +1,5 @@
-"""The fused Triton kernel (``triton_ops``) on CPU under the Triton interpreter: run with ``TRITON_INTERPRET=1``
-where triton is installed; skipped otherwise, so CI needs neither.
+"""The Triton kernels (``triton_ops``, ``triton_gemv``, the frame's) on CPU under the Triton interpreter: run with
+``TRITON_INTERPRET=1`` where triton is installed; skipped otherwise, so CI needs neither.
 
 The interpreter converts fp32 to bf16 by truncation (``triton/runtime/interpreter.py``, ``_convert_float``
 without a rounding mode), up to 2 u per rounding where the GPU's ``cvt.rn.bf16.f32`` is within u: the kernel check
@@ -19,10 +19,12 @@ pytest.importorskip("triton")
 
 from _qk_rope import check_qk_norm_rope_store  # noqa: E402
 
-from higgs_talker import HiggsTalker, SamplingParams, triton_ops  # noqa: E402
+from higgs_talker import HiggsTalker, SamplingParams, triton_gemv, triton_ops  # noqa: E402
 from higgs_talker.attention import SdpaAttention  # noqa: E402
+from higgs_talker.cuda_graphs.kernels import ROW_LINEARS  # noqa: E402
 from higgs_talker.flashinfer_attention import FlashInferAttention  # noqa: E402
-from higgs_talker.ops import TorchKernels  # noqa: E402
+from higgs_talker.ops import FlashInferKernels, TorchKernels  # noqa: E402
+from higgs_talker.triton_gemv import RowConfig  # noqa: E402
 
 
 @pytest.mark.parametrize("n", [1, 3, 64])
@@ -91,6 +93,81 @@ def test_fused_attention_path_gives_the_reference_greedy_codes(talker, tiny_dir)
     assert kernels.calls > 0
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------- one-row GEMV
+
+SMALL_TILES = [RowConfig(2, 32, 4, 2), RowConfig(1, 64, 2, 2)]  # several programs and K chunks, ragged ends
+
+
+@pytest.mark.parametrize("tile", SMALL_TILES)
+@pytest.mark.parametrize(("n", "k", "bias", "silu"), [(37, 50, True, False), (64, 96, False, False),
+                                                      (1, 130, False, False), (37, 50, False, True)])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_linear_matches_float64_interpreted(dtype, n, k, bias, silu, tile):
+    g = torch.Generator().manual_seed(n * k)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    w = (torch.randn(2 * n if silu else n, k, generator=g) * k**-0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    want = x.double() @ w.double().T + (b.double() if bias else 0)
+    roundings = 1
+    if silu:  # each half rounded as the GEMM stores it, then SiLU-and-mul rounded once more
+        gate, up = want.to(dtype).double().chunk(2, dim=-1)
+        want, roundings = torch.nn.functional.silu(gate) * up, 3
+    got = triton_gemv.row_linear(x, w, b, tile, silu_mul=silu)
+    assert got.shape == (1, n) and got.dtype == dtype
+    # each rounding within 2 u here (the interpreter truncates to bf16), the fp32 sum of k products within k u32
+    u = torch.finfo(dtype).eps / 2
+    tolerance = 2 * roundings * u + k * 2.0**-24
+    assert ((got.double() - want).norm() / want.norm()).item() <= tolerance
+
+
+def test_row_linear_rejects_what_it_cannot_take():
+    x, w = torch.zeros(1, 8), torch.zeros(4, 8)
+    with pytest.raises(ValueError, match=r"one row \[1, K\], got x of shape \(2, 8\)"):
+        triton_gemv.row_linear(torch.zeros(2, 8), w)
+    with pytest.raises(ValueError, match=r"weight of shape \(4, 6\) does not take x of shape \(1, 8\)"):
+        triton_gemv.row_linear(x, torch.zeros(4, 6))
+    with pytest.raises(ValueError, match="share a dtype"):
+        triton_gemv.row_linear(x, w.bfloat16())
+    with pytest.raises(ValueError, match="silu_mul needs an even number of weight rows and no bias, got 3 rows"):
+        triton_gemv.row_linear(x, torch.zeros(3, 8), silu_mul=True)
+    with pytest.raises(ValueError, match="contiguous"):
+        triton_gemv.row_linear(x, torch.zeros(8, 4).t())
+
+
+class InterpretedRowGemv(TorchKernels):
+    """The torch kernels with FlashInfer's linear dispatch: one-row inputs of every linear take the (interpreted)
+    Triton GEMV, as after ``choose_row_linears`` chose it everywhere."""
+
+    linear = FlashInferKernels.linear
+    gate_up_silu = FlashInferKernels.gate_up_silu
+
+    def __init__(self, tile: RowConfig) -> None:
+        self._gemv = triton_gemv
+        self.row_gemv = True
+        self.row_configs = dict.fromkeys(ROW_LINEARS, tile)
+
+
+def test_row_gemv_path_gives_the_reference_greedy_codes(talker, tiny_dir, monkeypatch):
+    """The model's one-row path (every linear at batch 1 decode, gate_up with SiLU-and-mul) through the engine
+    in fp32: the same greedy codes as F.linear; prefills (several rows) keep F.linear."""
+    rows = HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=8, max_model_len=1024)
+    rows.model.use_kernels(InterpretedRowGemv(RowConfig(16, 128, 4, 2)))  # down's K of 192 in two chunks
+    calls = []
+    real = triton_gemv.row_linear
+
+    def counting(x, weight, bias=None, config=None, silu_mul=False):
+        calls.append((x.shape[0], weight.shape, silu_mul))
+        return real(x, weight, bias, config, silu_mul)
+
+    monkeypatch.setattr(triton_gemv, "row_linear", counting)
+    params = SamplingParams(temperature=0.0, max_frames=12)
+    for text in ["one row at a time", "a second request, alone"]:  # alone: every decode step is one row
+        assert torch.equal(rows.generate(text, params).rows, talker.generate(text, params).rows)
+    layers = talker.cfg.text.num_hidden_layers
+    assert calls and all(n == 1 for n, _, _ in calls)
+    assert sum(silu for _, _, silu in calls) == len(calls) // 4 and len(calls) % (4 * layers) == 0
 
 
 # --------------------------------------------------------------------------------------------------- frame kernels

@@ -1,4 +1,5 @@
-"""Decode-kernel choice by measurement: per graph bucket, the fastest correct kernel of the attention backend.
+"""Kernel choice by measurement: per graph bucket, the fastest correct decode kernel of the attention backend; per
+linear, whether one-row inputs take our Triton GEMV (``choose_row_linears``, at the end).
 
 Each candidate in ``backend.decode_kernels`` first runs alone through the backend's own bucket path
 (``plan_bucket`` + ``forward``) on a fork of the backend over synthetic caches, timed inside a CUDA graph and
@@ -163,3 +164,101 @@ def choose_decode_kernels(
     summary = ", ".join(f"{b}:{k}" for b, k in chosen.items())
     logger.info("decode kernels (CUDA graphs):\n%s\nchosen per bucket: %s", "\n".join(lines), summary)
     return rows
+
+
+# the model's linears a one-row GEMV can take: name (as the model passes it to ``kernels.linear``) -> the module
+ROW_LINEARS = {
+    "qkv": lambda layer: layer.self_attn.qkv_proj,
+    "o_proj": lambda layer: layer.self_attn.o_proj,
+    "gate_up": lambda layer: layer.mlp.gate_up_proj,
+    "down": lambda layer: layer.mlp.down_proj,
+}
+
+
+def choose_row_linears(model: torch.nn.Module) -> list[dict]:
+    """Give each linear of ``model`` the one-row Triton GEMV (``triton_gemv``) via ``model.kernels.row_configs``
+    as its ``row_gemv`` option says: ``auto`` where it is correct and faster than the kernels' own path, ``on``
+    wherever it is correct (the first correct tile), ``off`` nowhere. A linear left out stays on cuBLAS.
+
+    Each tile of ``triton_gemv.CONFIGS`` is checked first, on layer 0 with a random row, against a float64
+    product: one that raises or misses the dtype's epsilon (relative norm) is never chosen. Under ``auto`` the
+    product of the row with every layer's weight (so weights stream from HBM as in a step; gate_up with
+    SiLU-and-mul after it) is timed in a CUDA graph for the kernels' path and each correct tile. Returns the
+    table (one dict per linear).
+    """
+    kernels = model.kernels
+    option = getattr(kernels, "row_gemv", "off")
+    layers = list(model.model.layers)
+    weight = ROW_LINEARS["qkv"](layers[0]).weight
+    if option == "off" or weight.dtype not in (torch.bfloat16, torch.float16):
+        return []
+    from ..triton_gemv import CONFIGS, row_linear
+
+    kernels.row_configs.clear()
+    gen = torch.Generator(device=weight.device).manual_seed(0)
+    tolerance = torch.finfo(weight.dtype).eps
+    rows = []
+    for name, module_of in ROW_LINEARS.items():
+        modules = [module_of(layer) for layer in layers]
+        silu = name == "gate_up"
+        x = torch.randn(1, modules[0].in_features, generator=gen, device=weight.device).to(weight.dtype)
+        row = {"linear": name}
+        if option == "auto":
+            row["torch_us"] = _products_us(_kernels_product(kernels, name, x), modules)
+        want = _row_reference(x, modules[0], silu)
+        best = None
+        for config in CONFIGS:
+            tile = str(tuple(config))
+            try:
+                got = row_linear(x, modules[0].weight, modules[0].bias, config, silu_mul=silu)
+                row[f"err{tile}"] = err = ((got.double() - want).norm() / want.norm()).item()
+                if not err <= tolerance:
+                    logger.warning("one-row GEMV %s off by %.1e on %s: not used", tile, err, name)
+                    continue
+                if option == "on":
+                    best = (0.0, config)
+                    break
+                row[f"us{tile}"] = us = _products_us(_row_product(row_linear, x, config, silu), modules)
+            except Exception as exc:  # noqa: BLE001 - a tile that cannot run is simply not chosen
+                logger.warning("one-row GEMV %s failed on %s: %s", tile, name, exc)
+                continue
+            if best is None or us < best[0]:
+                best = (us, config)
+        if best is not None and (option == "on" or best[0] < row["torch_us"]):
+            kernels.row_configs[name] = best[1]
+        row["chosen"] = str(tuple(kernels.row_configs[name])) if name in kernels.row_configs else "torch"
+        rows.append(row)
+    logger.info("one-row linears (%s): %s", option, "; ".join(
+        f"{r['linear']} -> {r['chosen']}" + (f" (torch {r['torch_us']:.1f} us, best triton "
+        f"{min((v for k, v in r.items() if k.startswith('us(')), default=float('nan')):.1f} us a layer)"
+        if "torch_us" in r else "") for r in rows))  # fmt: skip
+    return rows
+
+
+def _kernels_product(kernels, name: str, x: Tensor) -> Callable[[torch.nn.Module], Tensor]:
+    """The kernels' own path for linear ``name`` on row ``x`` (gate_up: with SiLU-and-mul), per module."""
+    if name == "gate_up":
+        return lambda module: kernels.gate_up_silu(x, module)
+    return lambda module: kernels.linear(name, x, module)
+
+
+def _row_product(row_linear, x: Tensor, config, silu: bool) -> Callable[[torch.nn.Module], Tensor]:
+    """The one-row GEMV with tile ``config`` on row ``x``, per module."""
+    return lambda module: row_linear(x, module.weight, module.bias, config, silu_mul=silu)
+
+
+def _products_us(product: Callable[[torch.nn.Module], Tensor], modules: list[torch.nn.Module]) -> float:
+    """Microseconds per module of ``product`` over every module, replayed in one CUDA graph."""
+    graph, _ = capture_graph(lambda: [product(m) for m in modules])
+    return median_ms(lambda: [graph.replay() for _ in range(5)], iters=5) * 1e3 / (5 * len(modules))
+
+
+def _row_reference(x: Tensor, module: torch.nn.Module, silu: bool) -> Tensor:
+    """float64 ``module(x)`` (for gate_up: SiLU-and-mul of its two halves, each rounded as the GEMM stores it)."""
+    y = x.double() @ module.weight.double().T
+    if module.bias is not None:
+        y = y + module.bias.double()
+    if not silu:
+        return y
+    gate, up = y.to(x.dtype).double().chunk(2, dim=-1)
+    return F.silu(gate) * up

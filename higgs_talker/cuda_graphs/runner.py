@@ -12,9 +12,10 @@ Prefill token buckets (``prefill_buckets``, default ``PREFILL_BUCKETS``) work th
 backend has fixed buffers for them (FlashInfer): in every mode a prefill is padded to the smallest bucket that
 holds it, and ``full_decode`` and ``auto`` replay the bucket's prefill graph (``prefill.py``); a bucket whose
 capture failed, and the other modes, run the padded batch eagerly. A prefill that fits no bucket runs unpadded
-on the model runner. Warm-up first measures the attention backend's decode kernels per bucket, on CUDA inside
-the model's whole decode step (``kernels.choose_decode_kernels``). Decode batches above the largest bucket run on
-the model runner unpadded.
+on the model runner. Warm-up first measures, on CUDA, whether each linear's one-row inputs take our Triton GEMV
+(``kernels.choose_row_linears``), then the attention backend's decode kernels per bucket, inside the model's whole
+decode step (``kernels.choose_decode_kernels``). Decode batches above the largest bucket run on the model runner
+unpadded.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from torch import Tensor
 from .buckets import DEFAULT_BUCKETS, PREFILL_BUCKETS, bucket_for, normalize_buckets
 from .capture import graph_pool, median_ms
 from .full_decode import FullDecodeGraphs
-from .kernels import choose_decode_kernels
+from .kernels import choose_decode_kernels, choose_row_linears
 from .local_mlp import LocalMLPGraphs
 from .policy import GraphMode, decide
 from .prefill import PrefillGraphs
@@ -68,6 +69,7 @@ class GraphRunner:
         self.prefill: PrefillGraphs | None = None
         self.choice: dict[int, str] = {}  # bucket -> "full_decode" | "local_mlp" (auto)
         self.kernel_timings: list[dict] = []
+        self.row_timings: list[dict] = []  # the one-row GEMV measurement (kernels.choose_row_linears)
         self.timings: list[dict] = []
         self.warmup_s = 0.0
 
@@ -77,6 +79,8 @@ class GraphRunner:
         logger.info("graph policy: %s", self.decision.reason)
         start = time.perf_counter()
         step = self._kernel_step if runner.device.type == "cuda" else None
+        if runner.device.type == "cuda":  # before anything is timed or captured: every step uses the choice
+            self.row_timings = choose_row_linears(runner.model)
         with runner.slots.preserved([runner.slots.scratch]):
             self.kernel_timings = choose_decode_kernels(runner.attn, list(self.buckets), step=step)
         if self.decision.full_decode or self.decision.local_mlp:

@@ -1,0 +1,100 @@
+"""Tiles of the one-row Triton linear (``higgs_talker.triton_gemv``) against cuBLAS, per linear of the 4B shape.
+
+CUDA only. For qkv, o_proj, gate_up (with SiLU-and-mul: against cuBLAS + FlashInfer's activation kernel) and
+down, 36 weight copies (as many as layers: weights stream from HBM) are multiplied in one CUDA graph per variant;
+the figure is the median replay time per product. Every tile is first checked against a float64 product.
+
+    python benchmarks/probes/row_gemv.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from blas import shapes  # noqa: E402
+
+from higgs_talker.cuda_graphs.capture import capture_graph, median_ms  # noqa: E402
+from higgs_talker.triton_gemv import RowConfig, row_linear  # noqa: E402
+
+TILES = [RowConfig(*t) for t in itertools.product((1, 2, 4), (512, 1024, 2048), (2, 4, 8), (2, 3))]
+
+
+def cublas(x, w, silu):
+    y = F.linear(x, w)
+    if silu:
+        import flashinfer
+
+        return flashinfer.activation.silu_and_mul(y)
+    return y
+
+
+def reference(x, w, silu):
+    y = x.double() @ w.double().T
+    if silu:
+        g, u = y.to(x.dtype).double().chunk(2, dim=-1)
+        return F.silu(g) * u
+    return y
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--copies", type=int, default=36)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    torch.set_grad_enabled(False)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+
+    def timed(fn, copies) -> float:
+        graph, _ = capture_graph(fn)
+        return median_ms(lambda: [graph.replay() for _ in range(5)], iters=7) * 1e3 / (5 * copies)
+
+    for name, (n_out, n_in) in shapes().items():
+        silu = name == "gate_up"
+        weights = [(torch.randn(n_out, n_in, generator=g, device="cuda") * n_in**-0.5).bfloat16()
+                   for _ in range(args.copies)]  # fmt: skip
+        x = torch.randn(1, n_in, generator=g, device="cuda").bfloat16()
+        want = reference(x, weights[0], silu)
+        base = timed(lambda x=x, s=silu, ws=weights: [cublas(x, w, s) for w in ws], args.copies)
+        base_err = ((cublas(x, weights[0], silu).double() - want).norm() / want.norm()).item()
+        print(f"{name:8s} cublas{'+silu' if silu else ''} {base:7.2f} us  err {base_err:.1e}", flush=True)
+        rows.append({"linear": name, "variant": "cublas", "us": base, "rel_err": base_err})
+        best = None
+        for tile in TILES:
+            try:
+                err = ((row_linear(x, weights[0], config=tile, silu_mul=silu).double() - want).norm()
+                       / want.norm()).item()  # fmt: skip
+                us = timed(lambda t=tile, x=x, s=silu, ws=weights: [row_linear(x, w, config=t, silu_mul=s) for w in ws],
+                           args.copies)  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - a tile that does not compile is recorded and skipped
+                print(f"{name:8s} {tuple(tile)}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                continue
+            rows.append({"linear": name, "variant": "triton", "tile": list(tile), "us": us, "rel_err": err})
+            if best is None or us < best[0]:
+                best = (us, tile, err)
+        ranked = sorted((r for r in rows if r["linear"] == name and r["variant"] == "triton"), key=lambda r: r["us"])
+        for r in ranked[:6]:
+            print(f"{name:8s} triton {tuple(r['tile'])} {r['us']:7.2f} us ({base / r['us']:.3f}x)  "
+                  f"err {r['rel_err']:.1e}", flush=True)  # fmt: skip
+        for tile in ((2, 1024, 4, 2), (1, 2048, 4, 2), (4, 512, 4, 3)):
+            r = next((r for r in ranked if tuple(r["tile"]) == tile), None)
+            if r:
+                print(f"{name:8s} default {tile} {r['us']:7.2f} us ({base / r['us']:.3f}x)", flush=True)
+    if args.out:
+        path = Path(args.out) / f"row_gemv_{time.strftime('%Y%m%d-%H%M%S')}.json"
+        meta = {"gpu": torch.cuda.get_device_name(), "command": " ".join(sys.argv), "torch": torch.__version__}
+        path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""One-row linears in Triton: ``y = x @ W.T (+ b)`` for a single token, and gate_up with SiLU-and-mul after it.
+
+At batch 1 a decode step multiplies one row by every weight of the model, so each linear is a weight-streaming
+GEMV. cuBLAS runs them as split-K GEMMs (plus a reduce kernel for o_proj and down); on the H200 4B shape this
+plain kernel (one program per ``BLOCK_N`` output rows, the whole K in ``BLOCK_K`` chunks, fp32 accumulation)
+streams the weights faster: qkv 9.5 vs 11.4 us, o_proj 7.2 vs 10.2, down 13.8 vs 17.6 us. For gate_up a program
+also computes the matching ``up`` rows and writes ``silu(gate) * up``: 25.6 us against 32.3 for cuBLAS and
+FlashInfer's activation kernel (``benchmarks/results/h200_20261202c/row_gemv_20261202-055936.json``).
+
+Numerics follow the unfused path: the products summed in fp32, the linear's output rounded once to the weight
+dtype (as cuBLAS stores it), SiLU-and-mul in fp32 on the two rounded halves, rounded once more (as FlashInfer's
+activation kernel stores it). The summation order differs from cuBLAS's, so results agree to rounding, not bits.
+
+Whether a linear uses this kernel is measured per GPU and shape at warm-up (``cuda_graphs.kernels
+.choose_row_linears``); the model calls it through its kernels object only for one-row inputs. This module needs
+triton; ``ops.FlashInferKernels`` imports it lazily, so ``import higgs_talker`` never imports triton. Under
+``TRITON_INTERPRET=1`` the kernel runs on CPU tensors (tests).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+class RowConfig(NamedTuple):
+    """A tile: output rows per program, K chunk, warps, pipeline stages."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# the tiles warm-up tries: the H200 probe's best for the 4B shape's o_proj and down, qkv, gate_up with SiLU-and-mul
+# (``benchmarks/probes/row_gemv.py``, ``results/h200_20261202c/row_gemv_20261202-055936.json``)
+CONFIGS = (RowConfig(2, 1024, 4, 2), RowConfig(2, 512, 2, 2), RowConfig(1, 512, 2, 3))
+
+
+@triton.jit
+def _row_linear_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, N, K,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # program p: output rows [p * BLOCK_N, (p + 1) * BLOCK_N); with SILU_MUL also the up rows N + those
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * K
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + cols, mask=col_ok, other=0).to(tl.float32)[None, :]
+        acc += tl.load(w_rows + cols[None, :], mask=mask, other=0).to(tl.float32) * x
+        if SILU_MUL:
+            acc_up += tl.load(w_rows + N * K + cols[None, :], mask=mask, other=0).to(tl.float32) * x
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=row_ok, other=0).to(tl.float32)
+    if SILU_MUL:  # both halves rounded as the GEMM stores them, then SiLU-and-mul in fp32
+        gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+        up = tl.sum(acc_up, axis=1).to(y_ptr.dtype.element_ty).to(tl.float32)
+        y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+def row_linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, config: RowConfig = CONFIGS[0], silu_mul: bool = False
+) -> Tensor:
+    """x [1, K] -> [1, N] = ``x @ weight.T + bias`` for weight [N, K]; with ``silu_mul`` weight is gate | up
+    [2 I, K] and the result is ``silu(gate) * up`` [1, I]. x and weight contiguous, one dtype."""
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"row_linear takes one row [1, K], got x of shape {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"weight of shape {tuple(weight.shape)} does not take x of shape {tuple(x.shape)}")
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise ValueError(f"x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}, "
+                         f"{None if bias is None else bias.dtype}")  # fmt: skip
+    if silu_mul and (weight.shape[0] % 2 or bias is not None):
+        raise ValueError(f"silu_mul needs an even number of weight rows and no bias, got {weight.shape[0]} rows"
+                         f"{' and a bias' if bias is not None else ''}")  # fmt: skip
+    if not (x.is_contiguous() and weight.is_contiguous()):
+        raise ValueError("row_linear needs contiguous x and weight")
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps, stages = config
+    _row_linear_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else y, y, n, x.shape[1],
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return y
