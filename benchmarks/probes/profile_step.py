@@ -5,9 +5,10 @@ CUDA only (not part of the CPU smoke tests). 4B shape, random bf16 weights, 512-
 ``max_seq_len`` vs time, native beside it). The H200 output of 2026-11-30 (taken on the commit before the
 decode host-path change) is ``benchmarks/results/h200_20261130/profile_prev_commit.log``.
 
-    python benchmarks/probes/profile_step.py [xqa] [full] [local] [xqa_step] [fused]
+    python benchmarks/probes/profile_step.py [xqa] [full] [local] [xqa_step] [fused] [cublasrows]
 
-``fused`` builds the engines of ``full``/``local`` with ``fuse_qk_rope=True``.
+``fused`` builds the engines of ``full``/``local`` with ``fuse_qk_rope=True``; ``cublasrows`` with
+``row_gemv="off"`` (cuBLAS for one-row linears too; default: the library's ``"auto"``).
 """
 
 from __future__ import annotations
@@ -216,10 +217,12 @@ def main() -> None:
             num_blocks=64 * 40 + 64,
             max_model_len=4096,
             fuse_qk_rope="fused" in what,
+            row_gemv="off" if "cublasrows" in what else "auto",
         )
         suppress_eoc(talker)
-        fused = talker.model.kernels.fuse_qk_rope
-        print(f"built {mode} (fuse_qk_rope={fused}) in {time.perf_counter() - t0:.1f} s", flush=True)
+        kernels = talker.model.kernels
+        print(f"built {mode} (fuse_qk_rope={kernels.fuse_qk_rope}, row_gemv={kernels.row_gemv}: "
+              f"{dict(kernels.row_configs)}) in {time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
         for b, ctx in cases:
             profile_case(talker, mode, b, ctx)
         del talker
