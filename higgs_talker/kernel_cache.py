@@ -11,9 +11,9 @@ FlashInfer reads its cache location once, when it is imported: ``$FLASHINFER_WOR
 by default ``~/.cache/flashinfer`` (the JIT libraries are in ``<arch>/cached_ops`` there). tvm-ffi, through
 which FlashInfer loads them, may build a small helper of its own into ``$TVM_FFI_CACHE_DIR`` (default
 ``~/.cache/tvm-ffi``). Triton keeps our kernels (the fused QK-norm/RoPE/K-V kernel, the one-row GEMV's tiles,
-the frame's kernels) in ``$TRITON_CACHE_DIR`` (default ``~/.triton/cache``, read when a kernel compiles). ``use_cache_dir(base)`` points all three under one
-directory; it must run before anything imports FlashInfer. On CPU there is nothing to build: the CPU path runs
-torch's precompiled kernels.
+the frame's kernels) in ``$TRITON_CACHE_DIR`` (default ``~/.triton/cache``, read when a kernel compiles).
+``use_cache_dir(base)`` points all three under one directory; it must run before anything imports FlashInfer.
+On CPU there is nothing to build: the CPU path runs torch's precompiled kernels.
 """
 
 from __future__ import annotations
