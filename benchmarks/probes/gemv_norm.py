@@ -238,25 +238,20 @@ def check(group, n, k, config, device, gen) -> dict:
 
 
 def time_group(group, n, k, copies, device, gen) -> list[dict]:
-    from higgs_talker.cuda_graphs.capture import capture_graph, median_ms
+    from blas import per_product_us  # the probes' common timer (CUDA only, as this function)
 
     flags = GROUPS[group][1]
     weights = [(torch.randn(n, k, generator=gen, device=device) * k**-0.5).bfloat16() for _ in range(copies)]
     x, _, res, norm_w = inputs(group, n, k, device, gen)
     rows = []
-
-    def timed(fn) -> float:
-        graph, _ = capture_graph(fn)
-        return median_ms(lambda: [graph.replay() for _ in range(5)], iters=7) * 1e3 / (5 * copies)
-
     xb = x.clone()  # the baseline's norm works in place on its input
-    base_us = timed(lambda: [baseline(group, xb, w, res, norm_w, timing=True) for w in weights])
+    base_us = per_product_us(lambda: [baseline(group, xb, w, res, norm_w, timing=True) for w in weights], copies)
     rows.append({"group": group, "variant": "cublas+flashinfer", "us": base_us})
     print(f"{group:20s} cublas+flashinfer {base_us:7.2f} us", flush=True)
     for config in CONFIGS:
         op = RowOp(n, k, config, device, **flags)
         try:
-            us = timed(lambda o=op: [run_fused(o, group, x, w, res, norm_w) for w in weights])
+            us = per_product_us(lambda o=op: [run_fused(o, group, x, w, res, norm_w) for w in weights], copies)
         except Exception as exc:  # noqa: BLE001 - a tile that does not compile is recorded and skipped
             print(f"{group:20s} fused {config}: {type(exc).__name__}: {exc}", flush=True)
             continue

@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from blas import shapes  # noqa: E402
+from blas import per_product_us, shapes  # noqa: E402
+from common import ResultFile, environment  # noqa: E402
 
-from higgs_talker.cuda_graphs.capture import capture_graph, median_ms  # noqa: E402
 from higgs_talker.triton_gemv import RowConfig, row_linear  # noqa: E402
 
 TILES = [RowConfig(*t) for t in itertools.product((1, 2, 4), (512, 1024, 2048), (2, 4, 8), (2, 3))]
@@ -53,18 +51,13 @@ def main() -> None:
     torch.set_grad_enabled(False)
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-
-    def timed(fn, copies) -> float:
-        graph, _ = capture_graph(fn)
-        return median_ms(lambda: [graph.replay() for _ in range(5)], iters=7) * 1e3 / (5 * copies)
-
     for name, (n_out, n_in) in shapes().items():
         silu = name == "gate_up"
         weights = [(torch.randn(n_out, n_in, generator=g, device="cuda") * n_in**-0.5).bfloat16()
                    for _ in range(args.copies)]  # fmt: skip
         x = torch.randn(1, n_in, generator=g, device="cuda").bfloat16()
         want = reference(x, weights[0], silu)
-        base = timed(lambda x=x, s=silu, ws=weights: [cublas(x, w, s) for w in ws], args.copies)
+        base = per_product_us(lambda x=x, s=silu, ws=weights: [cublas(x, w, s) for w in ws], args.copies)
         base_err = ((cublas(x, weights[0], silu).double() - want).norm() / want.norm()).item()
         print(f"{name:8s} cublas{'+silu' if silu else ''} {base:7.2f} us  err {base_err:.1e}", flush=True)
         rows.append({"linear": name, "variant": "cublas", "us": base, "rel_err": base_err})
@@ -73,8 +66,8 @@ def main() -> None:
             try:
                 err = ((row_linear(x, weights[0], config=tile, silu_mul=silu).double() - want).norm()
                        / want.norm()).item()  # fmt: skip
-                us = timed(lambda t=tile, x=x, s=silu, ws=weights: [row_linear(x, w, config=t, silu_mul=s) for w in ws],
-                           args.copies)  # fmt: skip
+                us = per_product_us(lambda t=tile, x=x, s=silu, ws=weights: [row_linear(x, w, config=t, silu_mul=s)
+                                                                             for w in ws], args.copies)  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - a tile that does not compile is recorded and skipped
                 print(f"{name:8s} {tuple(tile)}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                 continue
@@ -90,10 +83,9 @@ def main() -> None:
             if r:
                 print(f"{name:8s} default {tile} {r['us']:7.2f} us ({base / r['us']:.3f}x)", flush=True)
     if args.out:
-        path = Path(args.out) / f"row_gemv_{time.strftime('%Y%m%d-%H%M%S')}.json"
-        meta = {"gpu": torch.cuda.get_device_name(), "command": " ".join(sys.argv), "torch": torch.__version__}
-        path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        print(f"wrote {path}")
+        result = ResultFile(args.out, "row_gemv", environment(torch.device("cuda"), "probes/row_gemv.py", None))
+        result.set("rows", rows)
+        print(f"wrote {result.path}")
 
 
 if __name__ == "__main__":

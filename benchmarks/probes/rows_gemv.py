@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,9 +22,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from blas import shapes  # noqa: E402
-
-from higgs_talker.cuda_graphs.capture import capture_graph, median_ms  # noqa: E402
+from blas import per_product_us, shapes  # noqa: E402
+from common import ResultFile, environment  # noqa: E402
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, reduce each chunk)
 TILES = list(itertools.product((1, 2), (512, 1024), (2, 4), (2,), (0, 1)))
@@ -76,24 +73,19 @@ def main() -> None:
     torch.set_grad_enabled(False)
     g = torch.Generator(device="cuda").manual_seed(0)
     results = []
-
-    def timed(fn) -> float:
-        graph, _ = capture_graph(fn)
-        return median_ms(lambda: [graph.replay() for _ in range(5)], iters=7) * 1e3 / (5 * args.copies)
-
     for name, (n_out, n_in) in shapes().items():
         weights = [(torch.randn(n_out, n_in, generator=g, device="cuda") * n_in**-0.5).bfloat16()
                    for _ in range(args.copies)]  # fmt: skip
         for m in map(int, args.rows.split(",")):
             x = torch.randn(m, n_in, generator=g, device="cuda").bfloat16()
             want = x.double() @ weights[0].double().T
-            base = timed(lambda x=x, ws=weights: [F.linear(x, w) for w in ws])
+            base = per_product_us(lambda x=x, ws=weights: [F.linear(x, w) for w in ws], args.copies)
             best = None
             for tile in TILES:
                 try:
                     got = rows_linear(x, weights[0], tile)
                     err = ((got.double() - want).norm() / want.norm()).item()
-                    us = timed(lambda x=x, t=tile, ws=weights: [rows_linear(x, w, t) for w in ws])
+                    us = per_product_us(lambda x=x, t=tile, ws=weights: [rows_linear(x, w, t) for w in ws], args.copies)
                 except Exception as exc:  # noqa: BLE001 - a tile that does not compile is recorded and skipped
                     print(f"{name} m={m} {tile}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
                     continue
@@ -105,10 +97,9 @@ def main() -> None:
                 print(f"{name:8s} m={m}: cuBLAS {base:7.2f} us, best triton {best[0]:7.2f} us {best[1]} "
                       f"({base / best[0]:.3f}x) err {best[2]:.1e}", flush=True)  # fmt: skip
     if args.out:
-        path = Path(args.out) / f"rows_gemv_{time.strftime('%Y%m%d-%H%M%S')}.json"
-        meta = {"gpu": torch.cuda.get_device_name(), "command": " ".join(sys.argv), "triton": triton.__version__}
-        path.write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
-        print(f"wrote {path}")
+        result = ResultFile(args.out, "rows_gemv", environment(torch.device("cuda"), "probes/rows_gemv.py", None))
+        result.set("rows", results)
+        print(f"wrote {result.path}")
 
 
 if __name__ == "__main__":

@@ -78,9 +78,10 @@ class GraphRunner:
         runner = self.runner
         logger.info("graph policy: %s", self.decision.reason)
         start = time.perf_counter()
-        step = self._kernel_step if runner.device.type == "cuda" else None
+        step = None
         if runner.device.type == "cuda":  # before anything is timed or captured: every step uses the choice
             self.row_timings = choose_row_linears(runner.model)
+            step = self._kernel_step
         with runner.slots.preserved([runner.slots.scratch]):
             self.kernel_timings = choose_decode_kernels(runner.attn, list(self.buckets), step=step)
         if self.decision.full_decode or self.decision.local_mlp:
