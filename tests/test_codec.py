@@ -5,8 +5,9 @@ References, each independent of the code under test:
 - a float64 recomputation of the decoder written here from the DAC definitions (RVQ sum -> fc2 -> conv,
   Snake, transposed convs, residual units) on the raw safetensors tensors;
 - a float64 direct evaluation of the windowed-sinc interpolation formula for the resampler;
-- transformers' ``HiggsAudioV2TokenizerModel`` on the same tensors, wherever it imports (it needs torchaudio,
-  which does not load beside the CPU torch of CI: those tests skip there and run on the GPU image);
+- transformers' ``HiggsAudioV2TokenizerModel`` on the same tensors: its state-dict layout and ``decode``
+  everywhere, CI included (neither touches torchaudio, which does not load beside CI's CPU torch); ``encode``
+  and torchaudio's resampler only where torchaudio imports (the GPU image);
 - upstream's streaming schedule as measured in SPEC_codec 4.3, and the encoder lengths of SPEC_codec 5.4.
 
 Tolerances come from ``_tolerance.py``: the decoder is a chain of reductions of known lengths.
@@ -15,11 +16,13 @@ Tolerances come from ``_tolerance.py``: the decoder is a chain of reductions of 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import math
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -75,17 +78,51 @@ def random_codes(frames: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 1024, (frames, 8), generator=torch.Generator().manual_seed(seed))
 
 
-def transformers_codec_class():
-    """transformers' HiggsAudioV2TokenizerModel, or a skip saying why it is not usable here."""
+HF_CODEC_PACKAGE = "transformers.models.higgs_audio_v2_tokenizer"
+HF_CODEC_MODULE = f"{HF_CODEC_PACKAGE}.modeling_higgs_audio_v2_tokenizer"
+
+
+class _TorchaudioAbsent(types.ModuleType):
+    """Sits where torchaudio would while transformers' codec module imports; any use of it raises."""
+
+    def __getattr__(self, name: str):
+        raise RuntimeError(f"torchaudio.{name} was reached, but torchaudio does not import here")
+
+
+def torchaudio_or_skip():
+    """torchaudio, or a skip saying why it is not usable here."""
     try:
-        import torchaudio  # noqa: F401  (its module imports torchaudio at the top)
-        from transformers import HiggsAudioV2TokenizerModel
-        from transformers.utils.import_utils import is_torchaudio_available
+        import torchaudio
     except Exception as exc:  # noqa: BLE001 - a CUDA torchaudio beside CPU torch fails with OSError, not ImportError
-        pytest.skip(f"transformers' HiggsAudioV2TokenizerModel needs torchaudio, which does not import here: {exc}")
+        pytest.skip(f"torchaudio does not import here: {exc}")
+    from transformers.utils.import_utils import is_torchaudio_available
+
     if not is_torchaudio_available():
         pytest.skip("transformers does not see torchaudio")
-    return HiggsAudioV2TokenizerModel
+    return torchaudio
+
+
+def transformers_codec_class() -> type:
+    """transformers' ``HiggsAudioV2TokenizerModel``, the real class, whether or not torchaudio imports.
+
+    Its module imports torchaudio at the top and uses it only to resample inside ``encode``; building the model,
+    its state dict and ``decode`` never touch it. Where torchaudio does not import (CI's CPU torch), the module is
+    imported once with ``_TorchaudioAbsent`` in ``sys.modules`` for the duration of the import, so the layout and
+    decode comparisons run everywhere, and one that reached torchaudio would fail, not pass on a stand-in. Its
+    other imports come first, so that transformers' own torchaudio probe never sees the placeholder.
+    """
+    if HF_CODEC_MODULE not in sys.modules:
+        try:
+            import torchaudio  # noqa: F401
+        except Exception:  # noqa: BLE001 - as in torchaudio_or_skip
+            importlib.import_module("transformers.models.xcodec.modeling_xcodec")  # the same imports, torchaudio aside
+            importlib.import_module(f"{HF_CODEC_PACKAGE}.configuration_higgs_audio_v2_tokenizer")
+            sys.modules["torchaudio"] = _TorchaudioAbsent("torchaudio")
+            try:
+                importlib.import_module(HF_CODEC_MODULE)
+            finally:
+                del sys.modules["torchaudio"]
+    return importlib.import_module(HF_CODEC_MODULE).HiggsAudioV2TokenizerModel
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -250,19 +287,56 @@ def test_decode_matches_float64_recomputation(dtype, codec, codec_bf16, tensors)
     assert rel_err(got, other) > 2 * tol  # the bound is below what a wrong decode gives
 
 
-def test_decode_matches_transformers(tensors, codec) -> None:
-    model_class = transformers_codec_class()
-    hf = model_class(build_config(TINY_CODEC)).eval()
+def transformers_codec(tensors: dict[str, torch.Tensor]):
+    """transformers' HiggsAudioV2TokenizerModel for the tiny config, holding the checkpoint's tensors in fp32."""
+    hf = transformers_codec_class()(build_config(TINY_CODEC)).eval()
     hf.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
-    codes = random_codes(40, seed=2)
+    return hf
+
+
+def check_decode_against_transformers(ours: Codec, hf, codes: torch.Tensor, tol: float) -> None:
+    """ours.decode(codes [T, 8]) is bit-identical to transformers' modules fed upstream's RVQ-sum layout and within
+    ``tol`` of ``HiggsAudioV2TokenizerModel.decode`` (whose fc2 input rounds differently, SPEC_codec 3.8)."""
     with torch.no_grad():
         theirs = hf.decode(codes.t()[None], return_dict=False)[0, 0]
-        # the same modules on the RVQ sum in upstream's contiguous [B, H, T] layout (SPEC_codec 3.8)
-        summed = hf.quantizer.decode(codes.t()[:, None]).contiguous()
+        summed = hf.quantizer.decode(codes.t()[:, None]).contiguous()  # [B, H, T], as upstream holds it
         upstream = hf.acoustic_decoder(hf.fc2(summed.transpose(1, 2)).transpose(1, 2))[0, 0]
-    ours = codec.decode(codes)
-    assert torch.equal(ours, upstream)
-    assert rel_err(ours, theirs) <= 2 * decode_tolerance(tensors, torch.float32)
+    got = ours.decode(codes)
+    assert got.shape == upstream.shape == theirs.shape
+    assert torch.equal(got, upstream), f"differs from transformers' modules by {rel_err(got, upstream):.3g} relative"
+    err = rel_err(got, theirs)
+    assert err <= tol, f"relative error {err:.3g} to HiggsAudioV2TokenizerModel.decode, above {tol:.3g}"
+
+
+def test_decode_matches_transformers(tensors, codec) -> None:
+    """Runs without torchaudio (see ``transformers_codec_class``)."""
+    tol = 2 * decode_tolerance(tensors, torch.float32)  # both sides err from the exact decode by one fp32 chain
+    check_decode_against_transformers(codec, transformers_codec(tensors), random_codes(40, seed=2), tol)
+
+
+def _swap_codebooks(model: CodecModel) -> None:
+    q = model.quantizer.quantizers
+    q[0].codebook.embed, q[1].codebook.embed = q[1].codebook.embed, q[0].codebook.embed
+
+
+def _nudge_one_weight(model: CodecModel) -> None:
+    w = model.acoustic_decoder.block[2].res_unit2.conv1.weight
+    w.data[3, 1, 4] *= 1 + 2**-10  # one of the decoder's 20k weights, by 1e-3 relative
+
+
+@pytest.mark.parametrize(("mutate", "within_tol"), [(_swap_codebooks, False), (_nudge_one_weight, True)])
+def test_transformers_comparison_catches_a_wrong_decoder(mutate, within_tol: bool, tiny_dir: Path, tensors) -> None:
+    """The decode comparison fails for a codec one defect away from transformers'."""
+    wrong = Codec.from_pretrained(tiny_dir)
+    mutate(wrong.model)
+    tol = 2 * decode_tolerance(tensors, torch.float32)
+    with pytest.raises(AssertionError, match="differs from transformers' modules"):
+        check_decode_against_transformers(wrong, transformers_codec(tensors), random_codes(40, seed=2), tol)
+    # a defect this small hides inside the rounding bound of the unequal layout; only the bit-identity sees it
+    codes = random_codes(40, seed=2)
+    with torch.no_grad():
+        theirs = transformers_codec(tensors).decode(codes.t()[None], return_dict=False)[0, 0]
+    assert (rel_err(wrong.decode(codes), theirs) <= tol) == within_tol
 
 
 def test_decode_of_no_frames_is_empty(codec) -> None:
@@ -439,9 +513,8 @@ def test_resample_matches_the_interpolation_formula(orig: int, new: int) -> None
 
 
 def test_resample_matches_torchaudio() -> None:
-    transformers_codec_class()  # skips where torchaudio does not import
-    import torchaudio
-
+    """Against torchaudio itself: skips where torchaudio does not import (CI's CPU torch)."""
+    torchaudio = torchaudio_or_skip()
     for orig in (16000, 22050, 44100, 48000):
         x = torch.randn(2, 5000, dtype=torch.float64, generator=torch.Generator().manual_seed(orig))
         theirs = torchaudio.functional.resample(x, orig, 24000)
@@ -470,9 +543,10 @@ def test_encode_mixes_channels_and_resamples(codec) -> None:
 
 @pytest.mark.parametrize("rate", [24000, 16000])
 def test_encode_matches_transformers(rate: int, tensors, codec) -> None:
+    """transformers' encode resamples with torchaudio (to 16 kHz for HuBERT, always): skips where torchaudio does
+    not import (CI's CPU torch)."""
+    torchaudio = torchaudio_or_skip()
     model_class = transformers_codec_class()
-    import torchaudio
-
     hf = model_class(build_config(TINY_CODEC)).eval()
     hf.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
     wav = 0.1 * torch.randn(2 * rate, generator=torch.Generator().manual_seed(rate))
