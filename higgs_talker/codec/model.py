@@ -6,8 +6,8 @@ do not: ``DacDecoder`` / ``DacEncoder`` (the acoustic codec) and ``HubertModel``
 module assembles those with the small pieces that live in the torchaudio-importing file: the residual vector
 quantizer and the semantic encoder (a few convolutions), written here, and the 24 -> 16 kHz resampling
 (``resample.py``). Parameter and buffer names equal ``HiggsAudioV2TokenizerModel.state_dict()``'s, so the
-bundled checkpoint keys load unchanged; ``tests/test_codec.py`` checks names and outputs against transformers'
-class wherever torchaudio imports.
+bundled checkpoint keys load unchanged; ``tests/test_codec.py`` checks names and decoding against transformers'
+class everywhere, and encoding wherever torchaudio imports.
 
 Decoding needs only the quantizer's codebooks and output projections, ``fc2`` and the DAC decoder; a
 decode-only model builds nothing else. Training-only tensors of the checkpoint (codebook EMA statistics,
