@@ -1,10 +1,15 @@
 """Shared fixtures: the tiny checkpoint (built into a temporary cache), a loaded talker, and a checkpoint writer.
 
 Tests marked ``@pytest.mark.gpu`` are skipped when CUDA is not available.
+
+``--require-module MODULE`` (repeatable; the Makefile passes it to the vLLM and Triton-interpreter suites) makes a
+run that would only skip fail instead: MODULE must import before collection, no test or test module may skip
+because an import failed (``pytest.importorskip``), and at least one test must pass.
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pytest
@@ -19,11 +24,55 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--soak", type=int, default=None, metavar="N", help="requests in the engine soak test (default: the CI size)"
     )
+    parser.addoption(
+        "--require-module", action="append", default=[], metavar="MODULE",
+        help="fail if MODULE does not import, if a test skips for a failed import, or if no test passes",
+    )  # fmt: skip
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # The models under test are tiny: intra-op threads only add contention on the small CI machines.
     torch.set_num_threads(1)
+    required = config.getoption("require_module")
+    for name in required:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - a broken install fails with anything, not only ImportError
+            raise pytest.UsageError(
+                f"--require-module {name}: it does not import here ({type(exc).__name__}: {exc}), so the suite "
+                "that needs it would only skip"
+            ) from exc
+    if required:
+        config.pluginmanager.register(RequiredSuite(required), "require-module")
+
+
+class RequiredSuite:
+    """Fails a run that passed nothing, or skipped something because an import failed (``--require-module``)."""
+
+    def __init__(self, modules: list[str]) -> None:
+        self.modules, self.passed, self.import_skips = modules, 0, []
+
+    def _note(self, report: pytest.CollectReport | pytest.TestReport) -> None:
+        if report.skipped and "could not import" in str(report.longrepr):
+            self.import_skips.append(f"{report.nodeid}: {report.longrepr}")
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        self._note(report)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self._note(report)
+        self.passed += report.when == "call" and report.passed
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        problems = [f"skipped for a failed import: {s}" for s in self.import_skips]
+        if self.passed == 0 and exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+            problems.append("no test passed")
+        if not problems:
+            return
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        for line in problems if reporter is not None else []:
+            reporter.write_line(f"--require-module {' '.join(self.modules)}: {line}", red=True, bold=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
