@@ -9,7 +9,8 @@ because an import failed (``pytest.importorskip``), and at least one test must p
 
 from __future__ import annotations
 
-import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,16 +35,22 @@ def pytest_configure(config: pytest.Config) -> None:
     # The models under test are tiny: intra-op threads only add contention on the small CI machines.
     torch.set_num_threads(1)
     required = config.getoption("require_module")
-    for name in required:
-        try:
-            importlib.import_module(name)
-        except Exception as exc:  # noqa: BLE001 - a broken install fails with anything, not only ImportError
-            raise pytest.UsageError(
-                f"--require-module {name}: it does not import here ({type(exc).__name__}: {exc}), so the suite "
-                "that needs it would only skip"
-            ) from exc
     if required:
+        check_imports(required)
         config.pluginmanager.register(RequiredSuite(required), "require-module")
+
+
+def check_imports(modules: list[str]) -> None:
+    """Import ``modules`` in a child interpreter (vllm_omni patches vLLM on import: not in this process) or raise
+    a usage error naming them and the child's exception."""
+    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)"
+    out = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["(no message)"])[-1]
+        raise pytest.UsageError(
+            f"--require-module {' '.join(modules)}: not all of them import here ({last}), so the suite that needs "
+            "them would only skip"
+        )
 
 
 class RequiredSuite:
