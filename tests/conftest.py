@@ -72,7 +72,8 @@ class RequiredSuite:
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         problems = [f"skipped for a failed import: {s}" for s in self.import_skips]
-        if self.passed == 0 and exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        ran = not session.config.option.collectonly
+        if ran and self.passed == 0 and exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
             problems.append("no test passed")
         if not problems:
             return
