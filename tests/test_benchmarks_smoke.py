@@ -53,11 +53,13 @@ def test_attention_smoke(bench, tmp_path: Path) -> None:
 
 def test_decode_smoke(bench, tmp_path: Path) -> None:
     mod = bench("bench_decode")
-    argv = ["--device", "cpu", "--tiny", "--modes", "eager,auto", "--batches", "2", "--contexts", "24",
-            "--steps", "3", "--warmup", "1", "--fuse", "both", "--out", str(tmp_path)]  # fmt: skip
+    argv = ["--device", "cpu", "--tiny", "--modes", "eager,auto", "--batches", "2", "--contexts", "24", "--steps",
+            "3", "--warmup", "1", "--fuse", "both", "--sampling", "greedy", "--out", str(tmp_path)]  # fmt: skip
     data = load(mod.main(argv))
     assert data["meta"]["copy_tb_per_s"] > 0
     assert Path(data["meta"]["command"].split()[1]).name == "bench_decode.py"
+    assert data["meta"]["samplings"] == {"greedy": {"temperature": 0.0}} and "argmax" in data["meta"]["peers"]
+    assert {r["sampling"] for r in data["rows"]} == {"greedy"}  # ours and the peers' rows
     by_mode = {r["mode"]: r for r in data["rows"]}
     eager = by_mode["eager"]
     assert eager["status"] == "ok", eager
@@ -82,6 +84,50 @@ def test_decode_smoke(bench, tmp_path: Path) -> None:
     assert data["meta"]["peer_rel_err"] <= tol, (data["meta"]["peer_rel_err"], tol)
 
 
+def test_decode_sampling_deploy_and_greedy_in_one_run(bench, tmp_path: Path, capsys) -> None:
+    """The default ``--sampling deploy,greedy``: every point timed at both, deploy first (the headline), the rows
+    labelled, deploy's requests on the whole sampler (noise, top-k / top-p filter), greedy's on the argmax path."""
+    mod = bench("bench_decode")
+    argv = ["--device", "cpu", "--tiny", "--modes", "eager", "--batches", "1,2", "--contexts", "16", "--steps", "2",
+            "--warmup", "1", "--no-peers", "--out", str(tmp_path)]  # fmt: skip
+    data = load(mod.main(argv))
+    rows = data["rows"]
+    assert [(r["batch"], r["sampling"], r["status"]) for r in rows] == [
+        (1, "deploy", "ok"), (1, "greedy", "ok"), (2, "deploy", "ok"), (2, "greedy", "ok")]  # fmt: skip
+    for r in rows:
+        deploy = r["sampling"] == "deploy"
+        assert r["sampling_params"] == mod.SAMPLINGS[r["sampling"]]
+        assert (r["sampler_draw"], r["sampler_filter"]) == (deploy, deploy), r
+        assert r["ratio_to_floor"] == pytest.approx(r["ms_per_step"] / r["floor_ms"])
+        assert r["finish_reasons"] == [], r  # the zeroed EOC row: no request ends early, sampled or not
+    assert data["meta"]["headline_sampling"] == "deploy"
+    table = capsys.readouterr().out
+    header = next(line for line in table.splitlines() if line.startswith("| context"))
+    assert header.index("eager-fused deploy") < header.index("eager-fused greedy")
+    assert "best/floor deploy" in header and "best/floor greedy" in header
+
+
+def test_deploy_sampling_is_the_deploy_profiles(bench) -> None:
+    """``deploy`` is what both packaged deploy profiles send by default (their stage 0's default_sampling_params)."""
+    yaml = pytest.importorskip("yaml")
+    from higgs_talker.vllm_plugin.deploy import deploy_config_path
+
+    common = bench("common")
+    for profile in ("high_throughput", "low_latency"):
+        stage = yaml.safe_load(deploy_config_path(profile).read_text())["stages"][0]
+        defaults = stage["default_sampling_params"]
+        assert {k: defaults[k] for k in common.SAMPLINGS["deploy"]} == common.SAMPLINGS["deploy"], profile
+
+
+def test_sampling_option_refuses_unknown_names(bench, capsys) -> None:
+    mod = bench("bench_decode")
+    with pytest.raises(SystemExit) as exc:
+        mod.parse_args(["--sampling", "deploy,nucleus", "--no-peers"])
+    assert exc.value.code == 2 and "unknown sampling(s) ['nucleus']" in capsys.readouterr().err
+    assert mod.parse_args(["--no-peers"]).sampling == ["deploy", "greedy"]
+    assert mod.parse_args(["--sampling", "greedy,deploy,greedy", "--no-peers"]).sampling == ["greedy", "deploy"]
+
+
 def test_decode_head_kernels_both_times_each_variant_with_its_own_path(bench, tmp_path: Path, monkeypatch) -> None:
     """``--head-kernels both``: a ``-torchhead`` row beside each mode's, built and timed with the torch frame
     operations (the switch is read while the variant runs, then put back)."""
@@ -92,7 +138,8 @@ def test_decode_head_kernels_both_times_each_variant_with_its_own_path(bench, tm
     real = mod._run_variant
     monkeypatch.setattr(mod, "_run_variant", lambda v, *a: (seen.append((v.label, fused.ENABLED)), real(v, *a)))
     argv = ["--device", "cpu", "--tiny", "--modes", "eager", "--batches", "1", "--contexts", "16", "--steps", "2",
-            "--warmup", "1", "--head-kernels", "both", "--no-peers", "--out", str(tmp_path)]  # fmt: skip
+            "--warmup", "1", "--head-kernels", "both", "--sampling", "greedy", "--no-peers",
+            "--out", str(tmp_path)]  # fmt: skip
     data = load(mod.main(argv))
     assert seen == [("eager-fused", True), ("eager-fused-torchhead", False)]
     assert [(r["mode"], r["status"]) for r in data["rows"]] == [("eager-fused", "ok"), ("eager-fused-torchhead", "ok")]
