@@ -174,12 +174,15 @@ def test_e2e_smoke(bench, tmp_path: Path) -> None:
     mod = bench("bench_e2e")
     argv = ["--device", "cpu", "--tiny", "--modes", "eager", "--levels", "1,2", "--requests", "2",
             "--audio-s", "0.3,0.4", "--out", str(tmp_path)]  # fmt: skip
-    data = load(mod.main(argv))
-    assert [r["concurrency"] for r in data["rows"]] == [1, 2]
+    data = load(mod.main(argv))  # the default --sampling deploy,greedy: both at every level, deploy first
+    assert [(r["concurrency"], r["sampling"]) for r in data["rows"]] == [
+        (1, "deploy"), (1, "greedy"), (2, "deploy"), (2, "greedy")]  # fmt: skip
+    assert data["meta"]["samplings"] == {s: mod.SAMPLINGS[s] for s in ("deploy", "greedy")}
     for r in data["rows"]:
         assert r["status"] == "ok", r
         assert r["ttfp_ms_p50"] > 0 and r["rtf_p50"] > 0 and r["ttfp_ms_p50"] <= r["ttfp_ms_p99"]
-    for req in data["requests"]:
+    assert sorted(req["sampling"] for req in data["requests"]) == ["deploy"] * 4 + ["greedy"] * 4
+    for req in data["requests"]:  # sampled or greedy, the zeroed EOC row keeps every request to its length
         assert req["finish_reason"] == "max_frames" and req["frames"] == req["target_frames"]
 
 
@@ -188,7 +191,8 @@ def test_e2e_prefill_graphs_both_gives_a_row_set_each(bench, tmp_path: Path) -> 
     so this checks the labels and the plumbing into the API)."""
     mod = bench("bench_e2e")
     argv = ["--device", "cpu", "--tiny", "--modes", "eager", "--levels", "1", "--requests", "1",
-            "--audio-s", "0.3,0.3", "--prefill-graphs", "both", "--out", str(tmp_path)]  # fmt: skip
+            "--audio-s", "0.3,0.3", "--prefill-graphs", "both", "--sampling", "greedy",
+            "--out", str(tmp_path)]  # fmt: skip
     data = load(mod.main(argv))
     assert [(r["mode"], r["status"]) for r in data["rows"]] == [("eager-eagerprefill", "ok"), ("eager", "ok")]
 
@@ -198,7 +202,8 @@ def test_e2e_one_voice_with_and_without_prefix_caching(bench, tmp_path: Path) ->
     with the cache: with it, every request after the first finds the voice's blocks, and the rows agree."""
     mod = bench("bench_e2e")
     argv = ["--device", "cpu", "--tiny", "--modes", "eager", "--levels", "1", "--requests", "3", "--voice-s", "1",
-            "--audio-s", "0.3,0.3", "--prefix-caching", "both", "--out", str(tmp_path)]  # fmt: skip
+            "--audio-s", "0.3,0.3", "--prefix-caching", "both", "--sampling", "deploy",
+            "--out", str(tmp_path)]  # fmt: skip
     data = load(mod.main(argv))
     assert [(r["mode"], r["status"]) for r in data["rows"]] == [("eager", "ok"), ("eager+pcache", "ok")]
     reqs = {m: [r for r in data["requests"] if r["mode"] == m] for m in ("eager", "eager+pcache")}
