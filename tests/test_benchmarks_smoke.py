@@ -214,7 +214,7 @@ def test_e2e_one_voice_with_and_without_prefix_caching(bench, tmp_path: Path) ->
 
 
 def test_plot_smoke(bench, tmp_path: Path) -> None:
-    """plot.py turns the JSONs into PNGs, or says matplotlib is missing and writes nothing."""
+    """plot.py turns the JSONs into PNGs, or says matplotlib is missing, writes nothing and exits non-zero."""
     plot = bench("plot")
     decode = {"meta": {"date": "2026-01-01"}, "rows": [
         {"mode": m, "batch": b, "context": 512, "ms_per_step": 2.0 * b, "floor_ms": 1.0, "status": "ok"}
@@ -229,11 +229,52 @@ def test_plot_smoke(bench, tmp_path: Path) -> None:
     for name, data in (("decode_x.json", decode), ("e2e_x.json", e2e), ("attention_x.json", attention)):
         files.append(tmp_path / name)
         files[-1].write_text(json.dumps(data))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:  # not installed here: the script must say so and fail (the next test forces this case)
+        with pytest.raises(SystemExit) as exc:
+            plot.main([str(f) for f in files])
+        assert exc.value.code and "matplotlib is not installed" in str(exc.value.code)
+        return
     written = plot.main([str(f) for f in files])
-    if "matplotlib" in sys.modules:
-        assert sorted(p.name for p in written) == ["attention_x.png", "decode_x.png", "e2e_x.png"]
-    else:
-        assert written == []
+    assert sorted(p.name for p in written) == ["attention_x.png", "decode_x.png", "e2e_x.png"]
+
+
+def test_plot_without_matplotlib_exits_nonzero(bench, tmp_path: Path, monkeypatch) -> None:
+    plot = bench("plot")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    f = tmp_path / "decode_x.json"
+    f.write_text(json.dumps({"meta": {}, "rows": []}))
+    with pytest.raises(SystemExit) as exc:
+        plot.main([str(f)])
+    assert exc.value.code and "pip install -e '.[bench]'" in str(exc.value.code)
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_plot_picks_the_newest_result_by_when_it_was_measured(bench, tmp_path: Path) -> None:
+    """By the stamp in the file name (else ``meta.date``), in ``results/`` and its dated subfolders, never by the
+    modification time (a fresh clone gives every file the same one; here the oldest file is touched last)."""
+    import os
+
+    plot = bench("plot")
+    files = {
+        "decode_20261130-215728.json": "2026-11-30T21:57:28",
+        "h200_20261202c/decode_20261202-062505.json": "2026-12-02T06:25:05",
+        "h200_20261201/decode_20261201-170621.json": "2026-12-01T17:06:21",
+        "h200_20261202c/e2e_20261202-062421.json": "2026-12-02T06:24:21",
+        "e2e_20261130-221228.json": "2026-11-30T22:12:28",
+        "attention_old.json": "2026-11-29T23:30:12+00:00",  # no stamp in the name: meta.date decides
+        "sub/attention_new.json": "2026-11-30T22:01:34+00:00",
+    }
+    for i, (name, date) in enumerate(files.items()):
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"meta": {"date": date}, "rows": []}))
+        os.utime(path, (1e9 - i, 1e9 - i))  # listed first = touched last
+    chosen = [p.relative_to(tmp_path).as_posix() for p in plot.newest(tmp_path)]
+    assert chosen == ["h200_20261202c/decode_20261202-062505.json", "h200_20261202c/e2e_20261202-062421.json",
+                      "sub/attention_new.json"]  # fmt: skip
+    assert plot.measured_at(tmp_path / "attention_old.json") == "20261129-233012"
 
 
 def test_codec_smoke(bench, tmp_path: Path) -> None:
