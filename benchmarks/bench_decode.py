@@ -2,9 +2,15 @@
 
 For each graph mode the talker is built once through the public API (``HiggsTalker.from_config``: the 4B shape
 with random bf16 weights by default; ``--model DIR`` loads a checkpoint), then for each (context, batch):
-B requests whose prompts are ``context`` tokens long are added (greedy, ``max_frames`` far away), stepped
-until every one is decoding, warmed up, and ``talker.engine.step()`` is timed with CUDA events, one step at
-a time (median over ``--steps`` steps; steps where a request dropped out are excluded).
+B requests whose prompts are ``context`` tokens long are added (``max_frames`` far away), stepped until every
+one is decoding, warmed up, and ``talker.engine.step()`` is timed with CUDA events, one step at a time (median
+over ``--steps`` steps; steps where a request dropped out are excluded).
+
+Each point is timed once per ``--sampling`` name (default ``deploy,greedy``, the same built talker, rows
+labelled ``sampling``): ``deploy`` is the deploy profiles' sampling (temperature 1.0, top_p 0.95, top_k 50,
+seeded requests), the headline; ``greedy`` is the argmax. They replay different full-decode graphs: a batch
+with top-k / top-p on takes the whole sampler (noise, sort and filter), an all-greedy batch the argmax-only
+variant (``cuda_graphs.full_decode``); the rows record which (``sampler_draw``, ``sampler_filter``).
 
 The floor is the bytes one decode step must read over the device-to-device copy bandwidth measured at the
 start of the run: every layer's weights + the final norm + the codebook table (the text embedding is only
@@ -13,7 +19,9 @@ kv_heads x head_dim x element size).
 
 Peers (``--no-peers`` to skip): transformers ``Qwen3ForCausalLM`` with the same shape and weights (ours copied
 in; its head is the codebook table), eager with its dynamic cache and with ``StaticCache`` +
-``torch.compile(mode="reduce-overhead")``.
+``torch.compile(mode="reduce-overhead")``. They take the argmax of the last position's logits (the codebook table
+as the vocabulary, no sampling, no delay pattern): their rows are labelled ``greedy`` and compare with ours at
+``greedy``.
 
 ``--fuse both`` times every mode twice, as ``MODE-fused`` (the library's default, ``fuse_qk_rope=True``: QK-norm,
 RoPE and the K/V writes in one Triton kernel) and ``MODE`` (``fuse_qk_rope=False``: the separate kernels), in
@@ -27,10 +35,12 @@ hash, delay mask and state update as torch operations instead of the Triton kern
 ``--row-gemv auto,off`` times each mode with the one-row Triton GEMV measured per linear (``auto``, the default)
 and with cuBLAS for every linear (``...-cublasrows`` rows; ``on``: the GEMV on every linear, ``...-rowgemv``).
 
-With random weights the codebook-0 EOC row of the table is zeroed, so greedy decoding never ends a request
-early (its logit is exactly 0 while the max of 1024 random logits is positive); ``meta.eoc_suppressed`` says so.
+With random weights the codebook-0 EOC row of the table is zeroed, so no request ends early: its logit is
+exactly 0 while the max of 1024 random logits is positive (greedy), and about half of them are positive, so
+top_k 50 never keeps it (deploy); ``meta.eoc_suppressed`` says so.
 
-    python benchmarks/bench_decode.py --out $OUT                       # 4B shape, all modes (H200: ~4 min incl. JIT)
+    python benchmarks/bench_decode.py --out $OUT                       # 4B shape, all modes, deploy and greedy
+    python benchmarks/bench_decode.py --modes auto --sampling deploy --no-peers   # the headline sampling only
     python benchmarks/bench_decode.py --modes eager,auto --batches 1,64 --contexts 512 --no-peers
     python benchmarks/bench_decode.py --modes full_decode --batches 1,64 --contexts 512 --fuse both --no-peers
     python benchmarks/bench_decode.py --modes full_decode --batches 1,64 --contexts 512 --async both --no-peers
@@ -49,6 +59,8 @@ from collections.abc import Sequence
 
 import torch
 from common import (
+    DEFAULT_SAMPLINGS,
+    SAMPLINGS,
     ResultFile,
     StepTimer,
     copy_bandwidth,
@@ -61,6 +73,7 @@ from common import (
     percentile,
     print_table,
     resolve_device,
+    samplings_arg,
     strs_arg,
     sync,
 )
@@ -226,12 +239,17 @@ def graph_info(talker: HiggsTalker) -> dict:
 # our engine
 
 
-def time_engine(talker: HiggsTalker, batch: int, context: int, args: argparse.Namespace, wb: int, bw: float) -> dict:
-    """Add ``batch`` requests of ``context`` tokens, prefill, warm up, time decode steps; returns the row."""
+def time_engine(
+    talker: HiggsTalker, batch: int, context: int, sampling: str, args: argparse.Namespace, wb: int, bw: float
+) -> dict:
+    """Add ``batch`` requests of ``context`` tokens sampled as ``sampling`` (a name in SAMPLINGS), prefill, warm
+    up, time decode steps; returns the row."""
     eng, device = talker.engine, torch.device(args.device)
-    params = SamplingParams(temperature=0.0, max_frames=args.warmup + args.steps + 64)
+    frames = args.warmup + args.steps + 64
     prompts = [make_prompt(talker, context, seed=context * 1000 + i) for i in range(batch)]
-    ids = [eng.add_request(p, params) for p in prompts]
+    seeds = [args.seed + context * 1000 + i for i in range(batch)]
+    ids = [eng.add_request(p, SamplingParams(**SAMPLINGS[sampling], seed=s, max_frames=frames))
+           for p, s in zip(prompts, seeds, strict=True)]  # fmt: skip
     try:
         t0 = time.perf_counter()
         prefill_steps = 0
@@ -245,6 +263,7 @@ def time_engine(talker: HiggsTalker, batch: int, context: int, args: argparse.Na
         for _ in range(args.warmup):
             eng.step()
         reqs = [eng.requests[i] for i in ids]
+        draw, filter_ = eng.scheduler._sampling_flags(reqs)  # which sampler graph these steps replay
         ctx_start = sum(r.num_computed for r in reqs) / batch
         timer, sizes = StepTimer(device), []
         for _ in range(args.steps):
@@ -270,6 +289,10 @@ def time_engine(talker: HiggsTalker, batch: int, context: int, args: argparse.Na
     return {
         "batch": batch,
         "context": context,
+        "sampling": sampling,
+        "sampling_params": SAMPLINGS[sampling],
+        "sampler_draw": draw,  # some request samples (noise drawn)
+        "sampler_filter": filter_,  # some request has top-k / top-p on (sort and filter run)
         "prompt_tokens": sum(len(p) for p in prompts) / batch,
         "ms_per_step": ms,
         "ms_p10": percentile(full, 10),
@@ -322,7 +345,7 @@ def run_mode(variant: Variant, cfg: TalkerConfig, args, writer: ResultFile, bw: 
 
 
 def _run_variant(variant: Variant, cfg: TalkerConfig, args, writer: ResultFile, bw: float, share_s: float) -> None:
-    points = [(c, b) for c in args.contexts for b in args.batches]
+    points = [(c, b, s) for c in args.contexts for b in args.batches for s in args.sampling]
     label = variant.label
     base = {"mode": label, "async_scheduling": variant.async_scheduling, "decode_kernel_option": variant.kernel}
     t0 = time.perf_counter()
@@ -333,8 +356,9 @@ def _run_variant(variant: Variant, cfg: TalkerConfig, args, writer: ResultFile, 
         talker.generate("warm up", SamplingParams(temperature=0.0), max_frames=2)  # first-use kernel compiles
         sync(torch.device(args.device))
     except Exception as exc:  # noqa: BLE001 - e.g. a graph mode the engine does not support yet
-        for c, b in points:
-            writer.add(base | {"batch": b, "context": c, "status": "error", "error": f"build: {error_text(exc)}"})
+        for c, b, s in points:
+            writer.add(base | {"batch": b, "context": c, "sampling": s, "status": "error",
+                               "error": f"build: {error_text(exc)}"})  # fmt: skip
         log(f"{label}: build failed: {error_text(exc)}")
         free_memory(torch.device(args.device))
         return
@@ -343,17 +367,17 @@ def _run_variant(variant: Variant, cfg: TalkerConfig, args, writer: ResultFile, 
     info = graph_info(talker)
     log(f"{label}: built in {build_s:.1f} s ({info})")
     wb = weight_bytes(talker.model)
-    for c, b in points:
+    for c, b, s in points:
         if time.perf_counter() > deadline:
-            writer.add(base | {"batch": b, "context": c, "status": "skipped", "error": "time budget"})
+            writer.add(base | {"batch": b, "context": c, "sampling": s, "status": "skipped", "error": "time budget"})
             continue
         try:
-            row = base | time_engine(talker, b, c, args, wb, bw) | {"build_s": build_s} | info
+            row = base | time_engine(talker, b, c, s, args, wb, bw) | {"build_s": build_s} | info
         except Exception as exc:  # noqa: BLE001 - one shape's failure must not lose the others
-            row = base | {"batch": b, "context": c, "status": "error", "error": error_text(exc)} | info
+            row = base | {"batch": b, "context": c, "sampling": s, "status": "error", "error": error_text(exc)} | info
         writer.add(row)
         log(
-            f"{label:20s} b={b:<3d} ctx={c:<5d} {row.get('ms_per_step', float('nan')):7.2f} ms/step "
+            f"{label:20s} {s:7s} b={b:<3d} ctx={c:<5d} {row.get('ms_per_step', float('nan')):7.2f} ms/step "
             f"(floor {row.get('floor_ms', float('nan')):.2f}) {row['status']} {row.get('error', '')}"
         )
     del talker
@@ -453,7 +477,8 @@ def _forward_kwargs(hf) -> tuple[str, bool]:
 
 @torch.inference_mode()
 def time_hf(hf, mode: str, batch: int, context: int, args, bw: float, cfg: TalkerConfig) -> dict:
-    """Prefill ``batch`` x ``context`` random tokens, then time greedy decode steps (one host read per step)."""
+    """Prefill ``batch`` x ``context`` random tokens, then time greedy decode steps (one host read per step): the
+    argmax of the last position's logits, no sampling."""
     from transformers import DynamicCache, StaticCache
 
     device = torch.device(args.device)
@@ -564,13 +589,13 @@ def run_peers(cfg: TalkerConfig, args, writer: ResultFile, bw: float) -> None:
         free_memory(device)
     except Exception as exc:  # noqa: BLE001
         for mode in ("hf_eager", "hf_static_compile"):
-            writer.add({"mode": mode, "batch": args.peer_batches[0], "context": args.contexts[0], "status": "error",
-                        "error": f"peer build: {error_text(exc)}"})  # fmt: skip
+            writer.add({"mode": mode, "batch": args.peer_batches[0], "context": args.contexts[0], "sampling": "greedy",
+                        "status": "error", "error": f"peer build: {error_text(exc)}"})  # fmt: skip
         return
     plan = [("hf_eager", c, b) for c in args.contexts for b in args.peer_batches]
     plan += [("hf_static_compile", c, b) for c in args.peer_contexts for b in args.peer_batches]
     for mode, c, b in plan:
-        base = {"mode": mode, "batch": b, "context": c}
+        base = {"mode": mode, "batch": b, "context": c, "sampling": "greedy"}
         if mode == "hf_static_compile" and device.type != "cuda":
             writer.add(base | {"status": "skipped", "error": "reduce-overhead needs CUDA graphs"})
             continue
@@ -592,43 +617,59 @@ def run_peers(cfg: TalkerConfig, args, writer: ResultFile, bw: float) -> None:
 # output
 
 
-def final_table(rows: list[dict], modes: Sequence[str]) -> None:
-    """One row per (context, batch): ms/step of every mode, the floor, the best mode's ratio to it."""
-    by = {(r["mode"], r["context"], r["batch"]): r for r in rows if r.get("status") == "ok"}
+PEERS = ("hf_eager", "hf_static_compile")
+
+
+def final_table(rows: list[dict], modes: Sequence[str], samplings: Sequence[str]) -> None:
+    """One row per (context, batch): ms/step of every mode at every sampling (the first sampling, the headline,
+    first), the transformers peers (greedy), the floor, and each sampling's best mode's ratio to it."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    by = {(r["mode"], r.get("sampling", "greedy"), r["context"], r["batch"]): r for r in ok}
     points = sorted({(r["context"], r["batch"]) for r in rows if r.get("mode") in modes})
+    series = [(m, s) for s in samplings for m in modes]
+
+    def name(m: str, s: str) -> str:
+        return f"{m} {s}" if len(samplings) > 1 else m
+
     table = []
     for c, b in points:
         row = {"context": c, "batch": b}
-        best, floor = None, None
-        for m in modes:
-            r = by.get((m, c, b))
-            row[m] = r["ms_per_step"] if r else None
+        best: dict[str, dict] = {}
+        for m, s in series:
+            r = by.get((m, s, c, b))
+            row[name(m, s)] = r["ms_per_step"] if r else None
             if r:
-                floor = r["floor_ms"]
-                best = r if best is None or r["ms_per_step"] < best["ms_per_step"] else best
-        for peer in ("hf_eager", "hf_static_compile"):
-            r = by.get((peer, c, b))
+                row["floor"] = r["floor_ms"]
+                if s not in best or r["ms_per_step"] < best[s]["ms_per_step"]:
+                    best[s] = r
+        for peer in PEERS:
+            r = by.get((peer, "greedy", c, b))
             if r:
-                row[peer] = r["ms_per_step"]
-        row["floor"] = floor
-        row["best/floor"] = best["ratio_to_floor"] if best else None
-        row["best_audio_s/s"] = best["audio_s_per_s"] if best else None
+                row[f"{peer} greedy"] = r["ms_per_step"]
+        for s in samplings:
+            row[f"best/floor {s}"] = best[s]["ratio_to_floor"] if s in best else None
+            row[f"audio_s/s {s}"] = best[s]["audio_s_per_s"] if s in best else None
         table.append(row)
-    cols = ["context", "batch", *modes]
-    cols += [p for p in ("hf_eager", "hf_static_compile") if any(p in r for r in table)]
-    cols += ["floor", "best/floor", "best_audio_s/s"]
-    print_table(table, cols, title="\nms per decode step")
+    cols = ["context", "batch", *(name(m, s) for m, s in series)]
+    cols += [f"{p} greedy" for p in PEERS if any(f"{p} greedy" in r for r in table)]
+    cols += ["floor", *(f"best/floor {s}" for s in samplings), *(f"audio_s/s {s}" for s in samplings)]
+    title = f"\nms per decode step (sampling: {', '.join(samplings)}; the first is the headline)"
+    print_table(table, cols, title=title)
     for c, b in points:
-        ours = [by[(m, c, b)]["ms_per_step"] for m in modes if (m, c, b) in by]
-        for peer in ("hf_eager", "hf_static_compile"):
-            if ours and (peer, c, b) in by:
-                ratio = by[(peer, c, b)]["ms_per_step"] / min(ours)
-                print(f"  {peer} / best of ours at batch {b}, context {c}: {ratio:.2f}x")
-        for m in modes:  # the A/Bs, where both halves ran
-            for off, on, what in ((m, m + FUSED, "unfused / fused"), (m + SYNC, m, "sync / async")):
-                if (off, c, b) in by and (on, c, b) in by:
-                    ratio = by[(off, c, b)]["ms_per_step"] / by[(on, c, b)]["ms_per_step"]
-                    print(f"  {off} / {on} at batch {b}, context {c}: {ratio:.3f}x (time {what})")
+        for peer in PEERS:
+            ours = [by[(m, "greedy", c, b)]["ms_per_step"] for m in modes if (m, "greedy", c, b) in by]
+            if ours and (peer, "greedy", c, b) in by:
+                ratio = by[(peer, "greedy", c, b)]["ms_per_step"] / min(ours)
+                print(f"  {peer} / best of ours, both greedy, at batch {b}, context {c}: {ratio:.2f}x")
+        for m in modes:
+            if (m, "deploy", c, b) in by and (m, "greedy", c, b) in by:
+                ratio = by[(m, "deploy", c, b)]["ms_per_step"] / by[(m, "greedy", c, b)]["ms_per_step"]
+                print(f"  {m} deploy / greedy at batch {b}, context {c}: {ratio:.3f}x (time)")
+            for s in samplings:  # the A/Bs, where both halves ran
+                for off, on, what in ((m, m + FUSED, "unfused / fused"), (m + SYNC, m, "sync / async")):
+                    if (off, s, c, b) in by and (on, s, c, b) in by:
+                        ratio = by[(off, s, c, b)]["ms_per_step"] / by[(on, s, c, b)]["ms_per_step"]
+                        print(f"  {off} / {on} ({s}) at batch {b}, context {c}: {ratio:.3f}x (time {what})")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -655,6 +696,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "only (off: MODE-wholesampler rows), or both")  # fmt: skip
     p.add_argument("--row-gemv", type=strs_arg, default=["auto"],
                    help="row_gemv options to time, each apart (of auto, on, off; default auto)")  # fmt: skip
+    p.add_argument("--sampling", type=samplings_arg, default=list(DEFAULT_SAMPLINGS),
+                   help=f"samplings to time at every point, the first the headline (of {', '.join(SAMPLINGS)}; "
+                   f"default {','.join(DEFAULT_SAMPLINGS)}: deploy = the deploy profiles' temperature 1.0, "
+                   "top_p 0.95, top_k 50, seeded)")  # fmt: skip
     p.add_argument("--batches", type=ints_arg, default=None, help="default 1,2,4,8,13,16,32,64")
     p.add_argument("--contexts", type=ints_arg, default=None, help="default 512,2048")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps per point (default 24)")
@@ -714,6 +759,13 @@ def main(argv: Sequence[str] | None = None) -> ResultFile:
         "warmup": args.warmup,
         "max_model_len": args.max_model_len,
         "floor_counts": "layers + final norm + codebook table + gathered embedding rows + KV (batch x context)",
+        "samplings": {s: SAMPLINGS[s] for s in args.sampling},
+        "headline_sampling": args.sampling[0],
+        "sampler_graphs": "full-decode graphs replay the whole sampler where some request has top-k / top-p on "
+        "(sampler_filter), the no-filter variant where some samples without them, the argmax variant where all "
+        "are greedy (sampler_draw false)",
+        "peers": "transformers Qwen3ForCausalLM, our weights, the codebook table as lm_head: each step feeds back "
+        "the argmax of the last position's logits (greedy; no sampler, no delay pattern, no frame state)",
     }
     writer = ResultFile(args.out, "decode", meta)
     log(f"copy ceiling {bw['tb_per_s']:.2f} TB/s; writing {writer.path}")
@@ -726,7 +778,7 @@ def main(argv: Sequence[str] | None = None) -> ResultFile:
         run_peers(cfg, args, writer, bw["bytes_per_s"])
     writer.meta["wall_s"] = time.perf_counter() - t_start
     writer.save()
-    final_table(writer.rows, [v.label for v in todo])
+    final_table(writer.rows, [v.label for v in todo], args.sampling)
     print(f"\nwrote {writer.path} ({writer.meta['wall_s']:.0f} s)")
     return writer
 

@@ -2,8 +2,10 @@
 
 A closed loop per concurrency level C: C requests are submitted at once, and each time one finishes the next
 is submitted, until ``--requests`` (default max(2C, 8)) have run. Prompts are 30-200 tokens and lengths are
-forced to 5-20 s of audio with ``max_frames`` (greedy decoding; with random weights the EOC row is zeroed, so
-no request stops early: see bench_decode.py). Per request:
+forced to 5-20 s of audio with ``max_frames`` (with random weights the EOC row is zeroed, so no request stops
+early: see bench_decode.py). Each level runs once per ``--sampling`` name (default ``deploy,greedy``: the
+deploy profiles' temperature 1.0, top_p 0.95, top_k 50 with seeded requests, the headline, then the argmax),
+on the same built talker; rows and requests are labelled ``sampling``. Per request:
 
 - TTFP: submitted -> the first aligned frame is complete (the request has N = 8 delayed rows: its prefill
   plus the 7 ramp-up steps of the delay pattern). ``ttfp_stream_ms`` is one step later, when
@@ -13,7 +15,7 @@ no request stops early: see bench_decode.py). Per request:
 
 p50/p90/p99 of each over the level's requests, plus the level's audio seconds per wall second.
 
-    python benchmarks/bench_e2e.py --out $OUT                     # 4B shape, mode auto (H200: ~1.5-2 min)
+    python benchmarks/bench_e2e.py --out $OUT                     # 4B shape, mode auto, deploy and greedy
     python benchmarks/bench_e2e.py --modes eager,auto --levels 1,16 --out $OUT
     python benchmarks/bench_e2e.py --prefill-graphs both --out $OUT  # auto without and with prefill graphs
     python benchmarks/bench_e2e.py --voice-s 10 --prefix-caching both --out $OUT  # one voice, with/without cache
@@ -36,6 +38,8 @@ from collections.abc import Sequence
 import torch
 from bench_decode import Variant, build_talker, model_config, suppress_eoc
 from common import (
+    DEFAULT_SAMPLINGS,
+    SAMPLINGS,
     ResultFile,
     environment,
     error_text,
@@ -46,6 +50,7 @@ from common import (
     percentile,
     print_table,
     resolve_device,
+    samplings_arg,
     strs_arg,
     sync,
 )
@@ -56,8 +61,9 @@ from higgs_talker.heads.delay import codec_frames
 METRICS = ("ttfp_ms", "ttfp_stream_ms", "rtf", "rtf_engine", "ms_per_step", "queue_ms")
 
 
-def make_jobs(talker: HiggsTalker, n: int, args: argparse.Namespace, seed: int) -> list[tuple]:
-    """n (prompt, SamplingParams, prompt_tokens, target_frames) with random lengths, built before timing."""
+def make_jobs(talker: HiggsTalker, n: int, args: argparse.Namespace, seed: int, sampling: str) -> list[tuple]:
+    """n (prompt, SamplingParams, prompt_tokens, target_frames) with random lengths, built before timing; the
+    requests sample as ``sampling`` (a name in SAMPLINGS), each with its own seed."""
     rng = random.Random(seed)
     cfg = talker.cfg
     voice = None
@@ -72,7 +78,7 @@ def make_jobs(talker: HiggsTalker, n: int, args: argparse.Namespace, seed: int) 
         text = "".join(rng.choice(string.ascii_lowercase) for _ in range(max(1, words - 3)))
         prompt = talker.build_prompt(text, voice)
         frames = round(rng.uniform(args.audio_s[0], args.audio_s[1]) * cfg.frame_rate)
-        params = SamplingParams(temperature=args.temperature, max_frames=frames, seed=seed + i)
+        params = SamplingParams(**SAMPLINGS[sampling], max_frames=frames, seed=seed + i)
         jobs.append((prompt, params, len(prompt), frames))
     return jobs
 
@@ -151,8 +157,8 @@ def finish(rec: dict, req, talker: HiggsTalker) -> dict:
     }
 
 
-def summarize(mode: str, concurrency: int, records: list[dict], wall_s: float) -> dict:
-    row = {"mode": mode, "concurrency": concurrency, "requests": len(records), "wall_s": wall_s}
+def summarize(mode: str, sampling: str, concurrency: int, records: list[dict], wall_s: float) -> dict:
+    row = {"mode": mode, "sampling": sampling, "concurrency": concurrency, "requests": len(records), "wall_s": wall_s}
     for m in METRICS:
         vals = [r[m] for r in records if r.get(m) is not None]
         for q in (50, 90, 99):
@@ -192,26 +198,30 @@ def run_mode(variant: Variant, cfg, args, writer: ResultFile, deadline: float) -
         warm_s = warm_up(talker, max(levels))
     except Exception as exc:  # noqa: BLE001 - record and go on with the next mode
         for c in levels:
-            writer.add({"mode": mode, "concurrency": c, "status": "error", "error": f"build: {error_text(exc)}"})
+            for s in args.sampling:
+                writer.add({"mode": mode, "sampling": s, "concurrency": c, "status": "error",
+                            "error": f"build: {error_text(exc)}"})  # fmt: skip
         log(f"{mode}: build failed: {error_text(exc)}")
         free_memory(device)
         return
     log(f"{mode}: built in {build_s:.1f} s, warm-up {warm_s:.1f} s")
-    for c in levels:
+    for c, s in [(c, s) for c in levels for s in args.sampling]:
         if time.perf_counter() > deadline:
-            writer.add({"mode": mode, "concurrency": c, "status": "skipped", "error": "time budget"})
+            writer.add({"mode": mode, "sampling": s, "concurrency": c, "status": "skipped", "error": "time budget"})
             continue
         n = args.requests or max(2 * c, 8)
         try:
-            jobs = make_jobs(talker, n, args, seed=args.seed + 1000 * c)
+            jobs = make_jobs(talker, n, args, seed=args.seed + 1000 * c, sampling=s)
             records, wall = run_level(talker, c, jobs)
-            row = summarize(mode, c, records, wall) | {"build_s": build_s, "warmup_s": warm_s}
-            writer.data.setdefault("requests", []).extend({"mode": mode, "concurrency": c} | r for r in records)
+            row = summarize(mode, s, c, records, wall) | {"build_s": build_s, "warmup_s": warm_s}
+            writer.data.setdefault("requests", []).extend(
+                {"mode": mode, "sampling": s, "concurrency": c} | r for r in records
+            )
         except Exception as exc:  # noqa: BLE001
-            row = {"mode": mode, "concurrency": c, "status": "error", "error": error_text(exc)}
+            row = {"mode": mode, "sampling": s, "concurrency": c, "status": "error", "error": error_text(exc)}
         writer.add(row)
         log(
-            f"{mode:12s} C={c:<3d} TTFP p50 {row.get('ttfp_ms_p50', float('nan')):8.1f} ms  "
+            f"{mode:12s} {s:7s} C={c:<3d} TTFP p50 {row.get('ttfp_ms_p50', float('nan')):8.1f} ms  "
             f"RTF p50 {row.get('rtf_p50', float('nan')):.3f}  {row['status']} {row.get('error', '')}"
         )
     del talker
@@ -240,7 +250,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=None, help="requests per level (default max(2C, 8))")
     p.add_argument("--prompt-tokens", type=ints_arg, default=None, help="min,max prompt tokens (default 30,200)")
     p.add_argument("--audio-s", type=floats_arg, default=None, help="min,max seconds of audio (default 5,20)")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--sampling", type=samplings_arg, default=list(DEFAULT_SAMPLINGS),
+                   help=f"samplings to run at every level, the first the headline (of {', '.join(SAMPLINGS)}; "
+                   f"default {','.join(DEFAULT_SAMPLINGS)}: deploy = the deploy profiles' temperature 1.0, "
+                   "top_p 0.95, top_k 50, seeded)")  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--budget-s", type=float, default=420.0, help="skip the remaining levels after this")
@@ -271,7 +284,8 @@ def main(argv: Sequence[str] | None = None) -> ResultFile:
         "prompt_tokens": args.prompt_tokens,
         "voice_s": args.voice_s,
         "audio_s": args.audio_s,
-        "temperature": args.temperature,
+        "samplings": {s: SAMPLINGS[s] for s in args.sampling},
+        "headline_sampling": args.sampling[0],
         "ttfp": "submitted -> N delayed rows exist (first aligned frame complete)",
         "rtf": "(finished - submitted) / audio seconds; rtf_engine: (own prefill + decode) / audio seconds",
     }
@@ -286,9 +300,10 @@ def main(argv: Sequence[str] | None = None) -> ResultFile:
                 run_mode(variant, cfg, args, writer, deadline)
     writer.meta["wall_s"] = time.perf_counter() - t_start
     writer.save()
-    cols = ["mode", "concurrency", "requests", "ttfp_ms_p50", "ttfp_ms_p90", "ttfp_ms_p99", "rtf_p50", "rtf_p90",
-            "rtf_p99", "ms_per_step_p50", "audio_s_per_s", "status"]  # fmt: skip
-    print_table(writer.rows, cols, title="\nend to end (TTFP ms, RTF = wall / audio)")
+    cols = ["mode", "sampling", "concurrency", "requests", "ttfp_ms_p50", "ttfp_ms_p90", "ttfp_ms_p99", "rtf_p50",
+            "rtf_p90", "rtf_p99", "ms_per_step_p50", "audio_s_per_s", "status"]  # fmt: skip
+    title = f"\nend to end (TTFP ms, RTF = wall / audio; sampling {', '.join(args.sampling)}, the first the headline)"
+    print_table(writer.rows, cols, title=title)
     print(f"\nwrote {writer.path} ({writer.meta['wall_s']:.0f} s)")
     return writer
 

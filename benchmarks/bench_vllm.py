@@ -8,8 +8,10 @@ checkpoint with random bf16 weights (written once; codebook 0's EOC row zeroed a
 are forced: ``min_tokens = max_tokens`` = the rows of a 4-8 s utterance, so every request produces exactly
 its rows. Per concurrency level C a closed loop keeps C requests in flight over max(2C, 8) requests
 (prompts 30-200 tokens); a request's TTFP is submit -> the step after which its first frame is final (C + 1
-rows), its RTF is submit -> finish over its audio seconds. Data parallel (``--dp``): an ``AsyncLLM`` over that
-many engines with C clients, each sending its next request when its last one finished.
+rows), its RTF is submit -> finish over its audio seconds. Each level runs once per ``--sampling`` name (default
+``deploy,greedy``: the deploy profiles' temperature 1.0, top_p 0.95, top_k 50 with seeded requests, the
+headline, then the argmax), on the same engine; the rows say which (``sampling``). Data parallel (``--dp``): an
+``AsyncLLM`` over that many engines with C clients, each sending its next request when its last one finished.
 
     python benchmarks/bench_vllm.py --out $OUT                       # both profiles x both routes x 1,4,16,64
     python benchmarks/bench_vllm.py --profiles high_throughput --trtllm false --levels 1,4 --no-direct
@@ -32,6 +34,8 @@ import time
 from pathlib import Path
 
 from common import (
+    DEFAULT_SAMPLINGS,
+    SAMPLINGS,
     ResultFile,
     environment,
     floats_arg,
@@ -40,6 +44,7 @@ from common import (
     package_version,
     percentile,
     print_table,
+    samplings_arg,
     strs_arg,
 )
 
@@ -106,8 +111,11 @@ def jobs(n: int, seed: int, audio_s: tuple[float, float] = (4.0, 8.0), frame_rat
     return out
 
 
-def run_level(llm, tok, cfg, level: int, seed: int, audio_s: tuple[float, float]) -> tuple[list[dict], float]:
-    """A closed loop of ``level`` requests in flight over max(2 * level, 8) requests -> (records, wall s).
+def run_level(
+    llm, tok, cfg, level: int, seed: int, audio_s: tuple[float, float], sampling: str
+) -> tuple[list[dict], float]:
+    """A closed loop of ``level`` requests in flight over max(2 * level, 8) requests sampled as ``sampling``
+    -> (records, wall s).
 
     Every step of a bridge request yields one token and one delayed row, so progress is read from vLLM's own
     outputs (token counts), whatever process the adapter runs in; the rows are fetched once at the end
@@ -120,9 +128,10 @@ def run_level(llm, tok, cfg, level: int, seed: int, audio_s: tuple[float, float]
 
     def submit(k: int) -> None:
         text, _, rows = todo.pop(0)
-        key = f"L{level}-{k}"
+        key = f"L{level}-{sampling}-{k}"
         live[key] = {"t": time.perf_counter(), "want_rows": rows, "tokens": 0}
-        engine.add_request(key, {"prompt_token_ids": tok.build(text).input_ids.tolist()}, request_params(key, rows))
+        prompt = {"prompt_token_ids": tok.build(text).input_ids.tolist()}
+        engine.add_request(key, prompt, request_params(key, rows, sampling, seed + k))
 
     wall0, submitted = time.perf_counter(), 0
     for _ in range(min(level, len(todo))):
@@ -150,12 +159,14 @@ def run_level(llm, tok, cfg, level: int, seed: int, audio_s: tuple[float, float]
     return summarise(records, rows, cfg), wall
 
 
-def request_params(key: str, rows: int):
-    """Greedy, exactly ``rows`` tokens (= rows), streamed as deltas, through the bridge under ``key``."""
+def request_params(key: str, rows: int, sampling: str, seed: int):
+    """``sampling`` (a name in SAMPLINGS; sampled ones seeded with ``seed``), exactly ``rows`` tokens (= rows),
+    streamed as deltas, through the bridge under ``key``."""
     import vllm
     from vllm.sampling_params import RequestOutputKind
 
-    return vllm.SamplingParams(temperature=0.0, max_tokens=rows, min_tokens=rows, detokenize=False,
+    chosen = dict(SAMPLINGS[sampling]) | ({"seed": seed} if SAMPLINGS[sampling].get("temperature") else {})
+    return vllm.SamplingParams(**chosen, max_tokens=rows, min_tokens=rows, detokenize=False,
                                output_kind=RequestOutputKind.DELTA, extra_args={"higgs_request_key": key})  # fmt: skip
 
 
@@ -171,7 +182,7 @@ def summarise(records: dict[str, dict], rows: dict, cfg) -> list[dict]:
     return out
 
 
-async def run_level_async(engine, tok, cfg, level: int, seed: int, audio_s) -> tuple[list[dict], float]:
+async def run_level_async(engine, tok, cfg, level: int, seed: int, audio_s, sampling: str) -> tuple[list[dict], float]:
     """``run_level`` for an ``AsyncLLM`` (data parallel: vLLM spreads the requests over its engines): ``level``
     clients, each sending its next request when the last one finished."""
     import asyncio
@@ -185,10 +196,11 @@ async def run_level_async(engine, tok, cfg, level: int, seed: int, audio_s) -> t
     async def client() -> None:
         while todo:
             text, _, rows = todo.pop(0)
-            key = f"L{level}-{next(numbers)}"
+            number = next(numbers)
+            key = f"L{level}-{sampling}-{number}"
             rec = records[key] = {"t": time.perf_counter(), "want_rows": rows, "tokens": 0}
             prompt = {"prompt_token_ids": tok.build(text).input_ids.tolist()}
-            async for o in engine.generate(prompt, request_params(key, rows), key):
+            async for o in engine.generate(prompt, request_params(key, rows, sampling, seed + number), key):
                 rec["tokens"] += len(o.outputs[0].token_ids)
                 if "ttfp" not in rec and rec["tokens"] >= first_frame:
                     rec["ttfp"] = time.perf_counter() - rec["t"]
@@ -238,9 +250,10 @@ def worker(args: argparse.Namespace) -> None:
         start_s = time.perf_counter() - t0
         rows_out = []
         for level in args.levels:
-            rows_out.append(level_row(base, start_s, level, *run_level(llm, tok, cfg, level, args.seed + level,
-                                                                       tuple(args.audio_s))))  # fmt: skip
-            print_result(rows_out, llm.collective_rpc("higgs_adapter_report")[0])  # rank 0's adapter
+            for sampling in args.sampling:
+                records, wall = run_level(llm, tok, cfg, level, args.seed + level, tuple(args.audio_s), sampling)
+                rows_out.append(level_row(base | {"sampling": sampling}, start_s, level, records, wall))
+                print_result(rows_out, llm.collective_rpc("higgs_adapter_report")[0])  # rank 0's adapter
         return
     import asyncio
 
@@ -259,10 +272,12 @@ async def async_worker(args: argparse.Namespace, base: dict, engine_args: dict, 
     try:
         rows_out = []
         for level in args.levels:
-            records, wall = await run_level_async(engine, tok, cfg, level, args.seed + level, tuple(args.audio_s))
-            rows_out.append(level_row(base, start_s, level, records, wall))
-            reports = await collective_rpc_every_engine(engine, "higgs_adapter_report")
-            print_result(rows_out, reports[0][0])  # engine 0, rank 0
+            for sampling in args.sampling:
+                records, wall = await run_level_async(engine, tok, cfg, level, args.seed + level, tuple(args.audio_s),
+                                                      sampling)  # fmt: skip
+                rows_out.append(level_row(base | {"sampling": sampling}, start_s, level, records, wall))
+                reports = await collective_rpc_every_engine(engine, "higgs_adapter_report")
+                print_result(rows_out, reports[0][0])  # engine 0, rank 0
     finally:
         engine.shutdown()
 
@@ -275,7 +290,7 @@ def level_row(base: dict, start_s: float, level: int, records: list[dict], wall:
     for m in ("ttfp_ms", "rtf"):
         for q in (50, 90):
             row[f"{m}_p{q}"] = percentile([r[m] for r in records], q)
-    log(f"{row['profile']} trtllm={row['use_trtllm_attention']} tp={row['tensor_parallel_size']} "
+    log(f"{row['profile']} {row['sampling']} trtllm={row['use_trtllm_attention']} tp={row['tensor_parallel_size']} "
         f"dp={row['data_parallel_size']} C={level}: TTFP p50 {row['ttfp_ms_p50']:.1f} ms, RTF p50 "
         f"{row['rtf_p50']:.3f}, {row['audio_s_per_s']:.1f} audio s/s")  # fmt: skip
     return row
@@ -294,7 +309,7 @@ def direct_rows(args: argparse.Namespace) -> list[dict]:
     levels = ",".join(map(str, args.levels))
     script = str(Path(__file__).with_name("bench_e2e.py"))
     cmd = [sys.executable, script, "--model", args.model, "--modes", "auto", "--levels", levels, "--audio-s", "4,8",
-           "--prompt-tokens", "30,200", "--out", str(out)]  # fmt: skip
+           "--prompt-tokens", "30,200", "--sampling", ",".join(args.sampling), "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
     files = sorted(out.glob("e2e_*.json"))
     if proc.returncode or not files:
@@ -303,7 +318,8 @@ def direct_rows(args: argparse.Namespace) -> list[dict]:
     rows = []
     for r in json.loads(files[-1].read_text())["rows"]:
         if r.get("status") == "ok":
-            rows.append({"profile": "direct_auto", "use_trtllm_attention": None, "concurrency": r["concurrency"],
+            rows.append({"profile": "direct_auto", "sampling": r["sampling"], "use_trtllm_attention": None,
+                         "concurrency": r["concurrency"],
                          "ttfp_ms_p50": r["ttfp_ms_p50"], "ttfp_ms_p90": r["ttfp_ms_p90"], "rtf_p50": r["rtf_p50"],
                          "rtf_p90": r["rtf_p90"], "audio_s_per_s": r["audio_s_per_s"]})  # fmt: skip
     return rows
@@ -321,7 +337,8 @@ def plot(path: Path, rows: list[dict]) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     series: dict[str, list[dict]] = {}
     for r in rows:
-        name = r["profile"] + ("" if r["use_trtllm_attention"] is None else f" trtllm={r['use_trtllm_attention']}")
+        name = r["profile"] + f" {r.get('sampling', 'greedy')}"
+        name += "" if r["use_trtllm_attention"] is None else f" trtllm={r['use_trtllm_attention']}"
         name += f" tp={r['tensor_parallel_size']}" if r.get("tensor_parallel_size", 1) > 1 else ""
         name += f" dp={r['data_parallel_size']}" if r.get("data_parallel_size", 1) > 1 else ""
         series.setdefault(name, []).append(r)
@@ -346,6 +363,8 @@ def main(argv: list[str] | None = None) -> ResultFile | None:
     p.add_argument("--tp", type=ints_arg, default=[1], help="tensor-parallel sizes (one worker each)")
     p.add_argument("--dp", type=ints_arg, default=[1], help="data-parallel sizes (AsyncLLM engines; one worker each)")
     p.add_argument("--levels", type=ints_arg, default=list(LEVELS))
+    p.add_argument("--sampling", type=samplings_arg, default=list(DEFAULT_SAMPLINGS),
+                   help=f"samplings at every level, the first the headline (of {', '.join(SAMPLINGS)})")  # fmt: skip
     p.add_argument("--audio-s", type=floats_arg, default=[4.0, 8.0], help="min,max seconds of audio per request")
     p.add_argument("--model", default=None, help="checkpoint directory (default: a random 4B-shaped one)")
     p.add_argument("--ckpt-dir", default="/tmp/higgs_4b_random", help="where the random checkpoint is written")
@@ -372,6 +391,7 @@ def main(argv: list[str] | None = None) -> ResultFile | None:
         "vllm": package_version("vllm"), "vllm_omni": package_version("vllm_omni"),
         "flashinfer": package_version("flashinfer"), "model": args.model,
         "progress": "TTFP and RTF from vLLM's per-step outputs (one token = one row); rows checked afterwards",
+        "samplings": {s: SAMPLINGS[s] for s in args.sampling}, "headline_sampling": args.sampling[0],
     }  # fmt: skip
     writer = ResultFile(args.out, "vllm_multigpu" if max(args.tp) * max(args.dp) > 1 else "vllm", meta)
     stats = {}
@@ -380,7 +400,8 @@ def main(argv: list[str] | None = None) -> ResultFile | None:
         name = f"{profile}_trtllm-{route}" + (f"_tp{tp}" if tp > 1 else "") + (f"_dp{dp}" if dp > 1 else "")
         cmd = [sys.executable, __file__, "--worker", "--profiles", profile, "--trtllm", route, "--tp", str(tp),
                "--dp", str(dp), "--model", args.model, "--levels", ",".join(map(str, args.levels)),
-               "--seed", str(args.seed), "--audio-s", ",".join(map(str, args.audio_s))] + (["--cpu"] if args.cpu
+               "--seed", str(args.seed), "--audio-s", ",".join(map(str, args.audio_s)),
+               "--sampling", ",".join(args.sampling)] + (["--cpu"] if args.cpu
                                                                                           else [])  # fmt: skip
         env = dict(os.environ)
         if args.cpu and tp * dp > 1:  # one core per CPU rank or engine: vLLM cannot pick them on one NUMA node
@@ -411,7 +432,7 @@ def main(argv: list[str] | None = None) -> ResultFile | None:
     if not args.no_direct:
         for row in direct_rows(args):
             writer.add(row)
-    cols = ["profile", "use_trtllm_attention", "tensor_parallel_size", "data_parallel_size", "concurrency",
+    cols = ["profile", "sampling", "use_trtllm_attention", "tensor_parallel_size", "data_parallel_size", "concurrency",
             "ttfp_ms_p50", "ttfp_ms_p90", "rtf_p50", "rtf_p90", "audio_s_per_s"]  # fmt: skip
     done = [r for r in writer.rows if "concurrency" in r]
     print_table(done, cols, "vLLM deploy profiles")

@@ -6,6 +6,7 @@ report the median. Every script writes its JSON after each row, so a crash or a 
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import math
@@ -26,6 +27,28 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run from a checkout without installing: make higgs_talker importable
     sys.path.append(str(REPO_ROOT))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sampling
+
+# The named samplings of ``--sampling`` (bench_decode, bench_e2e, bench_vllm): ``deploy`` is the deploy profiles'
+# ``default_sampling_params`` (higgs_talker/vllm_plugin/deploy/*.yaml; the requests are seeded), the headline;
+# ``greedy`` the argmax, the cheapest sampler (full-decode graphs replay an argmax-only variant for it).
+SAMPLINGS: dict[str, dict[str, float | int]] = {
+    "deploy": {"temperature": 1.0, "top_p": 0.95, "top_k": 50},
+    "greedy": {"temperature": 0.0},
+}
+DEFAULT_SAMPLINGS = ["deploy", "greedy"]
+
+
+def samplings_arg(text: str) -> list[str]:
+    """Comma-separated sampling names (argparse type): each once, in the order given."""
+    names = list(dict.fromkeys(x for x in text.split(",") if x))
+    bad = [n for n in names if n not in SAMPLINGS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown sampling(s) {bad or [text]}; choose from {list(SAMPLINGS)}")
+    return names
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,14 +1,21 @@
-"""Turn benchmark JSONs into PNGs: ms/step vs batch per mode with the floor, TTFP/RTF vs concurrency, attention
-microseconds vs context. Needs matplotlib; without it the script says so and exits 0.
+"""Turn benchmark JSONs into PNGs: ms/step vs batch per mode (and sampling) with the floor, TTFP/RTF vs
+concurrency, attention microseconds vs context. Needs matplotlib (``pip install -e '.[bench]'``); without it
+the script says so and exits with status 1.
 
-    python benchmarks/plot.py                       # the newest decode_/e2e_/attention_ JSON in benchmarks/results
+    python benchmarks/plot.py                       # the newest decode_/e2e_/attention_ JSON under benchmarks/results
     python benchmarks/plot.py a.json b.json --out DIR
+
+"Newest" goes by the time a result was measured, not the file's modification time (a fresh clone gives every
+file the same one): the ``YYYYMMDD-HHMMSS`` stamp the scripts put in the file name, else the JSON's
+``meta.date``; ``results/`` and every folder below it are searched.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
 import json
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,10 +37,27 @@ def kind_of(data: dict, path: Path) -> str | None:
     return prefix if prefix in KINDS else None
 
 
+STAMP = re.compile(r"(\d{8}-\d{6})")
+
+
+def measured_at(path: Path) -> str:
+    """When a result was measured, as ``YYYYMMDD-HHMMSS``: the stamp in its file name, else its ``meta.date``;
+    "" when neither is there (such a file sorts oldest)."""
+    found = STAMP.findall(path.name)
+    if found:
+        return found[-1]
+    try:
+        date = json.loads(path.read_text())["meta"]["date"]
+        return _dt.datetime.fromisoformat(str(date)).strftime("%Y%m%d-%H%M%S")
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
 def newest(results: Path) -> list[Path]:
+    """The newest ``KIND_*.json`` of each kind anywhere under ``results`` (see ``measured_at``)."""
     out = []
     for kind in KINDS:
-        files = sorted(results.glob(f"{kind}_*.json"), key=lambda p: p.stat().st_mtime)
+        files = sorted(results.rglob(f"{kind}_*.json"), key=lambda p: (measured_at(p), str(p)))
         if files:
             out.append(files[-1])
     return out
@@ -45,16 +69,21 @@ def title(data: dict, what: str) -> str:
     return f"{what} - {gpu}, torch {m.get('torch')}, flashinfer {m.get('flashinfer')}, {str(m.get('date'))[:10]}"
 
 
+def series(row: dict) -> str:
+    """A line's label: the mode, and the sampling where the result has one (older results do not)."""
+    return row["mode"] + (f" {row['sampling']}" if row.get("sampling") else "")
+
+
 def plot_decode(plt, data: dict, png: Path) -> Path:
     rows = [r for r in data["rows"] if r.get("status") == "ok"]
     contexts = sorted({r["context"] for r in rows})
     fig, axes = plt.subplots(1, max(1, len(contexts)), figsize=(6.5 * max(1, len(contexts)), 4.8), squeeze=False)
     for ax, ctx in zip(axes[0], contexts, strict=False):
         here = [r for r in rows if r["context"] == ctx]
-        for mode in dict.fromkeys(r["mode"] for r in here):
-            pts = sorted((r["batch"], r["ms_per_step"]) for r in here if r["mode"] == mode)
-            style = "s--" if mode.startswith("hf_") else "o-"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=mode, markersize=4)
+        for name in dict.fromkeys(series(r) for r in here):
+            pts = sorted((r["batch"], r["ms_per_step"]) for r in here if series(r) == name)
+            style = "s--" if name.startswith("hf_") else "o-"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name, markersize=4)
         floor = {}
         for r in here:
             if not r["mode"].startswith("hf_"):
@@ -77,11 +106,11 @@ def plot_e2e(plt, data: dict, png: Path) -> Path:
     rows = [r for r in data["rows"] if r.get("status") == "ok"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
     for metric, ax, label in (("ttfp_ms", axes[0], "TTFP (ms)"), ("rtf", axes[1], "RTF (wall / audio)")):
-        for mode in dict.fromkeys(r["mode"] for r in rows):
-            here = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["concurrency"])
+        for name in dict.fromkeys(series(r) for r in rows):
+            here = sorted((r for r in rows if series(r) == name), key=lambda r: r["concurrency"])
             xs = [r["concurrency"] for r in here]
             for q, style in (("p50", "o-"), ("p90", "^--"), ("p99", "v:")):
-                ax.plot(xs, [r[f"{metric}_{q}"] for r in here], style, label=f"{mode} {q}", markersize=4)
+                ax.plot(xs, [r[f"{metric}_{q}"] for r in here], style, label=f"{name} {q}", markersize=4)
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel(label)
         _finish_axes(ax, [r["concurrency"] for r in rows], log_y=False)
@@ -186,7 +215,9 @@ PLOTTERS = {"decode": plot_decode, "e2e": plot_e2e, "attention": plot_attention}
 def main(argv: Sequence[str] | None = None) -> list[Path]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="*", type=Path, help="JSON files (default: the newest of each kind)")
-    p.add_argument("--results", type=Path, default=RESULTS_DIR, help="where to look for the newest JSONs")
+    p.add_argument(
+        "--results", type=Path, default=RESULTS_DIR, help="where to look (with its subfolders) for the newest JSONs"
+    )
     p.add_argument("--out", type=Path, default=None, help="PNG directory (default: next to each JSON)")
     args = p.parse_args(argv)
     try:
@@ -195,11 +226,12 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("plot.py: matplotlib is not installed; no PNGs written (pip install matplotlib)", file=sys.stderr)
-        return []
+        raise SystemExit(
+            "plot.py: matplotlib is not installed; no PNGs written (pip install -e '.[bench]' in the checkout)"
+        ) from None
     files = args.files or newest(args.results)
     if not files:
-        print(f"plot.py: no benchmark JSON found in {args.results}", file=sys.stderr)
+        raise SystemExit(f"plot.py: no benchmark JSON found under {args.results}")
     written = []
     for path in files:
         data = json.loads(path.read_text())

@@ -53,11 +53,13 @@ def test_attention_smoke(bench, tmp_path: Path) -> None:
 
 def test_decode_smoke(bench, tmp_path: Path) -> None:
     mod = bench("bench_decode")
-    argv = ["--device", "cpu", "--tiny", "--modes", "eager,auto", "--batches", "2", "--contexts", "24",
-            "--steps", "3", "--warmup", "1", "--fuse", "both", "--out", str(tmp_path)]  # fmt: skip
+    argv = ["--device", "cpu", "--tiny", "--modes", "eager,auto", "--batches", "2", "--contexts", "24", "--steps",
+            "3", "--warmup", "1", "--fuse", "both", "--sampling", "greedy", "--out", str(tmp_path)]  # fmt: skip
     data = load(mod.main(argv))
     assert data["meta"]["copy_tb_per_s"] > 0
     assert Path(data["meta"]["command"].split()[1]).name == "bench_decode.py"
+    assert data["meta"]["samplings"] == {"greedy": {"temperature": 0.0}} and "argmax" in data["meta"]["peers"]
+    assert {r["sampling"] for r in data["rows"]} == {"greedy"}  # ours and the peers' rows
     by_mode = {r["mode"]: r for r in data["rows"]}
     eager = by_mode["eager"]
     assert eager["status"] == "ok", eager
@@ -82,6 +84,50 @@ def test_decode_smoke(bench, tmp_path: Path) -> None:
     assert data["meta"]["peer_rel_err"] <= tol, (data["meta"]["peer_rel_err"], tol)
 
 
+def test_decode_sampling_deploy_and_greedy_in_one_run(bench, tmp_path: Path, capsys) -> None:
+    """The default ``--sampling deploy,greedy``: every point timed at both, deploy first (the headline), the rows
+    labelled, deploy's requests on the whole sampler (noise, top-k / top-p filter), greedy's on the argmax path."""
+    mod = bench("bench_decode")
+    argv = ["--device", "cpu", "--tiny", "--modes", "eager", "--batches", "1,2", "--contexts", "16", "--steps", "2",
+            "--warmup", "1", "--no-peers", "--out", str(tmp_path)]  # fmt: skip
+    data = load(mod.main(argv))
+    rows = data["rows"]
+    assert [(r["batch"], r["sampling"], r["status"]) for r in rows] == [
+        (1, "deploy", "ok"), (1, "greedy", "ok"), (2, "deploy", "ok"), (2, "greedy", "ok")]  # fmt: skip
+    for r in rows:
+        deploy = r["sampling"] == "deploy"
+        assert r["sampling_params"] == mod.SAMPLINGS[r["sampling"]]
+        assert (r["sampler_draw"], r["sampler_filter"]) == (deploy, deploy), r
+        assert r["ratio_to_floor"] == pytest.approx(r["ms_per_step"] / r["floor_ms"])
+        assert r["finish_reasons"] == [], r  # the zeroed EOC row: no request ends early, sampled or not
+    assert data["meta"]["headline_sampling"] == "deploy"
+    table = capsys.readouterr().out
+    header = next(line for line in table.splitlines() if line.startswith("| context"))
+    assert header.index("eager-fused deploy") < header.index("eager-fused greedy")
+    assert "best/floor deploy" in header and "best/floor greedy" in header
+
+
+def test_deploy_sampling_is_the_deploy_profiles(bench) -> None:
+    """``deploy`` is what both packaged deploy profiles send by default (their stage 0's default_sampling_params)."""
+    yaml = pytest.importorskip("yaml")
+    from higgs_talker.vllm_plugin.deploy import deploy_config_path
+
+    common = bench("common")
+    for profile in ("high_throughput", "low_latency"):
+        stage = yaml.safe_load(deploy_config_path(profile).read_text())["stages"][0]
+        defaults = stage["default_sampling_params"]
+        assert {k: defaults[k] for k in common.SAMPLINGS["deploy"]} == common.SAMPLINGS["deploy"], profile
+
+
+def test_sampling_option_refuses_unknown_names(bench, capsys) -> None:
+    mod = bench("bench_decode")
+    with pytest.raises(SystemExit) as exc:
+        mod.parse_args(["--sampling", "deploy,nucleus", "--no-peers"])
+    assert exc.value.code == 2 and "unknown sampling(s) ['nucleus']" in capsys.readouterr().err
+    assert mod.parse_args(["--no-peers"]).sampling == ["deploy", "greedy"]
+    assert mod.parse_args(["--sampling", "greedy,deploy,greedy", "--no-peers"]).sampling == ["greedy", "deploy"]
+
+
 def test_decode_head_kernels_both_times_each_variant_with_its_own_path(bench, tmp_path: Path, monkeypatch) -> None:
     """``--head-kernels both``: a ``-torchhead`` row beside each mode's, built and timed with the torch frame
     operations (the switch is read while the variant runs, then put back)."""
@@ -92,7 +138,8 @@ def test_decode_head_kernels_both_times_each_variant_with_its_own_path(bench, tm
     real = mod._run_variant
     monkeypatch.setattr(mod, "_run_variant", lambda v, *a: (seen.append((v.label, fused.ENABLED)), real(v, *a)))
     argv = ["--device", "cpu", "--tiny", "--modes", "eager", "--batches", "1", "--contexts", "16", "--steps", "2",
-            "--warmup", "1", "--head-kernels", "both", "--no-peers", "--out", str(tmp_path)]  # fmt: skip
+            "--warmup", "1", "--head-kernels", "both", "--sampling", "greedy", "--no-peers",
+            "--out", str(tmp_path)]  # fmt: skip
     data = load(mod.main(argv))
     assert seen == [("eager-fused", True), ("eager-fused-torchhead", False)]
     assert [(r["mode"], r["status"]) for r in data["rows"]] == [("eager-fused", "ok"), ("eager-fused-torchhead", "ok")]
@@ -127,12 +174,15 @@ def test_e2e_smoke(bench, tmp_path: Path) -> None:
     mod = bench("bench_e2e")
     argv = ["--device", "cpu", "--tiny", "--modes", "eager", "--levels", "1,2", "--requests", "2",
             "--audio-s", "0.3,0.4", "--out", str(tmp_path)]  # fmt: skip
-    data = load(mod.main(argv))
-    assert [r["concurrency"] for r in data["rows"]] == [1, 2]
+    data = load(mod.main(argv))  # the default --sampling deploy,greedy: both at every level, deploy first
+    assert [(r["concurrency"], r["sampling"]) for r in data["rows"]] == [
+        (1, "deploy"), (1, "greedy"), (2, "deploy"), (2, "greedy")]  # fmt: skip
+    assert data["meta"]["samplings"] == {s: mod.SAMPLINGS[s] for s in ("deploy", "greedy")}
     for r in data["rows"]:
         assert r["status"] == "ok", r
         assert r["ttfp_ms_p50"] > 0 and r["rtf_p50"] > 0 and r["ttfp_ms_p50"] <= r["ttfp_ms_p99"]
-    for req in data["requests"]:
+    assert sorted(req["sampling"] for req in data["requests"]) == ["deploy"] * 4 + ["greedy"] * 4
+    for req in data["requests"]:  # sampled or greedy, the zeroed EOC row keeps every request to its length
         assert req["finish_reason"] == "max_frames" and req["frames"] == req["target_frames"]
 
 
@@ -141,7 +191,8 @@ def test_e2e_prefill_graphs_both_gives_a_row_set_each(bench, tmp_path: Path) -> 
     so this checks the labels and the plumbing into the API)."""
     mod = bench("bench_e2e")
     argv = ["--device", "cpu", "--tiny", "--modes", "eager", "--levels", "1", "--requests", "1",
-            "--audio-s", "0.3,0.3", "--prefill-graphs", "both", "--out", str(tmp_path)]  # fmt: skip
+            "--audio-s", "0.3,0.3", "--prefill-graphs", "both", "--sampling", "greedy",
+            "--out", str(tmp_path)]  # fmt: skip
     data = load(mod.main(argv))
     assert [(r["mode"], r["status"]) for r in data["rows"]] == [("eager-eagerprefill", "ok"), ("eager", "ok")]
 
@@ -151,7 +202,8 @@ def test_e2e_one_voice_with_and_without_prefix_caching(bench, tmp_path: Path) ->
     with the cache: with it, every request after the first finds the voice's blocks, and the rows agree."""
     mod = bench("bench_e2e")
     argv = ["--device", "cpu", "--tiny", "--modes", "eager", "--levels", "1", "--requests", "3", "--voice-s", "1",
-            "--audio-s", "0.3,0.3", "--prefix-caching", "both", "--out", str(tmp_path)]  # fmt: skip
+            "--audio-s", "0.3,0.3", "--prefix-caching", "both", "--sampling", "deploy",
+            "--out", str(tmp_path)]  # fmt: skip
     data = load(mod.main(argv))
     assert [(r["mode"], r["status"]) for r in data["rows"]] == [("eager", "ok"), ("eager+pcache", "ok")]
     reqs = {m: [r for r in data["requests"] if r["mode"] == m] for m in ("eager", "eager+pcache")}
@@ -162,7 +214,7 @@ def test_e2e_one_voice_with_and_without_prefix_caching(bench, tmp_path: Path) ->
 
 
 def test_plot_smoke(bench, tmp_path: Path) -> None:
-    """plot.py turns the JSONs into PNGs, or says matplotlib is missing and writes nothing."""
+    """plot.py turns the JSONs into PNGs, or says matplotlib is missing, writes nothing and exits non-zero."""
     plot = bench("plot")
     decode = {"meta": {"date": "2026-01-01"}, "rows": [
         {"mode": m, "batch": b, "context": 512, "ms_per_step": 2.0 * b, "floor_ms": 1.0, "status": "ok"}
@@ -177,11 +229,52 @@ def test_plot_smoke(bench, tmp_path: Path) -> None:
     for name, data in (("decode_x.json", decode), ("e2e_x.json", e2e), ("attention_x.json", attention)):
         files.append(tmp_path / name)
         files[-1].write_text(json.dumps(data))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:  # not installed here: the script must say so and fail (the next test forces this case)
+        with pytest.raises(SystemExit) as exc:
+            plot.main([str(f) for f in files])
+        assert exc.value.code and "matplotlib is not installed" in str(exc.value.code)
+        return
     written = plot.main([str(f) for f in files])
-    if "matplotlib" in sys.modules:
-        assert sorted(p.name for p in written) == ["attention_x.png", "decode_x.png", "e2e_x.png"]
-    else:
-        assert written == []
+    assert sorted(p.name for p in written) == ["attention_x.png", "decode_x.png", "e2e_x.png"]
+
+
+def test_plot_without_matplotlib_exits_nonzero(bench, tmp_path: Path, monkeypatch) -> None:
+    plot = bench("plot")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    f = tmp_path / "decode_x.json"
+    f.write_text(json.dumps({"meta": {}, "rows": []}))
+    with pytest.raises(SystemExit) as exc:
+        plot.main([str(f)])
+    assert exc.value.code and "pip install -e '.[bench]'" in str(exc.value.code)
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_plot_picks_the_newest_result_by_when_it_was_measured(bench, tmp_path: Path) -> None:
+    """By the stamp in the file name (else ``meta.date``), in ``results/`` and its dated subfolders, never by the
+    modification time (a fresh clone gives every file the same one; here the oldest file is touched last)."""
+    import os
+
+    plot = bench("plot")
+    files = {
+        "decode_20261130-215728.json": "2026-11-30T21:57:28",
+        "h200_20261202c/decode_20261202-062505.json": "2026-12-02T06:25:05",
+        "h200_20261201/decode_20261201-170621.json": "2026-12-01T17:06:21",
+        "h200_20261202c/e2e_20261202-062421.json": "2026-12-02T06:24:21",
+        "e2e_20261130-221228.json": "2026-11-30T22:12:28",
+        "attention_old.json": "2026-11-29T23:30:12+00:00",  # no stamp in the name: meta.date decides
+        "sub/attention_new.json": "2026-11-30T22:01:34+00:00",
+    }
+    for i, (name, date) in enumerate(files.items()):
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"meta": {"date": date}, "rows": []}))
+        os.utime(path, (1e9 - i, 1e9 - i))  # listed first = touched last
+    chosen = [p.relative_to(tmp_path).as_posix() for p in plot.newest(tmp_path)]
+    assert chosen == ["h200_20261202c/decode_20261202-062505.json", "h200_20261202c/e2e_20261202-062421.json",
+                      "sub/attention_new.json"]  # fmt: skip
+    assert plot.measured_at(tmp_path / "attention_old.json") == "20261129-233012"
 
 
 def test_codec_smoke(bench, tmp_path: Path) -> None:

@@ -29,8 +29,9 @@ def test_bench_vllm_runs_on_the_cpu_backend(tmp_path, dp):
     assert out.returncode == 0, out.stderr[-4000:]
     (path,) = tmp_path.glob("vllm_*.json")
     data = json.loads(path.read_text())
-    rows = {r["concurrency"]: r for r in data["rows"]}
-    assert sorted(rows) == [1, 2], data["rows"]
+    rows = {(r["concurrency"], r["sampling"]): r for r in data["rows"]}  # the default --sampling deploy,greedy
+    assert list(rows) == [(1, "deploy"), (1, "greedy"), (2, "deploy"), (2, "greedy")], data["rows"]
+    assert data["meta"]["headline_sampling"] == "deploy"
     for r in rows.values():
         assert r["requests"] == 8 and r["rows_exact"], r  # every request produced exactly its forced rows
         assert 0 < r["ttfp_ms_p50"] <= r["ttfp_ms_p90"] and r["rtf_p50"] > 0 and r["audio_s_per_s"] > 0, r
