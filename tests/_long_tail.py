@@ -10,9 +10,21 @@ from __future__ import annotations
 import math
 
 import torch
+from _tolerance import chain_rel_tol
 from torch import Tensor
 
 V = 1026  # the talker's codebook size (1024 codes, BOC, EOC)
+NO_NUCLEUS = [1.0, 1.5, math.inf, math.nan]  # NaN reads as 1 (SPEC 4.6), and so does anything above 1
+NO_TOP_K = [0, -1, V, V + 7]
+# fp32 cumulative masses of the filter against the exact ones: an fp32 softmax (a V-term sum, exp, division)
+# and a V-term prefix sum of positive terms (any order), each a relative error; twice that covers 1 - p rounded
+# to fp32. Rows with a mass this close to 1 - p may go either way.
+BOUNDARY = 2 * chain_rel_tol([V, V], 8, torch.float32)
+
+
+def cycle(values, n: int, period: int = 1, device: str = "cpu") -> Tensor:
+    """values repeated to length n, each held ``period`` times in a row."""
+    return torch.tensor(values)[torch.arange(n) // period % len(values)].to(device)
 
 
 def long_tailed_logits(rows: int, seed: int, v: int = V, heads: int = 4, device: str = "cpu") -> Tensor:

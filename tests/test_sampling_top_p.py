@@ -4,28 +4,15 @@ against a float64 reference of its rule; rows of a mixed batch get what they get
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from _long_tail import V, boundary_gap, long_tailed_logits, reference_keep
-from _tolerance import chain_rel_tol
+from _long_tail import BOUNDARY, NO_NUCLEUS, NO_TOP_K, V, boundary_gap, cycle, long_tailed_logits, reference_keep
 
 from higgs_talker.heads import sampling
 from higgs_talker.heads.sampling import race_scores, sample_codes, top_k_top_p_filter
 
 N = 8
-INF, NAN = float("inf"), float("nan")
-NO_NUCLEUS = [1.0, 1.5, INF, NAN]  # NaN reads as 1 (SPEC 4.6), and so does anything above 1
-NO_TOP_K = [0, -1, V, V + 7]
-# fp32 cumulative masses of the filter against the exact ones: an fp32 softmax (a V-term sum, exp, division)
-# and a V-term prefix sum of positive terms, each a relative error; twice that covers 1 - p rounded to fp32
-BOUNDARY = 2 * chain_rel_tol([V, V], 8, torch.float32)
-
-
-def _cycle(values, n: int, period: int = 1, dtype=None) -> torch.Tensor:
-    """values repeated to length n, each held ``period`` times in a row."""
-    return torch.tensor(values, dtype=dtype)[torch.arange(n) // period % len(values)]
+NAN = float("nan")
 
 
 def _lost(out: torch.Tensor, x: torch.Tensor) -> str:
@@ -39,14 +26,14 @@ def test_top_p_of_one_or_more_keeps_every_code(dtype):
     scores with the filter equal those without it (every finite code stays finite)."""
     rows = 512
     x = long_tailed_logits(rows, seed=1).to(dtype).float()
-    top_p, top_k = _cycle(NO_NUCLEUS, rows), _cycle(NO_TOP_K, rows, period=len(NO_NUCLEUS))
+    top_p, top_k = cycle(NO_NUCLEUS, rows), cycle(NO_TOP_K, rows, period=len(NO_NUCLEUS))
     out = top_k_top_p_filter(x, top_k, top_p)
     assert torch.equal(out, x), _lost(out, x)
 
     b = rows // N
     logits = x.to(dtype).view(b, N, V)
-    t = _cycle([1.0, 0.7, 1.3, 2.0], b)
-    p, k = _cycle(NO_NUCLEUS, b), _cycle(NO_TOP_K, b, period=len(NO_NUCLEUS))
+    t = cycle([1.0, 0.7, 1.3, 2.0], b)
+    p, k = cycle(NO_NUCLEUS, b), cycle(NO_TOP_K, b, period=len(NO_NUCLEUS))
     seeds, steps = torch.arange(b) * 7919 + 5, torch.arange(b) + 3
     filtered = race_scores(logits, t, k, p, seeds, steps, filter=True)
     assert torch.equal(filtered.isfinite(), logits.isfinite()), _lost(filtered, logits)
@@ -60,8 +47,8 @@ def test_filter_shortcut_gives_the_same_codes(dtype, monkeypatch):
     probability 1e-9 too rarely for a test to see it)."""
     b = 64
     logits = long_tailed_logits(b * N, seed=2).to(dtype).view(b, N, V)
-    t = _cycle([1.0, 0.7, 1.3, 2.0], b)
-    p, k = _cycle(NO_NUCLEUS, b), _cycle(NO_TOP_K, b, period=len(NO_NUCLEUS))
+    t = cycle([1.0, 0.7, 1.3, 2.0], b)
+    p, k = cycle(NO_NUCLEUS, b), cycle(NO_TOP_K, b, period=len(NO_NUCLEUS))
 
     def both(seeds, steps):
         on = sample_codes(logits, t, k, p, seeds, steps, filter=True)
@@ -93,7 +80,7 @@ def test_mixed_batch_rows_get_what_they_get_alone():
     logits = long_tailed_logits(b * N, seed=3).view(b, N, V)
     p = torch.tensor([kinds[i % len(kinds)][0] for i in range(b)])
     k = torch.tensor([kinds[i % len(kinds)][1] for i in range(b)])
-    t = _cycle([1.0, 0.8, 1.7], b)
+    t = cycle([1.0, 0.8, 1.7], b)
     seeds, steps = torch.arange(b) * 31 + 1, torch.arange(b) * 5
     batch = race_scores(logits, t, k, p, seeds, steps)
     x = logits / t[:, None, None]
@@ -118,7 +105,7 @@ def test_nucleus_keeps_what_vllm_keeps(dtype):
     1 - p), except in rows where a mass sits within fp32 rounding of 1 - p."""
     m = 512
     x = long_tailed_logits(m, seed=4).to(dtype).float()
-    top_p = _cycle([0.999999, 0.99999, 0.9999, 0.999, 0.99, 0.95, 0.9, 0.5], m)
+    top_p = cycle([0.999999, 0.99999, 0.9999, 0.999, 0.99, 0.95, 0.9, 0.5], m)
     top_k = torch.where(torch.arange(m) % 3 == 0, 600, 0)
     out = top_k_top_p_filter(x, top_k, top_p)
     kept = out.isfinite()
@@ -134,4 +121,3 @@ def test_nucleus_keeps_what_vllm_keeps(dtype):
         checked += 1
     assert not wrong, f"{len(wrong)} rows keep other codes than vLLM's rule (row, top_p, codes): {wrong[:8]}"
     assert checked >= 0.9 * m
-    assert math.isclose(float(top_p[0]), 0.999999, rel_tol=1e-7)
