@@ -163,22 +163,25 @@ def exponential_noise(seeds: Tensor, steps: Tensor, num_codebooks: int, codebook
 
 
 def top_k_top_p_filter(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """Mask logits [M, V] outside each row's top-k (k [M]; <= 0 or >= V: off), then outside its top-p nucleus
-    (p [M]).
+    """Mask logits [M, V] fp32 outside each row's top-k (k [M]; <= 0 or >= V: off), then outside its top-p
+    nucleus (p [M]; >= 1 or NaN: off). Returns a new tensor.
 
-    Ties at the k-th value are kept. The nucleus is the shortest most-likely prefix whose mass reaches p: an
-    entry stays while the mass ranked before it is below p. The sort is stable, so among equal logits the
-    lowest index ranks first, and the entry that always survives is the one ``argmax`` picks. Returns a new
-    tensor.
+    Ties at the k-th value are kept. The nucleus rule is vLLM's ``apply_top_k_top_p``: going from the least
+    likely code up, a code is dropped while the mass of it and every less likely code is at most 1 - p; the most
+    likely code always stays. Summing from the tail up keeps that mass exact to a few ulps of itself, where a
+    running sum from the top would reach 1.0 in fp32 with up to ~1e-7 of mass still to come and drop that tail
+    at p = 1. The sort is stable, so among equal logits the lowest index counts as more likely, and the code
+    that always stays is the one ``argmax`` picks.
     """
     v = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     k = torch.where(top_k <= 0, v, top_k.long())
     kth = sorted_logits.gather(1, (k - 1).clamp(0, v - 1)[:, None])
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass ranked strictly before each entry
-    drop = before >= top_p.float()[:, None]
+    # softmax and running sum over the ascending order, as vLLM computes them, then back to descending
+    mass_up_to = sorted_logits.flip(-1).softmax(dim=-1).cumsum(dim=-1).flip(-1)  # [M, V]: this code and all below
+    p = top_p.float()[:, None]
+    drop = (mass_up_to <= 1 - p) & (p < 1)  # p >= 1 (or NaN): no nucleus, every code stays
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
@@ -228,10 +231,10 @@ def sample_codes(
 ) -> Tensor:
     """Masked codebook logits [B, C, V] -> codes [B, C] int64 (``argmax`` of ``race_scores``).
 
-    temperature/top_p [B] float, top_k [B] int (<= 0 or >= codebook_size: off), seeds/steps [B] int64 (the
-    step is the request's row index, so its noise never repeats). Rows with temperature 0 take the argmax.
-    ``draw=False`` (every row greedy) and ``filter=False`` (no row has top-k/top-p on) are host-known
-    shortcuts that skip work without changing the result.
+    temperature/top_p [B] float (top_p >= 1 or NaN: off), top_k [B] int (<= 0 or >= codebook_size: off),
+    seeds/steps [B] int64 (the step is the request's row index, so its noise never repeats). Rows with
+    temperature 0 take the argmax. ``draw=False`` (every row greedy) and ``filter=False`` (no row has top-k/top-p
+    on) are host-known shortcuts that skip work without changing the result.
     """
     if not draw:
         return logits.argmax(dim=-1)

@@ -27,6 +27,8 @@ from higgs_talker.config import TalkerConfig  # noqa: E402
 from higgs_talker.heads.delay import apply_delay_pattern  # noqa: E402
 from higgs_talker.vllm_plugin import step as S  # noqa: E402
 
+N_RAMP = 7  # rows of the delay pattern's ramp-up (SPEC 4.7)
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -307,3 +309,49 @@ def test_unseeded_requests_draw_the_same_seeds_on_every_rank(adapter):
     assert other.requests["u1"].seed != a.requests["u1"].seed
     # the adapter draws from a seeded generator (its model seed), not from the OS
     assert type(adapter.slots._seeds) is random.Random
+
+
+@pytest.mark.parametrize("top_k", ["none", "codebook_size"])
+def test_top_p_one_keeps_every_code_of_a_long_tail(adapter, monkeypatch, top_k):
+    """vLLM's per-row params with top_p = 1.0 and top-k off (None, or the codebook size) are no filter: on
+    long-tailed code logits, every code the delay mask leaves stays in the race (none is dropped by the nucleus),
+    and the scores equal those of the unfiltered sampler."""
+    from _long_tail import long_tailed_logits
+
+    import higgs_talker.heads.slots as slots_module
+    from higgs_talker.heads.sampling import race_scores
+
+    m, cfg = adapter, adapter.cfg
+    ids = ["L1", "L2", "L3", "L4"]
+    b, n, v = len(ids), cfg.num_codebooks, cfg.codebook_size
+    tail = long_tailed_logits(b * n, seed=6, v=v).view(b, n, v)
+    monkeypatch.setattr(m.modality_head, "forward", lambda hidden: tail[: hidden.shape[0]].clone())
+    seen = []
+    real = slots_module.sample_codes
+
+    def spy(logits, temperature, top_k, top_p, seeds, steps, **shortcuts):
+        seen.append((logits.clone(), temperature, top_k, top_p, seeds, steps))
+        return real(logits, temperature, top_k, top_p, seeds, steps, **shortcuts)
+
+    monkeypatch.setattr(slots_module, "sample_codes", spy)
+    meta = SimpleNamespace(
+        temperature=torch.ones(b), all_greedy=False, top_k=None if top_k == "none" else torch.full((b,), v),
+        top_p=torch.ones(b), generators={}, max_num_logprobs=None,
+    )  # fmt: skip
+    tokens = [m.specials.audio] * b
+    for step in range(N_RAMP + 1):  # the last step samples all 8 codebooks (the delay ramp is over)
+        m.update_decode_step_metadata(
+            input_ids=torch.tensor(tokens), positions=torch.full((b,), 5 + step), inputs_embeds=None,
+            omni_query_start_loc=torch.arange(b + 1), req_ids=ids,
+        )  # fmt: skip
+        hidden = torch.stack([_hidden(r, step, cfg.text.hidden_size) for r in ids])
+        tokens = m.sample(m.compute_logits(hidden), meta).sampled_token_ids[:, 0].tolist()
+    m.on_requests_finished(set(ids))
+    assert len(seen) == N_RAMP + 1
+    logits, temperature, k, p, seeds, steps = seen[-1]
+    assert torch.equal(p, torch.ones(b))
+    scores = race_scores(logits, temperature, k, p, seeds, steps)
+    lost = logits.isfinite() & ~scores.isfinite()
+    assert not lost.any(), f"{int(lost.sum())} codes of the tail were dropped"
+    assert logits.isfinite().sum() > 0.99 * logits.numel()  # after the ramp the delay mask leaves all but BOC
+    assert torch.equal(scores, race_scores(logits, temperature, k, p, seeds, steps, filter=False))

@@ -1,0 +1,41 @@
+"""Our top-k / top-p filter against vLLM's own ``apply_top_k_top_p_pytorch`` (the rule SPEC 4.6 names), on
+long-tailed code logits with top_p from 0.3 to 1 and top-k on and off."""
+
+from __future__ import annotations
+
+import pytest
+
+# skips the module cleanly where vLLM is not installed (the core test environment)
+pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
+
+import torch  # noqa: E402
+from _long_tail import V, cycle, long_tailed_logits  # noqa: E402
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch  # noqa: E402
+
+from higgs_talker.heads.sampling import top_k_top_p_filter  # noqa: E402
+
+TOP_P = [0.999999, 0.99999, 0.9999, 0.999, 0.99, 0.95, 0.9, 0.5, 0.3, 1.0]
+
+
+def _both(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    m = 2000
+    x = long_tailed_logits(m, seed=seed).to(dtype).float()  # no code's fp32 probability underflows to 0
+    p = cycle(TOP_P, m)
+    k = cycle([V, 50, 600], m, period=len(TOP_P))  # vLLM reads k = V as off
+    return top_k_top_p_filter(x, k, p), apply_top_k_top_p_pytorch(x.clone(), k, p)
+
+
+def test_fp32_logits_give_vllms_result_exactly():
+    """Distinct logits: the same codes survive as with vLLM's function, to the bit (ascending fp32 mass)."""
+    ours, theirs = _both(torch.float32, seed=7)
+    differ = ours.isfinite() != theirs.isfinite()
+    assert torch.equal(ours, theirs), f"{int(differ.sum())} codes in {int(differ.any(-1).sum())} rows differ"
+
+
+def test_bf16_logits_differ_only_in_which_of_equal_logits_survive():
+    """bf16 logits repeat values: vLLM's sort is not stable, so which of several equal logits at the nucleus'
+    edge survives is its sort's choice (ours: the lowest index). The surviving values are the same."""
+    ours, theirs = _both(torch.bfloat16, seed=8)
+    for r in range(ours.shape[0]):
+        a, b = ours[r][ours[r].isfinite()], theirs[r][theirs[r].isfinite()]
+        assert torch.equal(a.sort().values, b.sort().values), r
