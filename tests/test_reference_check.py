@@ -1,0 +1,132 @@
+"""The checks that code comparisons fall back to must fail on a broken model (mutation tests, CPU).
+
+- ``_reference_check.ScoreCheck`` (the bf16 comparisons of the GPU suites): bf16 runs of the tiny checkpoint on
+  CPU, greedy and with the deploy sampling, pass it; the same model with one projection of one layer off by 5%
+  fails it, on every prompt set.
+- ``_engine_invariants.explain_divergence`` (the float32 batch-vs-solo comparisons of the CPU suites, at its
+  default 1e-4): a batched run of a model with one projection off by 5% against a solo run of the right one
+  fails it wherever their codes differ.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _engine_invariants import LOAD_TEXTS, engine_rows, explain_divergence
+from _reference_check import ScoreCheck, float32_reference, score_bound, teacher_forced
+
+from higgs_talker import HiggsTalker, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PARAMS = {
+    "greedy": SamplingParams(temperature=0, max_frames=50),
+    "deploy": SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=3, max_frames=50),
+}
+# one layer's projection and the factor that breaks it
+MUTATIONS = [("o_proj", 1, 1.05), ("down_proj", 0, 0.95), ("qkv_proj", 2, 1.05)]
+
+
+def _talker(tiny_dir, dtype: str, mutation: tuple[str, int, float] | None = None) -> HiggsTalker:
+    talker = HiggsTalker.from_pretrained(tiny_dir, dtype=dtype, max_num_seqs=8, max_model_len=1024)
+    if mutation is not None:
+        name, layer, factor = mutation
+        hit = 0
+        with torch.no_grad():
+            for param_name, weight in talker.model.named_parameters():
+                if f"layers.{layer}." in param_name and name in param_name:
+                    weight.mul_(factor)
+                    hit += 1
+        assert hit == 1, f"{name} of layer {layer} matched {hit} parameters"
+    return talker
+
+
+@pytest.fixture(scope="module")
+def bf16(tiny_dir) -> HiggsTalker:
+    return _talker(tiny_dir, "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def reference(bf16) -> HiggsTalker:
+    return float32_reference(bf16)
+
+
+def _check_all(talker: HiggsTalker, reference: HiggsTalker, params: SamplingParams) -> ScoreCheck:
+    prompts = [talker.build_prompt(t) for t in LOAD_TEXTS]
+    check = ScoreCheck(reference, score_bound(talker))
+    for i, (prompt, rows) in enumerate(zip(prompts, engine_rows(talker, prompts, params), strict=True)):
+        check.check(talker, prompt, params, rows, f"prompt {i}")
+    return check
+
+
+def test_the_reference_is_float32_torch_with_the_same_weights(bf16, reference):
+    assert next(reference.model.parameters()).dtype == torch.float32 and reference.model.kernels.name == "torch"
+    mine, theirs = bf16.model.state_dict(), reference.model.state_dict()
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[k].float(), theirs[k]) for k in mine)
+
+
+def test_teacher_forcing_reproduces_a_run_and_its_scores(tiny_dir):
+    """Forced on its own greedy rows, a float32 talker and its reference emit those rows, with equal scores
+    (the same kernels and dtype: zero error), and the forced run's best code is the run's code."""
+    talker = _talker(tiny_dir, "float32")
+    reference = float32_reference(talker)
+    params = PARAMS["greedy"]
+    prompt = talker.build_prompt(LOAD_TEXTS[3])
+    rows = engine_rows(talker, [prompt], params)[0]
+    got, want = teacher_forced(talker, prompt, params, rows), teacher_forced(reference, prompt, params, rows)
+    assert torch.equal(got["scores"], want["scores"])
+    assert torch.equal(want["scores"].argmax(dim=-1), rows)
+
+
+@pytest.mark.parametrize("sampling", list(PARAMS))
+def test_bf16_kernels_pass(bf16, reference, sampling):
+    check = _check_all(bf16, reference, PARAMS[sampling])
+    print(f"bf16 {sampling}: worst row {check.worst_row:.4g}, overall {check.overall:.4g}")
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=[m[0] for m in MUTATIONS])
+@pytest.mark.parametrize("sampling", list(PARAMS))
+def test_a_projection_off_by_5_percent_fails(tiny_dir, reference, mutation, sampling):
+    broken = _talker(tiny_dir, "bfloat16", mutation)
+    with pytest.raises(AssertionError, match="from the float32 reference|far from the reference"):
+        _check_all(broken, reference, PARAMS[sampling])
+
+
+def test_a_wrong_code_fails_even_where_the_logits_are_right(bf16, reference):
+    """The code check on its own: rows of a correct run with one code replaced by the reference's worst choice."""
+    params = PARAMS["greedy"]
+    prompt = bf16.build_prompt(LOAD_TEXTS[0])
+    rows = engine_rows(bf16, [prompt], params)[0].clone()
+    forced = teacher_forced(reference, prompt, params, rows)
+    t, c = 12, 3  # past the delay ramp: every codebook has a choice
+    worst = forced["scores"][t, c].where(forced["scores"][t, c].isfinite(), float("inf")).argmin()
+    rows[t, c] = worst
+    check = ScoreCheck(reference, score_bound(bf16))
+    with pytest.raises(AssertionError, match=f"row {t} codebook {c}"):
+        check.check(bf16, prompt, params, rows)
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS[:2], ids=[m[0] for m in MUTATIONS[:2]])
+def test_explain_divergence_rejects_a_projection_off_by_5_percent(tiny_dir, talker, mutation):
+    """Batched greedy runs of the broken float32 model against solo runs of the right one: some codes differ
+    (else the mutation would prove nothing), and explain_divergence rejects most requests whose codes do (a
+    request can leave the right one's codes at a true near tie and keep to them after it: the tiny model's
+    distributions are peaked, and a 5% change of one layer moves its logits by 1-2%)."""
+    broken = _talker(tiny_dir, "float32", mutation)
+    params = PARAMS["greedy"]
+    prompts = [talker.build_prompt(t) for t in LOAD_TEXTS]
+    batched = engine_rows(broken, prompts, params)
+    differ = rejected = 0
+    for prompt, rows in zip(prompts, batched, strict=True):
+        alone = engine_rows(talker, [prompt], params)[0]
+        if torch.equal(rows, alone):
+            continue
+        differ += 1
+        try:
+            explain_divergence(talker, prompt, params, rows, alone)
+        except AssertionError:
+            rejected += 1
+    print(f"{mutation}: {differ} of {len(prompts)} prompts differ, {rejected} rejected")
+    assert differ >= 2, f"the mutation changed the codes of only {differ} of {len(prompts)} prompts"
+    assert rejected >= differ / 2, f"only {rejected} of the {differ} requests whose codes differ were rejected"
