@@ -117,15 +117,3 @@ def qwen3_chain(
     per_layer = [hidden, hidden, head_dim, head_dim, context, context, heads * head_dim]
     per_layer += [hidden, hidden, intermediate]
     return per_layer * layers + [hidden], 12 * layers + 1
-
-
-def bf16_score_gap(text, ctx: int = 512) -> float:
-    """How far two bf16 implementations of a Qwen3 backbone (``text``: a ``TextConfig``) may put two scores
-    apart, relative: the first-order chain bound of one forward (fp32 accumulation, bf16 storage; attention over
-    ``ctx`` keys) for each side. Past a few dozen layers it exceeds 1 (any runner-up flip is admitted); callers
-    also check that the flip went to the other run's runner-up after identical rows."""
-    per_layer = [text.hidden_size, text.hidden_size, text.head_dim, text.head_dim, ctx, ctx, text.q_size,
-                 text.hidden_size, text.hidden_size, text.intermediate_size]  # fmt: skip
-    layers = text.num_hidden_layers
-    reductions = per_layer * layers + [text.hidden_size]
-    return 2 * chain_rel_tol(reductions, 12 * layers + 1 + 8 * 3, torch.float32, torch.bfloat16)
