@@ -53,6 +53,12 @@ SCORE_BOUNDS = {
     # 0.0085; one projection off by 5%: row >= 0.0179, overall >= 0.0137. On the H200: test_gpu's
     # test_the_reference_check_passes_bf16_kernels_and_fails_a_model_off_by_5_percent prints them.
     (torch.bfloat16, 4, 256): ScoreBound(row=0.012, overall=0.0085, code=0.05),
+    # the head_dim-64 checkpoint of the vLLM GPU suite (tiny_config with hidden 256) in bf16 on CPU: correct row
+    # <= 0.0080, overall <= 0.0062, code <= 0.0082; one projection off by 5%: row >= 0.0168, overall >= 0.0122
+    (torch.bfloat16, 3, 256): ScoreBound(row=0.012, overall=0.009, code=0.05),
+    # the 4B shape in bf16 on the H200: provisional (test_gpu's test_the_reference_check_at_the_4b_shape prints
+    # the measured errors)
+    (torch.bfloat16, 36, 2560): ScoreBound(row=0.012, overall=0.009, code=0.05),
 }
 
 

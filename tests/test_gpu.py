@@ -392,39 +392,74 @@ def assert_same_or_near_tie(
         check.check(want_talker, prompts[i], params[i], torch.tensor(rows), f"request {rid}, second run")
 
 
+def _break(talker: HiggsTalker, name: str, layer: int, factor: float) -> HiggsTalker:
+    """Scale one layer's ``name`` projection by ``factor`` in place (captured graphs read the weights in place, so
+    they replay the change): a deliberately broken model."""
+    with torch.no_grad():
+        hits = [w.mul_(factor) for n, w in talker.model.named_parameters() if f"layers.{layer}." in n and name in n]
+    assert len(hits) == 1, f"{name} of layer {layer} matched {len(hits)} parameters"
+    return talker
+
+
+def _check_schedule(talker: HiggsTalker, reference: HiggsTalker, batch: int, params=None) -> ScoreCheck:
+    """``ScoreCheck`` on every request of a schedule of ``talker``, whether or not its codes differ from anything;
+    ``params``: one SamplingParams for all (default: the schedule's greedy ones)."""
+    prompts, own = _schedule_inputs(talker, batch)
+    check = ScoreCheck(reference, score_bound(talker))
+    eng = talker.engine
+    ids = [eng.add_request(prompt, params or own[i], request_id=f"r{i}") for i, prompt in enumerate(prompts)]
+    while eng.has_unfinished():
+        eng.step()
+    for i, rid in enumerate(ids):
+        rows = torch.stack(eng.pop_finished(rid).rows).long()
+        check.check(talker, prompts[i], params or own[i], rows, f"request {rid}")
+    return check
+
+
+DEPLOY = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=11, max_frames=40)
+
+
 @needs_flashinfer
 @pytest.mark.parametrize("name", ["o_proj", "down_proj"])
 def test_the_reference_check_passes_bf16_kernels_and_fails_a_model_off_by_5_percent(talkers, name, capsys):
     """The check every code comparison here falls back to (``assert_same_or_near_tie``), on all 13 requests of a
     schedule whether their codes differ or not: the bf16 kernels of ``auto`` (graphs, batched) and of ``eager``
-    pass it, and print the errors they measured (the numbers behind ``SCORE_BOUNDS``); the same talker with one
-    layer's ``name`` scaled by 1.05 (0.95 for down_proj) fails it."""
-    eager = talkers["eager"]
-    reference, bound = float32_reference(eager), score_bound(eager)
-    prompts, params = _schedule_inputs(eager, 13)
+    pass it, greedy and with the deploy sampling, and print the errors they measured (the numbers behind
+    ``SCORE_BOUNDS``); ``auto`` with one layer's ``name`` scaled by 1.05 (0.95 for down_proj) fails it."""
+    reference = float32_reference(talkers["eager"])
     for mode in ("auto", "eager"):
-        check = ScoreCheck(reference, bound)
-        rows = _run_schedule(talkers[mode], 13)
-        for rid, got in rows.items():
-            i = int(rid[1:])
-            check.check(talkers[mode], prompts[i], params[i], torch.tensor(got), f"{mode} {rid}")
-        with capsys.disabled():
-            print(f"\n[score error] {mode}: worst row {check.worst_row:.4g}, overall {check.overall:.4g} ({bound})")
+        for params in (None, DEPLOY):
+            check = _check_schedule(talkers[mode], reference, 13, params)
+            with capsys.disabled():
+                print(f"\n[score error] medium {mode} {'deploy' if params else 'greedy'}: worst row "
+                      f"{check.worst_row:.4g}, overall {check.overall:.4g} ({check.bound})")  # fmt: skip
     factor = 1.05 if name == "o_proj" else 0.95
-    # the mutation is applied after capture, so the graphs replay the changed weights (they read them in place)
-    broken = _talker("auto")
-    with torch.no_grad():
-        for param_name, weight in broken.model.named_parameters():
-            if "layers.1." in param_name and name in param_name:
-                weight.mul_(factor)
-    check = ScoreCheck(reference, bound)
-    rows = _run_schedule(broken, 13)
-    with pytest.raises(AssertionError, match="from the float32 reference|far from the reference"):
-        for rid, got in rows.items():
-            i = int(rid[1:])
-            check.check(broken, prompts[i], params[i], torch.tensor(got), f"broken {rid}")
+    broken = _break(_talker("auto"), name, 1, factor)
+    with pytest.raises(AssertionError, match="from the float32 reference|far from the reference") as failed:
+        _check_schedule(broken, reference, 13)
     with capsys.disabled():
-        print(f"[score error] {name} x {factor}: worst row {check.worst_row:.4g}, overall {check.overall:.4g}")
+        print(f"[score error] medium auto, {name} x {factor}: {str(failed.value).splitlines()[0]}")
+
+
+@needs_flashinfer
+def test_the_reference_check_at_the_4b_shape(capsys):
+    """The same at the 4B shape (random bf16 weights, eager, the CUDA kernels; vocabulary cut to the tiny
+    tokenizer's), four requests greedy and four with the deploy sampling; then one layer's o_proj x 1.05 fails."""
+    shape = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=128)  # fmt: skip
+    talker = HiggsTalker.from_config(medium_config(**shape), device="cuda", graph_mode="eager", max_num_seqs=4,
+                                     max_model_len=512, seed=0, row_gemv="on")  # fmt: skip
+    reference = float32_reference(talker)
+    for params in (SamplingParams(temperature=0, max_frames=40), DEPLOY):
+        check = _check_schedule(talker, reference, 4, params)
+        with capsys.disabled():
+            print(f"\n[score error] 4b eager {params.temperature}: worst row {check.worst_row:.4g}, overall "
+                  f"{check.overall:.4g} ({check.bound})")  # fmt: skip
+    broken = _break(talker, "o_proj", 17, 1.05)
+    with pytest.raises(AssertionError, match="from the float32 reference|far from the reference") as failed:
+        _check_schedule(broken, reference, 4)
+    with capsys.disabled():
+        print(f"[score error] 4b, o_proj x 1.05: {str(failed.value).splitlines()[0]}")
 
 
 @pytest.mark.parametrize("mode", ["eager", "full_decode", "auto"])
