@@ -290,17 +290,26 @@ class HiggsTalker:
             self._forget([rid], ticket, settle=interrupted)
 
     def _forget(self, ids: list[str], ticket: Ticket | None, settle: bool = False) -> None:
-        """Cancel and drop this caller's requests (after an error, or when a stream is closed). ``settle``: then
-        wait for the worker thread to finish its step if no one else needs it (``Driver.settle``: the program
-        may be about to exit)."""
-        if ticket is not None:
-            self._driver.withdraw(ticket)
-        for i in ids:
-            self.engine.cancel(i)
-            if i in self.engine.requests:
-                self.engine.pop_finished(i)
-        if settle:
-            self._driver.settle()
+        """Cancel and drop this caller's requests (after an error, or when a stream is closed).
+
+        ``settle`` (an exception is on its way out, Ctrl-C maybe): then wait for the worker thread to finish its
+        step if no one else needs it (``Driver.settle``: the program may be about to exit), and let a second
+        Ctrl-C restart this clean-up rather than cut it short; the exception that brought us here goes on after.
+        """
+        while True:
+            try:
+                if ticket is not None:
+                    self._driver.withdraw(ticket)
+                for i in ids:  # every step can be repeated
+                    self.engine.cancel(i)
+                    if i in self.engine.requests:
+                        self.engine.pop_finished(i)
+                if settle:
+                    self._driver.settle()
+                return
+            except KeyboardInterrupt:
+                if not settle:
+                    raise
 
     def stream_audio(
         self,
