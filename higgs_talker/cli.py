@@ -180,6 +180,17 @@ def _check_out(path: Path, flag: str = "--out", formats: tuple[str, ...] = OUT_F
     return path
 
 
+def _check_wav_dir(path: Path) -> None:
+    """``demo --wav-dir``: made if missing and tried for writing, before anything is generated."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--wav-dir {str(path)!r} is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--wav-dir {str(path)!r} cannot be made: {exc.strerror or exc}") from None
+    _check_out(path / "higgs_demo_0.wav", "--wav-dir")
+
+
 def _read_reference(path: Path, text: str | None):
     """``--reference``: a ``.wav`` recording (encoded by the codec when the prompt is built), or its codes [T, 8]
     in a ``.npy`` file (``allow_pickle=False``: an object array is refused)."""
@@ -310,6 +321,7 @@ def _demo(args) -> int:
     from .heads.sampling import SamplingParams
 
     _check_out(args.out)
+    _check_wav_dir(args.wav_dir)
     talker = _load(args)
     texts = ["Hello from the Higgs talker.", "A second request, batched with the first.", "And a third one."]
     results = talker.generate(
@@ -320,7 +332,6 @@ def _demo(args) -> int:
     results[0].save(args.out)
     print(f"wrote {args.out} ({results[0].num_frames} frames x {results[0].codes.shape[1]} codebooks)")
     if results[0].audio is not None:
-        args.wav_dir.mkdir(parents=True, exist_ok=True)
         for i, r in enumerate(results):
             path = r.save(args.wav_dir / f"higgs_demo_{i}.wav")
             print(f"wrote {path} ({r.audio_seconds:.2f} s at {r.sample_rate} Hz)")

@@ -201,6 +201,16 @@ def test_out_in_a_read_only_directory(capsys, gen, no_load) -> None:
     assert_one_line_error(rc, err, f"--out {str(read_only / 'x.npy')!r} cannot be written", "ermission denied")
 
 
+@pytest.mark.parametrize(("under", "needle"), [("", "is not a directory"), ("sub", "cannot be made: Not a directory")])
+def test_demo_checks_wav_dir_before_generating(capsys, no_load, tmp_path: Path, under: str, needle: str) -> None:
+    """demo --wav-dir under a file used to generate all three requests and write the codes first, then fail."""
+    (tmp_path / "plain").write_text("x")
+    wav_dir = tmp_path / "plain" / under if under else tmp_path / "plain"
+    rc, _, err = run(capsys, "demo", "--out", str(tmp_path / "x.npy"), "--wav-dir", str(wav_dir))
+    assert_one_line_error(rc, err, f"--wav-dir {str(wav_dir)!r} {needle}")
+    assert not (tmp_path / "x.npy").exists()
+
+
 def test_demo_checks_out_before_generating(capsys, no_load, tmp_path: Path) -> None:
     """demo --out nodir/x.npy used to generate all three requests first, then fail."""
     rc, _, err = run(capsys, "demo", "--out", str(tmp_path / "nodir" / "x.npy"))
