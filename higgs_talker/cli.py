@@ -272,6 +272,8 @@ def _generate(args) -> int:
         result.save(args.out)
         print(f"wrote {args.out}")
     print(result.summary())
+    if args.out is None:
+        print(f"nothing written: --out FILE ({', '.join(OUT_FORMATS)}) keeps the audio or the codes")
     return 0
 
 

@@ -377,6 +377,7 @@ def test_the_summary_line_carries_the_seed_used(capsys, gen) -> None:
     """An unseeded run prints the seed it drew, once: passing it back reproduces the codes."""
     rc, first, _ = run(capsys, *gen, "--max-frames", "6")
     assert rc == 0 and first.count(", seed ") == 1
+    assert "nothing written: --out FILE (.wav, .npy, .safetensors)" in first  # a first run without --out
     seed = int(first.split(", seed ")[1].split(",")[0])
     rc, again, _ = run(capsys, *gen, "--max-frames", "6", "--seed", str(seed))
     assert rc == 0 and f"seed {seed}" in again
