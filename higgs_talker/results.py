@@ -23,7 +23,10 @@ def _replacing(path: Path) -> Iterator[Path]:
     removed if it fails or is interrupted: ``path`` is never left half-written. A symlink is written through."""
     target = Path(os.path.realpath(path))
     tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.partial{target.suffix}")
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # O_EXCL: never someone else's file
+    try:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # O_EXCL: never someone else's file
+    except OSError as exc:  # name the file the caller asked for, not our temporary one
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
     try:
         yield tmp
         os.replace(tmp, target)

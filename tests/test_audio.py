@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import wave
 from pathlib import Path
@@ -172,6 +173,8 @@ def test_save_replaces_the_file_whole_or_not_at_all(talker: HiggsTalker, tmp_pat
     umask = os.umask(0o022)
     os.umask(umask)
     assert (r.save(tmp_path / "new.wav").stat().st_mode & 0o777) == 0o666 & ~umask
+    with pytest.raises(FileNotFoundError, match=re.escape(f"'{tmp_path / 'nodir' / 'x.wav'}'")):
+        r.save(tmp_path / "nodir" / "x.wav")  # the path asked for, not the temporary file's
     link = tmp_path / "link.npy"
     link.symlink_to(path)
     r.save(link)  # written through the link, which stays a link
