@@ -3,7 +3,8 @@
 Threads: one ``HiggsTalker`` may be shared. ``generate`` and ``stream`` queue their requests on the talker's
 engine and wait; a worker thread (started on demand, gone when idle) runs the steps, so concurrent callers'
 requests are batched together and each caller gets exactly its own codes. An interrupt or error in one caller
-(Ctrl-C in a ``stream`` loop, a ``progress`` callback that raises) cancels that caller's requests only. A step
+(Ctrl-C in a ``stream`` loop, a ``progress`` callback that raises) cancels that caller's requests only, and
+waits for the step in flight when no other caller needs the worker (so a program can exit right after). A step
 that fails fails the requests it was running, and their callers raise ``GenerationError`` with the cause.
 """
 

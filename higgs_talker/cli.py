@@ -3,7 +3,9 @@
 Paths given on the command line are only opened as files or directories; nothing is executed or evaluated.
 A user mistake (a bad flag value, a path that cannot be read or written, a bad checkpoint) ends with one line on
 stderr naming it and exit status 2, before any generation starts where it can be known then; internal errors
-keep their traceback.
+keep their traceback. Ctrl-C ends with one line and exit status 130, once the engine's step in flight is over
+(a later Ctrl-C is ignored until then); files are written under a temporary name and renamed, so none is left
+half-written.
 """
 
 from __future__ import annotations
