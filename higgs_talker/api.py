@@ -3,7 +3,8 @@
 Threads: one ``HiggsTalker`` may be shared. ``generate`` and ``stream`` queue their requests on the talker's
 engine and wait; a worker thread (started on demand, gone when idle) runs the steps, so concurrent callers'
 requests are batched together and each caller gets exactly its own codes. An interrupt or error in one caller
-(Ctrl-C in a ``stream`` loop, a ``progress`` callback that raises) cancels that caller's requests only. A step
+(Ctrl-C in a ``stream`` loop, a ``progress`` callback that raises) cancels that caller's requests only, and
+waits for the step in flight when no other caller needs the worker (so a program can exit right after). A step
 that fails fails the requests it was running, and their callers raise ``GenerationError`` with the cause.
 """
 
@@ -247,7 +248,7 @@ class HiggsTalker:
                     progress(sum(len(eng.requests[i].rows) for i in ids))
             requests = [eng.pop_finished(i) for i in ids]
         except BaseException:
-            self._forget(ids, ticket)  # leave nothing of this call behind
+            self._forget(ids, ticket, settle=True)  # leave nothing of this call behind
             raise
         results = [self._result(req, t) for req, t in zip(requests, texts, strict=True)]
         return results[0] if single else results
@@ -270,6 +271,7 @@ class HiggsTalker:
         req = eng.requests[rid]
         ticket = Ticket([rid], per_step=True)
         n, emitted = self.cfg.num_codebooks, 0
+        interrupted = True  # until the stream ends on its own: closed early, an error, Ctrl-C
         try:
             self._driver.wait_for(ticket)
             while True:
@@ -284,17 +286,31 @@ class HiggsTalker:
             while final is not None and emitted < final.shape[0]:  # only the single-frame case is left here
                 yield final[emitted]
                 emitted += 1
+            interrupted = False
         finally:
-            self._forget([rid], ticket)
+            self._forget([rid], ticket, settle=interrupted)
 
-    def _forget(self, ids: list[str], ticket: Ticket | None) -> None:
-        """Cancel and drop this caller's requests (after an error, or when a stream is closed)."""
-        if ticket is not None:
-            self._driver.withdraw(ticket)
-        for i in ids:
-            self.engine.cancel(i)
-            if i in self.engine.requests:
-                self.engine.pop_finished(i)
+    def _forget(self, ids: list[str], ticket: Ticket | None, settle: bool = False) -> None:
+        """Cancel and drop this caller's requests (after an error, or when a stream is closed).
+
+        ``settle`` (an exception is on its way out, Ctrl-C maybe): then wait for the worker thread to finish its
+        step if no one else needs it (``Driver.settle``: the program may be about to exit), and let a second
+        Ctrl-C restart this clean-up rather than cut it short; the exception that brought us here goes on after.
+        """
+        while True:
+            try:
+                if ticket is not None:
+                    self._driver.withdraw(ticket)
+                for i in ids:  # every step can be repeated
+                    self.engine.cancel(i)
+                    if i in self.engine.requests:
+                        self.engine.pop_finished(i)
+                if settle:
+                    self._driver.settle()
+                return
+            except KeyboardInterrupt:
+                if not settle:
+                    raise
 
     def stream_audio(
         self,
@@ -346,7 +362,7 @@ class HiggsTalker:
                 raise TypeError(f"sampling must be SamplingParams, got {type(s).__name__}")
         if max_frames is not None:
             items = [replace(s, max_frames=max_frames) for s in items]
-        return items
+        return [s.check_lengths() for s in items]  # min against max once both are final, before any is queued
 
     def _result(self, req: Request, text: str) -> GenerationResult:
         _raise_if_failed(req)

@@ -3,7 +3,9 @@
 Paths given on the command line are only opened as files or directories; nothing is executed or evaluated.
 A user mistake (a bad flag value, a path that cannot be read or written, a bad checkpoint) ends with one line on
 stderr naming it and exit status 2, before any generation starts where it can be known then; internal errors
-keep their traceback.
+keep their traceback. Ctrl-C ends with one line and exit status 130, once the engine's step in flight is over
+(a later Ctrl-C is ignored until then); files are written under a temporary name and renamed, so none is left
+half-written.
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import signal
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -38,9 +41,15 @@ def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="higgs-talker", description="Higgs-Audio V3 talker: text -> codec codes")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    # -v after the command too; SUPPRESS: a command that is not given -v leaves the value before it alone
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at INFO level")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    g = sub.add_parser("generate", help="generate codes for a text")
+    def add_command(name: str, **kwargs) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[verbose], **kwargs)
+
+    g = add_command("generate", help="generate codes for a text")
     g.add_argument("text", help="the text to speak")
     _add_model_args(g)
     g.add_argument(
@@ -57,7 +66,6 @@ def _build_parser() -> argparse.ArgumentParser:
     length.add_argument(
         "--max-frames",
         type=int,
-        default=2048,
         metavar="N",
         help="most audio frames (rows of the output codes, 25 per second of audio; default 2048 = 82 s)",
     )
@@ -67,8 +75,15 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="most seconds of audio, instead of --max-frames (S x 25 frames)",
     )
-    g.add_argument(
-        "--min-frames", type=int, default=0, metavar="N", help="no end of stream before N audio frames (default 0)"
+    shortest = g.add_mutually_exclusive_group()
+    shortest.add_argument(
+        "--min-frames", type=int, metavar="N", help="no end of stream before N audio frames (default 0)"
+    )
+    shortest.add_argument(
+        "--min-seconds",
+        type=_seconds,
+        metavar="S",
+        help="no end of stream before S seconds of audio, instead of --min-frames (S x 25 frames)",
     )
     g.add_argument(
         "--reference",
@@ -85,7 +100,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    d = sub.add_parser("demo", help="run three batched requests end to end (the tiny checkpoint by default)")
+    d = add_command("demo", help="run three batched requests end to end (the tiny checkpoint by default)")
     _add_model_args(d)
     d.add_argument(
         "--out",
@@ -98,7 +113,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--wav-dir", type=Path, default=Path("."), metavar="DIR", help="where higgs_demo_<i>.wav go (default: .)"
     )
 
-    w = sub.add_parser(
+    w = add_command(
         "warmup", help="build every GPU kernel a checkpoint needs, ahead of the first start (CUDA; no-op on CPU)"
     )
     w.add_argument("model", nargs="?", default="tiny", metavar="CHECKPOINT", help="checkpoint directory, or 'tiny'")
@@ -117,7 +132,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "~/.triton/cache)",
     )
 
-    c = sub.add_parser("deploy-config", help="print the path of a vLLM deploy profile")
+    c = add_command("deploy-config", help="print the path of a vLLM deploy profile")
     c.add_argument("profile", help="high-throughput, low-latency or default")
     return p
 
@@ -144,7 +159,7 @@ def _check_out(path: Path, flag: str = "--out", formats: tuple[str, ...] = OUT_F
     """An output path that ``GenerationResult.save`` can write; checked before anything is generated."""
     if path.is_dir():
         raise ValueError(f"{flag} {str(path)!r} is a directory; give a file name such as {str(path / 'codes.npy')!r}")
-    if path.suffix not in formats:
+    if path.suffix.lower() not in formats:
         raise ValueError(
             f"{flag} {str(path)!r}: unsupported format {path.suffix or '(no suffix)'!r}; use {' or '.join(formats)}"
         )
@@ -167,6 +182,17 @@ def _check_out(path: Path, flag: str = "--out", formats: tuple[str, ...] = OUT_F
     return path
 
 
+def _check_wav_dir(path: Path) -> None:
+    """``demo --wav-dir``: made if missing and tried for writing, before anything is generated."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--wav-dir {str(path)!r} is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--wav-dir {str(path)!r} cannot be made: {exc.strerror or exc}") from None
+    _check_out(path / "higgs_demo_0.wav", "--wav-dir")
+
+
 def _read_reference(path: Path, text: str | None):
     """``--reference``: a ``.wav`` recording (encoded by the codec when the prompt is built), or its codes [T, 8]
     in a ``.npy`` file (``allow_pickle=False``: an object array is refused)."""
@@ -174,14 +200,18 @@ def _read_reference(path: Path, text: str | None):
 
     if path.is_dir():
         raise ValueError(f"--reference {str(path)!r} is a directory, not a recording or a file of codes")
-    if path.suffix not in REFERENCE_FORMATS:
+    if path.suffix.lower() not in REFERENCE_FORMATS:
         raise ValueError(f"--reference must be a .wav recording or a .npy file of codes [T, 8], got {str(path)!r}")
     if not path.is_file():
         raise ValueError(f"--reference {str(path)!r} does not exist")
-    if path.suffix == ".wav":
-        from .audio import read_wav
+    if path.suffix.lower() == ".wav":
+        from .audio import REFERENCE_SECONDS, read_wav
 
-        read_wav(path)  # a file that is no WAV fails here, before the model loads
+        samples, rate = read_wav(path)  # a file that is no WAV, or too short or long, fails here, before the load
+        seconds, (lo, hi) = samples.shape[-1] / rate, REFERENCE_SECONDS
+        if not lo <= seconds <= hi:
+            raise ValueError(f"--reference {str(path)!r} lasts {seconds:.2f} s; a reference recording must last "
+                             f"{lo:g}-{hi:g} s")  # fmt: skip
         return Reference(audio=path, text=text)
     with open(path, "rb") as f:
         if f.read(6) != b"\x93NUMPY":
@@ -225,17 +255,8 @@ class _Progress:
 
 
 def _generate(args) -> int:
-    from .heads.sampling import SamplingParams
-
     # everything the flags alone decide is checked before the (possibly slow) model load
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        max_frames=args.max_frames,
-        min_frames=args.min_frames,
-    )
+    params = _sampling(args)
     if args.out is not None:
         _check_out(args.out)
     reference = None
@@ -244,11 +265,6 @@ def _generate(args) -> int:
     elif args.reference_text is not None:
         raise ValueError("--reference-text needs --reference")
     talker = _load(args)
-    if args.max_seconds is not None:  # the frame rate is the checkpoint's (25 per second on Higgs-Audio V3)
-        try:
-            params = replace(params, max_frames=math.ceil(args.max_seconds * talker.cfg.frame_rate))
-        except ValueError as exc:
-            raise ValueError(f"--max-seconds {args.max_seconds:g}: {exc}") from None
     progress = _Progress(params.max_frames, not args.no_progress)
     try:
         result = talker.generate(args.text, params, reference=reference, progress=progress)
@@ -258,13 +274,58 @@ def _generate(args) -> int:
         result.save(args.out)
         print(f"wrote {args.out}")
     print(result.summary())
+    if args.out is None:
+        print(f"nothing written: --out FILE ({', '.join(OUT_FORMATS)}) keeps the audio or the codes")
     return 0
+
+
+def _sampling(args):
+    """The ``SamplingParams`` the flags give; --max-seconds / --min-seconds count at the checkpoint's frame rate."""
+    from .heads.sampling import SamplingParams
+
+    default = SamplingParams().max_frames
+    lengths = {"max": (default, f"--max-frames {default} (the default)"), "min": (0, "")}  # frames, as given
+    rate = None
+    for end, frames, seconds in (
+        ("max", args.max_frames, args.max_seconds),
+        ("min", args.min_frames, args.min_seconds),
+    ):
+        if seconds is not None:
+            rate = rate or _frame_rate(args.model)
+            frames = math.ceil(seconds * rate)
+            lengths[end] = (frames, f"--{end}-seconds {seconds:g} ({frames} frames)")
+        elif frames is not None:
+            lengths[end] = (frames, f"--{end}-frames {frames}")
+    try:
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            max_frames=lengths["max"][0],
+            min_frames=lengths["min"][0],
+        )
+    except ValueError as exc:
+        given = [flag.split(" (")[0] for _, flag in lengths.values() if "-seconds" in flag]
+        raise ValueError(f"{', '.join(given)}: {exc}" if given else exc) from None
+    if params.min_frames > params.max_frames:
+        raise ValueError(f"{lengths['min'][1]} is more than {lengths['max'][1]}: no audio can be that long")
+    return params
+
+
+def _frame_rate(model: str) -> float:
+    """Audio frames per second of a checkpoint (its config.json; 25 on Higgs-Audio V3), read before the load."""
+    from .api import _checkpoint_dir
+    from .config import TalkerConfig
+
+    return TalkerConfig.from_pretrained(_checkpoint_dir(model)).frame_rate
 
 
 def _demo(args) -> int:
     from .heads.sampling import SamplingParams
 
     _check_out(args.out)
+    _check_wav_dir(args.wav_dir)
     talker = _load(args)
     texts = ["Hello from the Higgs talker.", "A second request, batched with the first.", "And a third one."]
     results = talker.generate(
@@ -275,7 +336,6 @@ def _demo(args) -> int:
     results[0].save(args.out)
     print(f"wrote {args.out} ({results[0].num_frames} frames x {results[0].codes.shape[1]} codebooks)")
     if results[0].audio is not None:
-        args.wav_dir.mkdir(parents=True, exist_ok=True)
         for i, r in enumerate(results):
             path = r.save(args.wav_dir / f"higgs_demo_{i}.wav")
             print(f"wrote {path} ({r.audio_seconds:.2f} s at {r.sample_rate} Hz)")
@@ -310,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 0
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     handlers = {"generate": _generate, "demo": _demo, "warmup": _warmup, "deploy-config": _deploy_config}
+    restore = _interrupt_once()
     try:
         return handlers[args.command](args)
     except (ValueError, TypeError, OSError) as exc:  # OSError: unreadable / unwritable paths, missing files
@@ -318,9 +379,26 @@ def main(argv: list[str] | None = None) -> int:
         if not _is_out_of_memory(exc):
             raise  # a bug: keep the traceback
         return _fail(f"out of memory: {exc} (a smaller model, or fewer / shorter sequences, needs less)")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the API has cancelled the requests and let the engine's thread finish its step
         print("higgs-talker: interrupted", file=sys.stderr)
         return 130
+    finally:
+        restore()
+
+
+def _interrupt_once():
+    """Make the first Ctrl-C raise KeyboardInterrupt and ignore any later one, so the clean-up it starts
+    (cancel, wait for the engine's step, remove a half-written file) is not cut short. Returns the undo."""
+    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if previous in (None, signal.SIG_IGN):  # not the main thread (no signals there), or Ctrl-C is ignored
+        return lambda: None
+
+    def interrupt(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    return lambda: signal.signal(signal.SIGINT, previous)
 
 
 def _is_out_of_memory(exc: RuntimeError) -> bool:

@@ -37,6 +37,7 @@ class Driver:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # notified when a ticket arrives or the thread exits
         self._tickets: list[Ticket] = []
         self._thread: threading.Thread | None = None
 
@@ -46,11 +47,23 @@ class Driver:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="higgs-talker-engine", daemon=True)
                 self._thread.start()
+            self._changed.notify_all()
 
     def withdraw(self, ticket: Ticket) -> None:
         with self._lock:
             if ticket in self._tickets:
                 self._tickets.remove(ticket)
+
+    def settle(self) -> None:
+        """Wait, unless a caller still waits, for the worker thread to end its step and exit (one step at most).
+
+        An interrupted caller settles because the program may exit next: a daemon thread still inside a torch op
+        while the interpreter shuts down is ended by a stack unwinding that C++ turns into an abort ("terminate
+        called without an active exception"). The wait ends early if another caller's ticket arrives.
+        """
+        with self._lock:
+            while self._thread not in (None, threading.current_thread()) and not self._tickets:
+                self._changed.wait()
 
     def _loop(self) -> None:
         try:
@@ -63,6 +76,7 @@ class Driver:
                     ticket.event.set()
                 self._tickets.clear()
                 self._thread = None
+                self._changed.notify_all()
 
     def _serve(self) -> None:
         engine = self.engine
@@ -72,6 +86,7 @@ class Driver:
             with self._lock:
                 if not self._tickets:
                     self._thread = None
+                    self._changed.notify_all()
                     return
             if engine.has_unfinished():
                 try:

@@ -97,6 +97,11 @@ class TalkerTokenizer:
         try:
             tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
         except Exception as exc:  # tokenizers raises plain Exception (and KeyError, ...) for a malformed file
+            if not (Path(path) / "tokenizer.json").is_file():  # transformers' own message is about sentencepiece
+                raise ValueError(
+                    f"could not load a tokenizer from {str(path)!r}: it has no tokenizer.json (a checkpoint carries "
+                    "its tokenizer in that file: copy it from the original checkpoint)"
+                ) from exc
             raise ValueError(f"could not load a tokenizer from {path}: {type(exc).__name__}: {exc}") from exc
         return cls(tok, resolve_special_tokens(tok, cfg), cfg.text.max_position_embeddings)
 

@@ -3,6 +3,10 @@ codec), the ``Reference`` voice a prompt clones, and ``GenerationError``."""
 
 from __future__ import annotations
 
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,6 +15,24 @@ from torch import Tensor
 
 from .audio import CodecLoader, write_wav
 from .heads.delay import revert_delay_pattern
+
+
+@contextmanager
+def _replacing(path: Path) -> Iterator[Path]:
+    """A new temporary file beside ``path`` (same suffix) that replaces ``path`` when the block completes and is
+    removed if it fails or is interrupted: ``path`` is never left half-written. A symlink is written through."""
+    target = Path(os.path.realpath(path))
+    tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.partial{target.suffix}")
+    try:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # O_EXCL: never someone else's file
+    except OSError as exc:  # name the file the caller asked for, not our temporary one
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
+    try:
+        yield tmp
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class GenerationError(RuntimeError):
@@ -93,24 +115,27 @@ class GenerationResult:
 
     def save(self, path: str | Path) -> Path:
         """Write ``audio`` to ``.wav`` (24 kHz mono 16-bit), ``codes`` to ``.npy``, or both codes and rows to
-        ``.safetensors``."""
+        ``.safetensors`` (the suffix in any case). The file appears complete or not at all: it is written beside
+        ``path`` under a temporary name and renamed."""
         path = Path(path)
-        if path.suffix == ".wav":
-            if self.audio is None:
-                raise ValueError(f"cannot write {str(path)!r}: this result has no audio (the talker has no codec)")
-            write_wav(path, self.audio, self.sample_rate)
-        elif path.suffix == ".npy":
-            np.save(path, self.codes.numpy())
-        elif path.suffix == ".safetensors":
-            from safetensors.torch import save_file
-
-            save_file(
-                {"codes": self.codes.contiguous(), "rows": self.rows.contiguous()},
-                str(path),
-                metadata={"text": self.text, "frame_rate": str(self.frame_rate), "seed": str(self.seed)},
-            )
-        else:
+        kind = path.suffix.lower()
+        if kind == ".wav" and self.audio is None:
+            raise ValueError(f"cannot write {str(path)!r}: this result has no audio (the talker has no codec)")
+        if kind not in (".wav", ".npy", ".safetensors"):
             raise ValueError(f"unsupported output format {path.suffix!r}: use .wav, .npy or .safetensors")
+        with _replacing(path) as tmp:
+            if kind == ".wav":
+                write_wav(tmp, self.audio, self.sample_rate)
+            elif kind == ".npy":
+                np.save(tmp, self.codes.numpy())
+            else:
+                from safetensors.torch import save_file
+
+                save_file(
+                    {"codes": self.codes.contiguous(), "rows": self.rows.contiguous()},
+                    str(tmp),
+                    metadata={"text": self.text, "frame_rate": str(self.frame_rate), "seed": str(self.seed)},
+                )
         return path
 
     def summary(self) -> str:

@@ -143,6 +143,7 @@ class Scheduler:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.check_lengths()
         if request_id is None:
             request_id = next(i for i in map(str, self._ids) if i not in self.requests)
         request_id = str(request_id)

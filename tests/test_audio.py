@@ -8,6 +8,8 @@ encoding the same samples.
 from __future__ import annotations
 
 import json
+import os
+import re
 import struct
 import wave
 from pathlib import Path
@@ -147,6 +149,36 @@ def test_save_wav(talker: HiggsTalker, tmp_path: Path) -> None:
     assert pcm.tolist() == np.round(np.clip(r.audio.numpy(), -1, 1) * 32767).astype(np.int16).tolist()
     with pytest.raises(ValueError, match=r"'\.mp3'"):
         r.save(tmp_path / "hello.mp3")
+    assert r.save(tmp_path / "HELLO.WAV").read_bytes() == path.read_bytes()  # the suffix in any case
+
+
+def test_save_replaces_the_file_whole_or_not_at_all(talker: HiggsTalker, tmp_path: Path, monkeypatch) -> None:
+    """save writes a temporary file beside the target and renames it: a write that fails (or a Ctrl-C) leaves
+    the old file as it was and no temporary file behind; a new file gets the umask's permissions."""
+    r = talker.generate("Hello there.", PARAMS)
+    path = tmp_path / "codes.npy"
+    path.write_bytes(b"old")
+
+    def broken(file, array):
+        Path(file).write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(np, "save", broken)
+    with pytest.raises(KeyboardInterrupt):
+        r.save(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["codes.npy"] and path.read_bytes() == b"old"
+    monkeypatch.undo()
+    r.save(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["codes.npy"] and np.array_equal(np.load(path), r.codes.numpy())
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert (r.save(tmp_path / "new.wav").stat().st_mode & 0o777) == 0o666 & ~umask
+    with pytest.raises(FileNotFoundError, match=re.escape(f"'{tmp_path / 'nodir' / 'x.wav'}'")):
+        r.save(tmp_path / "nodir" / "x.wav")  # the path asked for, not the temporary file's
+    link = tmp_path / "link.npy"
+    link.symlink_to(path)
+    r.save(link)  # written through the link, which stays a link
+    assert link.is_symlink() and np.array_equal(np.load(path), r.codes.numpy())
 
 
 def test_talker_without_codec(tiny_dir: Path, tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ import torch
 
 import higgs_talker
 from higgs_talker import cli
+from higgs_talker.audio import write_wav
 
 
 def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
@@ -73,7 +74,7 @@ def test_temperature_above_float32(capsys, gen, no_load) -> None:
         (["--seed", "-1"], ["seed must be None or an integer in [0, 2**63), got -1"]),
         (["--max-frames", "0"], ["max_frames must be an integer > 0, got 0"]),
         (["--max-frames", "4294967296"], ["max_frames must be at most 2147483647"]),
-        (["--max-frames", "10", "--min-frames", "11"], ["min_frames must be an integer in [0, max_frames=10], got 11"]),
+        (["--max-frames", "10", "--min-frames", "11"], ["--min-frames 11 is more than --max-frames 10"]),
         (["--reference-text", "words"], ["--reference-text needs --reference"]),
     ],
     ids=["temperature-nan", "top-p-0", "seed-negative", "max-frames-0", "max-frames-2e32", "min-above-max", "ref-text"],
@@ -104,6 +105,38 @@ def test_max_seconds_is_max_frames_at_the_frame_rate(capsys, gen, tmp_path: Path
 def test_bad_max_seconds(capsys, gen, no_load, value) -> None:
     rc, _, err = run(capsys, *gen, "--max-seconds", value)
     assert_one_line_error(rc, err, "argument --max-seconds", repr(value))
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--min-frames", "3000"], "--min-frames 3000 is more than --max-frames 2048 (the default)"),
+        (["--min-seconds", "2", "--max-seconds", "1"], "--min-seconds 2 (50 frames) is more than --max-seconds 1 (25"),
+        (["--min-seconds", "1", "--max-frames", "24"], "--min-seconds 1 (25 frames) is more than --max-frames 24"),
+        (["--min-seconds", "1e12"], "--min-seconds 1e+12: min_frames must be an integer in [0, 2147483647]"),
+        (["--min-seconds", "1", "--min-frames", "3"], "argument --min-frames: not allowed with argument --min-seconds"),
+    ],
+    ids=["min-frames-above-default", "seconds", "mixed", "huge-min-seconds", "both-mins"],
+)
+def test_min_above_max_names_both_flags_before_loading(capsys, gen, no_load, flags, needle) -> None:
+    rc, _, err = run(capsys, *gen, *flags)
+    assert_one_line_error(rc, err, needle)
+
+
+def test_min_seconds_holds_the_end_back(capsys, gen, tmp_path: Path) -> None:
+    """Seed 3 ends on its own after a few frames; --min-seconds 1 keeps it going to 25 frames (1 s at 25/s)."""
+    free, held = tmp_path / "free.npy", tmp_path / "held.npy"
+    common = [*gen, "--seed", "3", "--max-frames", "60"]
+    assert run(capsys, *common, "--out", str(free))[0] == 0
+    assert run(capsys, *common, "--min-seconds", "1", "--out", str(held))[0] == 0
+    assert len(np.load(free)) < 25 <= len(np.load(held))
+
+
+@pytest.mark.parametrize("argv", [["-v", "deploy-config", "default"], ["deploy-config", "default", "-v"],
+                                  ["generate", "Hi.", "--verbose"], ["warmup", "-v"], ["demo", "-v"]])  # fmt: skip
+def test_verbose_before_or_after_the_command(argv: list[str]) -> None:
+    assert cli._build_parser().parse_args(argv).verbose is True
+    assert cli._build_parser().parse_args([a for a in argv if a not in ("-v", "--verbose")]).verbose is False
 
 
 def test_huge_max_seconds_names_the_flag(capsys, gen) -> None:
@@ -142,6 +175,12 @@ def test_out_with_an_unsupported_format(capsys, gen, no_load, tmp_path: Path, na
     assert_one_line_error(rc, err, "unsupported format", "use .wav or .npy or .safetensors")
 
 
+def test_out_suffix_in_any_case(capsys, gen, tmp_path: Path) -> None:
+    rc, out, err = run(capsys, *gen, "--seed", "1", "--max-frames", "12", "--out", str(tmp_path / "x.WAV"))
+    assert rc == 0, err
+    assert (tmp_path / "x.WAV").read_bytes()[:4] == b"RIFF" and f"wrote {tmp_path / 'x.WAV'}" in out
+
+
 @pytest.mark.skipif(not hasattr(os, "seteuid"), reason="needs POSIX permissions")
 def test_out_in_a_read_only_directory(capsys, gen, no_load) -> None:
     root = Path(tempfile.mkdtemp())  # not under pytest's tmp dir, which other users may not traverse
@@ -160,6 +199,16 @@ def test_out_in_a_read_only_directory(capsys, gen, no_load) -> None:
         read_only.chmod(0o755)
         shutil.rmtree(root)
     assert_one_line_error(rc, err, f"--out {str(read_only / 'x.npy')!r} cannot be written", "ermission denied")
+
+
+@pytest.mark.parametrize(("under", "needle"), [("", "is not a directory"), ("sub", "cannot be made: Not a directory")])
+def test_demo_checks_wav_dir_before_generating(capsys, no_load, tmp_path: Path, under: str, needle: str) -> None:
+    """demo --wav-dir under a file used to generate all three requests and write the codes first, then fail."""
+    (tmp_path / "plain").write_text("x")
+    wav_dir = tmp_path / "plain" / under if under else tmp_path / "plain"
+    rc, _, err = run(capsys, "demo", "--out", str(tmp_path / "x.npy"), "--wav-dir", str(wav_dir))
+    assert_one_line_error(rc, err, f"--wav-dir {str(wav_dir)!r} {needle}")
+    assert not (tmp_path / "x.npy").exists()
 
 
 def test_demo_checks_out_before_generating(capsys, no_load, tmp_path: Path) -> None:
@@ -188,6 +237,14 @@ def test_reference_wav_that_is_no_wav_fails_before_loading(capsys, gen, no_load,
     ref.write_bytes(b"RIFF")
     rc, _, err = run(capsys, *gen, "--reference", str(ref))
     assert_one_line_error(rc, err, "ref.wav")
+
+
+@pytest.mark.parametrize(("seconds", "shown"), [(0.68, "0.68"), (31, "31.00")])
+def test_reference_wav_too_short_or_long_fails_before_loading(capsys, gen, no_load, tmp_path, seconds, shown) -> None:
+    ref = tmp_path / "Ref.WAV"
+    write_wav(ref, np.zeros(round(seconds * 24000), np.float32), 24000)
+    rc, _, err = run(capsys, *gen, "--reference", str(ref))
+    assert_one_line_error(rc, err, f"--reference {str(ref)!r} lasts {shown} s", "must last 1-30 s")
 
 
 def test_reference_missing(capsys, gen, no_load, tmp_path: Path) -> None:
@@ -320,6 +377,7 @@ def test_the_summary_line_carries_the_seed_used(capsys, gen) -> None:
     """An unseeded run prints the seed it drew, once: passing it back reproduces the codes."""
     rc, first, _ = run(capsys, *gen, "--max-frames", "6")
     assert rc == 0 and first.count(", seed ") == 1
+    assert "nothing written: --out FILE (.wav, .npy, .safetensors)" in first  # a first run without --out
     seed = int(first.split(", seed ")[1].split(",")[0])
     rc, again, _ = run(capsys, *gen, "--max-frames", "6", "--seed", str(seed))
     assert rc == 0 and f"seed {seed}" in again

@@ -8,6 +8,8 @@ delayed row ``j``.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -534,10 +536,26 @@ def test_min_frames_holds_the_end_of_stream_back(talker):
     assert held.num_rows >= eoc_row + 20
 
 
-@pytest.mark.parametrize("bad", [-1, 301, 1.5, True])
+@pytest.mark.parametrize("bad", [-1, 2**31, 1.5, True])
 def test_min_frames_is_validated(bad):
     with pytest.raises(ValueError, match="min_frames"):
         SamplingParams(max_frames=300, min_frames=bad)
+
+
+def test_min_frames_is_checked_against_the_max_frames_a_request_ends_up_with(talker):
+    """SamplingParams(min_frames=3000) is valid beside its default max_frames=2048: generate(max_frames=...)
+    may raise the cap. min above max is refused where the request is queued, naming both values."""
+    assert SamplingParams(min_frames=3000).min_frames == 3000
+    params = SamplingParams(seed=1, max_frames=20, min_frames=30)
+    res = talker.generate("Hi.", params, max_frames=30)
+    assert res.num_frames == 30 and res.finish_reason == "max_frames"
+    with pytest.raises(ValueError, match=re.escape("min_frames=30 is more than max_frames=20")):
+        talker.generate("Hi.", params)
+    with pytest.raises(ValueError, match=re.escape("min_frames=30 is more than max_frames=29")):
+        talker.generate(["Hi.", "Ho."], [SamplingParams(), params], max_frames=29)
+    with pytest.raises(ValueError, match=re.escape("min_frames=30 is more than max_frames=20")):
+        talker.engine.add_request(talker.build_prompt("Hi."), params)
+    assert not talker.engine.requests  # nothing was queued
 
 
 # --------------------------------------------------------------------------------------------- step inputs

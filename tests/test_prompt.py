@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 
 import numpy as np
 import pytest
@@ -258,3 +260,13 @@ def test_eos_falls_back_to_config_then_errors(tmp_path):
 def test_missing_tokenizer_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="tokenizer"):
         TalkerTokenizer.from_pretrained(tmp_path, CFG)
+
+
+def test_checkpoint_without_tokenizer_json_names_the_file(tiny_dir, tmp_path):
+    """With tokenizer_config.json but no tokenizer.json, transformers asked for sentencepiece or tiktoken."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir, ckpt)
+    (ckpt / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match=re.escape(f"{str(ckpt)!r}: it has no tokenizer.json")) as info:
+        TalkerTokenizer.from_pretrained(ckpt, CFG)
+    assert "sentencepiece" not in str(info.value)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from higgs_talker import api, cli
+from higgs_talker.audio import REFERENCE_SECONDS, read_wav
 from higgs_talker.heads.sampling import SamplingParams
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -26,6 +27,11 @@ def code_block(section: str, language: str) -> str:
     match = re.search(rf"```{language}\n(.*?)```", body, re.DOTALL)
     assert match, f"no {language} block under '## {section}'"
     return match.group(1)
+
+
+def cli_commands(text: str) -> list[list[str]]:
+    """The arguments of every line of ``text`` that starts with ``higgs-talker``."""
+    return [shlex.split(line, comments=True)[1:] for line in text.splitlines() if line.startswith("higgs-talker ")]
 
 
 @pytest.fixture
@@ -53,9 +59,23 @@ def test_python_example_runs_and_is_short(frames_asked: list[int], capsys) -> No
     assert "frames" in capsys.readouterr().out
 
 
+def test_the_first_cli_line_gives_a_recording_the_cli_section_can_clone(frames_asked: list[int], capsys) -> None:
+    """The README's first higgs-talker line writes hello.wav with a fresh seed; the CLI section then clones that
+    voice with --reference hello.wav (1-30 s). Without a minimum length it often wrote 0.5-0.9 s of audio."""
+    text = README.read_text(encoding="utf-8")
+    (first,) = cli_commands(text[: text.index("## Python API\n")])
+    clone = [argv for argv in cli_commands(code_block("CLI", "bash")) if "--reference" in argv and "hello.wav" in argv]
+    assert len(clone) == 1, clone
+    for seed in (["--seed", "3"], [], []):  # seed 3 ends after under 1 s on its own; then fresh seeds
+        assert cli.main(first + seed) == 0, capsys.readouterr().err
+        samples, rate = read_wav("hello.wav")
+        assert samples.shape[-1] / rate >= REFERENCE_SECONDS[0]
+        assert cli.main(clone[0]) == 0, capsys.readouterr().err
+    assert max(frames_asked) <= MAX_EXAMPLE_FRAMES, frames_asked
+
+
 def test_cli_examples_run_and_are_short(frames_asked: list[int], capsys) -> None:
-    lines = [shlex.split(line, comments=True) for line in code_block("CLI", "bash").splitlines()]
-    commands = [words[1:] for words in lines if words and words[0] == "higgs-talker"]
+    commands = cli_commands(code_block("CLI", "bash"))
     assert len(commands) >= 4
     for argv in commands:
         rc = cli.main(argv)

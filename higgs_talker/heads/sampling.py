@@ -34,10 +34,12 @@ class SamplingParams:
 
     temperature: 0 is greedy (argmax); > 0 scales the logits. top_k: keep the k most likely codes
     (-1 or 0: off). top_p: nucleus mass in (0, 1]. seed: makes the request reproducible and
-    independent of its batch; None draws a fresh seed per request. max_frames: most delayed rows
-    (decode steps) before the request is cut off; the aligned output then has up to max_frames - 8 frames.
-    min_frames: codebook 0 may not end the stream (sample EOC) before this many rows, so the aligned output
-    has at least min_frames frames unless max_frames cuts it first.
+    independent of its batch; None draws a fresh seed per request. max_frames: most audio frames (rows of
+    the aligned output) before the request is cut off. min_frames: codebook 0 may not end the stream (sample
+    EOC) before this many rows, so the aligned output has at least min_frames frames. A request needs
+    min_frames <= max_frames; that is checked where it is queued (``check_lengths``), after
+    ``generate(max_frames=...)`` has replaced the field, so ``SamplingParams(min_frames=3000)`` is a valid
+    value next to the default max_frames of 2048.
 
     Every value must be storable where the engine keeps it: temperature at most float32's largest value,
     max_frames at most 2**31 - 1; a top_k above 2**31 - 1 is held as 2**31 - 1 (both keep every code). numpy
@@ -74,8 +76,8 @@ class SamplingParams:
         if m > MAX_FRAMES:
             raise ValueError(f"max_frames must be at most {MAX_FRAMES} (2**31 - 1), got {self.max_frames!r}")
         lo = _as_int(self.min_frames)
-        if lo is None or not 0 <= lo <= m:
-            raise ValueError(f"min_frames must be an integer in [0, max_frames={m}], got {self.min_frames!r}")
+        if lo is None or not 0 <= lo <= MAX_FRAMES:
+            raise ValueError(f"min_frames must be an integer in [0, {MAX_FRAMES}], got {self.min_frames!r}")
         for name, value in (
             ("temperature", t),
             ("top_k", min(k, TOP_K_CAP)),
@@ -85,6 +87,15 @@ class SamplingParams:
             ("min_frames", lo),
         ):
             object.__setattr__(self, name, value)
+
+    def check_lengths(self) -> SamplingParams:
+        """Refuse min_frames above max_frames (naming both); returns self."""
+        if self.min_frames > self.max_frames:
+            raise ValueError(
+                f"min_frames={self.min_frames} is more than max_frames={self.max_frames}: a request cannot be held "
+                "open past its own cap (raise max_frames or lower min_frames)"
+            )
+        return self
 
     @property
     def greedy(self) -> bool:
