@@ -24,7 +24,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check higgs_talker tests benchmarks
 
 # The whole suite: lint, the core tests (GPU tests skip without CUDA), then the vLLM plugin tests in their own
-# venv. `make test-core` alone takes about 3 minutes on a 2-core CPU from a clean checkout.
+# venv. On a 2-core CPU, `make test-core` took 191 s with the venv already built (2026-12-03).
 test: test-core test-vllm
 
 test-core: lint
