@@ -119,6 +119,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("deploy-config", help="print the path of a vLLM deploy profile")
     c.add_argument("profile", help="high-throughput, low-latency or default")
+
+    # serve: the OpenAI-compatible speech server (higgs_talker/serve; needs the 'serve' extra)
+    from .serve.options import add_arguments as add_serve_arguments
+
+    add_serve_arguments(sub.add_parser("serve", help="an OpenAI-compatible speech server: POST /v1/audio/speech"))
     return p
 
 
@@ -293,6 +298,12 @@ def _warmup(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from .serve.options import run
+
+    return run(args)
+
+
 def _deploy_config(args) -> int:
     from .vllm_plugin.deploy import deploy_config_path
 
@@ -310,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 0
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     handlers = {"generate": _generate, "demo": _demo, "warmup": _warmup, "deploy-config": _deploy_config}
+    handlers["serve"] = _serve
     try:
         return handlers[args.command](args)
     except (ValueError, TypeError, OSError) as exc:  # OSError: unreadable / unwritable paths, missing files
