@@ -58,7 +58,7 @@ def build_app(serving: SpeechServing) -> FastAPI:
     async def health(request: Request) -> Response:
         if serving.closing:
             raise APIError(503, "the server is shutting down")
-        return JSONResponse({"status": "ok", "active_requests": serving.active_requests})
+        return JSONResponse({"status": "ok", "active_requests": serving.active_requests, **serving.counts})
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -123,31 +123,32 @@ class BodyLimit:
         )
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await _error(too_large)(scope, receive, send)
-        seen, started = 0, False
+        seen, started, exceeded = 0, False, False
 
         async def counted_receive():
-            nonlocal seen
+            nonlocal seen, exceeded
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise _TooLarge()
+                    exceeded = True
+                    return {"type": "http.disconnect"}  # the app stops reading; its answer is dropped below
             return message
 
         async def tracked_send(message):
             nonlocal started
+            if exceeded:
+                return
             started = started or message["type"] == "http.response.start"
             await send(message)
 
         try:
             await self.app(scope, counted_receive, tracked_send)
-        except _TooLarge:
-            if not started:
-                await _error(too_large)(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass
+        except Exception:
+            if not exceeded:
+                raise
+        if exceeded and not started:
+            await _error(too_large)(scope, receive, send)
 
 
 class _Server(uvicorn.Server):

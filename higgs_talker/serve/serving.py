@@ -104,6 +104,7 @@ class SpeechServing:
         self.created = int(time.time())
         self._active: set[threading.Event] = set()
         self._lock = threading.Lock()
+        self.counts = {"finished": 0, "cancelled": 0, "failed": 0}  # requests the workers ended, by how
         self.closing = False
 
     # ------------------------------------------------------------------ listings
@@ -343,6 +344,7 @@ class SpeechServing:
             decoder = talker.codec.stream(self.chunking)
             for frame in frames:
                 if cancel.is_set():
+                    self._count("cancelled")
                     post(("cancelled", "shutdown" if self.closing else "cancelled"))
                     logger.info("%s cancelled after %d frames", job.id, frames_made)
                     return
@@ -353,6 +355,7 @@ class SpeechServing:
             chunk = decoder.finish()
             if chunk is not None:
                 post(("audio", pcm16(chunk)))
+            self._count("finished")
             post(("done", frames_made))
             logger.info(
                 "%s: %d parts, %d frames (%.2f s of audio) in %.2f s",
@@ -364,9 +367,14 @@ class SpeechServing:
             )
         except Exception as exc:  # noqa: BLE001 - this request fails; the server and the other requests go on
             logger.warning("%s failed after %d frames: %r", job.id, frames_made, exc)
+            self._count("failed")
             post(("error", exc))
         finally:
             frames.close()  # cancels the engine request (and any queued part) if it is still running
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self.counts[what] += 1
 
     def shutdown(self) -> None:
         """Refuse new requests and cancel every running one (their streams end at the next engine step)."""
