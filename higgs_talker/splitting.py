@@ -59,8 +59,9 @@ def _pieces(text: str, pattern: re.Pattern) -> list[str]:
 
 
 def _fit(piece: str, max_chars: int) -> list[str]:
-    """A piece cut into runs of at most ``max_chars``: at clauses, then at spaces, then anywhere."""
-    if len(piece) <= max_chars:
+    """A piece cut into runs of at most ``max_chars`` (whitespace at their ends not counted): at clauses, then at
+    spaces, then anywhere."""
+    if len(piece.strip()) <= max_chars:
         return [piece]
     for pattern in (_CLAUSE_END, _SPACE):
         parts = _pieces(piece, pattern)
@@ -73,7 +74,7 @@ def _pack(pieces: list[str], max_chars: int) -> list[str]:
     """Consecutive pieces joined while the run stays within ``max_chars``."""
     runs: list[str] = []
     for p in pieces:
-        if runs and len(runs[-1]) + len(p) <= max_chars:
+        if runs and len((runs[-1] + p).strip()) <= max_chars:
             runs[-1] += p
         else:
             runs.append(p)

@@ -123,7 +123,8 @@ def check_error(response: httpx.Response, status: int, param: str | None) -> dic
 
 def wait_until_idle(serving: SpeechServing, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
-    while serving.active_requests or serving.talker.engine.requests:
+    engine = serving.talker.engine
+    while serving.active_requests or engine.requests or engine.scheduler._unpublished:
         assert time.monotonic() < deadline, "requests still live"
         time.sleep(0.02)
     assert_idle(serving.talker)
