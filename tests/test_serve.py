@@ -19,23 +19,19 @@ import threading
 import time
 from pathlib import Path
 
+import httpx  # the dev extra installs the server and both clients: a missing one fails here, loudly
+import openai
 import pytest
 import torch
+from _engine_invariants import assert_idle, explain_divergence, remember_idle
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
-
-from _engine_invariants import assert_idle, explain_divergence, remember_idle  # noqa: E402
-
-from higgs_talker import HiggsTalker, Reference, SamplingParams  # noqa: E402
-from higgs_talker.audio import decode_wav, pcm16, write_wav  # noqa: E402
-from higgs_talker.heads.delay import codec_frames  # noqa: E402
-from higgs_talker.results import GenerationError  # noqa: E402
-from higgs_talker.serve.app import make_server  # noqa: E402
-from higgs_talker.serve.serving import ServeConfig, SpeechServing  # noqa: E402
-from higgs_talker.splitting import frame_budget  # noqa: E402
+from higgs_talker import HiggsTalker, Reference, SamplingParams
+from higgs_talker.audio import decode_wav, pcm16, write_wav
+from higgs_talker.heads.delay import codec_frames
+from higgs_talker.results import GenerationError
+from higgs_talker.serve.app import make_server
+from higgs_talker.serve.serving import ServeConfig, SpeechServing
+from higgs_talker.splitting import frame_budget
 
 PART_CHARS = 150
 CONFIG = ServeConfig(

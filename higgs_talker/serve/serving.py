@@ -41,7 +41,7 @@ from .protocol import (
     VoiceCard,
     VoiceList,
 )
-from .voices import DEFAULT_VOICE, VoiceStore
+from .voices import DEFAULT_VOICE, VoiceStore, check_voice_name
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +128,6 @@ class SpeechServing:
 
     async def add_voice(self, name: str, audio: bytes, ref_text: str | None) -> VoiceCard:
         """Encode an uploaded WAV recording once and keep its codes under ``name``."""
-        from .voices import check_voice_name
-
         check_voice_name(name)
         codes = await asyncio.to_thread(self._encode, audio, "audio")
         reference = Reference(codes=codes, text=ref_text or None)
