@@ -11,8 +11,9 @@ that fails fails the requests it was running, and their callers raise ``Generati
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -27,11 +28,12 @@ from .driver import Driver, Ticket
 from .engine import Engine, EngineConfig, Request
 from .flashinfer_attention import check_decode_kernel
 from .heads.delay import codec_frames
-from .heads.sampling import SamplingParams
+from .heads.sampling import MAX_SEED, SamplingParams
 from .model import TalkerModel
 from .ops import check_row_gemv, default_kernels, rope_cache
 from .prompt import Prompt, TalkerTokenizer
 from .results import GenerationError, GenerationResult, Reference
+from .splitting import DEFAULT_PART_CHARS, frame_budget, split_text
 from .tiny import TINY_NAME, tiny_checkpoint
 
 __all__ = ["GenerationError", "GenerationResult", "HiggsTalker", "Reference"]
@@ -219,11 +221,16 @@ class HiggsTalker:
         reference: Reference | None = None,
         max_frames: int | None = None,
         progress: Callable[[int], object] | None = None,
+        split: bool | int = False,
     ) -> GenerationResult | list[GenerationResult]:
         """Generate codes for one text (-> one result) or a list of texts batched together (-> a list).
 
         ``sampling`` may be one ``SamplingParams`` for all texts or one per text; ``max_frames`` (audio frames,
         25 per second) overrides its ``max_frames``. ``progress(rows_so_far)`` is called as steps complete.
+        ``split`` (long input): True, or the most characters a part may hold (True: ``DEFAULT_PART_CHARS``),
+        cuts each text at sentence ends into parts that are generated together, with the same voice and seed (a
+        drawn one when the sampling has none), each capped at ``splitting.frame_budget`` frames of its text; the
+        result joins their codes and rows in order (``result.parts`` holds each part's own result).
         Raises ``GenerationError`` (with the cause) if a step fails one of these requests.
         """
         single = isinstance(text, str)
@@ -233,12 +240,13 @@ class HiggsTalker:
         if not texts:
             raise ValueError("no text to generate")
         params = self._params(sampling, len(texts), max_frames)
-        prompts = [self.build_prompt(t, reference) for t in texts]  # validate all before queueing any
+        jobs = [(i, *part) for i, t in enumerate(texts) for part in self._parts(t, params[i], split)]
+        prompts = [self.build_prompt(t, reference) for _, t, _ in jobs]  # validate all before queueing any
         ids: list[str] = []
         eng = self.engine
         ticket = None
         try:
-            for p, s in zip(prompts, params, strict=True):
+            for p, (_, _, s) in zip(prompts, jobs, strict=True):
                 ids.append(eng.add_request(p, s))
             ticket = Ticket(ids, per_step=progress is not None)
             self._driver.wait_for(ticket)
@@ -250,7 +258,10 @@ class HiggsTalker:
         except BaseException:
             self._forget(ids, ticket, settle=True)  # leave nothing of this call behind
             raise
-        results = [self._result(req, t) for req, t in zip(requests, texts, strict=True)]
+        parts: list[list[GenerationResult]] = [[] for _ in texts]
+        for req, (i, t, _) in zip(requests, jobs, strict=True):
+            parts[i].append(self._result(req, t))
+        results = [ps[0] if not split else self._joined(ps, t) for ps, t in zip(parts, texts, strict=True)]
         return results[0] if single else results
 
     def stream(
@@ -259,36 +270,55 @@ class HiggsTalker:
         sampling: SamplingParams | None = None,
         reference: Reference | None = None,
         max_frames: int | None = None,
+        split: bool | int = False,
     ) -> Iterator[Tensor]:
         """Yield aligned frames [C] int64 as soon as each is final; together they equal ``generate().codes``.
 
         Frame t needs delayed rows up to t + C - 1; it is yielded once row t + C exists (so it is known not
-        to be the trimmed last frame). Closing the iterator early cancels the request.
+        to be the trimmed last frame). Closing the iterator early cancels the request. ``split`` as for
+        ``generate``: the parts' frames follow each other; the next part is queued when one starts, so it is
+        generated alongside and its frames are ready when the previous part ends.
         """
         (params,) = self._params(sampling, 1, max_frames)
-        eng = self.engine
-        rid = eng.add_request(self.build_prompt(text, reference), params)
-        req = eng.requests[rid]
-        ticket = Ticket([rid], per_step=True)
-        n, emitted = self.cfg.num_codebooks, 0
+        parts = self._parts(text, params, split)
+        prompts = [self.build_prompt(t, reference) for t, _ in parts]  # all validated before any is queued
+        live: list[_Live] = []
         interrupted = True  # until the stream ends on its own: closed early, an error, Ctrl-C
         try:
-            self._driver.wait_for(ticket)
-            while True:
-                ticket.wait()
-                while len(req.rows) >= emitted + n + 1:
-                    yield self._frame(req, emitted)
-                    emitted += 1
-                if ticket.done:
-                    break
-            _raise_if_failed(req)
-            final = codec_frames(torch.stack(req.rows).long(), self.cfg.num_real_codes) if req.rows else None
-            while final is not None and emitted < final.shape[0]:  # only the single-frame case is left here
-                yield final[emitted]
-                emitted += 1
+            for k in range(len(parts)):
+                for j in range(len(live), min(k + 2, len(parts))):  # this part and the one after it
+                    live.append(self._submit(prompts[j], parts[j][1]))
+                yield from self._frames(live[k])
+                self._forget([live[k].rid], live[k].ticket)
             interrupted = False
         finally:
-            self._forget([rid], ticket, settle=interrupted)
+            for lv in live:
+                self._forget([lv.rid], lv.ticket, settle=interrupted)
+
+    def _submit(self, prompt: Prompt, params: SamplingParams) -> _Live:
+        rid = self.engine.add_request(prompt, params)
+        lv = _Live(rid, self.engine.requests[rid], Ticket([rid], per_step=False))
+        self._driver.wait_for(lv.ticket)
+        return lv
+
+    def _frames(self, lv: _Live) -> Iterator[Tensor]:
+        """The aligned frames of one submitted request as they become final (see ``stream``)."""
+        req, ticket = lv.req, lv.ticket
+        ticket.per_step = True  # the driver wakes this caller after every step from now on
+        n, emitted = self.cfg.num_codebooks, 0
+        while True:
+            done = ticket.done  # read before the rows: every row of a done request is published by then
+            while len(req.rows) >= emitted + n + 1:
+                yield self._frame(req, emitted)
+                emitted += 1
+            if done:
+                break
+            ticket.wait()
+        _raise_if_failed(req)
+        final = codec_frames(torch.stack(req.rows).long(), self.cfg.num_real_codes) if req.rows else None
+        while final is not None and emitted < final.shape[0]:  # only the single-frame case is left here
+            yield final[emitted]
+            emitted += 1
 
     def _forget(self, ids: list[str], ticket: Ticket | None, settle: bool = False) -> None:
         """Cancel and drop this caller's requests (after an error, or when a stream is closed).
@@ -319,15 +349,17 @@ class HiggsTalker:
         reference: Reference | None = None,
         max_frames: int | None = None,
         chunking=None,
+        split: bool | int = False,
     ) -> Iterator[Tensor]:
         """Yield 24 kHz waveform chunks [S] float32 (CPU) as frames complete; together they equal
         ``generate().audio`` up to float rounding under the default ``AudioChunking`` (exact context).
 
         ``chunking`` (``higgs_talker.codec.AudioChunking``) sets chunk sizes, left context and holdback;
-        ``higgs_talker.codec.UPSTREAM_CHUNKING`` is vllm-omni's (lower latency, not exact).
+        ``higgs_talker.codec.UPSTREAM_CHUNKING`` is vllm-omni's (lower latency, not exact). ``split`` as for
+        ``generate``: the parts' frames go through one decoder, so the audio is one stream across the joins.
         """
         decoder = self.codec.stream(chunking)
-        frames = self.stream(text, sampling, reference, max_frames)
+        frames = self.stream(text, sampling, reference, max_frames, split=split)
         try:
             for frame in frames:
                 chunk = decoder.push(frame)
@@ -338,6 +370,47 @@ class HiggsTalker:
         chunk = decoder.finish()
         if chunk is not None:
             yield chunk.cpu()
+
+    def _parts(self, text: str, params: SamplingParams, split: bool | int) -> list[tuple[str, SamplingParams]]:
+        """(text, sampling) of each part ``text`` is spoken in (one, unchanged, without ``split``)."""
+        if split is False:
+            return [(text, params)]
+        if split is True:
+            max_chars = DEFAULT_PART_CHARS
+        elif isinstance(split, int) and split >= 1:
+            max_chars = split
+        else:
+            raise ValueError(f"split must be True, False or the most characters a part holds (>= 1), got {split!r}")
+        texts = split_text(text, max_chars) if isinstance(text, str) else []
+        if len(texts) <= 1 and not (isinstance(text, str) and text.strip()):
+            texts = [text]  # empty or not a string: build_prompt says what is wrong with it
+        seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED + 1)
+        out = []
+        for t in texts:
+            cap = min(params.max_frames, frame_budget(t, self.cfg.frame_rate) if isinstance(t, str) else 1)
+            out.append((t, replace(params, seed=seed, max_frames=cap, min_frames=min(params.min_frames, cap))))
+        return out
+
+    def _joined(self, parts: list[GenerationResult], text: str) -> GenerationResult:
+        """One result for a split text: the parts' codes and rows in order, their timings summed."""
+        first, last = parts[0], parts[-1]
+        cut = next((p.finish_reason for p in parts if p.finish_reason != "eoc"), last.finish_reason)
+        return GenerationResult(
+            request_id=first.request_id,
+            text=text,
+            codes=torch.cat([p.codes for p in parts]),
+            rows=torch.cat([p.rows for p in parts]),
+            finish_reason=cut,
+            seed=first.seed,
+            prompt_tokens=sum(p.prompt_tokens for p in parts),
+            prefill_ms=sum(p.prefill_ms for p in parts),
+            decode_ms=sum(p.decode_ms for p in parts),
+            frame_rate=first.frame_rate,
+            sample_rate=first.sample_rate,
+            cached_tokens=sum(p.cached_tokens for p in parts),
+            codec=first.codec,
+            parts=parts,
+        )
 
     def _frame(self, req: Request, t: int) -> Tensor:
         n = self.cfg.num_codebooks
@@ -383,6 +456,15 @@ class HiggsTalker:
             cached_tokens=req.cached_tokens,
             codec=self.codec_loader,
         )
+
+
+@dataclass
+class _Live:
+    """A request this caller queued and waits on."""
+
+    rid: str
+    req: Request
+    ticket: Ticket
 
 
 def _raise_if_failed(req: Request) -> None:

@@ -33,16 +33,21 @@ _CODEC_DTYPES = ("float32", "fp32", "bfloat16", "bf16", torch.float32, torch.bfl
 def write_wav(path: str | Path, audio: Tensor | np.ndarray, sample_rate: int) -> Path:
     """Write mono audio [N] float as 16-bit PCM WAV, clipped to [-1, 1] (the only place audio is clipped)."""
     path = Path(path)
-    samples = audio.detach().float().cpu().numpy() if isinstance(audio, Tensor) else np.asarray(audio, np.float32)
-    if samples.ndim != 1:
-        raise ValueError(f"write_wav takes mono audio [samples], got shape {list(samples.shape)}")
-    pcm = np.round(np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2")
+    pcm = pcm16(audio)
     with wave.open(str(path), "wb") as f:
         f.setnchannels(1)
         f.setsampwidth(2)
         f.setframerate(int(sample_rate))
-        f.writeframes(pcm.tobytes())
+        f.writeframes(pcm)
     return path
+
+
+def pcm16(audio: Tensor | np.ndarray) -> bytes:
+    """Mono audio [N] float -> 16-bit little-endian PCM bytes, clipped to [-1, 1] (what ``write_wav`` writes)."""
+    samples = audio.detach().float().cpu().numpy() if isinstance(audio, Tensor) else np.asarray(audio, np.float32)
+    if samples.ndim != 1:
+        raise ValueError(f"write_wav takes mono audio [samples], got shape {list(samples.shape)}")
+    return np.round(np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
 
 
 def read_wav(path: str | Path) -> tuple[np.ndarray, int]:
@@ -56,7 +61,14 @@ def read_wav(path: str | Path) -> tuple[np.ndarray, int]:
         raise FileNotFoundError(f"audio file {str(path)!r} does not exist")
     if path.stat().st_size > MAX_WAV_BYTES:
         raise ValueError(f"{path} is larger than {MAX_WAV_BYTES >> 20} MiB; not read as reference audio")
-    data = path.read_bytes()
+    return decode_wav(path.read_bytes(), str(path))
+
+
+def decode_wav(data: bytes, path: str = "audio") -> tuple[np.ndarray, int]:
+    """The bytes of a WAV file -> (samples [channels, N] float32 in [-1, 1], sample rate), as ``read_wav``;
+    ``path`` names the data in errors."""
+    if len(data) > MAX_WAV_BYTES:
+        raise ValueError(f"{path} is larger than {MAX_WAV_BYTES >> 20} MiB; not read as reference audio")
     if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
         raise ValueError(f"{path} is not a WAV file (no RIFF/WAVE header); reference audio must be WAV")
     fmt, payload, pos = None, None, 12

@@ -134,6 +134,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
     c = add_command("deploy-config", help="print the path of a vLLM deploy profile")
     c.add_argument("profile", help="high-throughput, low-latency or default")
+
+    # serve: the OpenAI-compatible speech server (higgs_talker/serve; needs the 'serve' extra)
+    from .serve.options import add_arguments as add_serve_arguments
+
+    add_serve_arguments(sub.add_parser("serve", help="an OpenAI-compatible speech server: POST /v1/audio/speech"))
     return p
 
 
@@ -353,6 +358,12 @@ def _warmup(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from .serve.options import run
+
+    return run(args)
+
+
 def _deploy_config(args) -> int:
     from .vllm_plugin.deploy import deploy_config_path
 
@@ -370,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 0
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     handlers = {"generate": _generate, "demo": _demo, "warmup": _warmup, "deploy-config": _deploy_config}
+    handlers["serve"] = _serve
     restore = _interrupt_once()
     try:
         return handlers[args.command](args)

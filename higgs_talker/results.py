@@ -78,6 +78,7 @@ class GenerationResult:
     sample_rate: int | None = None  # Hz of ``audio``; None when the talker has no codec
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (``prefix_caching=True``)
     codec: CodecLoader | None = field(default=None, repr=False, compare=False)
+    parts: list[GenerationResult] = field(default_factory=list, repr=False, compare=False)  # split=: each part's
     _audio: Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     @property

@@ -1,0 +1,340 @@
+"""The speech server over HTTP against the direct API, in one run: time to the first audio byte, RTF, audio
+seconds per second, at several concurrency levels.
+
+This process builds the talker, times the direct API (``HiggsTalker.stream_audio`` from C threads), then serves
+it with ``higgs-talker serve``'s app (uvicorn on 127.0.0.1, an ephemeral port) and times it over HTTP from a
+load generator in a child process (this script with ``--client``: httpx, asyncio, no torch), so the client
+does not compete with the server for the interpreter. Each level is a closed loop: C requests at once, the next
+one sent as one ends, until ``--requests`` (default max(2C, 8)) have run; streamed 16-bit PCM.
+
+Per request: TTFA (sent -> first audio byte; the direct API: called -> first chunk), RTF = wall / audio seconds.
+Per level: p50/p90 of both, and audio seconds per wall second. Targets (issue #29): at one stream TTFA <= 60 ms
+and RTF <= 0.1; at 16 streams >= 100 audio s/s.
+
+Random weights at the 4B shape (EOC suppressed, so ``max_new_tokens`` sets every length; greedy) with the
+tiny checkpoint's codec, which is cheaper than the real one; ``--model DIR`` runs a checkpoint with its own codec.
+Texts are random words, long enough that the server's frame cap (``splitting.frame_budget``) is above the length
+asked for.
+
+    python benchmarks/bench_serve.py --out $OUT                      # H200: 4B shape, levels 1,4,16,64
+    python benchmarks/bench_serve.py --chunking both --levels 1,16   # exact vs vllm-omni's chunk cuts
+    python benchmarks/bench_serve.py --device cpu --tiny             # smoke test, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+
+SAMPLE_BYTES = 2  # 16-bit PCM
+TARGETS = {"ttfa_ms_p50 at 1": 60.0, "rtf_p50 at 1": 0.1, "audio_s_per_s at 16": 100.0}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the load generator (child process): no torch, no higgs_talker
+
+
+async def _client_level(url: str, jobs: list[dict], concurrency: int, sample_rate: int) -> dict:
+    import httpx
+
+    queue, records = deque(jobs), []
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
+
+        async def worker() -> None:
+            while queue:
+                job = queue.popleft()
+                body = {"input": job["text"], "response_format": "pcm", "temperature": 0.0, "seed": job["seed"],
+                        "max_new_tokens": job["frames"]}  # fmt: skip
+                t0 = time.perf_counter()
+                first, size = None, 0
+                async with client.stream("POST", "/v1/audio/speech", json=body) as response:
+                    if response.status_code != 200:
+                        await response.aread()
+                        raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+                    async for chunk in response.aiter_raw():
+                        if chunk and first is None:
+                            first = time.perf_counter()
+                        size += len(chunk)
+                end = time.perf_counter()
+                records.append(_record(job, t0, first, end, size / SAMPLE_BYTES / sample_rate))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(jobs)))))
+    return {"records": records, "wall_s": time.perf_counter() - t0}
+
+
+def _record(job: dict, t0: float, first: float | None, end: float, audio_s: float) -> dict:
+    return {
+        "prompt_chars": len(job["text"]),
+        "frames": job["frames"],
+        "audio_s": audio_s,
+        "ttfa_ms": (first - t0) * 1e3 if first is not None else None,
+        "total_s": end - t0,
+        "rtf": (end - t0) / audio_s if audio_s else None,
+    }
+
+
+def client_main(args: argparse.Namespace) -> None:
+    spec = json.loads(Path(args.jobs).read_text())
+    out = asyncio.run(_client_level(args.client, spec["jobs"], args.concurrency, spec["sample_rate"]))
+    print(json.dumps(out))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the server side (this process)
+
+
+def make_jobs(n: int, args: argparse.Namespace, seed: int, frame_rate: int) -> list[dict]:
+    """n requests: random words, a forced length of audio, each text long enough for the server's frame cap."""
+    from higgs_talker.splitting import frame_budget
+
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(n):
+        frames = max(1, round(rng.uniform(*args.audio_s) * frame_rate))
+        chars = rng.randint(*args.prompt_chars)
+        words = []
+        while sum(len(w) + 1 for w in words) < chars or frame_budget(" ".join(words) + ".", frame_rate) < frames:
+            words.append("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))))
+        jobs.append({"text": " ".join(words) + ".", "frames": frames, "seed": seed + i})
+    return jobs
+
+
+def run_direct(talker, jobs: list[dict], concurrency: int, chunking, part_chars: int) -> tuple[list[dict], float]:
+    """The same closed loop through ``HiggsTalker.stream_audio`` from C threads (the server's path, minus HTTP)."""
+    from higgs_talker import SamplingParams
+
+    queue, records, errors, lock = deque(jobs), [], [], threading.Lock()
+    rate = talker.cfg.sample_rate
+
+    def worker() -> None:
+        try:
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    job = queue.popleft()
+                params = SamplingParams(temperature=0.0, seed=job["seed"], max_frames=job["frames"])
+                t0, first, samples = time.perf_counter(), None, 0
+                for chunk in talker.stream_audio(job["text"], params, chunking=chunking, split=part_chars):
+                    if first is None and chunk.numel():
+                        first = time.perf_counter()
+                    samples += chunk.numel()
+                rec = _record(job, t0, first, time.perf_counter(), samples / rate)
+                with lock:
+                    records.append(rec)
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            errors.append(exc)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(min(concurrency, len(jobs)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return records, time.perf_counter() - t0
+
+
+def run_http(url: str, jobs: list[dict], concurrency: int, sample_rate: int) -> tuple[list[dict], float]:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"jobs": jobs, "sample_rate": sample_rate}, f)
+    try:
+        cmd = [sys.executable, __file__, "--client", url, "--jobs", f.name, "--concurrency", str(concurrency)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    finally:
+        Path(f.name).unlink()
+    if done.returncode != 0:
+        raise RuntimeError(f"load generator failed: {done.stderr.strip().splitlines()[-1:]}")
+    out = json.loads(done.stdout)
+    return out["records"], out["wall_s"]
+
+
+def summarize(records: list[dict], wall_s: float) -> dict:
+    from common import percentile
+
+    row = {"requests": len(records), "wall_s": wall_s}
+    for m in ("ttfa_ms", "rtf"):
+        vals = [r[m] for r in records if r.get(m) is not None]
+        row[f"{m}_p50"], row[f"{m}_p90"] = percentile(vals, 50), percentile(vals, 90)
+    audio = sum(r["audio_s"] for r in records)
+    row["audio_s"] = audio
+    row["audio_s_per_s"] = audio / wall_s if wall_s else None
+    row["status"] = "ok"
+    return row
+
+
+def build_talker(args: argparse.Namespace):
+    import torch
+    from bench_decode import SHAPE_4B, suppress_eoc
+
+    from higgs_talker import HiggsTalker, TalkerConfig, TextConfig
+    from higgs_talker.audio import CodecLoader
+    from higgs_talker.tiny import tiny_checkpoint, tiny_config
+
+    frames = round(args.audio_s[1] * 25)
+    chars = max(args.prompt_chars[1], math.ceil((frames - 50) / 3.125)) + 20  # make_jobs' longest text, about
+    longest = 2 * chars + 8 + frames + 16  # tokens of one request (two a character: a byte-level tokenizer's worst)
+    options = {"max_num_seqs": max(args.max_num_seqs, max(args.levels)), "graph_mode": args.graph_mode}
+    options["num_blocks"] = max(args.levels) * -(-longest // 16) + 64
+    if args.model:
+        return HiggsTalker.from_pretrained(args.model, device=args.device, dtype=args.dtype, **options)
+    cfg = tiny_config() if args.tiny else TalkerConfig(text=TextConfig(**SHAPE_4B))
+    talker = HiggsTalker.from_config(cfg, device=args.device, dtype=args.dtype, seed=args.seed, **options)
+    suppress_eoc(talker)
+    talker.codec_loader = CodecLoader(tiny_checkpoint(), torch.device(args.device), talker=cfg)
+    return talker
+
+
+def warm_up(talker, url: str, args: argparse.Namespace, chunking) -> float:
+    """A few requests at every level's size, through both paths, so graphs, kernels and the codec are warm."""
+    t0 = time.perf_counter()
+    for c in sorted({1, max(args.levels)}):
+        jobs = [{"text": "warm up " + "x" * (i % 7) + ".", "frames": 30 + i % 5, "seed": i} for i in range(c)]
+        run_direct(talker, jobs, c, chunking, args.part_chars)
+        run_http(url, jobs, c, talker.cfg.sample_rate)
+    return time.perf_counter() - t0
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    from common import floats_arg, ints_arg, strs_arg
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--graph-mode", default=None, help="default: auto on CUDA, eager on CPU")
+    p.add_argument("--model", default=None, help="checkpoint directory with its codec (default: random weights)")
+    p.add_argument("--tiny", action="store_true", help="the tiny shape (CPU smoke test)")
+    p.add_argument("--paths", type=strs_arg, default=["direct", "http"], help="direct,http (default both)")
+    p.add_argument("--chunking", choices=("exact", "upstream", "both"), default="exact")
+    p.add_argument("--levels", type=ints_arg, default=None, help="concurrency levels (default 1,4,16,64)")
+    p.add_argument("--requests", type=int, default=None, help="requests per level (default max(2C, 8))")
+    p.add_argument("--audio-s", type=floats_arg, default=None, help="min,max seconds of audio (default 5,20)")
+    p.add_argument("--prompt-chars", type=ints_arg, default=None, help="min,max characters of text (default 30,200)")
+    p.add_argument("--part-chars", type=int, default=300)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--budget-s", type=float, default=480.0, help="skip the remaining levels after this")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="output directory (default benchmarks/results)")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.levels = args.levels or [1, 2]
+        args.requests = args.requests or 2
+        args.audio_s = args.audio_s or [0.4, 0.8]
+        args.prompt_chars = args.prompt_chars or [10, 30]
+    args.levels = args.levels or [1, 4, 16, 64]
+    args.audio_s = args.audio_s or [5.0, 20.0]
+    args.prompt_chars = args.prompt_chars or [30, 200]
+    bad = [x for x in args.paths if x not in ("direct", "http")]
+    if bad:
+        p.error(f"--paths: unknown {bad}; use direct and/or http")
+    return args
+
+
+def main(argv: Sequence[str] | None = None):
+    if argv is None and "--client" in sys.argv:  # the load generator: only the flags it needs
+        c = argparse.ArgumentParser()
+        c.add_argument("--client", required=True)
+        c.add_argument("--jobs", required=True)
+        c.add_argument("--concurrency", type=int, required=True)
+        return client_main(c.parse_args())
+    from common import ResultFile, environment, error_text, log, print_table, resolve_device
+
+    from higgs_talker.serve.app import make_server
+    from higgs_talker.serve.serving import CHUNKINGS, ServeConfig, SpeechServing
+
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    t_start = time.perf_counter()
+    meta = environment(device, "bench_serve.py", argv)
+    meta |= {
+        "model": args.model or ("tiny shape (random)" if args.tiny else "4B shape (random)"),
+        "codec": "the checkpoint's" if args.model else "the tiny checkpoint's (cheaper than the real codec)",
+        "eoc_suppressed": not args.model, "temperature": 0.0, "audio_s": args.audio_s,
+        "prompt_chars": args.prompt_chars, "targets": TARGETS,
+        "ttfa": "request sent -> first audio byte (HTTP, streamed pcm); direct: call -> first stream_audio chunk",
+        "rtf": "request wall time / audio seconds",
+    }  # fmt: skip
+    writer = ResultFile(args.out, "serve", meta)
+    log(f"writing {writer.path}")
+    t0 = time.perf_counter()
+    talker = build_talker(args)
+    talker.codec  # noqa: B018 - load the decoder before timing
+    writer.meta["build_s"] = time.perf_counter() - t0
+    deadline = t_start + args.budget_s
+    chunkings = ["exact", "upstream"] if args.chunking == "both" else [args.chunking]
+    for name in chunkings:
+        config = ServeConfig(model_name="bench", part_chars=args.part_chars, chunking=name, max_new_tokens=1 << 16)
+        serving = SpeechServing(talker, config)
+        server, sock = make_server(serving, "127.0.0.1", 0, log_level="warning")
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        while not server.started:
+            time.sleep(0.01)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        try:
+            writer.meta[f"warmup_s_{name}"] = warm_up(talker, url, args, CHUNKINGS[name])
+            for c in args.levels:
+                jobs = make_jobs(args.requests or max(2 * c, 8), args, args.seed + 1000 * c, talker.cfg.frame_rate)
+                for path in args.paths:
+                    row = {"path": path, "chunking": name, "concurrency": c}
+                    if time.perf_counter() > deadline:
+                        writer.add(row | {"status": "skipped", "error": "time budget"})
+                        continue
+                    try:
+                        if path == "direct":
+                            records, wall = run_direct(talker, jobs, c, CHUNKINGS[name], args.part_chars)
+                        else:
+                            records, wall = run_http(url, jobs, c, talker.cfg.sample_rate)
+                        row |= summarize(records, wall)
+                        writer.data.setdefault("requests", []).extend(row | r for r in records)
+                    except Exception as exc:  # noqa: BLE001 - record it and go on
+                        row |= {"status": "error", "error": error_text(exc)}
+                    writer.add(row)
+                    log(f"{path:6s} {name:8s} C={c:<3d} TTFA p50 {row.get('ttfa_ms_p50', math.nan):8.1f} ms  RTF p50 "
+                        f"{row.get('rtf_p50', math.nan):.3f}  {row.get('audio_s_per_s', math.nan):.1f} audio s/s "
+                        f"{row['status']} {row.get('error', '')}")  # fmt: skip
+        finally:
+            server.should_exit = True
+            thread.join(timeout=60)
+            sock.close()
+    writer.set("targets_met", targets_met(writer.rows))
+    writer.meta["wall_s"] = time.perf_counter() - t_start
+    writer.save()
+    cols = ["path", "chunking", "concurrency", "requests", "ttfa_ms_p50", "ttfa_ms_p90", "rtf_p50", "rtf_p90",
+            "audio_s_per_s", "status"]  # fmt: skip
+    print_table(writer.rows, cols, title="\nspeech server over HTTP vs the direct API (TTFA ms, RTF = wall / audio)")
+    print(f"\ntargets (HTTP): {json.dumps(writer.data['targets_met'])}")
+    print(f"wrote {writer.path} ({writer.meta['wall_s']:.0f} s)")
+    return writer
+
+
+def targets_met(rows: list[dict]) -> dict:
+    """Each target against the HTTP rows that measure it (None: not measured)."""
+    out = {}
+    for key, limit in TARGETS.items():
+        metric, level = key.split(" at ")
+        vals = [r.get(metric) for r in rows if r.get("path") == "http" and r.get("concurrency") == int(level)
+                and r.get("status") == "ok"]  # fmt: skip
+        higher = metric == "audio_s_per_s"
+        best = (max(vals) if higher else min(vals)) if vals else None
+        met = None if best is None else (best >= limit if higher else best <= limit)
+        out[key] = {"value": best, "limit": limit, "met": met}
+    return out
+
+
+if __name__ == "__main__":
+    main()

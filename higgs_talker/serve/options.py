@@ -1,0 +1,111 @@
+"""``higgs-talker serve``'s flags and what it runs. Importing this module imports no server library: the CLI
+builds its parser with it whether or not the ``serve`` extra is installed."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+from pathlib import Path
+
+from ..splitting import DEFAULT_PART_CHARS
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default="tiny", metavar="MODEL", help="checkpoint directory, or 'tiny'")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--graph-mode", default=None, metavar="MODE", help="eager, local_mlp, full_decode or auto (CUDA)")
+    p.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="requests decoded together (default 64)")
+    p.add_argument("--max-model-len", type=int, metavar="N", help="longest sequence (default: the checkpoint's)")
+    p.add_argument("--prefix-caching", action="store_true", help="share the K/V of prompts that start alike (voices)")
+    p.add_argument("--served-model-name", metavar="NAME", help="the name 'model' must give (default: MODEL's name)")
+    p.add_argument(
+        "--chunking",
+        choices=("exact", "upstream"),
+        default="exact",
+        help="streamed audio: exact (equal to one-shot audio; first audio after 11 frames) or upstream "
+        "(vllm-omni's cuts: first audio after 5 frames, not exact)",
+    )
+    p.add_argument("--max-input-chars", type=int, default=20_000, metavar="N", help="longest input (default 20000)")
+    p.add_argument(
+        "--part-chars",
+        type=int,
+        default=DEFAULT_PART_CHARS,
+        metavar="N",
+        help=f"long input is spoken in parts of at most N characters (default {DEFAULT_PART_CHARS})",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="largest max_new_tokens a request may ask for, in audio frames (default 2048 = 82 s)",
+    )
+    p.add_argument("--max-body-mb", type=float, default=16.0, metavar="MB", help="largest request body (default 16)")
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="cancel a request still running after S seconds (default 600)",
+    )
+    p.add_argument("--max-voices", type=int, default=64, metavar="N", help="most uploaded voices kept (default 64)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model, then serve until Ctrl-C or SIGTERM; returns the exit status."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(
+            f"the server needs the 'serve' extra ({exc.name} is missing): pip install 'higgs-talker[serve]'"
+        ) from None
+    import torch
+
+    from ..api import HiggsTalker
+    from .app import make_server
+    from .serving import ServeConfig, SpeechServing
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must lie in [0, 65535], got {args.port}")
+    if not (math.isfinite(args.max_body_mb) and args.max_body_mb > 0):
+        raise ValueError(f"--max-body-mb must be a number > 0, got {args.max_body_mb}")
+    config = ServeConfig(
+        model_name=args.served_model_name or (Path(args.model).name if args.model != "tiny" else "tiny"),
+        max_input_chars=args.max_input_chars,
+        max_body_bytes=int(args.max_body_mb * 2**20),
+        request_timeout_s=args.request_timeout,
+        max_new_tokens=args.max_new_tokens,
+        part_chars=args.part_chars,
+        chunking=args.chunking,
+        max_voices=args.max_voices,
+    )
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    options = {"max_num_seqs": args.max_num_seqs, "prefix_caching": args.prefix_caching}
+    if args.max_model_len is not None:
+        options["max_model_len"] = args.max_model_len
+    talker = HiggsTalker.from_pretrained(
+        args.model, device=device, dtype=args.dtype, graph_mode=args.graph_mode, **options
+    )
+    serving = SpeechServing(talker, config)
+    talker.codec  # noqa: B018 - load the decoder now, not during the first request
+    server, sock = make_server(serving, args.host, args.port, "debug" if args.verbose else "info")
+    host, port = sock.getsockname()[:2]
+    print(
+        f"higgs-talker: serving {config.model_name!r} on {device} at http://{host}:{port} (POST /v1/audio/speech)",
+        flush=True,
+    )
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down for
+        pass
+    finally:
+        sock.close()
+    print("higgs-talker: server stopped", flush=True)
+    return 0

@@ -1,0 +1,423 @@
+"""``SpeechServing``: what the server's routes call. A request is checked completely before anything is queued
+(an error is a 4xx naming the field), then spoken by a worker thread of its own that iterates
+``HiggsTalker.stream`` (split into parts at sentence ends, each capped by ``splitting.frame_budget``) and decodes
+the frames with a streaming codec decoder; the engine's driver thread batches every request's steps. The worker
+hands PCM chunks to the event loop; the loop sends them on as they come.
+
+A client that leaves, a timeout, or the server shutting down sets the request's cancel flag; the worker sees it
+at the next frame (one engine step), closes its stream, and the engine frees the request's slot and KV blocks.
+A failure in one request (its step, its decoding) ends that request only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from ..api import HiggsTalker
+from ..audio import decode_wav, pcm16
+from ..codec.streaming import UPSTREAM_CHUNKING, AudioChunking
+from ..heads.sampling import SamplingParams
+from ..results import Reference
+from ..splitting import DEFAULT_PART_CHARS, split_text
+from .encoding import FORMATS, b64, sse_event, wav_header
+from .protocol import (
+    APIError,
+    ErrorInfo,
+    ModelCard,
+    ModelList,
+    SpeechAudioDelta,
+    SpeechAudioDone,
+    SpeechError,
+    SpeechRequest,
+    SpeechUsage,
+    VoiceCard,
+    VoiceList,
+)
+from .voices import DEFAULT_VOICE, VoiceStore, check_voice_name
+
+logger = logging.getLogger(__name__)
+
+CHUNKINGS = {"exact": AudioChunking(), "upstream": UPSTREAM_CHUNKING}
+_SAMPLING_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "seed",
+                    "max_frames": "max_new_tokens", "min_frames": "max_new_tokens"}  # fmt: skip
+_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The server's limits and choices (``higgs-talker serve --help`` lists them as flags)."""
+
+    model_name: str = "higgs-talker"
+    max_input_chars: int = 20_000  # longer inputs are refused (400 naming ``input``); they are split to speak them
+    max_body_bytes: int = 16 << 20  # request bodies (JSON with ref_audio, voice uploads): 413 beyond
+    request_timeout_s: float = 600.0  # a request still running after this is cancelled (408 before its first byte)
+    max_new_tokens: int = 2048  # the largest max_new_tokens (audio frames of one part) a request may ask for
+    part_chars: int = DEFAULT_PART_CHARS  # long input is spoken in parts of at most this many characters
+    chunking: str = "exact"  # streamed audio cuts: exact (equal to one-shot audio) or upstream (earlier first audio)
+    max_voices: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("max_input_chars", "max_body_bytes", "max_new_tokens", "part_chars", "max_voices"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s!r}")
+        if self.chunking not in CHUNKINGS:
+            raise ValueError(f"chunking must be one of {', '.join(CHUNKINGS)}, got {self.chunking!r}")
+        if not self.model_name:
+            raise ValueError("model_name must not be empty")
+
+
+@dataclass(frozen=True)
+class SpeechJob:
+    """A checked speech request, ready to run."""
+
+    id: str
+    text: str
+    params: SamplingParams
+    reference: Reference | None
+    format: str  # wav | pcm
+    mode: str  # file (the whole body at once) | audio (streamed bytes) | sse (streamed events)
+    prompt_tokens: int  # over all parts
+    parts: int
+
+
+class SpeechServing:
+    """The talker behind the routes: checks requests, runs them, keeps the uploaded voices."""
+
+    def __init__(self, talker: HiggsTalker, config: ServeConfig | None = None) -> None:
+        if talker.codec_loader is None:
+            raise ValueError("the server speaks audio: load a checkpoint that bundles its codec (codec=True)")
+        self.talker, self.config = talker, config or ServeConfig()
+        self.voices = VoiceStore(self.config.max_voices)
+        self.sample_rate, self.frame_rate = talker.cfg.sample_rate, talker.cfg.frame_rate
+        self.chunking = CHUNKINGS[self.config.chunking]
+        self.created = int(time.time())
+        self._active: set[threading.Event] = set()
+        self._lock = threading.Lock()
+        self.counts = {"finished": 0, "cancelled": 0, "failed": 0}  # requests the workers ended, by how
+        self.closing = False
+
+    # ------------------------------------------------------------------ listings
+
+    def models(self) -> ModelList:
+        card = ModelCard(
+            id=self.config.model_name, created=self.created, max_model_len=self.talker.engine.max_model_len
+        )
+        return ModelList(data=[card])
+
+    def voice_list(self) -> VoiceList:
+        default = VoiceCard(name=DEFAULT_VOICE, frames=0, seconds=0.0, created_at=self.created)
+        return VoiceList(data=[default, *(v.card(self.frame_rate) for v in self.voices.all())])
+
+    @property
+    def active_requests(self) -> int:
+        with self._lock:
+            return len(self._active)
+
+    # ------------------------------------------------------------------ voices
+
+    async def add_voice(self, name: str, audio: bytes, ref_text: str | None) -> VoiceCard:
+        """Encode an uploaded WAV recording once and keep its codes under ``name``."""
+        check_voice_name(name)
+        codes = await asyncio.to_thread(self._encode, audio, "audio")
+        reference = Reference(codes=codes, text=ref_text or None)
+        await self._prompts(["Hello."], reference)  # the reference text's checks (special tokens, length)
+        return self.voices.add(name, codes, reference.text).card(self.frame_rate)
+
+    def delete_voice(self, name: str) -> None:
+        if not self.voices.remove(name):
+            raise APIError(404, f"no voice named {name!r}", "name")
+
+    def _encode(self, wav: bytes, param: str):
+        """WAV bytes -> reference codes [T, 8] (the codec's encoder; cached by the samples)."""
+        try:
+            samples, rate = decode_wav(wav, param)
+            return self.talker.codec_loader.reference_codes(samples, rate)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param) from None
+
+    # ------------------------------------------------------------------ speech
+
+    async def prepare(self, req: SpeechRequest) -> SpeechJob:
+        """Check every field of a speech request and build its prompts (not queued yet); ``APIError`` names the
+        field at fault."""
+        cfg = self.config
+        if req.model is not None and req.model != cfg.model_name:
+            raise APIError(
+                404, f"model {req.model!r} is not served here; this server serves {cfg.model_name!r}", "model"
+            )
+        if len(req.input) > cfg.max_input_chars:
+            raise APIError(
+                400,
+                f"input holds {len(req.input)} characters; this server takes at most {cfg.max_input_chars}",
+                "input",
+            )
+        if not req.input.strip():
+            raise APIError(400, "input is empty or whitespace only", "input")
+        if req.speed != 1.0:
+            raise APIError(400, f"speed {req.speed!r} is not supported: this model speaks at 1.0 only", "speed")
+        if req.instructions:
+            raise APIError(400, "instructions are not supported by this model; choose a voice instead", "instructions")
+        if req.response_format not in FORMATS:
+            raise APIError(
+                400,
+                f"response_format {req.response_format!r} is not supported: this server writes "
+                f"{' or '.join(FORMATS)} (16-bit mono PCM at {self.sample_rate} Hz)",
+                "response_format",
+            )
+        if req.stream_format == "sse" and req.stream is False:
+            raise APIError(
+                400, "stream_format 'sse' streams events; it cannot be combined with stream: false", "stream"
+            )
+        reference = await self._reference(req)
+        params = self._sampling(req)
+        parts = split_text(req.input, cfg.part_chars)
+        prompts = await self._prompts(parts, reference)
+        mode = "sse" if req.stream_format == "sse" else "file" if req.stream is False else "audio"
+        return SpeechJob(
+            id=f"speech-{next(_ids)}",
+            text=req.input,
+            params=params,
+            reference=reference,
+            format=req.response_format,
+            mode=mode,
+            prompt_tokens=sum(len(p) for p in prompts),
+            parts=len(parts),
+        )
+
+    async def _prompts(self, texts: list[str], reference: Reference | None) -> list:
+        """The prompts of ``texts`` (built in a thread: a long input takes a while to tokenize)."""
+        try:
+            return await asyncio.to_thread(lambda: [self.talker.build_prompt(t, reference) for t in texts])
+        except ValueError as exc:
+            raise APIError(400, str(exc), "ref_text" if "reference_text" in str(exc) else "input") from None
+
+    async def _reference(self, req: SpeechRequest) -> Reference | None:
+        name = req.voice.id if req.voice is not None and not isinstance(req.voice, str) else req.voice
+        named = name not in (None, "", DEFAULT_VOICE)
+        if req.ref_audio is not None:
+            if named:
+                raise APIError(400, f"give either voice {name!r} or ref_audio, not both", "voice")
+            wav = _data_url_bytes(req.ref_audio)
+            codes = await asyncio.to_thread(self._encode, wav, "ref_audio")
+            return Reference(codes=codes, text=req.ref_text or None)
+        if req.ref_text:
+            what = f"voice {name!r} carries its own reference text" if named else "ref_text needs ref_audio"
+            raise APIError(400, f"ref_text describes ref_audio: {what}", "ref_text")
+        if not named:
+            return None
+        voice = self.voices.get(name)
+        if voice is None:
+            known = ", ".join(v.name for v in self.voice_list().data)
+            raise APIError(
+                400,
+                f"voice {name!r} is not known here; voices: {known} (upload one with POST /v1/audio/voices)",
+                "voice",
+            )
+        return voice.reference
+
+    def _sampling(self, req: SpeechRequest) -> SamplingParams:
+        cfg, given = self.config, {}
+        if req.max_new_tokens is not None and req.max_new_tokens > cfg.max_new_tokens:
+            raise APIError(
+                400,
+                f"max_new_tokens {req.max_new_tokens} is above this server's limit of {cfg.max_new_tokens} frames",
+                "max_new_tokens",
+            )
+        for name in ("temperature", "top_k", "top_p", "seed"):
+            if getattr(req, name) is not None:
+                given[name] = getattr(req, name)
+        try:
+            return SamplingParams(**given, max_frames=req.max_new_tokens or cfg.max_new_tokens)
+        except ValueError as exc:
+            field = _SAMPLING_FIELDS.get(str(exc).split(" ", 1)[0])
+            raise APIError(400, str(exc), field) from None
+
+    # ------------------------------------------------------------------ running
+
+    async def run(self, job: SpeechJob, watch: Callable[[], Awaitable[object]]) -> bytes | AsyncIterator[bytes]:
+        """The response body of ``job``: all bytes (mode file), or an iterator of them (audio, sse) whose first item
+        is already made, so that a failure before the first byte is still an ``APIError`` (and a status code).
+
+        ``watch()`` returns when the client has gone; until the body is handed over, the request is cancelled then.
+        """
+        items = self._items(job)
+        try:
+            if job.mode == "file":
+                return await _until_gone(self._whole(job, items), watch)
+            first = await _until_gone(anext(items), watch)
+        except BaseException:
+            await items.aclose()
+            raise
+        return self._stream(job, first, items)
+
+    async def _whole(self, job: SpeechJob, items: AsyncIterator[tuple]) -> bytes:
+        pcm = []
+        async for kind, value in items:
+            if kind == "audio":
+                pcm.append(value)
+            elif kind != "done":
+                raise _failure(job, kind, value)
+        data = b"".join(pcm)
+        return wav_header(self.sample_rate, len(data)) + data if job.format == "wav" else data
+
+    async def _stream(self, job: SpeechJob, first: tuple, items: AsyncIterator[tuple]) -> AsyncIterator[bytes]:
+        header = wav_header(self.sample_rate) if job.format == "wav" else b""
+        item: tuple | None = first
+        try:
+            while item is not None:
+                kind, value = item
+                if kind == "audio":
+                    data, header = header + value, b""
+                    yield sse_event(SpeechAudioDelta(audio=b64(data))) if job.mode == "sse" else data
+                elif kind == "done" and job.mode == "sse":
+                    if header:
+                        yield sse_event(SpeechAudioDelta(audio=b64(header)))
+                    usage = SpeechUsage(
+                        input_tokens=job.prompt_tokens, output_tokens=value, total_tokens=job.prompt_tokens + value
+                    )
+                    yield sse_event(SpeechAudioDone(usage=usage))
+                elif kind == "done":
+                    if header:
+                        yield header  # no audio at all: the header alone is a valid empty WAV stream
+                else:  # failed after its first byte: no status code left to send
+                    err = _failure(job, kind, value)
+                    if job.mode != "sse":
+                        raise RuntimeError(f"{job.id} failed mid-stream: {err.message}")  # the connection is cut
+                    yield sse_event(SpeechError(error=ErrorInfo(**err.body().error.model_dump())))
+                item = await anext(items, None)
+        finally:
+            await items.aclose()
+
+    async def _items(self, job: SpeechJob) -> AsyncIterator[tuple]:
+        """("audio", pcm bytes)..., then one of ("done", frames), ("error", exc), ("cancelled", why): made by a
+        worker thread of this request, cancelled when this iterator is closed or the deadline passes."""
+        if self.closing:
+            raise APIError(503, "the server is shutting down", None)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+
+        def post(item: tuple) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the event loop has closed: nobody is listening any more
+                cancel.set()
+
+        with self._lock:
+            self._active.add(cancel)
+        worker = threading.Thread(target=self._speak, args=(job, post, cancel), name=job.id, daemon=True)
+        worker.start()
+        deadline = loop.time() + self.config.request_timeout_s
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), max(deadline - loop.time(), 0.0))
+                except asyncio.TimeoutError:
+                    item = ("cancelled", "timeout")
+                yield item
+                if item[0] != "audio":
+                    return
+        finally:
+            cancel.set()
+            with self._lock:
+                self._active.discard(cancel)
+
+    def _speak(self, job: SpeechJob, post: Callable[[tuple], None], cancel: threading.Event) -> None:
+        """The worker: frames from the engine, through the streaming decoder, to PCM chunks."""
+        t0 = time.perf_counter()
+        talker, frames_made = self.talker, 0
+        frames = talker.stream(job.text, job.params, job.reference, split=self.config.part_chars)
+        try:
+            decoder = talker.codec.stream(self.chunking)
+            for frame in frames:
+                if cancel.is_set():
+                    self._count("cancelled")
+                    post(("cancelled", "shutdown" if self.closing else "cancelled"))
+                    logger.info("%s cancelled after %d frames", job.id, frames_made)
+                    return
+                frames_made += 1
+                chunk = decoder.push(frame)
+                if chunk is not None:
+                    post(("audio", pcm16(chunk)))
+            chunk = decoder.finish()
+            if chunk is not None:
+                post(("audio", pcm16(chunk)))
+            self._count("finished")
+            post(("done", frames_made))
+            logger.info(
+                "%s: %d parts, %d frames (%.2f s of audio) in %.2f s",
+                job.id,
+                job.parts,
+                frames_made,
+                frames_made / self.frame_rate,
+                time.perf_counter() - t0,
+            )
+        except Exception as exc:  # noqa: BLE001 - this request fails; the server and the other requests go on
+            logger.warning("%s failed after %d frames: %r", job.id, frames_made, exc)
+            self._count("failed")
+            post(("error", exc))
+        finally:
+            frames.close()  # cancels the engine request (and any queued part) if it is still running
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self.counts[what] += 1
+
+    def shutdown(self) -> None:
+        """Refuse new requests and cancel every running one (their streams end at the next engine step)."""
+        self.closing = True
+        with self._lock:
+            for cancel in self._active:
+                cancel.set()
+
+
+def _failure(job: SpeechJob, kind: str, value) -> APIError:
+    if kind == "cancelled" and value == "timeout":
+        return APIError(408, f"{job.id} ran past the server's request timeout and was cancelled", "timeout")
+    if kind == "cancelled":
+        return APIError(503, f"{job.id} was cancelled: the server is shutting down", None)
+    return APIError(500, f"{job.id} failed: {type(value).__name__}: {value}", None)
+
+
+async def _until_gone(aw: Awaitable, watch: Callable[[], Awaitable[object]]):
+    """``await aw``, unless the client leaves first (then ``aw`` is cancelled and ``ClientGone`` raised)."""
+    work = asyncio.ensure_future(aw)
+    gone = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            raise ClientGone()
+        return work.result()
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.wait({work})  # let it unwind (its iterator closes) before anyone touches that again
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the response started."""
+
+
+def _data_url_bytes(url: str) -> bytes:
+    """The bytes of a ``data:[<type>][;base64],<data>`` URL (base64 only)."""
+    if not url.startswith("data:") or "," not in url:
+        raise APIError(400, "ref_audio must be a data: URL such as data:audio/wav;base64,UklGR...", "ref_audio")
+    head, data = url[5:].split(",", 1)
+    if not head.endswith(";base64"):
+        raise APIError(400, "ref_audio must be base64 encoded (data:audio/wav;base64,...)", "ref_audio")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError(400, "ref_audio holds invalid base64", "ref_audio") from None

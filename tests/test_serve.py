@@ -1,0 +1,520 @@
+"""The speech server over real HTTP: uvicorn on an ephemeral 127.0.0.1 port, the tiny checkpoint on CPU.
+
+Clients are the ``openai`` package (``audio.speech.create`` and its streaming response) and ``httpx`` (raw chunks,
+server-sent events, multipart voice uploads). Audio is compared with what the Python API makes for the same seeded
+request on a talker of its own: exactly, or, where batching moved a code, through a proven floating-point near tie
+(``explain_divergence``, as the concurrency tests do) and then exactly against the batched codes.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx  # the dev extra installs the server and both clients: a missing one fails here, loudly
+import openai
+import pytest
+import torch
+from _engine_invariants import assert_idle, explain_divergence, remember_idle
+
+from higgs_talker import HiggsTalker, Reference, SamplingParams
+from higgs_talker.audio import decode_wav, pcm16, write_wav
+from higgs_talker.heads.delay import codec_frames
+from higgs_talker.results import GenerationError
+from higgs_talker.serve.app import make_server
+from higgs_talker.serve.serving import ServeConfig, SpeechServing
+from higgs_talker.splitting import frame_budget
+
+PART_CHARS = 150
+CONFIG = ServeConfig(
+    model_name="tiny", max_input_chars=6000, max_body_bytes=1 << 20, max_new_tokens=2048, part_chars=PART_CHARS
+)
+TIMEOUT = httpx.Timeout(60.0)
+
+
+@contextlib.contextmanager
+def running(serving: SpeechServing):
+    """uvicorn serving ``serving`` on a free 127.0.0.1 port in a thread; yields the base URL, stops on exit."""
+    server, sock = make_server(serving, "127.0.0.1", 0, log_level="warning")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        for _ in range(200):
+            if server.started:
+                break
+            time.sleep(0.05)
+        assert server.started, "uvicorn did not start"
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+        assert not thread.is_alive(), "uvicorn did not stop"
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir):
+    talker = remember_idle(HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=8, max_model_len=1024))
+    serving = SpeechServing(talker, CONFIG)
+    with running(serving) as url:
+        yield serving, url
+
+
+@pytest.fixture(scope="module")
+def solo(tiny_dir) -> HiggsTalker:
+    return HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=1, max_model_len=1024)
+
+
+@pytest.fixture
+def client(served):
+    return openai.OpenAI(base_url=served[1] + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def speech(url: str, **body) -> httpx.Response:
+    return httpx.post(url + "/v1/audio/speech", json=body, timeout=TIMEOUT)
+
+
+def expected_pcm(solo: HiggsTalker, text: str, params: SamplingParams, reference=None) -> bytes:
+    """What the server must send: the API's streamed audio for the same request (same parts, same decoder cuts)."""
+    return pcm16(torch.cat(list(solo.stream_audio(text, params, reference, split=PART_CHARS))))
+
+
+def pcm_of_codes(talker: HiggsTalker, codes: torch.Tensor) -> bytes:
+    """Aligned codes [F, 8] through a streaming decoder one frame at a time, as the server decodes them."""
+    decoder, out = talker.codec.stream(), []
+    for frame in codes:
+        chunk = decoder.push(frame)
+        if chunk is not None:
+            out.append(chunk.cpu())
+    last = decoder.finish()
+    if last is not None:
+        out.append(last.cpu())
+    return pcm16(torch.cat(out)) if out else b""
+
+
+def wav_data(body: bytes) -> bytes:
+    """The samples of a 16-bit mono 24 kHz WAV body (after checking its header)."""
+    samples, rate = decode_wav(body)
+    assert rate == 24000 and samples.shape[0] == 1 and body[20:24] == b"\x01\x00\x01\x00"
+    return body[44:]
+
+
+def check_error(response: httpx.Response, status: int, param: str | None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    assert error["param"] == param, error
+    assert error["message"]
+    return error
+
+
+def wait_until_idle(serving: SpeechServing, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    engine = serving.talker.engine
+    while serving.active_requests or engine.requests or engine.scheduler._unpublished:
+        assert time.monotonic() < deadline, "requests still live"
+        time.sleep(0.02)
+    assert_idle(serving.talker)
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_importing_the_package_imports_no_server_library() -> None:
+    code = (
+        "import sys, higgs_talker, higgs_talker.cli, higgs_talker.serve, higgs_talker.serve.options\n"
+        "higgs_talker.cli._build_parser()\n"
+        "bad = [m for m in ('fastapi', 'uvicorn', 'starlette', 'multipart', 'python_multipart') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+def test_listings(served) -> None:
+    serving, url = served
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+    models = httpx.get(url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["tiny"] and models["data"][0]["max_model_len"] == 1024
+    voices = httpx.get(url + "/v1/audio/voices").json()
+    assert voices["object"] == "list" and voices["data"][0]["name"] == "default"
+
+
+def test_openai_client_gets_the_audio_of_the_api(served, solo, client) -> None:
+    serving, _ = served
+    text, params = "Hello from the openai client.", SamplingParams(seed=11, max_frames=40)
+    want = expected_pcm(solo, text, params)
+    got = client.audio.speech.create(model="tiny", voice="default", input=text, response_format="wav",
+                                     extra_body={"seed": 11, "max_new_tokens": 40})  # fmt: skip
+    assert wav_data(got.content) == want and len(want) > 0
+    with client.audio.speech.with_streaming_response.create(
+        model="tiny", voice="default", input=text, response_format="pcm", extra_body={"seed": 11, "max_new_tokens": 40}
+    ) as response:
+        assert response.headers["content-type"] == "audio/pcm"
+        assert b"".join(response.iter_bytes()) == want
+    whole = speech(served[1], input=text, seed=11, max_new_tokens=40, stream=False)
+    assert int(whole.headers["content-length"]) == 44 + len(want)
+    samples, _ = decode_wav(whole.content)
+    assert samples.shape[1] == len(want) // 2  # the exact header's sizes
+    wait_until_idle(serving)
+
+
+def test_streamed_bytes_arrive_chunk_by_chunk(served, solo) -> None:
+    """Raw chunks: the first is the decoder's first chunk (1 frame), sent before the request is done."""
+    _, url = served
+    text, params = "Streaming as frames complete.", SamplingParams(seed=5, temperature=0.0, max_frames=80)
+    want = expected_pcm(solo, text, params)
+    body = {"input": text, "seed": 5, "temperature": 0.0, "max_new_tokens": 80, "response_format": "wav"}
+    with httpx.stream("POST", url + "/v1/audio/speech", json=body, timeout=TIMEOUT) as response:
+        assert response.status_code == 200 and response.headers["content-type"] == "audio/wav"
+        chunks = list(response.iter_raw())
+    hop = 960 * 2  # one frame of 16-bit samples
+    assert len(chunks[0]) == 44 + hop, [len(c) for c in chunks]  # the streaming header, then the first frame
+    assert len(chunks) >= 3
+    data = b"".join(chunks)
+    assert data[:4] == b"RIFF" and data[40:44] == b"\xff\xff\xff\xff"  # data size unknown while streaming
+    assert wav_data(data) == want
+
+
+def test_sse_events(served, solo) -> None:
+    _, url = served
+    text, params = "Events, please.", SamplingParams(seed=9, temperature=0.0, max_frames=50)
+    want = expected_pcm(solo, text, params)
+    body = {"input": text, "seed": 9, "temperature": 0.0, "max_new_tokens": 50, "stream_format": "sse",
+            "response_format": "pcm"}  # fmt: skip
+    with httpx.stream("POST", url + "/v1/audio/speech", json=body, timeout=TIMEOUT) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    assert [e["type"] for e in events[:-1]] == ["speech.audio.delta"] * (len(events) - 1) and len(events) >= 3
+    assert b"".join(base64.b64decode(e["audio"]) for e in events[:-1]) == want
+    done = events[-1]
+    assert done["type"] == "speech.audio.done"
+    assert done["usage"]["output_tokens"] == len(want) // (960 * 2)
+    assert done["usage"]["input_tokens"] == len(solo.build_prompt(text))
+    assert done["usage"]["total_tokens"] == done["usage"]["input_tokens"] + done["usage"]["output_tokens"]
+
+
+def test_eight_concurrent_clients_get_their_own_audio(served, solo, monkeypatch) -> None:
+    """Each of 8 clients at once gets the audio of its codes, and its codes are those of the request alone (or
+    differ from them only by a proven near-tie flip)."""
+    serving, url = served
+    finished: dict[tuple, torch.Tensor] = {}
+    real_pop = serving.talker.engine.pop_finished
+
+    def pop_finished(request_id):
+        req = real_pop(request_id)
+        finished[tuple(req.prompt.input_ids.tolist())] = torch.stack(req.rows).long()
+        return req
+
+    monkeypatch.setattr(serving.talker.engine, "pop_finished", pop_finished)
+    texts = [f"Client number {i} speaks{'.' * (i % 3 + 1)}" for i in range(8)]
+    bodies = [{"input": t, "seed": 100 + i, "temperature": [1.0, 0.7, 0.0][i % 3], "top_k": [-1, 30][i % 2],
+               "max_new_tokens": 30 + 5 * i, "response_format": ["pcm", "wav"][i % 2],
+               "stream_format": ["audio", "sse"][i // 4]} for i, t in enumerate(texts)]  # fmt: skip
+    barrier, answers, errors = threading.Barrier(8), [None] * 8, []
+
+    def call(i):
+        try:
+            barrier.wait()
+            answers[i] = speech(url, **bodies[i])
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and all(not t.is_alive() for t in threads), errors
+    for i, (text, body, answer) in enumerate(zip(texts, bodies, answers, strict=True)):
+        assert answer.status_code == 200, answer.text
+        if body["stream_format"] == "sse":
+            events = [json.loads(x[6:]) for x in answer.text.splitlines() if x.startswith("data: ")]
+            data = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+        else:
+            data = answer.content
+        data = wav_data(data) if body["response_format"] == "wav" else data
+        params = SamplingParams(seed=body["seed"], temperature=body["temperature"], top_k=body["top_k"],
+                                max_frames=body["max_new_tokens"])  # fmt: skip
+        prompt = solo.build_prompt(text)
+        rows = finished[tuple(prompt.input_ids.tolist())]
+        assert data == pcm_of_codes(solo, codec_frames(rows, solo.cfg.num_real_codes)), f"client {i}: not its codes"
+        alone = solo.generate(text, params).rows
+        if torch.equal(rows, alone):
+            assert data == expected_pcm(solo, text, params), f"client {i}"
+        else:
+            assert explain_divergence(solo, prompt, params, rows, alone) is not None
+    wait_until_idle(serving)
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_request(served) -> None:
+    serving, url = served
+    before = serving.counts["cancelled"]
+    text = " ".join(f"Sentence {i} keeps the greedy talker going for a while." for i in range(12))  # ~4 parts
+    body = {"input": text, "temperature": 0.0, "max_new_tokens": 2000, "response_format": "pcm"}
+    with httpx.stream("POST", url + "/v1/audio/speech", json=body, timeout=TIMEOUT) as response:
+        assert response.status_code == 200
+        first = next(response.iter_raw())
+        assert first and serving.active_requests == 1 and serving.talker.engine.requests
+    t0 = time.monotonic()
+    wait_until_idle(serving, timeout=10)  # slot, KV blocks and the queued next part all freed
+    assert time.monotonic() - t0 < 5
+    assert serving.counts["cancelled"] == before + 1
+    # and one that leaves before its first byte
+    before = serving.counts["cancelled"]
+    with pytest.raises(httpx.ReadTimeout):  # the whole-file response never starts: the client gives up first
+        httpx.post(url + "/v1/audio/speech", json=body | {"stream": False}, timeout=0.5)
+    wait_until_idle(serving, timeout=10)
+    assert serving.counts["cancelled"] == before + 1
+
+
+LONG_TEXT = " ".join(f"This is sentence number {i}, one of many in a text longer than one prompt." for i in range(75))
+
+
+def test_long_input_is_split_and_streamed_as_one_audio(served, solo, monkeypatch) -> None:
+    """A ~5,600-character input (one prompt would be refused) is spoken in parts of one seed, in order."""
+    serving, url = served
+    assert len(LONG_TEXT) > 5000
+    with pytest.raises(ValueError, match="prompt is"):
+        solo.build_prompt(LONG_TEXT)
+    caps = []
+    real_add = serving.talker.engine.add_request
+    monkeypatch.setattr(serving.talker.engine, "add_request", lambda p, s, *a: caps.append(s) or real_add(p, s, *a))
+    response = speech(url, input=LONG_TEXT, seed=21, response_format="pcm", max_new_tokens=30)
+    assert response.status_code == 200, response.text
+    assert response.content == expected_pcm(solo, LONG_TEXT, SamplingParams(seed=21, max_frames=30))
+    assert len(caps) == len(_parts(LONG_TEXT)) > 30
+    assert {s.seed for s in caps} == {21} and all(s.max_frames <= 30 for s in caps)
+    greedy = speech(url, input=LONG_TEXT[:200], temperature=0.0, response_format="pcm")  # capped from the text
+    assert greedy.status_code == 200
+    texts = _parts(LONG_TEXT[:200])
+    parts = caps[-len(texts) :]
+    assert len(texts) == 2 and [s.max_frames for s in parts] == [frame_budget(t, 25) for t in texts]
+    assert len(greedy.content) // 1920 <= sum(s.max_frames for s in parts)
+    wait_until_idle(serving)
+
+
+def _parts(text: str) -> list[str]:
+    from higgs_talker.splitting import split_text
+
+    return split_text(text, PART_CHARS)
+
+
+def test_a_voice_uploaded_then_used(served, solo, client, tmp_path) -> None:
+    serving, url = served
+    recording = solo.generate("Hello there, this is me.", SamplingParams(seed=3, temperature=0.0), max_frames=50)
+    wav = write_wav(tmp_path / "me.wav", recording.audio, 24000).read_bytes()
+    files = {"audio": ("me.wav", wav, "audio/wav")}
+    added = httpx.post(url + "/v1/audio/voices", files=files, data={"name": "me", "ref_text": "Hello there."})
+    assert added.status_code == 200, added.text
+    assert added.json()["name"] == "me" and added.json()["frames"] == recording.num_frames
+    assert "me" in [v["name"] for v in httpx.get(url + "/v1/audio/voices").json()["data"]]
+    check_error(httpx.post(url + "/v1/audio/voices", files=files, data={"name": "me"}), 409, "name")
+    check_error(httpx.post(url + "/v1/audio/voices", files=files, data={"name": "no/slash"}), 400, "name")
+    check_error(httpx.post(url + "/v1/audio/voices", files=files, data={"name": "default"}), 400, "name")
+    not_wav = {"audio": ("x.wav", b"hello", "audio/wav")}
+    check_error(httpx.post(url + "/v1/audio/voices", files=not_wav, data={"name": "x"}), 400, "audio")
+    check_error(httpx.post(url + "/v1/audio/voices", data={"name": "x"}), 400, "audio")
+
+    samples, rate = decode_wav(wav)
+    voice = Reference(codes=solo.codec_loader.reference_codes(samples, rate), text="Hello there.")
+    text, params = "Say it like me.", SamplingParams(seed=4, max_frames=40)
+    want = expected_pcm(solo, text, params, voice)
+    got = client.audio.speech.create(model="tiny", voice="me", input=text, response_format="pcm",
+                                     extra_body={"seed": 4, "max_new_tokens": 40})  # fmt: skip
+    assert got.content == want
+    inline = speech(url, input=text, seed=4, max_new_tokens=40, response_format="pcm", ref_text="Hello there.",
+                    ref_audio="data:audio/wav;base64," + base64.b64encode(wav).decode())  # fmt: skip
+    assert inline.status_code == 200 and inline.content == want  # the same voice given inline, vllm-omni's way
+    assert speech(url, input=text, voice={"id": "me"}, seed=4, max_new_tokens=40, response_format="pcm").content == want
+    assert httpx.delete(url + "/v1/audio/voices/me").status_code == 200
+    check_error(httpx.delete(url + "/v1/audio/voices/me"), 404, "name")
+    check_error(speech(url, input=text, voice="me"), 400, "voice")
+
+
+BAD = [
+    ({}, 400, "input"),
+    ({"input": "   "}, 400, "input"),
+    ({"input": "x" * 6001}, 400, "input"),
+    ({"input": "Hi <|audio|> there."}, 400, "input"),
+    ({"input": "Hi.", "foo": 1}, 400, "foo"),
+    ({"input": "Hi.", "model": "tts-1"}, 404, "model"),
+    ({"input": "Hi.", "voice": "alloy"}, 400, "voice"),
+    ({"input": "Hi.", "speed": 1.5}, 400, "speed"),
+    ({"input": "Hi.", "instructions": "whisper"}, 400, "instructions"),
+    ({"input": "Hi.", "response_format": "mp3"}, 400, "response_format"),
+    ({"input": "Hi.", "stream_format": "video"}, 400, "stream_format"),
+    ({"input": "Hi.", "stream_format": "sse", "stream": False}, 400, "stream"),
+    ({"input": "Hi.", "temperature": -1}, 400, "temperature"),
+    ({"input": "Hi.", "temperature": 1e39}, 400, "temperature"),
+    ({"input": "Hi.", "top_p": 0}, 400, "top_p"),
+    ({"input": "Hi.", "top_k": -2}, 400, "top_k"),
+    ({"input": "Hi.", "seed": -1}, 400, "seed"),
+    ({"input": "Hi.", "seed": 2**63}, 400, "seed"),
+    ({"input": "Hi.", "max_new_tokens": 0}, 400, "max_new_tokens"),
+    ({"input": "Hi.", "max_new_tokens": 5000}, 400, "max_new_tokens"),
+    ({"input": "Hi.", "max_new_tokens": "many"}, 400, "max_new_tokens"),
+    ({"input": "Hi.", "ref_text": "Hello."}, 400, "ref_text"),
+    ({"input": "Hi.", "ref_audio": "http://example.invalid/a.wav"}, 400, "ref_audio"),
+    ({"input": "Hi.", "ref_audio": "data:audio/wav;base64,@@@"}, 400, "ref_audio"),
+    ({"input": "Hi.", "ref_audio": "data:audio/wav;base64," + base64.b64encode(b"RIFF....WAVE").decode()}, 400,
+     "ref_audio"),
+    ({"input": "Hi.", "ref_audio": "data:audio/wav;base64,AAAA", "voice": "someone"}, 400, "voice"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD, ids=[f"{p}-{i}" for i, (_, _, p) in enumerate(BAD)])
+def test_bad_requests_get_a_json_error_naming_the_field(served, body, status, param) -> None:
+    check_error(speech(served[1], **body), status, param)
+
+
+def test_bad_bodies(served) -> None:
+    serving, url = served
+    headers = {"content-type": "application/json"}
+    check_error(httpx.post(url + "/v1/audio/speech", content=b"{nope", headers=headers), 400, "body")
+    big = json.dumps({"input": "Hi.", "ref_text": "x" * (1 << 20)}).encode()
+    check_error(httpx.post(url + "/v1/audio/speech", content=big, headers=headers), 413, "body")
+
+    def chunked():  # no Content-Length: the limit holds while the body is read
+        yield b'{"input": "Hi.", "ref_text": "'
+        for _ in range(40):
+            yield b"x" * 32768
+        yield b'"}'
+
+    check_error(httpx.post(url + "/v1/audio/speech", content=chunked(), headers=headers), 413, "body")
+    check_error(httpx.get(url + "/v1/nothing"), 404, None)
+    ok = speech(url, input="Still fine.", seed=1, max_new_tokens=20)
+    assert ok.status_code == 200
+    wait_until_idle(serving)
+
+
+def test_a_failing_request_leaves_the_others_alone(served, solo, monkeypatch) -> None:
+    serving, url = served
+    talker = serving.talker
+    real_stream = talker.stream
+
+    def stream(text, *args, **kwargs):
+        frames = real_stream(text, *args, **kwargs)
+        if "poison" not in text:
+            return frames
+
+        def failing():
+            with contextlib.closing(frames):
+                for i, frame in enumerate(frames):
+                    if i == 12:
+                        raise GenerationError("injected failure")
+                    yield frame
+
+        return failing()
+
+    monkeypatch.setattr(talker, "stream", stream)
+    text, params = "An innocent request.", SamplingParams(seed=8, max_frames=60)
+    want = expected_pcm(solo, text, params)
+    results = {}
+
+    def run(key, **body):
+        results[key] = speech(url, **body)
+
+    threads = [
+        threading.Thread(target=run, args=("good",), kwargs={"input": text, "seed": 8, "max_new_tokens": 60,
+                                                             "response_format": "pcm"}),
+        threading.Thread(target=run, args=("file",), kwargs={"input": "poison one", "temperature": 0.0,
+                                                             "stream": False}),
+        threading.Thread(target=run, args=("sse",), kwargs={"input": "poison two", "temperature": 0.0,
+                                                            "stream_format": "sse"}),
+    ]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert results["good"].status_code == 200 and results["good"].content == want
+    assert "injected failure" in check_error(results["file"], 500, None)["message"]
+    events = [json.loads(x[6:]) for x in results["sse"].text.splitlines() if x.startswith("data: ")]
+    assert events[-1]["type"] == "error" and "injected failure" in events[-1]["error"]["message"]
+    assert all(e["type"] == "speech.audio.delta" for e in events[:-1])
+    wait_until_idle(serving)
+
+
+def test_a_request_past_its_timeout_is_cancelled(served) -> None:
+    serving, _ = served
+    impatient = SpeechServing(serving.talker, ServeConfig(model_name="tiny", request_timeout_s=0.3))
+    with running(impatient) as url:
+        body = {"input": "Greedy and long. " * 10, "temperature": 0.0, "max_new_tokens": 2000}
+        check_error(speech(url, **body, stream=False), 408, "timeout")
+        with httpx.stream("POST", url + "/v1/audio/speech", json=body | {"stream_format": "sse"}) as response:
+            if response.status_code == 200:  # the first event came within the time: it ends with an error event
+                events = [json.loads(x[6:]) for x in response.iter_lines() if x.startswith("data: ")]
+                assert events[-1]["type"] == "error" and events[-1]["error"]["code"] == 408
+            else:  # a slow machine: the time ran out before the first byte
+                response.read()
+                check_error(response, 408, "timeout")
+    wait_until_idle(serving)  # the workers have seen their cancel flags
+    assert impatient.counts["cancelled"] == 2
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_the_cli_server_stops_cleanly_mid_stream(tiny_dir: Path, sig) -> None:
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "higgs_talker.cli", "serve", str(tiny_dir), "--port", "0", "--max-num-seqs", "2",
+         "--max-model-len", "1024", "--served-model-name", "tiny"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # never blocks the test
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not any("serving 'tiny'" in x for x in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.05)
+        url = next(x for x in lines if "serving 'tiny'" in x).split(" at ")[1].split()[0]
+        body = {"input": "Greedy and long. " * 10, "temperature": 0.0, "max_new_tokens": 2000, "response_format": "pcm"}
+        with httpx.stream("POST", url + "/v1/audio/speech", json=body, timeout=TIMEOUT) as response:
+            assert response.status_code == 200
+            chunks = response.iter_raw()
+            assert next(chunks)
+            t0 = time.monotonic()
+            proc.send_signal(sig)
+            with pytest.raises(httpx.RemoteProtocolError):  # cut short, not ended as if complete
+                for _ in chunks:
+                    pass
+        rc = proc.wait(timeout=20)
+        assert time.monotonic() - t0 < 10
+        reader.join(timeout=5)
+        out = "".join(lines)
+        assert rc == (0 if sig == signal.SIGINT else -signal.SIGTERM), out
+        assert "Finished server process" in out
+        if sig == signal.SIGINT:
+            assert "server stopped" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_bench_serve_smoke(tmp_path: Path, monkeypatch) -> None:
+    """benchmarks/bench_serve.py on CPU with the tiny shape: both paths, every field the JSON promises."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # the tiny codec is built there, not in ~/.cache
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_serve
+
+    data = json.loads(Path(bench_serve.main(["--device", "cpu", "--tiny", "--out", str(tmp_path)]).path).read_text())
+    for key in ("date", "command", "torch", "gpu", "targets", "build_s"):
+        assert key in data["meta"], key
+    rows = data["rows"]
+    assert {(r["path"], r["concurrency"]) for r in rows} == {(p, c) for p in ("direct", "http") for c in (1, 2)}
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["requests"] == 2 and r["ttfa_ms_p50"] > 0 and r["rtf_p50"] > 0 and r["audio_s_per_s"] > 0
+    requests = data["requests"]
+    assert len(requests) == 8 and all(0.3 < r["audio_s"] < 1.0 for r in requests)  # the 0.4-0.8 s asked for
+    assert set(data["targets_met"]) == set(bench_serve.TARGETS)

@@ -1,0 +1,127 @@
+"""Long input in the Python API: ``splitting.split_text`` / ``frame_budget``, and ``generate`` / ``stream`` /
+``stream_audio`` with ``split=`` on the tiny checkpoint."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from _engine_invariants import assert_idle, remember_idle
+
+from higgs_talker import HiggsTalker, Reference, SamplingParams
+from higgs_talker.splitting import DEFAULT_PART_CHARS, frame_budget, split_text
+
+LONG = " ".join(f"Sentence {i} of a text that no single prompt could hold, said in order." for i in range(70))
+
+
+def test_split_text_cuts_at_sentence_ends_and_packs_them() -> None:
+    text = "One. Two! Three? Four."
+    assert split_text(text, 100) == [text]
+    assert split_text(text, 10) == ["One. Two!", "Three?", "Four."]
+    assert split_text("  Padded.  ", 100) == ["Padded."]
+    assert split_text("   ", 10) == []
+    assert split_text("「こんにちは。」元気ですか？はい。", 9) == ["「こんにちは。」", "元気ですか？はい。"]
+    quoted = 'He said "stop." Then he left. (Quietly.) End.'
+    assert split_text(quoted, 20) == ['He said "stop."', "Then he left.", "(Quietly.) End."]
+    assert split_text("Mr. Smith is here.", 10) == ["Mr.", "Smith is", "here."]  # abbreviations are no guard
+
+
+def test_split_text_falls_back_to_clauses_spaces_and_hard_cuts() -> None:
+    assert split_text("alpha beta, gamma delta; epsilon", 12) == ["alpha beta,", "gamma delta;", "epsilon"]
+    assert split_text("aaaa bbbb cccc dddd", 9) == ["aaaa bbbb", "cccc dddd"]
+    assert split_text("x" * 25, 10) == ["x" * 10, "x" * 10, "x" * 5]
+
+
+@pytest.mark.parametrize("max_chars", [1, 7, 40, DEFAULT_PART_CHARS])
+def test_split_text_keeps_every_word_in_order_within_the_limit(max_chars: int) -> None:
+    parts = split_text(LONG, max_chars)
+    assert all(0 < len(p) <= max_chars for p in parts)
+    assert "".join(parts).replace(" ", "") == LONG.replace(" ", "")
+
+
+def test_split_text_refuses_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="text must be a str"):
+        split_text(b"bytes")
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(ValueError, match="max_chars"):
+            split_text("a", bad)
+
+
+def test_frame_budget() -> None:
+    assert frame_budget("", 25) == 50  # the 2 s of slack
+    assert frame_budget("x" * 80, 25) == 50 + 250  # 1/8 s a character
+    assert frame_budget("字" * 10, 25) == 50 + 100  # 2/5 s a CJK character
+    english = "The quick brown fox jumps over the lazy dog."
+    assert frame_budget(english, 25) >= 2 * 25 * len(english) / 15  # twice a reader's 15 characters a second
+
+
+@pytest.fixture(scope="module")
+def talker(tiny_dir) -> HiggsTalker:
+    return remember_idle(HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=8, max_model_len=1024))
+
+
+def test_a_text_longer_than_a_prompt_is_spoken_in_parts(talker: HiggsTalker) -> None:
+    with pytest.raises(ValueError, match="prompt is"):
+        talker.generate(LONG, max_frames=20)
+    params = SamplingParams(seed=5, max_frames=20)
+    result = talker.generate(LONG, params, split=True)
+    texts = split_text(LONG)
+    assert len(result.parts) == len(texts) > 1 and [p.text for p in result.parts] == texts
+    assert torch.equal(result.codes, torch.cat([p.codes for p in result.parts]))
+    assert result.text == LONG and all(p.seed == 5 for p in result.parts)
+    assert result.prompt_tokens == sum(p.prompt_tokens for p in result.parts)
+    for part, text in zip(result.parts, texts, strict=True):  # each part alone: the same codes
+        alone = talker.generate(text, params)
+        assert torch.equal(part.rows, alone.rows)
+    frames = list(talker.stream(LONG, params, split=True))
+    assert torch.equal(torch.stack(frames), result.codes)
+    audio = torch.cat(list(talker.stream_audio(LONG, params, split=True)))
+    torch.testing.assert_close(audio, result.audio, rtol=0, atol=1e-5)
+    assert_idle(talker)
+
+
+def test_each_part_is_capped_from_its_text(talker: HiggsTalker) -> None:
+    text = "Short one. " + "A second sentence, a good deal longer. " * 2
+    greedy = SamplingParams(temperature=0.0)  # greedy on random weights runs on to the cap
+    result = talker.generate(text, greedy, split=45)
+    texts = split_text(text, 45)
+    assert texts == ["Short one.", "A second sentence, a good deal longer.", "A second sentence, a good deal longer."]
+    for part, t in zip(result.parts, texts, strict=True):
+        assert part.finish_reason == "max_frames" and part.num_frames == frame_budget(t, 25)
+    assert result.finish_reason == "max_frames"
+    capped = talker.generate(text, greedy, max_frames=40, split=45)  # a smaller max_frames wins
+    assert [p.num_frames for p in capped.parts] == [40, 40, 40]
+    assert_idle(talker)
+
+
+def test_split_draws_one_seed_for_all_parts_and_keeps_the_voice(talker: HiggsTalker) -> None:
+    voice = Reference(codes=torch.randint(0, 1024, (20, 8), generator=torch.Generator().manual_seed(0)), text="Hi.")
+    result = talker.generate(LONG[:400], SamplingParams(max_frames=10), reference=voice, split=True)
+    assert len({p.seed for p in result.parts}) == 1 and len(result.parts) == 2
+    again = talker.generate(LONG[:400], SamplingParams(seed=result.seed, max_frames=10), reference=voice, split=True)
+    assert torch.equal(again.codes, result.codes)
+    assert all(p.prompt_tokens > len(talker.build_prompt(p.text)) for p in result.parts)  # the voice is in each
+    assert_idle(talker)
+
+
+def test_split_batches_several_texts_and_closing_a_stream_frees_every_part(talker: HiggsTalker) -> None:
+    results = talker.generate([LONG[:400], "Just one."], SamplingParams(seed=2, max_frames=10), split=True)
+    assert len(results[0].parts) == 2 and len(results[1].parts) == 1
+    assert results[1].codes.shape == results[1].parts[0].codes.shape
+    stream = talker.stream(LONG, SamplingParams(seed=1, temperature=0.0), split=True)
+    next(stream)
+    assert len(talker.engine.requests) == 2  # this part and the next, queued alongside
+    stream.close()
+    deadline = time.monotonic() + 10
+    while talker.engine.scheduler._unpublished and time.monotonic() < deadline:  # the step running when it closed
+        time.sleep(0.01)
+    assert_idle(talker)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 1.5, "yes"])
+def test_split_refuses_bad_values(talker: HiggsTalker, bad) -> None:
+    with pytest.raises(ValueError, match="split must be"):
+        talker.generate("Hello.", split=bad)
+    with pytest.raises(ValueError, match="empty"):
+        talker.generate("   ", split=True)
