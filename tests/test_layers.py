@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent / "higgs_talker"
 # Lower number = lower layer. A unit is a top-level module or a sub-package.
 LAYERS = {
     "config": 0,
+    "splitting": 0,
     "triton_ops": 0,
     "triton_gemv": 0,
     "heads": 0,
@@ -43,6 +44,7 @@ LAYERS = {
     "vllm_plugin": 6,
     "api": 7,
     "kernel_cache": 8,
+    "serve": 8,
     "cli": 9,
     "__init__": 10,
 }
