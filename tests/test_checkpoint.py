@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from higgs_talker import checkpoint as ckpt
-from higgs_talker.api import HiggsTalker
+from higgs_talker.api import HiggsTalker, SamplingParams
 from higgs_talker.checkpoint import (
     CODEC_PREFIX,
     INDEX_FILE,
@@ -214,7 +214,7 @@ def test_untied_checkpoints_load_through_the_api(make_checkpoint, cfg):
     m = talker.model
     assert (m.modality_head.weight is m.multimodal_embedding.weight) == cfg.tie_modality_embeddings
     assert (m.text_head_weight is m.model.embed_tokens.weight) == cfg.text.tie_word_embeddings
-    out = talker.generate("hi", max_frames=3)
+    out = talker.generate("hi", SamplingParams(seed=0, min_frames=3), max_frames=3)  # min: no early EOC
     assert out.codes.shape == (3, 8) and out.rows.shape == (3 + 8, 8)
 
 
