@@ -26,9 +26,10 @@ LOAD_TEXTS = [
 
 def engine_rows(talker: HiggsTalker, prompts: list, params) -> list[Tensor]:
     """Each prompt's rows [T, C] int64, all submitted at once (their prefills share a step), the engine stepped
-    until idle."""
+    until idle; ``params``: one SamplingParams for all, or a list of one per prompt."""
     eng = talker.engine
-    ids = [eng.add_request(p, params) for p in prompts]
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [eng.add_request(p, q) for p, q in zip(prompts, each, strict=True)]
     while eng.has_unfinished():
         eng.step()
     return [torch.stack(eng.pop_finished(i).rows).long() for i in ids]

@@ -56,9 +56,9 @@ SCORE_BOUNDS = {
     # the head_dim-64 checkpoint of the vLLM GPU suite (tiny_config with hidden 256) in bf16 on CPU: correct row
     # <= 0.0080, overall <= 0.0062, code <= 0.0082; one projection off by 5%: row >= 0.0168, overall >= 0.0122
     (torch.bfloat16, 3, 256): ScoreBound(row=0.012, overall=0.009, code=0.05),
-    # the 4B shape in bf16 on the H200: provisional (test_gpu's test_the_reference_check_at_the_4b_shape prints
-    # the measured errors)
-    (torch.bfloat16, 36, 2560): ScoreBound(row=0.012, overall=0.009, code=0.05),
+    # The 4B shape (36 layers) has no entry yet: on the H200 one greedy row was 0.032 from the reference (2026-12-03,
+    # test_gpu's test_the_reference_check_at_the_4b_shape), past the shallow shapes' bounds; its full measurement
+    # is still to run, so score_bound refuses it.
 }
 
 
@@ -174,41 +174,47 @@ def assert_codes_near_best(
     params: SamplingParams | None = None,
 ) -> None:
     """Every code of ``rows`` [T, C] scores within ``slack`` x its row's scale of the best score of the reference
-    teacher-forced on them (``want``). A code that the reference's top-k/top-p filter removed passes only at the
-    filter's edge, within the error that the run's own talker, teacher-forced on the same rows (``got``), showed
-    (a top-p boundary depends on the summed mass, which a few ulp of every logit can carry across p)."""
+    teacher-forced on them (``want``), among the codes the sampler surely had: those that both the reference's and
+    the run's own talker's filters kept (``got``: that talker teacher-forced on the same rows). A top-k/top-p edge
+    can move with rounding (a top-p boundary depends on the summed mass, which a few ulp of every logit carry
+    across p), so a code at the edge may be taken, by the run's observed error: its scaled logit near the k-th
+    one (top-k), and near the lowest one kept or with the mass ranked above it below top_p x exp(2 x error)
+    (top-p). Any other code must be one the reference kept."""
     rows = rows.long().cpu()
-    scores = want["scores"]
+    pick = rows[..., None]
+    raw = want["unfiltered"]  # [T, C, V]: the sampler's scores without the top-k/top-p filter
     allowed = slack * want["scale"]  # [T, C]
-    picked = scores.gather(-1, rows[..., None])[..., 0]
-    best = scores.amax(dim=-1)
-    ok = picked.isfinite() & (best - picked <= allowed)
+    kept_ref = want["scores"].isfinite()
+    surely, maybe = kept_ref, torch.zeros_like(kept_ref)
     if got is not None and params is not None:
-        # A code the reference's filter removed is rounding where it sits at the filter's edge, judged with the
-        # error the run's own talker showed on this codebook (twice: the run itself may round otherwise again):
-        # its scaled logit within that of the k-th one (top-k), the mass ranked above it within that error of
-        # top_p (a logit error e moves a probability ratio by at most exp(2 e)), and its noisy score without the
-        # filter near the reference's best.
+        kept_run = got["scores"].isfinite()
         both = got["scaled"].isfinite() & want["scaled"].isfinite()
-        err = 2 * (got["scaled"] - want["scaled"]).where(both, 0.0).abs().amax(dim=-1)  # [T, C]
-        pick = rows[..., None]
-        raw = want["unfiltered"].gather(-1, pick)[..., 0]
-        x = want["scaled"].gather(-1, pick)[..., 0]
-        edge = ~picked.isfinite() & raw.isfinite() & (best - raw <= allowed)
-        v = scores.shape[-1]
-        if 0 < params.top_k < v:
-            kth = want["scaled"].topk(params.top_k, dim=-1).values[..., -1]
-            edge &= x >= kth - err
-        if params.top_p < 1:
-            edge &= want["mass_before"].gather(-1, pick)[..., 0] < params.top_p * torch.exp(2 * err)
-        ok |= edge
+        # the largest error of the run's talker on each codebook, x 4: a batched run rounds otherwise again (seen on
+        # CPU and the H200: bf16 ties at the k-th logit keep up to 5 codes more than float32 does)
+        err = 4 * (got["scaled"] - want["scaled"]).where(both, 0.0).abs().amax(dim=-1, keepdim=True)  # [T, C, 1]
+        edge = raw.isfinite()
+        if 0 < params.top_k < raw.shape[-1]:
+            kth = want["scaled"].topk(params.top_k, dim=-1).values[..., -1:]
+            edge &= want["scaled"] >= kth - err
+        if params.top_p < 1:  # ranks swapped at the boundary, or the boundary moved as the mass crossed top_p
+            lowest = want["scaled"].where(kept_ref, float("inf")).amin(dim=-1, keepdim=True)
+            edge &= (want["scaled"] >= lowest - err) | (want["mass_before"] < params.top_p * torch.exp(2 * err))
+        # at the edge, a code may be in or out for the run (its own batch rounds otherwise again): it may be taken,
+        # and the best need not beat it; any other code is in exactly where the reference kept it
+        surely, maybe = kept_ref & (kept_run | ~edge), edge
+    best = raw.where(surely, float("-inf")).amax(dim=-1)
+    took = raw.gather(-1, pick)[..., 0]
+    allowed_code = (surely | maybe).gather(-1, pick)[..., 0]
+    ok = allowed_code & took.isfinite() & (best - took <= allowed)
     bad = (~ok).nonzero().tolist()
     if bad:
         t, c = bad[0]
         raise AssertionError(
             f"{what}: {len(bad)} of {rows.numel()} codes are far from the reference's best; first at row {t} "
-            f"codebook {c}: code {int(rows[t, c])} scores {picked[t, c].item():.6g} against the best "
-            f"{best[t, c].item():.6g} (code {int(scores[t, c].argmax())}), allowed {allowed[t, c].item():.3g}"
+            f"codebook {c}: code {int(rows[t, c])} scores {took[t, c].item():.6g} "
+            f"({'a code the sampler had' if allowed_code[t, c] else 'a code the filters removed'}) against the "
+            f"best {best[t, c].item():.6g} (code {int(raw[t, c].where(surely[t, c], float('-inf')).argmax())}), "
+            f"allowed {allowed[t, c].item():.3g}"
         )
 
 

@@ -130,3 +130,14 @@ def test_explain_divergence_rejects_a_projection_off_by_5_percent(tiny_dir, talk
     print(f"{mutation}: {differ} of {len(prompts)} prompts differ, {rejected} rejected")
     assert differ >= 2, f"the mutation changed the codes of only {differ} of {len(prompts)} prompts"
     assert rejected >= differ / 2, f"only {rejected} of the {differ} requests whose codes differ were rejected"
+
+
+def test_a_sampler_that_ignores_top_k_and_top_p_fails(bf16, reference):
+    """Rows sampled with the deploy seed but no top-k/top-p filter, checked as deploy-sampled rows: the codes
+    taken from outside the nucleus (not at its edge) fail the code check."""
+    unfiltered = SamplingParams(temperature=1.0, seed=3, max_frames=50)
+    prompts = [bf16.build_prompt(t) for t in LOAD_TEXTS]
+    check = ScoreCheck(reference, score_bound(bf16))
+    with pytest.raises(AssertionError, match="a code the filters removed"):
+        for i, (prompt, rows) in enumerate(zip(prompts, engine_rows(bf16, prompts, unfiltered), strict=True)):
+            check.check(bf16, prompt, PARAMS["deploy"], rows, f"prompt {i}")
