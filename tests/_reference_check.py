@@ -71,6 +71,15 @@ def score_bound(talker: HiggsTalker) -> ScoreBound:
     return SCORE_BOUNDS[key]
 
 
+def break_projection(talker: HiggsTalker, name: str, layer: int, factor: float) -> HiggsTalker:
+    """Scale one layer's ``name`` projection by ``factor`` in place (captured graphs read the weights in place, so
+    they replay the change): a deliberately broken model for the mutation tests. Returns the talker."""
+    with torch.no_grad():
+        hits = [w.mul_(factor) for n, w in talker.model.named_parameters() if f"layers.{layer}." in n and name in n]
+    assert len(hits) == 1, f"{name} of layer {layer} matched {len(hits)} parameters"
+    return talker
+
+
 @contextmanager
 def _without_flashinfer():
     """``import flashinfer`` fails inside: the talker built here runs torch SDPA and torch kernels."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 from _engine_invariants import engine_rows
 from _qk_rope import check_qk_norm_rope_store
-from _reference_check import ScoreBound, ScoreCheck, float32_reference, score_bound
+from _reference_check import ScoreBound, ScoreCheck, break_projection, float32_reference, score_bound
 from _tolerance import kernel_rel_tol, rel_err
 
 from higgs_talker import HiggsTalker, Reference, SamplingParams
@@ -392,15 +392,6 @@ def assert_same_or_near_tie(
         check.check(want_talker, prompts[i], params[i], torch.tensor(rows), f"request {rid}, second run")
 
 
-def _break(talker: HiggsTalker, name: str, layer: int, factor: float) -> HiggsTalker:
-    """Scale one layer's ``name`` projection by ``factor`` in place (captured graphs read the weights in place, so
-    they replay the change): a deliberately broken model."""
-    with torch.no_grad():
-        hits = [w.mul_(factor) for n, w in talker.model.named_parameters() if f"layers.{layer}." in n and name in n]
-    assert len(hits) == 1, f"{name} of layer {layer} matched {len(hits)} parameters"
-    return talker
-
-
 def _check_schedule(
     talker: HiggsTalker, reference: HiggsTalker, batch: int, params=None, bound: ScoreBound | None = None
 ) -> ScoreCheck:
@@ -432,7 +423,7 @@ def test_the_reference_check_passes_bf16_kernels_and_fails_a_model_off_by_5_perc
                 print(f"\n[score error] medium {mode} {'deploy' if params else 'greedy'}: worst row "
                       f"{check.worst_row:.4g}, overall {check.overall:.4g} ({check.bound})")  # fmt: skip
     factor = 1.05 if name == "o_proj" else 0.95
-    broken = _break(_talker("auto"), name, 1, factor)
+    broken = break_projection(_talker("auto"), name, 1, factor)
     with pytest.raises(AssertionError, match="from the float32 reference|far from the reference") as failed:
         _check_schedule(broken, reference, 13)
     with capsys.disabled():
@@ -453,7 +444,7 @@ def test_the_reference_check_at_the_4b_shape(capsys):
     unbounded = ScoreBound(row=float("inf"), overall=float("inf"), code=float("inf"))
     greedy = SamplingParams(temperature=0, max_frames=40)
     correct = _check_schedule(talker, reference, 4, greedy, unbounded)
-    broken = _check_schedule(_break(talker, "o_proj", 17, 1.05), reference, 4, greedy, unbounded)
+    broken = _check_schedule(break_projection(talker, "o_proj", 17, 1.05), reference, 4, greedy, unbounded)
     with capsys.disabled():
         print(f"\n[score error] 4b eager greedy: worst row {correct.worst_row:.4g}, overall {correct.overall:.4g}; "
               f"o_proj x 1.05: worst row {broken.worst_row:.4g}, overall {broken.overall:.4g}")  # fmt: skip
@@ -517,10 +508,6 @@ def test_queueing_a_decode_step_never_synchronizes(kernel, monkeypatch):
     assert len(queued) == 8 and set(queued) == {3}
     for rid in list(eng.requests):
         eng.cancel(rid)
-
-
-def _solo_rows(talker: HiggsTalker, prompt, params: SamplingParams) -> torch.Tensor:
-    return engine_rows(talker, [prompt], params)[0]
 
 
 @needs_flashinfer

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _engine_invariants import LOAD_TEXTS, engine_rows, explain_divergence
-from _reference_check import ScoreCheck, float32_reference, score_bound, teacher_forced
+from _reference_check import ScoreCheck, break_projection, float32_reference, score_bound, teacher_forced
 
 from higgs_talker import HiggsTalker, SamplingParams
 
@@ -29,16 +29,7 @@ MUTATIONS = [("o_proj", 1, 1.05), ("down_proj", 0, 0.95), ("qkv_proj", 2, 1.05)]
 
 def _talker(tiny_dir, dtype: str, mutation: tuple[str, int, float] | None = None) -> HiggsTalker:
     talker = HiggsTalker.from_pretrained(tiny_dir, dtype=dtype, max_num_seqs=8, max_model_len=1024)
-    if mutation is not None:
-        name, layer, factor = mutation
-        hit = 0
-        with torch.no_grad():
-            for param_name, weight in talker.model.named_parameters():
-                if f"layers.{layer}." in param_name and name in param_name:
-                    weight.mul_(factor)
-                    hit += 1
-        assert hit == 1, f"{name} of layer {layer} matched {hit} parameters"
-    return talker
+    return talker if mutation is None else break_projection(talker, *mutation)
 
 
 @pytest.fixture(scope="module")
