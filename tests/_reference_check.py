@@ -56,9 +56,11 @@ SCORE_BOUNDS = {
     # the head_dim-64 checkpoint of the vLLM GPU suite (tiny_config with hidden 256) in bf16 on CPU: correct row
     # <= 0.0080, overall <= 0.0062, code <= 0.0082; one projection off by 5%: row >= 0.0168, overall >= 0.0122
     (torch.bfloat16, 3, 256): ScoreBound(row=0.012, overall=0.009, code=0.05),
-    # The 4B shape (36 layers) has no entry yet: on the H200 one greedy row was 0.032 from the reference (2026-12-03,
-    # test_gpu's test_the_reference_check_at_the_4b_shape), past the shallow shapes' bounds; its full measurement
-    # is still to run, so score_bound refuses it.
+    # The 4B shape (36 layers), random bf16 weights on the H200 (test_gpu's test_the_reference_check_at_the_4b_shape,
+    # 4 requests x 40 rows, 2026-12-03): correct kernels row <= 0.0323, overall <= 0.0271, greedy and deploy; one
+    # layer's o_proj x 1.05 gave 0.0290 overall, within these bounds: at this depth the check catches a change of
+    # about 15% or more in one projection of one layer, not 5%.
+    (torch.bfloat16, 36, 2560): ScoreBound(row=0.045, overall=0.036, code=0.1),
 }
 
 

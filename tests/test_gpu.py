@@ -406,6 +406,8 @@ def _check_schedule(
 
 
 DEPLOY = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=11, max_frames=40)
+FOUR_B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+              num_key_value_heads=8, head_dim=128)  # fmt: skip
 
 
 @needs_flashinfer
@@ -431,24 +433,26 @@ def test_the_reference_check_passes_bf16_kernels_and_fails_a_model_off_by_5_perc
 
 
 @needs_flashinfer
-def test_the_reference_check_at_the_4b_shape(capsys):
+@pytest.mark.parametrize("sampling", ["greedy", "deploy"])
+def test_the_reference_check_at_the_4b_shape(sampling, capsys):
     """The 4B shape (random bf16 weights, eager, the CUDA kernels; vocabulary cut to the tiny tokenizer's), four
-    greedy requests: the errors of correct kernels against the float32 reference are printed (this shape has no
-    bound in ``SCORE_BOUNDS`` yet), and one layer's o_proj x 1.05 must stand out: its overall error at least 1.5x
-    that of the correct kernels on the same requests."""
-    shape = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                 num_key_value_heads=8, head_dim=128)  # fmt: skip
-    talker = HiggsTalker.from_config(medium_config(**shape), device="cuda", graph_mode="eager", max_num_seqs=4,
+    requests, greedy or the deploy sampling: the errors of correct kernels against the float32 reference are printed
+    and stay within ``SCORE_BOUNDS``, and one layer's o_proj x 1.25 exceeds them. (At 36 layers bf16 rounding alone
+    is 2.7% of the logits, so a 5% change of one projection in one layer, which the shallow shapes' bounds catch,
+    adds too little to stand out here: seen 0.0270 -> 0.0290 overall on the H200.)"""
+    talker = HiggsTalker.from_config(medium_config(**FOUR_B), device="cuda", graph_mode="eager", max_num_seqs=4,
                                      max_model_len=512, seed=0, row_gemv="on")  # fmt: skip
     reference = float32_reference(talker)
+    bound = score_bound(talker)
     unbounded = ScoreBound(row=float("inf"), overall=float("inf"), code=float("inf"))
-    greedy = SamplingParams(temperature=0, max_frames=40)
-    correct = _check_schedule(talker, reference, 4, greedy, unbounded)
-    broken = _check_schedule(break_projection(talker, "o_proj", 17, 1.05), reference, 4, greedy, unbounded)
+    params = SamplingParams(temperature=0, max_frames=40) if sampling == "greedy" else DEPLOY
+    correct = _check_schedule(talker, reference, 4, params, unbounded)
+    broken = _check_schedule(break_projection(talker, "o_proj", 17, 1.25), reference, 4, params, unbounded)
     with capsys.disabled():
-        print(f"\n[score error] 4b eager greedy: worst row {correct.worst_row:.4g}, overall {correct.overall:.4g}; "
-              f"o_proj x 1.05: worst row {broken.worst_row:.4g}, overall {broken.overall:.4g}")  # fmt: skip
-    assert broken.overall >= 1.5 * correct.overall
+        print(f"\n[score error] 4b eager {sampling}: worst row {correct.worst_row:.4g}, overall {correct.overall:.4g}; "
+              f"o_proj x 1.25: worst row {broken.worst_row:.4g}, overall {broken.overall:.4g} ({bound})")  # fmt: skip
+    assert correct.worst_row <= bound.row and correct.overall <= bound.overall
+    assert broken.overall > bound.overall
 
 
 @pytest.mark.parametrize("mode", ["eager", "full_decode", "auto"])
