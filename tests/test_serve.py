@@ -502,7 +502,8 @@ def test_the_cli_server_stops_cleanly_mid_stream(tiny_dir: Path, sig) -> None:
 
 
 def test_bench_serve_smoke(tmp_path: Path, monkeypatch) -> None:
-    """benchmarks/bench_serve.py on CPU with the tiny shape: both paths, every field the JSON promises."""
+    """benchmarks/bench_serve.py on CPU with the tiny shape: both paths, both samplings (deploy, the headline, and
+    greedy), every field the JSON promises."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # the tiny codec is built there, not in ~/.cache
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import bench_serve
@@ -511,10 +512,12 @@ def test_bench_serve_smoke(tmp_path: Path, monkeypatch) -> None:
     for key in ("date", "command", "torch", "gpu", "targets", "build_s"):
         assert key in data["meta"], key
     rows = data["rows"]
-    assert {(r["path"], r["concurrency"]) for r in rows} == {(p, c) for p in ("direct", "http") for c in (1, 2)}
+    want = {(p, s, c) for p in ("direct", "http") for s in ("deploy", "greedy") for c in (1, 2)}
+    assert {(r["path"], r["sampling"], r["concurrency"]) for r in rows} == want
+    assert data["meta"]["headline_sampling"] == "deploy"
     for r in rows:
         assert r["status"] == "ok", r
         assert r["requests"] == 2 and r["ttfa_ms_p50"] > 0 and r["rtf_p50"] > 0 and r["audio_s_per_s"] > 0
     requests = data["requests"]
-    assert len(requests) == 8 and all(0.3 < r["audio_s"] < 1.0 for r in requests)  # the 0.4-0.8 s asked for
+    assert len(requests) == 16 and all(0.3 < r["audio_s"] < 1.0 for r in requests)  # the 0.4-0.8 s asked for
     assert set(data["targets_met"]) == set(bench_serve.TARGETS)
