@@ -5,6 +5,10 @@ Tests marked ``@pytest.mark.gpu`` are skipped when CUDA is not available.
 ``--require-module MODULE`` (repeatable; the Makefile passes it to the vLLM and Triton-interpreter suites) makes a
 run that would only skip fail instead: MODULE must import before collection, no test or test module may skip
 because an import failed (``pytest.importorskip``), and at least one test must pass.
+
+``--shard I/N`` runs the I-th of N contiguous slices of the collected tests (1-based), so that a suite longer than
+one command may run (the GPU machine's 10 minutes) goes in N calls; contiguous slices keep a module's tests, and
+so its module-scoped fixtures, together where they can.
 """
 
 from __future__ import annotations
@@ -29,6 +33,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--require-module", action="append", default=[], metavar="MODULE",
         help="fail if MODULE does not import, if a test skips for a failed import, or if no test passes",
     )  # fmt: skip
+    parser.addoption("--shard", default=None, metavar="I/N", help="run the I-th of N contiguous slices of the tests")
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> (I, N) with 1 <= I <= N, or a usage error naming the value."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        i = n = 0
+    if not 1 <= i <= n:
+        raise pytest.UsageError(f"--shard {text!r}: expected I/N with 1 <= I <= N, such as 1/2")
+    return i, n
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -84,6 +100,12 @@ class RequiredSuite:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    shard = config.getoption("shard")
+    if shard:
+        i, n = parse_shard(shard)
+        lo, hi = len(items) * (i - 1) // n, len(items) * i // n
+        config.hook.pytest_deselected(items=items[:lo] + items[hi:])
+        items[:] = items[lo:hi]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

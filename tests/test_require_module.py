@@ -55,3 +55,30 @@ def test_module_that_does_not_import_stops_the_run(tmp_path) -> None:
     assert out.returncode == pytest.ExitCode.USAGE_ERROR
     assert "--require-module json no_such_module_for_the_test: not all of them import here" in out.stderr
     assert "No module named 'no_such_module_for_the_test'" in out.stderr
+
+
+SPLIT_TESTS = "tests/test_split.py"  # a fast file to collect
+
+
+def _collected(*args: str) -> list[str]:
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", SPLIT_TESTS, *args],
+        capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    return [line for line in out.stdout.splitlines() if "::" in line]
+
+
+def test_shards_split_the_tests_into_contiguous_disjoint_slices() -> None:
+    every = _collected()
+    shards = [_collected("--shard", f"{i}/3") for i in (1, 2, 3)]
+    assert len(every) >= 3 and all(shards)
+    assert shards[0] + shards[1] + shards[2] == every
+
+
+def test_a_bad_shard_names_the_value() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", SPLIT_TESTS, "--shard", "3/2"],
+        capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent, timeout=120,
+    )  # fmt: skip
+    assert out.returncode != 0 and "--shard '3/2'" in out.stderr + out.stdout
