@@ -88,6 +88,19 @@ def test_cuda_report_names_the_cache_and_the_new_modules(tmp_path: Path) -> None
     assert f"Triton cache: {tmp_path / 'tr'} (2 compiled modules, 0 new)" in text
 
 
+def test_cuda_report_says_where_the_choices_are_kept(tmp_path: Path) -> None:
+    common = dict(checkpoint="ckpt", device="cuda:0", dtype="bfloat16", graph_mode="auto", compiled=True,
+                  kernels="flashinfer", load_s=9.0, rows=17)  # fmt: skip
+    entry = tmp_path / "choices" / "0123abcd.json"
+    report = WarmupReport(**common, caches={"choices": entry.parent}, modules_after={"choices": 3}, choices="measured",
+                          choice_file=entry)  # fmt: skip
+    text = "\n".join(report.lines())
+    assert f"choice cache: {entry.parent} (3 entries); this start's choices measured, entry 0123abcd.json" in text
+    assert CHOICE_CACHE_VAR in text  # the variable that moves it
+    off = WarmupReport(**common, choices="measured")
+    assert "choice cache: choices measured, kept nowhere" in "\n".join(off.lines())
+
+
 def test_cuda_without_flashinfer_says_nothing_was_compiled() -> None:
     report = WarmupReport(checkpoint="ckpt", device="cuda:0", dtype="bfloat16", graph_mode="auto", compiled=False,
                           kernels="torch", load_s=3.0, rows=2)  # fmt: skip
