@@ -12,6 +12,10 @@ step 10% slower than ``native_tc``). So where the caller gives a
 ``step`` (the graph runner gives the model's whole decode step), the correct kernels are timed inside it: one
 CUDA graph of the whole step per (bucket, context, kernel), on the engine's own caches before any request
 exists, and the choice goes by that time.
+
+A choice read from the choice cache (``choice_cache.py``) is not timed again but checked as a candidate is:
+``check_decode_kernels`` and ``check_row_linears`` run the same error checks on the cached kernel or tile alone,
+and name those that fail, for the graph runner to measure again.
 """
 
 from __future__ import annotations
