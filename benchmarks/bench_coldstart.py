@@ -1,21 +1,28 @@
-"""Cold start: process start -> model loaded -> first decode step, with an empty and with a warm kernel cache.
+"""Cold start: process start -> model loaded -> first decode step, with empty and with warm caches.
 
-Every case is a fresh ``python -c`` process whose FlashInfer (tvm-ffi, Triton) caches are pointed at a chosen
+Every case is a fresh ``python -c`` process whose FlashInfer (tvm-ffi, Triton) caches and choice cache (what
+warm-up measured: GEMV tiles, decode kernels, graph paths; ``cuda_graphs.choice_cache``) are pointed at a chosen
 directory (``higgs_talker.kernel_cache.cache_env``), on a 4B-shaped checkpoint with random bf16 weights
 (``bench_vllm.write_random_checkpoint``; ``--tiny`` or ``--model DIR`` instead):
 
-- ``cold``: a new, empty cache directory, so FlashInfer JIT-compiles every kernel (minutes on a fresh H200);
-- ``warm``: the same directory again, after ``cold``; with ``--no-cold``, the cache ``--cache-dir`` names
-  (default: this machine's usual one, as it is; ``cache_dir_state`` says how many modules it held);
+- ``cold``: a new, empty cache directory, so FlashInfer JIT-compiles every kernel (minutes on a fresh H200) and
+  warm-up measures every choice (``choices``: measured);
+- ``warm``: the same directory again, after ``cold``: compiled kernels and cached choices (``choices``: cached,
+  checked but not timed); with ``--no-cold``, the caches ``--cache-dir`` names (default: this machine's usual
+  ones, as they are; ``cache_dir_state`` says how many modules and choice entries they held);
+- ``warm_measured`` (``--measured-too``): the same kernel caches with the choice cache off, so warm-up times
+  every choice again (the start before the choice cache);
 - ``warmup_cmd`` and ``after_warmup`` (``--with-warmup``): ``higgs-talker warmup`` into another new directory,
   timed as a whole, then one run on that directory.
 
 A child stamps the wall clock at each point against the stamp its parent took just before spawning it:
 ``import_s`` (interpreter, torch, higgs_talker), ``load_s`` (``from_pretrained``: FlashInfer's import, weights,
 decode-kernel choice and graph capture, and the JIT they trigger; ``graph_warmup_s`` is the part inside the graph
-runner), ``first_step_s`` (the prefill step and the first decode step), ``total_s`` (spawn -> end of that step).
+runner), ``first_step_s`` (the prefill step and the first decode step), ``total_s`` (spawn -> end of that step);
+``choices`` says whether warm-up measured its choices or read them from the choice cache.
 
     python benchmarks/bench_coldstart.py --out $OUT                    # cold, then warm
+    python benchmarks/bench_coldstart.py --measured-too --out $OUT     # plus warm kernels, choices measured
     python benchmarks/bench_coldstart.py --no-cold --out $OUT          # warm only (the usual cache)
     python benchmarks/bench_coldstart.py --with-warmup --out $OUT      # plus higgs-talker warmup, then a run
     python benchmarks/bench_coldstart.py --device cpu --tiny           # smoke mode (nothing compiles on CPU)
@@ -35,7 +42,8 @@ from pathlib import Path
 
 from common import REPO_ROOT, ResultFile, environment, log, print_table, resolve_device
 
-from higgs_talker.kernel_cache import FLASHINFER_BASE_VAR, cache_dirs, cache_env, count_modules
+from higgs_talker.cuda_graphs.choice_cache import DEFAULT_DIR, OFF_VALUES
+from higgs_talker.kernel_cache import CHOICE_CACHE_VAR, FLASHINFER_BASE_VAR, cache_dirs, cache_env, count_modules
 
 CHILD = r"""
 import json, sys, time
@@ -56,11 +64,14 @@ while len(engine.requests[rid].rows) < 2 and engine.has_unfinished():  # the pre
 first = time.time()
 graphs = engine.graphs
 cache = cache_dirs()["flashinfer"]
+entry = graphs.choice_file if graphs is not None else None
 print("RESULT:" + json.dumps({
     "import_s": imported - spawned, "load_s": loaded - imported, "first_step_s": first - loaded,
     "total_s": first - spawned, "graph_warmup_s": graphs.warmup_s if graphs is not None else 0.0,
     "rows": len(engine.requests[rid].rows), "kernels": talker.model.kernels.name,
-    "flashinfer_cache": str(cache), "modules_after": count_modules(cache)}), flush=True)
+    "flashinfer_cache": str(cache), "modules_after": count_modules(cache),
+    "choices": graphs.choices_source if graphs is not None else "none",
+    "choice_file": None if entry is None else str(entry)}), flush=True)
 """
 
 TEXT = "The first sentence after a cold start."
@@ -73,19 +84,32 @@ def flashinfer_dir(base: Path | None) -> Path:
     return Path(cache_env(base)[FLASHINFER_BASE_VAR]) / ".cache" / "flashinfer"
 
 
-def child_env(base: Path | None) -> dict[str, str]:
+def child_env(base: Path | None, choices: bool = True) -> dict[str, str]:
+    """The environment of a child: caches under ``base`` (None: as inherited); ``choices=False``: no choice cache."""
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, **(cache_env(base) if base is not None else {}), "PYTHONPATH": path}
+    env = {**os.environ, **(cache_env(base) if base is not None else {}), "PYTHONPATH": path}
+    return env | ({} if choices else {CHOICE_CACHE_VAR: "off"})
 
 
-def run_child(case: str, state: str, base: Path | None, opts: dict, timeout: int) -> dict:
+def choice_entries(base: Path | None) -> int:
+    """Entries of the choice cache a child with caches under ``base`` uses (0 where it has none)."""
+    env = child_env(base)
+    value = env.get(CHOICE_CACHE_VAR)
+    if value is not None and value.strip().lower() in OFF_VALUES:
+        return 0
+    path = Path(value or DEFAULT_DIR).expanduser()
+    return sum(1 for _ in path.glob("*.json")) if path.is_dir() else 0
+
+
+def run_child(case: str, state: str, base: Path | None, opts: dict, timeout: int, choices: bool = True) -> dict:
     """One fresh process from spawn to its first decode step -> a row."""
     cache = flashinfer_dir(base)
-    row = {"case": case, "cache_dir_state": state, "cache_dir": str(cache), "modules_before": count_modules(cache)}
+    row = {"case": case, "cache_dir_state": state, "cache_dir": str(cache), "modules_before": count_modules(cache),
+           "choice_entries_before": choice_entries(base) if choices else 0}  # fmt: skip
     spawned = time.time()
     try:
-        proc = subprocess.run([sys.executable, "-c", CHILD, repr(spawned), json.dumps(opts)], env=child_env(base),
-                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        argv = [sys.executable, "-c", CHILD, repr(spawned), json.dumps(opts)]
+        proc = subprocess.run(argv, env=child_env(base, choices), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         return row | {"status": "timeout", "total_s": time.time() - spawned, "stderr_tail": _tail(exc.stderr)}
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT:")]
@@ -134,6 +158,8 @@ def main(argv: list[str] | None = None) -> ResultFile:
     p.add_argument("--no-cold", action="store_true", help="skip the empty-cache case (minutes of GPU time)")
     p.add_argument("--cache-dir", type=Path, default=None, help="with --no-cold: the cache the warm runs use")
     p.add_argument("--with-warmup", action="store_true", help="also: higgs-talker warmup into a new dir, then a run")
+    p.add_argument("--measured-too", action="store_true",
+                   help="also: a warm run with the choice cache off (warm-up times every choice again)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=1, help="warm runs (default 1; 0: none)")
     p.add_argument("--work-dir", type=Path, default=None, help="where new cache dirs go (default: a temp dir, removed)")
     p.add_argument("--timeout", type=int, default=900, help="s per process, JIT included (default 900)")
@@ -171,8 +197,12 @@ def main(argv: list[str] | None = None) -> ResultFile:
             warm_base.mkdir()
             add(run_child("cold", "empty", warm_base, opts, args.timeout))
         for _ in range(args.repeats):
-            found = state or f"as found ({count_modules(flashinfer_dir(warm_base))} modules)"
+            found = state or (f"as found ({count_modules(flashinfer_dir(warm_base))} modules, "
+                              f"{choice_entries(warm_base)} choice entries)")  # fmt: skip
             add(run_child("warm", found, warm_base, opts, args.timeout))
+        if args.measured_too:
+            found = state or f"as found ({count_modules(flashinfer_dir(warm_base))} modules)"
+            add(run_child("warm_measured", f"{found}, choice cache off", warm_base, opts, args.timeout, choices=False))
         if args.with_warmup:
             base = work / "warmup"
             add(run_warmup(base, args, args.timeout))
@@ -181,7 +211,7 @@ def main(argv: list[str] | None = None) -> ResultFile:
         if args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
     cols = ["case", "cache_dir_state", "import_s", "load_s", "graph_warmup_s", "first_step_s", "total_s",
-            "new_modules", "status"]  # fmt: skip
+            "new_modules", "choices", "status"]  # fmt: skip
     print_table(writer.rows, cols, f"cold start: {Path(args.model).name} on {device}")
     return writer
 

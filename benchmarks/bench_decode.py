@@ -228,6 +228,9 @@ def graph_info(talker: HiggsTalker) -> dict:
         info["graph_warmup_s"] = graphs.warmup_s
         info["graph_reason"] = graphs.decision.reason
         info["row_timings"] = graphs.row_timings
+        info["choices"] = graphs.choices_source  # measured at this start, or read from the choice cache
+        info["choice_sources"] = graphs.choice_sources
+        info["choice_file"] = None if graphs.choice_file is None else str(graphs.choice_file)
         if graphs.choice:
             info["auto_choice"] = {str(k): v for k, v in graphs.choice.items()}
         if graphs.full is not None:

@@ -23,6 +23,7 @@ from . import checkpoint
 from .audio import CodecLoader, has_bundled_codec
 from .config import TalkerConfig, check_fits_device, register_hf_config
 from .cuda_graphs.buckets import normalize_buckets
+from .cuda_graphs.choice_cache import open_choice_cache
 from .cuda_graphs.policy import GraphMode
 from .driver import Driver, Ticket
 from .engine import Engine, EngineConfig, Request
@@ -65,13 +66,14 @@ class HiggsTalker:
         buckets: Sequence[int] | None = None,
         prefill_buckets: Sequence[int] | None = None,
         codec_loader: CodecLoader | None = None,
+        choice_cache: str | Path | bool | None = None,
     ) -> None:
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
         self.codec_loader = codec_loader
         self.graph_mode = GraphMode.parse(graph_mode)
         self.engine = Engine(model, cfg, tokenizer.specials, engine_config, decode_kernel=decode_kernel)
         if self.engine.device.type == "cuda":
-            self.engine.warm_up(self.graph_mode, buckets, prefill_buckets)
+            self.engine.warm_up(self.graph_mode, buckets, prefill_buckets, choice_cache)
         self._driver = Driver(self.engine)
 
     @classmethod
@@ -90,6 +92,7 @@ class HiggsTalker:
         codec: bool = True,
         audio_tokenizer: str | Path | None = None,
         codec_dtype: str | torch.dtype = torch.float32,
+        choice_cache: str | Path | bool | None = None,
         **engine_options,
     ) -> HiggsTalker:
         """Load a checkpoint directory, or ``"tiny"`` for the embedded default.
@@ -113,6 +116,11 @@ class HiggsTalker:
         graph per bucket (H200, 4B: a 32-token prefill step takes 4.5 ms replayed, 18.8 ms eagerly), a longer
         prefill runs unpadded. Both are checked on every device, before anything is loaded.
 
+        ``choice_cache`` (CUDA): where warm-up keeps what it measured (the one-row GEMV tiles, each bucket's decode
+        kernel and, in auto, graph path) for the next start with the same GPU, versions, shapes and options, which
+        then checks those choices instead of timing them again (``cuda_graphs.choice_cache``): a directory, None
+        for ``$HIGGS_TALKER_CHOICE_CACHE`` or ``~/.cache/higgs_talker/choices``, False for no cache.
+
         ``codec``: results carry ``audio`` decoded by the codec bundled in the checkpoint (when it has one),
         loaded on first use in ``codec_dtype`` on ``device``. ``audio_tokenizer``: an audio tokenizer directory
         (transformers' layout) that encodes ``Reference(audio=...)`` instead of the bundled encoder.
@@ -121,6 +129,7 @@ class HiggsTalker:
         check_decode_kernel(decode_kernel)
         check_row_gemv(row_gemv)
         _check_buckets(buckets, prefill_buckets)
+        open_choice_cache(choice_cache)  # a bad option fails here, before anything is loaded
         engine_config = _engine_config(engine_options)
         path = _checkpoint_dir(path)
         register_hf_config()
@@ -140,7 +149,7 @@ class HiggsTalker:
             logger.info("%s bundles no codec: results carry codes only", path)
         return cls(
             model, cfg, tokenizer, engine_config, graph_mode=mode, decode_kernel=decode_kernel, buckets=buckets,
-            prefill_buckets=prefill_buckets, codec_loader=loader,
+            prefill_buckets=prefill_buckets, codec_loader=loader, choice_cache=choice_cache,
         )  # fmt: skip
 
     @classmethod
@@ -158,17 +167,19 @@ class HiggsTalker:
         row_gemv: str = "auto",
         buckets: Sequence[int] | None = None,
         prefill_buckets: Sequence[int] | None = None,
+        choice_cache: str | Path | bool | None = None,
         **engine_options,
     ) -> HiggsTalker:
         """A talker of any shape with random weights (benchmarks, tests); the tokenizer defaults to the tiny one.
 
         Weights are drawn on the device (normal, std 0.02; norms 1), so a 4B-shaped model builds in seconds.
-        ``engine_options``, ``fuse_qk_rope`` and ``row_gemv`` as for ``from_pretrained``.
+        ``engine_options``, ``fuse_qk_rope``, ``row_gemv`` and ``choice_cache`` as for ``from_pretrained``.
         """
         device, dtype, mode = _resolve_runtime(device, dtype, graph_mode)
         check_decode_kernel(decode_kernel)
         check_row_gemv(row_gemv)
         _check_buckets(buckets, prefill_buckets)
+        open_choice_cache(choice_cache)
         engine_config = _engine_config(engine_options)
         if not isinstance(cfg, TalkerConfig):
             raise TypeError(f"cfg must be a TalkerConfig, got {type(cfg).__name__}")
@@ -185,7 +196,7 @@ class HiggsTalker:
         tokenizer = TalkerTokenizer.from_pretrained(tokenizer_path or tiny_checkpoint(), cfg)
         return cls(
             model, cfg, tokenizer, engine_config, graph_mode=mode, decode_kernel=decode_kernel, buckets=buckets,
-            prefill_buckets=prefill_buckets,
+            prefill_buckets=prefill_buckets, choice_cache=choice_cache,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ prompts

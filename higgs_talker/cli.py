@@ -127,9 +127,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "--cache-dir",
         type=Path,
         metavar="DIR",
-        help="keep the kernels in DIR/.cache/{flashinfer,tvm-ffi,triton} for this process (sets "
-        "FLASHINFER_WORKSPACE_BASE=DIR, TVM_FFI_CACHE_DIR and TRITON_CACHE_DIR; default: theirs, ~/.cache/..., "
-        "~/.triton/cache)",
+        help="keep the kernels in DIR/.cache/{flashinfer,tvm-ffi,triton} and the measured kernel and graph choices "
+        "in DIR/.cache/higgs_talker/choices for this process (sets FLASHINFER_WORKSPACE_BASE=DIR, TVM_FFI_CACHE_DIR, "
+        "TRITON_CACHE_DIR and HIGGS_TALKER_CHOICE_CACHE; default: theirs, ~/.cache/..., ~/.triton/cache, "
+        "~/.cache/higgs_talker/choices)",
     )
 
     c = add_command("deploy-config", help="print the path of a vLLM deploy profile")

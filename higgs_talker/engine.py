@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -116,17 +117,24 @@ class Engine:
         return self.scheduler.requests
 
     def warm_up(
-        self, graph_mode, buckets: Sequence[int] | None = None, prefill_buckets: Sequence[int] | None = None
+        self,
+        graph_mode,
+        buckets: Sequence[int] | None = None,
+        prefill_buckets: Sequence[int] | None = None,
+        choice_cache: str | Path | bool | None = None,
     ) -> None:
         """CUDA only: measure the decode kernels and capture the graphs ``graph_mode`` needs (before serving).
         ``buckets``: decode batch buckets; ``prefill_buckets``: prefill token buckets (default ``PREFILL_BUCKETS``,
-        replayed as graphs in the modes that graph whole steps; ``()``: every prefill runs unpadded)."""
+        replayed as graphs in the modes that graph whole steps; ``()``: every prefill runs unpadded).
+        ``choice_cache``: where measured choices are kept between starts (``cuda_graphs.choice_cache
+        .open_choice_cache``: a directory, None for the default, False for none)."""
         from .cuda_graphs import DEFAULT_BUCKETS, PREFILL_BUCKETS, GraphRunner
+        from .cuda_graphs.choice_cache import open_choice_cache
 
         with self._lock:
             runner = GraphRunner(
                 self.runner, graph_mode, buckets or DEFAULT_BUCKETS, self.config.max_num_seqs,
-                PREFILL_BUCKETS if prefill_buckets is None else prefill_buckets,
+                PREFILL_BUCKETS if prefill_buckets is None else prefill_buckets, open_choice_cache(choice_cache),
             )  # fmt: skip
             runner.warm_up()
             self.graphs = runner

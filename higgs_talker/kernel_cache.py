@@ -14,6 +14,11 @@ which FlashInfer loads them, may build a small helper of its own into ``$TVM_FFI
 the frame's kernels) in ``$TRITON_CACHE_DIR`` (default ``~/.triton/cache``, read when a kernel compiles).
 ``use_cache_dir(base)`` points all three under one directory; it must run before anything imports FlashInfer.
 On CPU there is nothing to build: the CPU path runs torch's precompiled kernels.
+
+Warm-up also keeps what it measured (the one-row GEMV tiles, each bucket's decode kernel and graph path) in the
+choice cache (``cuda_graphs.choice_cache``), ``$HIGGS_TALKER_CHOICE_CACHE`` (default
+``~/.cache/higgs_talker/choices``): a later start with the same GPU, versions, shapes and options checks those
+choices instead of timing them. ``use_cache_dir(base)`` moves it to ``base/.cache/higgs_talker/choices``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 from .api import HiggsTalker, _checkpoint_dir, _engine_config, _resolve_runtime
 from .checkpoint import check_checkpoint
 from .config import TalkerConfig, check_fits_device, register_hf_config
+from .cuda_graphs.choice_cache import CHOICE_CACHE_VAR, default_choice_dir
 from .heads.sampling import SamplingParams
 from .prompt import TalkerTokenizer
 
@@ -36,22 +42,24 @@ FLASHINFER_BASE_VAR = "FLASHINFER_WORKSPACE_BASE"  # read by flashinfer/jit/env.
 TVM_FFI_VAR = "TVM_FFI_CACHE_DIR"
 TRITON_VAR = "TRITON_CACHE_DIR"  # read by triton when it compiles
 # what a compiled kernel is in each cache: FlashInfer's and tvm-ffi's shared libraries, Triton's GPU binaries
-MODULE_GLOBS = {"flashinfer": "*.so", "tvm_ffi": "*.so", "triton": "*.cubin"}
+MODULE_GLOBS = {"flashinfer": "*.so", "tvm_ffi": "*.so", "triton": "*.cubin", "choices": "*.json"}
 WARMUP_TEXT = "One short sentence, through prefill and decode."
 WARMUP_FRAMES = 16
 
 
 def cache_env(base: str | Path) -> dict[str, str]:
     """The environment that puts FlashInfer's cache in ``base/.cache/flashinfer``, tvm-ffi's in
-    ``base/.cache/tvm-ffi`` (the layout they use under the home directory) and Triton's in
-    ``base/.cache/triton``."""
+    ``base/.cache/tvm-ffi`` (the layout they use under the home directory), Triton's in ``base/.cache/triton``
+    and the measured choices in ``base/.cache/higgs_talker/choices``."""
     base = Path(base).expanduser().absolute()
     return {FLASHINFER_BASE_VAR: str(base), TVM_FFI_VAR: str(base / ".cache" / "tvm-ffi"),
-            TRITON_VAR: str(base / ".cache" / "triton")}  # fmt: skip
+            TRITON_VAR: str(base / ".cache" / "triton"),
+            CHOICE_CACHE_VAR: str(base / ".cache" / "higgs_talker" / "choices")}  # fmt: skip
 
 
 def cache_dirs() -> dict[str, Path]:
-    """Where this process's kernels are cached: ``{"flashinfer": dir, "tvm_ffi": dir, "triton": dir}``.
+    """Where this process's kernels are cached: ``{"flashinfer": dir, "tvm_ffi": dir, "triton": dir}``, plus
+    ``"choices"``: the choice cache's directory, unless ``$HIGGS_TALKER_CHOICE_CACHE`` turns it off.
 
     FlashInfer's own value once it is imported (it fixes the location then), else the rule it will apply.
     """
@@ -61,8 +69,9 @@ def cache_dirs() -> dict[str, Path]:
     else:
         flashinfer = Path(os.environ.get(FLASHINFER_BASE_VAR, str(Path.home()))) / ".cache" / "flashinfer"
     triton = os.environ.get(TRITON_VAR) or str(Path(os.environ.get("TRITON_HOME", "~")) / ".triton" / "cache")
+    choices = default_choice_dir()
     return {"flashinfer": flashinfer, "tvm_ffi": Path(os.environ.get(TVM_FFI_VAR, "~/.cache/tvm-ffi")).expanduser(),
-            "triton": Path(triton).expanduser()}  # fmt: skip
+            "triton": Path(triton).expanduser()} | ({"choices": choices} if choices is not None else {})  # fmt: skip
 
 
 def count_modules(path: Path, pattern: str = "*.so") -> int:
@@ -115,6 +124,10 @@ class WarmupReport:
     caches: dict[str, Path] = field(default_factory=dict)
     modules_before: dict[str, int] = field(default_factory=dict)
     modules_after: dict[str, int] = field(default_factory=dict)
+    # where the measured choices came from ("measured", "cached", "remeasured"; "none": nothing to choose) and the
+    # choice-cache entry written or read (None: no cache)
+    choices: str = "none"
+    choice_file: Path | None = None
 
     @property
     def total_s(self) -> float:
@@ -141,11 +154,22 @@ class WarmupReport:
             after = self.modules_after.get(name, 0)
             new = after - self.modules_before.get(name, 0)
             out.append(f"{label}: {self.caches[name]} ({after} compiled module{'' if after == 1 else 's'}, {new} new)")
+        out.append(self._choice_line())
         out.append(
             f"later processes that see these directories (same GPU, CUDA, FlashInfer and triton) skip the builds; "
-            f"{FLASHINFER_BASE_VAR}, {TVM_FFI_VAR} and {TRITON_VAR} move them"
+            f"{FLASHINFER_BASE_VAR}, {TVM_FFI_VAR}, {TRITON_VAR} and {CHOICE_CACHE_VAR} move them"
         )
         return out
+
+    def _choice_line(self) -> str:
+        """Where the measured choices (GEMV tiles, decode kernels, graph paths) are kept, and where these came from."""
+        if self.choice_file is None:
+            off = "choice_cache=False or $" + CHOICE_CACHE_VAR + "=off"
+            what = "nothing to choose" if self.choices == "none" else f"choices {self.choices}, kept nowhere ({off})"
+            return f"choice cache: {what}"
+        after = self.modules_after.get("choices", 0)
+        return (f"choice cache: {self.choice_file.parent} ({after} entr{'y' if after == 1 else 'ies'}); this start's "
+                f"choices {self.choices}, entry {self.choice_file.name}")  # fmt: skip
 
 
 def warmup(
@@ -155,6 +179,7 @@ def warmup(
     *,
     graph_mode: str | None = None,
     frames: int = WARMUP_FRAMES,
+    choice_cache: str | Path | bool | None = None,
     **engine_options,
 ) -> WarmupReport:
     """Build every kernel the engine needs for ``checkpoint`` on ``device`` (default: CUDA when available).
@@ -162,7 +187,9 @@ def warmup(
     CUDA: ``HiggsTalker.from_pretrained`` with these options (codec off), then one generation of at most
     ``frames`` frames. CPU: nothing to build; the checkpoint is checked as ``from_pretrained`` checks it before
     allocating (config, tokenizer, weights header, memory), without loading it. ``engine_options`` as for
-    ``from_pretrained`` (``max_model_len``, ...).
+    ``from_pretrained`` (``max_model_len``, ...). The load fills the choice cache (``choice_cache`` as for
+    ``from_pretrained``; default ``$HIGGS_TALKER_CHOICE_CACHE`` or ``~/.cache/higgs_talker/choices``), or checks
+    the entry it finds there.
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -182,7 +209,8 @@ def warmup(
         check_fits_device(cfg, dev, dt)
         return WarmupReport(**common, graph_mode=mode.value, compiled=False, kernels="torch",
                             load_s=time.perf_counter() - start)  # fmt: skip
-    talker = HiggsTalker.from_pretrained(checkpoint, dev, dt, graph_mode=graph_mode, codec=False, **engine_options)
+    talker = HiggsTalker.from_pretrained(checkpoint, dev, dt, graph_mode=graph_mode, codec=False,
+                                         choice_cache=choice_cache, **engine_options)  # fmt: skip
     torch.cuda.synchronize(dev)
     loaded = time.perf_counter()
     result = talker.generate(WARMUP_TEXT, params)
@@ -190,16 +218,21 @@ def warmup(
     done = time.perf_counter()
     caches = cache_dirs()  # FlashInfer's own value, now that it is imported
     kernels = talker.model.kernels.name
+    graphs = talker.engine.graphs
+    if graphs is not None and graphs.choice_file is not None:
+        caches["choices"] = graphs.choice_file.parent  # the directory this start used (choice_cache=DIR included)
     return WarmupReport(
         **common,
         graph_mode=talker.graph_mode.value,
         compiled=kernels == "flashinfer",
         kernels=kernels,
         load_s=loaded - start,
-        graph_warmup_s=talker.engine.graphs.warmup_s if talker.engine.graphs is not None else 0.0,
+        graph_warmup_s=graphs.warmup_s if graphs is not None else 0.0,
         generate_s=done - loaded,
         rows=int(result.rows.shape[0]),
         caches=caches,
         modules_before=before,
         modules_after=count_all(caches),
+        choices=graphs.choices_source if graphs is not None else "none",
+        choice_file=graphs.choice_file if graphs is not None else None,
     )

@@ -114,6 +114,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_choice_cache():
+    """No test reads or writes the user's choice cache (``~/.cache/higgs_talker/choices``): CUDA talkers measure
+    their kernels as they did before it existed. Tests of the cache pass their own directory."""
+    from higgs_talker.cuda_graphs.choice_cache import CHOICE_CACHE_VAR
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CHOICE_CACHE_VAR, "off")
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded tiny checkpoint, built into a session temp dir (never the user's ~/.cache)."""

@@ -306,6 +306,7 @@ def test_coldstart_smoke(bench, tmp_path: Path) -> None:
     assert warmup["status"] == "ok" and "nothing to compile" in warmup["output"], warmup
     assert run["status"] == "ok", run
     assert run["rows"] == 2  # the prefill's row and the first decode step's
+    assert run["choices"] == "none" and run["choice_file"] is None  # CPU measures nothing
     for key in ("import_s", "load_s", "first_step_s"):
         assert run[key] > 0, key
     assert run["total_s"] == pytest.approx(run["import_s"] + run["load_s"] + run["first_step_s"])

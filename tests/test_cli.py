@@ -422,9 +422,9 @@ def test_other_runtime_errors_keep_their_traceback(gen, monkeypatch) -> None:
 @pytest.fixture
 def kernel_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel-cache variables are restored after the test (``--cache-dir`` sets them for the process)."""
-    from higgs_talker.kernel_cache import FLASHINFER_BASE_VAR, TRITON_VAR, TVM_FFI_VAR
+    from higgs_talker.kernel_cache import CHOICE_CACHE_VAR, FLASHINFER_BASE_VAR, TRITON_VAR, TVM_FFI_VAR
 
-    for var in (FLASHINFER_BASE_VAR, TVM_FFI_VAR, TRITON_VAR):
+    for var in (FLASHINFER_BASE_VAR, TVM_FFI_VAR, TRITON_VAR, CHOICE_CACHE_VAR):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -442,7 +442,8 @@ def test_warmup_cache_dir_points_every_cache_there(capsys, tiny_dir: Path, tmp_p
     assert rc == 0, err
     assert base.is_dir() and os.environ["FLASHINFER_WORKSPACE_BASE"] == str(base.absolute())
     assert cache_dirs() == {"flashinfer": base / ".cache" / "flashinfer", "tvm_ffi": base / ".cache" / "tvm-ffi",
-                            "triton": base / ".cache" / "triton"}  # fmt: skip
+                            "triton": base / ".cache" / "triton",
+                            "choices": base.absolute() / ".cache" / "higgs_talker" / "choices"}  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -994,3 +994,86 @@ def test_warmup_loads_generates_and_names_flashinfers_cache(make_checkpoint):
     assert report.caches["flashinfer"] == Path(fi_env.FLASHINFER_CACHE_DIR)
     assert report.modules_after["flashinfer"] >= 1, f"no *.so under {report.caches['flashinfer']}"
     assert str(report.caches["flashinfer"]) in "\n".join(report.lines())
+
+
+# --------------------------------------------------------------------------------------------------- choice cache
+
+
+def _cached_talker(cache, **options) -> HiggsTalker:
+    """A talker that measures every choice it can (GEMV tiles, decode kernels, auto paths) on choice cache ``cache``."""
+    options = {"graph_mode": "auto", "decode_kernel": "auto", "row_gemv": "auto", "buckets": (1, 4, 16), **options}
+    return HiggsTalker.from_config(medium_config(), device="cuda", max_num_seqs=16, max_model_len=1024, seed=0,
+                                   choice_cache=cache, **options)  # fmt: skip
+
+
+@needs_flashinfer
+def test_a_second_start_on_the_choice_cache_times_nothing_and_gives_the_same_codes(tmp_path, monkeypatch):
+    """Two talkers of one shape and options on one choice cache: the first measures and writes the entry; the
+    second reads it, checks each choice without timing anything (every timer raises), captures only each bucket's
+    cached path, and gives the first one's greedy codes."""
+    from higgs_talker.cuda_graphs import kernels as kernels_module
+    from higgs_talker.cuda_graphs import runner as runner_module
+
+    first = _cached_talker(tmp_path)
+    measured = first.engine.graphs
+    assert measured.choices_source == "measured" and measured.choice_file.parent == tmp_path
+    assert {"bucket_kernels", "auto_choice"} <= set(measured.choices)
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a start on cached choices timed something")
+
+    for module in (kernels_module, runner_module):
+        monkeypatch.setattr(module, "median_ms", no_timing)
+    second = _cached_talker(tmp_path)
+    cached = second.engine.graphs
+    assert cached.choices_source == "cached" and cached.choices == measured.choices
+    assert cached.choice_file == measured.choice_file and not cached.timings
+    assert all("step_ms" not in r for r in cached.kernel_timings)
+    assert second.model.kernels.row_configs == first.model.kernels.row_configs
+    assert second.engine.runner.attn.bucket_kernel == first.engine.runner.attn.bucket_kernel
+    assert cached.choice == measured.choice
+    for size, path in cached.choice.items():  # only the cached path of each bucket was captured
+        assert (size in cached.full.graphs) == (path == "full_decode")
+        assert (size in cached.local.buckets) == (path == "local_mlp")
+    for batch in (1, 3, 16):
+        assert _run_schedule(second, batch) == _run_schedule(first, batch), f"batch {batch}"
+
+
+@needs_flashinfer
+def test_a_cached_decode_kernel_that_fails_its_check_is_measured_again(tmp_path, caplog):
+    """An entry naming a decode kernel auto does not allow (as an edited or stale file might): one warning, that
+    bucket measured again, the entry rewritten; the next start reads it."""
+    import json
+
+    options = {"graph_mode": "full_decode", "row_gemv": "off", "buckets": (1, 4)}
+    first = _cached_talker(tmp_path, **options).engine.graphs
+    entry = json.loads(first.choice_file.read_text())
+    entry["choices"]["bucket_kernels"]["4"] = "fa3"  # not among auto's candidates: fails its check
+    first.choice_file.write_text(json.dumps(entry))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        again = _cached_talker(tmp_path, **options)
+    graphs = again.engine.graphs
+    cache_warnings = [
+        r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "choice" in r.getMessage()
+    ]
+    assert cache_warnings == [
+        "choice cache: the cached decode kernels of buckets [4] failed their check; measuring them again"
+    ]
+    assert graphs.choices_source == "remeasured" and graphs.choices["bucket_kernels"][4] != "fa3"
+    assert again.engine.runner.attn.bucket_kernel[1] == first.choices["bucket_kernels"][1]
+    stored = json.loads(graphs.choice_file.read_text())["choices"]["bucket_kernels"]
+    assert stored == {str(b): k for b, k in graphs.choices["bucket_kernels"].items()}
+    assert _cached_talker(tmp_path, **options).engine.graphs.choices_source == "cached"
+
+
+@needs_flashinfer
+def test_warmup_fills_the_choice_cache_and_names_it(make_checkpoint, tmp_path):
+    import higgs_talker
+
+    ckpt = make_checkpoint(medium_config(num_hidden_layers=2), codec=False)
+    options = dict(graph_mode="auto", max_model_len=256, max_num_seqs=4, choice_cache=tmp_path / "choices")
+    report = higgs_talker.warmup(ckpt, "cuda", **options)
+    assert report.choices == "measured" and report.choice_file.parent == tmp_path / "choices"
+    assert report.choice_file.is_file() and str(tmp_path / "choices") in "\n".join(report.lines())
+    assert higgs_talker.warmup(ckpt, "cuda", **options).choices == "cached"

@@ -10,6 +10,7 @@ import pytest
 
 import higgs_talker
 from higgs_talker.kernel_cache import (
+    CHOICE_CACHE_VAR,
     FLASHINFER_BASE_VAR,
     TRITON_VAR,
     TVM_FFI_VAR,
@@ -23,7 +24,7 @@ from higgs_talker.kernel_cache import (
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """No cache variables set, and a temporary home."""
-    for var in (FLASHINFER_BASE_VAR, TVM_FFI_VAR, TRITON_VAR, "TRITON_HOME"):
+    for var in (FLASHINFER_BASE_VAR, TVM_FFI_VAR, TRITON_VAR, CHOICE_CACHE_VAR, "TRITON_HOME"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delitem(sys.modules, "flashinfer.jit.env", raising=False)
@@ -35,7 +36,10 @@ def test_defaults_follow_flashinfer_tvm_ffi_and_triton(clean_env: Path, monkeypa
         "flashinfer": clean_env / ".cache" / "flashinfer",
         "tvm_ffi": clean_env / ".cache" / "tvm-ffi",
         "triton": clean_env / ".triton" / "cache",
+        "choices": clean_env / ".cache" / "higgs_talker" / "choices",
     }
+    monkeypatch.setenv(CHOICE_CACHE_VAR, "off")  # no choice cache: not among the caches
+    assert "choices" not in cache_dirs()
     monkeypatch.setenv("TRITON_HOME", str(clean_env / "th"))  # Triton's own home variable moves its default
     assert cache_dirs()["triton"] == clean_env / "th" / ".triton" / "cache"
 
@@ -44,11 +48,13 @@ def test_cache_env_puts_all_three_under_one_directory(clean_env: Path, monkeypat
     base = clean_env / "ci-image"
     env = cache_env(base)
     assert env == {FLASHINFER_BASE_VAR: str(base), TVM_FFI_VAR: str(base / ".cache" / "tvm-ffi"),
-                   TRITON_VAR: str(base / ".cache" / "triton")}  # fmt: skip
+                   TRITON_VAR: str(base / ".cache" / "triton"),
+                   CHOICE_CACHE_VAR: str(base / ".cache" / "higgs_talker" / "choices")}  # fmt: skip
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert cache_dirs() == {"flashinfer": base / ".cache" / "flashinfer", "tvm_ffi": base / ".cache" / "tvm-ffi",
-                            "triton": base / ".cache" / "triton"}  # fmt: skip
+                            "triton": base / ".cache" / "triton",
+                            "choices": base / ".cache" / "higgs_talker" / "choices"}  # fmt: skip
 
 
 def test_count_modules(tmp_path: Path) -> None:
@@ -80,6 +86,19 @@ def test_cuda_report_names_the_cache_and_the_new_modules(tmp_path: Path) -> None
     assert f"FlashInfer kernel cache: {tmp_path / 'fi'} (9 compiled modules, 8 new)" in text
     assert f"tvm-ffi cache: {tmp_path / 'tvm'} (1 compiled module, 1 new)" in text
     assert f"Triton cache: {tmp_path / 'tr'} (2 compiled modules, 0 new)" in text
+
+
+def test_cuda_report_says_where_the_choices_are_kept(tmp_path: Path) -> None:
+    common = dict(checkpoint="ckpt", device="cuda:0", dtype="bfloat16", graph_mode="auto", compiled=True,
+                  kernels="flashinfer", load_s=9.0, rows=17)  # fmt: skip
+    entry = tmp_path / "choices" / "0123abcd.json"
+    report = WarmupReport(**common, caches={"choices": entry.parent}, modules_after={"choices": 3}, choices="measured",
+                          choice_file=entry)  # fmt: skip
+    text = "\n".join(report.lines())
+    assert f"choice cache: {entry.parent} (3 entries); this start's choices measured, entry 0123abcd.json" in text
+    assert CHOICE_CACHE_VAR in text  # the variable that moves it
+    off = WarmupReport(**common, choices="measured")
+    assert "choice cache: choices measured, kept nowhere" in "\n".join(off.lines())
 
 
 def test_cuda_without_flashinfer_says_nothing_was_compiled() -> None:
@@ -117,9 +136,11 @@ def test_cuda_path_plumbing_with_a_cpu_talker(tiny_dir: Path, clean_env: Path, m
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     report = kernel_cache.warmup(tiny_dir, "cuda", graph_mode="full_decode", max_model_len=256, frames=6)
     assert seen == {"path": tiny_dir, "device": torch.device("cuda"), "graph_mode": "full_decode", "codec": False,
-                    "max_model_len": 256}  # fmt: skip
+                    "choice_cache": None, "max_model_len": 256}  # fmt: skip
     assert report.device == "cuda" and report.graph_mode == "eager"  # the CPU talker's mode
     assert not report.compiled and report.kernels == "torch"  # torch kernels: nothing of FlashInfer's ran
     assert 2 <= report.rows <= 6 + 8 and report.load_s > 0 and report.generate_s > 0
     assert report.caches == {"flashinfer": clean_env / ".cache" / "flashinfer", "tvm_ffi": clean_env / ".cache/tvm-ffi",
-                             "triton": clean_env / ".triton" / "cache"}  # fmt: skip
+                             "triton": clean_env / ".triton" / "cache",
+                             "choices": clean_env / ".cache" / "higgs_talker" / "choices"}  # fmt: skip
+    assert report.choices == "none" and report.choice_file is None  # a CPU talker chooses nothing

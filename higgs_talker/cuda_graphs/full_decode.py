@@ -55,14 +55,19 @@ class FullDecodeGraphs:
     def sizes(self) -> tuple[int, ...]:
         return tuple(sorted(self.graphs))
 
-    def capture(self) -> None:
+    def capture(self, sizes: Sequence[int] | None = None) -> None:
+        """Capture and check the graphs of ``sizes`` (default: every requested bucket) and their variants; a later
+        call adds buckets."""
         if self.pool is None:  # a pool of their own, kept alive with them
             self._pool_owner = graph_pool()
             self.pool = self._pool_owner.id
-        self.graphs, self.failed = capture_buckets(self.requested, self._capture_one, "full decode graph")
+        graphs, failed = capture_buckets(self.requested if sizes is None else sizes, self._capture_one,
+                                         "full decode graph")  # fmt: skip
+        self.graphs |= graphs
+        self.failed |= failed
         for draw, filter in SAMPLER_VARIANTS:
             captured, failed = capture_buckets(
-                self.sizes, lambda size, d=draw, f=filter: self._capture_one(size, d, f),
+                sorted(graphs), lambda size, d=draw, f=filter: self._capture_one(size, d, f),
                 f"full decode graph (draw={draw}, filter={filter})",
             )  # fmt: skip
             self.variants |= {(size, draw, filter): g for size, g in captured.items()}

@@ -12,6 +12,10 @@ step 10% slower than ``native_tc``). So where the caller gives a
 ``step`` (the graph runner gives the model's whole decode step), the correct kernels are timed inside it: one
 CUDA graph of the whole step per (bucket, context, kernel), on the engine's own caches before any request
 exists, and the choice goes by that time.
+
+A choice read from the choice cache (``choice_cache.py``) is not timed again but checked as a candidate is:
+``check_decode_kernels`` and ``check_row_linears`` run the same error checks on the cached kernel or tile alone,
+and name those that fail, for the graph runner to measure again.
 """
 
 from __future__ import annotations
@@ -68,15 +72,18 @@ def _reference(cache: Tensor, q: Tensor, batch: StepBatch, scale: float) -> Tens
     return out.reshape(q.shape[0], -1)
 
 
-def _measure(attn: AttentionBackend, size: int, ctx: int, kernel: str, gen: torch.Generator) -> tuple[float, float]:
-    """(microseconds per call inside a CUDA graph, relative error vs fp32) of one kernel at one point."""
+def _measure(
+    attn: AttentionBackend, size: int, ctx: int, kernel: str, gen: torch.Generator, timed: bool = True
+) -> tuple[float, float]:
+    """(microseconds per call inside a CUDA graph, relative error vs fp32) of one kernel at one point; with
+    ``timed=False`` only the error (one layer, no graph; the time is NaN)."""
     ref_cache = attn.kv_caches[0]
     dev, dtype, bs = ref_cache.device, ref_cache.dtype, ref_cache.shape[2]
     hk, d = ref_cache.shape[3], ref_cache.shape[4]
     batch = synthetic_batch(size, ctx, bs)
     shape = (size * -(-ctx // bs) + 1, 2, bs, hk, d)  # + the fork's scratch block
     nbytes = torch.Size(shape).numel() * ref_cache.element_size()
-    layers = max(1, min(MAX_LAYERS, -(-L2_DEFEAT_BYTES // nbytes)))
+    layers = max(1, min(MAX_LAYERS, -(-L2_DEFEAT_BYTES // nbytes))) if timed else 1
     caches = [torch.randn(shape, generator=gen, device=dev).to(dtype) for _ in range(layers)]
     fork = attn.fork(caches)
     fork.set_bucket_kernel(size, kernel)
@@ -89,8 +96,10 @@ def _measure(attn: AttentionBackend, size: int, ctx: int, kernel: str, gen: torc
         for layer in range(layers):
             fork.forward(layer, q, k, v)
 
-    graph, _ = capture_graph(all_layers)
-    us = median_ms(lambda: [graph.replay() for _ in range(20)], iters=3) * 1e3 / (20 * layers)
+    us = float("nan")
+    if timed:
+        graph, _ = capture_graph(all_layers)
+        us = median_ms(lambda: [graph.replay() for _ in range(20)], iters=3) * 1e3 / (20 * layers)
     got = fork.forward(0, q, k, v)  # the new K/V are in the cache by now: the reference reads them
     want = _reference(caches[0], q, batch, fork.scale)
     return us, ((got.float() - want).norm() / want.norm()).item()
@@ -166,6 +175,38 @@ def choose_decode_kernels(
     return rows
 
 
+def check_decode_kernels(
+    attn: AttentionBackend,
+    chosen: dict[int, str | None],
+    contexts: tuple[int, ...] = (512, 2048),
+    tolerance: float = 2e-2,
+) -> tuple[list[dict], list[int]]:
+    """Check each bucket's given kernel (a cached choice) as ``choose_decode_kernels`` checks a candidate (alone,
+    against fp32, at every context), without timing it; give the bucket that kernel where it passes.
+
+    Returns (the table, the buckets whose kernel failed: not allowed here, raised, or missed ``tolerance``).
+    """
+    gen = torch.Generator(device=attn.kv_caches[0].device).manual_seed(0)
+    rows, failed = [], []
+    for b, kernel in chosen.items():
+        ok = kernel in attn.decode_kernels
+        for ctx in sorted({min(c, attn.max_model_len) for c in contexts}) if ok else ():
+            row = {"bucket": b, "context": ctx, "kernel": kernel, "cached": True}
+            try:
+                _, row["rel_err"] = _measure(attn, b, ctx, kernel, gen, timed=False)
+                row["ok"] = row["rel_err"] <= tolerance
+            except Exception as exc:  # noqa: BLE001 - a kernel that cannot run fails its check
+                logger.info("cached decode kernel %s failed at batch %d, context %d: %s", kernel, b, ctx, exc)
+                row.update(rel_err=float("nan"), ok=False)
+            rows.append(row)
+            ok = ok and row["ok"]
+        if ok:
+            attn.set_bucket_kernel(b, kernel)
+        else:
+            failed.append(b)
+    return rows, failed
+
+
 # the model's linears a one-row GEMV can take: name (as the model passes it to ``kernels.linear``) -> the module
 ROW_LINEARS = {
     "qkv": lambda layer: layer.self_attn.qkv_proj,
@@ -175,10 +216,18 @@ ROW_LINEARS = {
 }
 
 
-def choose_row_linears(model: torch.nn.Module) -> list[dict]:
-    """Give each linear of ``model`` the one-row Triton GEMV (``triton_gemv``) via ``model.kernels.row_configs``
-    as its ``row_gemv`` option says: ``auto`` where it is correct and faster than the kernels' own path, ``on``
-    wherever it is correct (the first correct tile), ``off`` nowhere. A linear left out stays on cuBLAS.
+def row_gemv_option(model: torch.nn.Module) -> str:
+    """The model's kernels' ``row_gemv`` option where the one-row GEMV can run (bf16 / fp16 weights), else off."""
+    option = getattr(model.kernels, "row_gemv", "off")
+    dtype = ROW_LINEARS["qkv"](model.model.layers[0]).weight.dtype
+    return option if dtype in (torch.bfloat16, torch.float16) else "off"
+
+
+def choose_row_linears(model: torch.nn.Module, names: list[str] | None = None) -> list[dict]:
+    """Give each linear of ``model`` (or of ``names``) the one-row Triton GEMV (``triton_gemv``) via
+    ``model.kernels.row_configs`` as its ``row_gemv`` option says: ``auto`` where it is correct and faster than the
+    kernels' own path, ``on`` wherever it is correct (the first correct tile), ``off`` nowhere. A linear left out
+    stays on cuBLAS.
 
     Each tile of ``triton_gemv.CONFIGS`` is checked first, on layer 0 with a random row, against a float64
     product: one that raises or misses the dtype's epsilon (relative norm) is never chosen. Under ``auto`` the
@@ -187,19 +236,20 @@ def choose_row_linears(model: torch.nn.Module) -> list[dict]:
     table (one dict per linear).
     """
     kernels = model.kernels
-    option = getattr(kernels, "row_gemv", "off")
-    layers = list(model.model.layers)
-    weight = ROW_LINEARS["qkv"](layers[0]).weight
-    if option == "off" or weight.dtype not in (torch.bfloat16, torch.float16):
+    option = row_gemv_option(model)
+    if option == "off":
         return []
     from ..triton_gemv import CONFIGS, row_linear
 
-    kernels.row_configs.clear()
+    layers = list(model.model.layers)
+    names = list(ROW_LINEARS) if names is None else names
+    for name in names:
+        kernels.row_configs.pop(name, None)
+    weight = ROW_LINEARS["qkv"](layers[0]).weight
     gen = torch.Generator(device=weight.device).manual_seed(0)
-    tolerance = torch.finfo(weight.dtype).eps
     rows = []
-    for name, module_of in ROW_LINEARS.items():
-        modules = [module_of(layer) for layer in layers]
+    for name in names:
+        modules = [ROW_LINEARS[name](layer) for layer in layers]
         silu = name == "gate_up"
         x = torch.randn(1, modules[0].in_features, generator=gen, device=weight.device).to(weight.dtype)
         row = {"linear": name}
@@ -211,14 +261,12 @@ def choose_row_linears(model: torch.nn.Module) -> list[dict]:
                 row["chosen"] = "torch"
                 rows.append(row)
                 continue
-        want = _row_reference(x, modules[0], silu)
         best = None
         for config in CONFIGS:
             tile = str(tuple(config))
             try:
-                got = row_linear(x, modules[0].weight, modules[0].bias, config, silu_mul=silu)
-                row[f"err{tile}"] = err = ((got.double() - want).norm() / want.norm()).item()
-                if not err <= tolerance:
+                row[f"err{tile}"] = err = _tile_error(row_linear, x, modules[0], config, silu)
+                if not _tile_ok(err, weight.dtype):
                     logger.warning("one-row GEMV %s off by %.1e on %s: not used", tile, err, name)
                     continue
                 if option == "on":
@@ -239,6 +287,49 @@ def choose_row_linears(model: torch.nn.Module) -> list[dict]:
         f"{min((v for k, v in r.items() if k.startswith('us(')), default=float('nan')):.1f} us a layer)"
         if "torch_us" in r else "") for r in rows))  # fmt: skip
     return rows
+
+
+def check_row_linears(model: torch.nn.Module, tiles: dict[str, tuple]) -> tuple[list[dict], list[str]]:
+    """Check each linear's given tile (a cached choice) as ``choose_row_linears`` checks a candidate (layer 0, a
+    random row, against float64), without timing it; the linears whose tile passes take it, every other linear
+    stays on the kernels' own path. Returns (the table, the linears whose tile failed: unknown, raised, or off)."""
+    from ..triton_gemv import CONFIGS, RowConfig, row_linear
+
+    kernels = model.kernels
+    kernels.row_configs.clear()
+    layer0 = model.model.layers[0]
+    gen = torch.Generator(device=ROW_LINEARS["qkv"](layer0).weight.device).manual_seed(0)
+    rows, failed = [], []
+    for name, tile in tiles.items():
+        row = {"linear": name, "chosen": str(tuple(tile)), "cached": True}
+        rows.append(row)
+        config = RowConfig(*tile) if len(tile) == len(RowConfig._fields) else None
+        if name not in ROW_LINEARS or config not in CONFIGS:
+            failed.append(name)
+            continue
+        module = ROW_LINEARS[name](layer0)
+        x = torch.randn(1, module.in_features, generator=gen, device=module.weight.device).to(module.weight.dtype)
+        try:
+            row[f"err{tuple(config)}"] = err = _tile_error(row_linear, x, module, config, name == "gate_up")
+        except Exception as exc:  # noqa: BLE001 - a tile that cannot run fails its check
+            logger.info("cached one-row GEMV %s failed on %s: %s", tuple(config), name, exc)
+            err = float("nan")
+        if _tile_ok(err, module.weight.dtype):
+            kernels.row_configs[name] = config
+        else:
+            failed.append(name)
+    return rows, failed
+
+
+def _tile_error(row_linear, x: Tensor, module: torch.nn.Module, config, silu: bool) -> float:
+    """Relative error (norm) of the one-row GEMV with tile ``config`` on row ``x`` against float64."""
+    got = row_linear(x, module.weight, module.bias, config, silu_mul=silu)
+    want = _row_reference(x, module, silu)
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def _tile_ok(err: float, dtype: torch.dtype) -> bool:
+    return err <= torch.finfo(dtype).eps  # False for NaN
 
 
 def _kernels_product(kernels, name: str, x: Tensor) -> Callable[[torch.nn.Module], Tensor]:

@@ -63,8 +63,11 @@ class LocalMLPGraphs:
     def sizes(self) -> tuple[int, ...]:
         return tuple(sorted(self.buckets))
 
-    def capture(self, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Capture and check every bucket, largest first. Must run outside any stream capture."""
+    def capture(
+        self, hidden_size: int, dtype: torch.dtype, device: torch.device, sizes: Sequence[int] | None = None
+    ) -> None:
+        """Capture and check every bucket (or those of ``sizes``; a later call adds buckets), largest first. Must run
+        outside any stream capture."""
         if self.pool is None:  # a pool of their own, kept alive with them
             self._pool_owner = graph_pool()
             self.pool = self._pool_owner.id
@@ -77,7 +80,9 @@ class LocalMLPGraphs:
                 self._check_layer(bucket, layer)
             return bucket
 
-        self.buckets, self.failed = capture_buckets(self.requested, capture_one, "local MLP graph")
+        buckets, failed = capture_buckets(self.requested if sizes is None else sizes, capture_one, "local MLP graph")
+        self.buckets |= buckets
+        self.failed |= failed
 
     def _record(self, bucket: _Bucket, layer: int) -> None:
         out, res = self.post_attention(layer, bucket.hidden, bucket.residual)

@@ -16,6 +16,13 @@ on the model runner. Warm-up first measures, on CUDA, whether each linear's one-
 (``kernels.choose_row_linears``), then the attention backend's decode kernels per bucket, inside the model's whole
 decode step (``kernels.choose_decode_kernels``). Decode batches above the largest bucket run on the model runner
 unpadded.
+
+With a ``choice_cache`` (``choice_cache.py``) warm-up first looks up what an earlier start with the same key
+(``choice_key``) chose, and times nothing it finds there. Each cached choice is still checked as a measured one is:
+a tile and a decode kernel against their float references (``kernels.check_row_linears``,
+``kernels.check_decode_kernels``), a bucket's graph path by its capture (replayed and compared with eager); in
+``auto`` only the cached path of each bucket is captured. What fails its check is measured again, with one warning
+for each kind of choice, and the entry is rewritten. ``choices_source`` says where the choices came from.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,8 +39,15 @@ from torch import Tensor
 
 from .buckets import DEFAULT_BUCKETS, PREFILL_BUCKETS, bucket_for, normalize_buckets
 from .capture import graph_pool, median_ms
+from .choice_cache import ChoiceCache, Choices, environment_key
 from .full_decode import FullDecodeGraphs
-from .kernels import choose_decode_kernels, choose_row_linears
+from .kernels import (
+    check_decode_kernels,
+    check_row_linears,
+    choose_decode_kernels,
+    choose_row_linears,
+    row_gemv_option,
+)
 from .local_mlp import LocalMLPGraphs
 from .policy import GraphMode, decide
 from .prefill import PrefillGraphs
@@ -52,6 +67,7 @@ class GraphRunner:
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         max_batch: int | None = None,
         prefill_buckets: Sequence[int] = PREFILL_BUCKETS,
+        choice_cache: ChoiceCache | None = None,
     ) -> None:
         self.runner = runner
         self.decision = decide(mode=mode)
@@ -72,43 +88,129 @@ class GraphRunner:
         self.row_timings: list[dict] = []  # the one-row GEMV measurement (kernels.choose_row_linears)
         self.timings: list[dict] = []
         self.warmup_s = 0.0
+        self.choice_cache = choice_cache
+        self.choices: Choices = {}  # what warm-up chose (row_linears, bucket_kernels, auto_choice), as cached
+        # per kind of choice: "measured", "cached" or "remeasured" (cached, failed its check, measured again)
+        self.choice_sources: dict[str, str] = {}
+        self.choices_source = "none"  # over all kinds: "none" (nothing to choose), "measured", "cached", "remeasured"
+        self.choice_file: Path | None = None  # the cache entry read or written
 
     def warm_up(self) -> None:
-        """Choose the decode kernels and capture every graph the mode needs, before the first request."""
+        """Choose the kernels (measured, or cached and checked) and capture every graph the mode needs, before the
+        first request."""
         runner = self.runner
         logger.info("graph policy: %s", self.decision.reason)
         start = time.perf_counter()
-        step = None
-        if runner.device.type == "cuda":  # before anything is timed or captured: every step uses the choice
-            self.row_timings = choose_row_linears(runner.model)
-            step = self._kernel_step
+        key = self.choice_key() if self.choice_cache is not None else None
+        cached = self.choice_cache.load(key) if key is not None else None
+        # before anything is timed or captured: every step uses the choice
+        self._choose_row_linears(cached)
         with runner.slots.preserved([runner.slots.scratch]):
-            self.kernel_timings = choose_decode_kernels(runner.attn, list(self.buckets), step=step)
+            self._choose_decode_kernels(cached, self._kernel_step if runner.device.type == "cuda" else None)
         if self.decision.full_decode or self.decision.local_mlp:
             self._pool = graph_pool()  # one pool for every graph here, alive as long as the runner
             pool = self._pool.id
             if self.prefill_buckets and self.decision.full_prefill:
                 self.prefill = PrefillGraphs(runner, self.prefill_buckets, pool)
                 self.prefill.capture()
-            if self.decision.full_decode:
+            paths = (cached or {}).get("auto_choice", {}) if self.mode is GraphMode.AUTO else {}
+            if self.decision.full_decode:  # auto with a cached path: only that path of each bucket
                 self.full = FullDecodeGraphs(runner, self.buckets, pool)
-                self.full.capture()
+                self.full.capture([b for b in self.buckets if paths.get(b) != "local_mlp"])
             if self.decision.local_mlp:
                 layers = runner.model.model.layers
                 self.local = LocalMLPGraphs(runner.eager_post_attention, len(layers), self.buckets, pool)
-                self.local.capture(runner.cfg.hidden_size, runner.dtype, runner.device)
+                sizes = [b for b in self.buckets if paths.get(b) != "full_decode"]
+                self.local.capture(runner.cfg.hidden_size, runner.dtype, runner.device, sizes)
             if self.mode is GraphMode.AUTO:
-                self._choose()
+                self._choose(cached)
+        self._keep_choices(key, cached)
         if runner.device.type == "cuda":
             torch.cuda.synchronize()
         self.warmup_s = time.perf_counter() - start
-        logger.info("CUDA graph warm-up (%s, buckets %s, prefill token buckets %s) took %.1f s", self.mode.value,
-                    list(self.buckets), list(self.prefill_buckets), self.warmup_s)  # fmt: skip
+        logger.info("CUDA graph warm-up (%s, buckets %s, prefill token buckets %s, choices %s) took %.1f s",
+                    self.mode.value, list(self.buckets), list(self.prefill_buckets), self.choices_source,
+                    self.warmup_s)  # fmt: skip
 
-    def _choose(self) -> None:
-        """auto: per bucket, time both paths on a padded batch and keep the faster (measured, not guessed)."""
+    def choice_key(self) -> dict:
+        """Everything the measured choices depend on: GPU and versions, model shape, dtype, engine sizes, buckets
+        and options (the choice cache's key)."""
+        runner, t = self.runner, self.runner.cfg.text
+        kernels, attn = runner.model.kernels, runner.attn
+        return environment_key(runner.device) | {
+            "model": {"hidden": t.hidden_size, "layers": t.num_hidden_layers, "heads": t.num_attention_heads,
+                      "kv_heads": t.num_key_value_heads, "head_dim": t.head_dim, "intermediate": t.intermediate_size,
+                      "vocab": t.vocab_size, "attention_bias": t.attention_bias,
+                      "codebooks": runner.cfg.num_codebooks, "codebook_size": runner.cfg.codebook_size},
+            "dtype": str(runner.dtype).removeprefix("torch."),
+            "engine": {"max_num_seqs": runner.max_num_seqs, "block_size": runner.block_size,
+                       "max_model_len": runner.max_model_len},
+            "buckets": list(self.buckets),
+            "options": {"graph_mode": self.mode.value, "kernels": kernels.name,
+                        "row_gemv": getattr(kernels, "row_gemv", "off"), "fuse_qk_rope": bool(kernels.fuse_qk_rope),
+                        "attention": type(attn).__name__, "decode_kernel": getattr(attn, "decode_kernel", None),
+                        "decode_kernels": list(attn.decode_kernels)},
+        }  # fmt: skip
+
+    def _choose_row_linears(self, cached: Choices | None) -> None:
+        """The one-row GEMV tile of each linear: the cached tiles that pass their check, the rest measured."""
+        model = self.runner.model
+        if row_gemv_option(model) == "off":
+            return
+        tiles = None if cached is None else cached.get("row_linears")
+        if tiles is None:
+            self.row_timings = choose_row_linears(model)
+            self.choice_sources["row_linears"] = "measured"
+        else:
+            rows, failed = check_row_linears(model, tiles)
+            if failed:
+                logger.warning("choice cache: the cached one-row GEMV tiles of %s failed their check; measuring "
+                               "them again", ", ".join(failed))  # fmt: skip
+                rows = [r for r in rows if r["linear"] not in failed] + choose_row_linears(model, failed)
+            self.row_timings = rows
+            self.choice_sources["row_linears"] = "remeasured" if failed else "cached"
+        self.choices["row_linears"] = {name: tuple(c) for name, c in model.kernels.row_configs.items()}
+
+    def _choose_decode_kernels(self, cached: Choices | None, step) -> None:
+        """The decode kernel of each bucket: the cached kernels that pass their check, the rest measured (inside
+        the whole decode step where ``step`` is given)."""
+        attn, buckets = self.runner.attn, list(self.buckets)
+        if len(attn.decode_kernels) == 1:  # nothing to choose: every bucket gets the one kernel
+            self.kernel_timings = choose_decode_kernels(attn, buckets, step=step)
+            return
+        kernels = None if cached is None else cached.get("bucket_kernels")
+        if kernels is None:
+            self.kernel_timings = choose_decode_kernels(attn, buckets, step=step)
+            self.choice_sources["bucket_kernels"] = "measured"
+        else:
+            rows, failed = check_decode_kernels(attn, {b: kernels.get(b) for b in buckets})
+            if failed:
+                logger.warning("choice cache: the cached decode kernels of buckets %s failed their check; measuring "
+                               "them again", failed)  # fmt: skip
+                rows = [r for r in rows if r["bucket"] not in failed] + choose_decode_kernels(attn, failed, step=step)
+            self.kernel_timings = rows
+            self.choice_sources["bucket_kernels"] = "remeasured" if failed else "cached"
+        self.choices["bucket_kernels"] = {b: attn.bucket_kernel[b] for b in buckets}
+
+    def _choose(self, cached: Choices | None) -> None:
+        """auto: per bucket, the cached path where its graph was captured (and so checked against eager), else time
+        both paths on a padded batch and keep the faster (measured, not guessed)."""
         runner = self.runner
-        for size in self.buckets:
+        paths = None if cached is None else cached.get("auto_choice")
+        measure = list(self.buckets)
+        if paths is not None:
+            measure = [b for b in self.buckets if not self._captured(b, paths.get(b))]
+            self.choice |= {b: paths[b] for b in self.buckets if b not in measure}
+            if measure:
+                logger.warning("choice cache: the cached graph paths of buckets %s were not captured; measuring them "
+                               "again", measure)  # fmt: skip
+                local = [b for b in measure if b not in self.local.buckets and b not in self.local.failed]
+                self.full.capture([b for b in measure if b not in self.full.graphs and b not in self.full.failed])
+                self.local.capture(runner.cfg.hidden_size, runner.dtype, runner.device, local)
+            self.choice_sources["auto_choice"] = "remeasured" if measure else "cached"
+        else:
+            self.choice_sources["auto_choice"] = "measured"
+        for size in measure:
             full_ok = size in self.full.graphs
             local_ok = size in self.local.buckets
             if not (full_ok and local_ok):
@@ -124,10 +226,33 @@ class GraphRunner:
             self.timings.append(
                 {"bucket": size, "full_decode_ms": t_full, "local_mlp_ms": t_local, "chosen": self.choice[size]}
             )
+        self.choices["auto_choice"] = {b: self.choice[b] for b in self.buckets}
         table = ", ".join(
             f"{t['bucket']}: full {t['full_decode_ms']:.2f} / local {t['local_mlp_ms']:.2f} ms" for t in self.timings
         )
-        logger.info("auto graph mode per bucket: %s", table or "only one path available")
+        logger.info("auto graph mode per bucket: %s", table or "cached, or only one path available")
+
+    def _captured(self, size: int, path: str | None) -> bool:
+        """Whether bucket ``size`` has a captured (and checked) graph of ``path``."""
+        return (path == "full_decode" and size in self.full.graphs) or (
+            path == "local_mlp" and size in self.local.buckets
+        )
+
+    def _keep_choices(self, key: dict | None, cached: Choices | None) -> None:
+        """Sum up where the choices came from, and write the cache entry unless all of it was read and passed."""
+        sources = set(self.choice_sources.values())
+        if not sources:
+            return  # nothing was chosen: nothing to keep
+        if sources == {"cached"}:
+            self.choices_source = "cached"
+        else:
+            self.choices_source = "measured" if cached is None else "remeasured"
+        if key is None:
+            return
+        if self.choices_source == "cached":
+            self.choice_file = self.choice_cache.path(key)
+        else:
+            self.choice_file = self.choice_cache.store(key, self.choices)
 
     def _kernel_step(self, batch: StepBatch) -> Callable[[], Tensor]:
         """The whole decode step (embedding, layers, head, sampler, state update) of a planned synthetic batch,
