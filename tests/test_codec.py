@@ -624,6 +624,13 @@ def test_decode_only_load_needs_only_the_decoder(tmp_path: Path, tensors, codec)
         Codec.from_pretrained(path, encoder=True)
 
 
+def test_a_codebook_under_both_names_is_refused(tmp_path: Path, tensors) -> None:
+    both = dict(tensors)
+    both["quantizer.quantizers.0.codebook.weight"] = both["quantizer.quantizers.0.codebook.embed"].clone()
+    with pytest.raises(ValueError, match=r"both name 'quantizer\.quantizers\.0\.codebook\.embed'"):
+        Codec.from_pretrained(write_codec_dir(tmp_path, both))
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_weights_are_refused(tmp_path: Path, tensors, value: float) -> None:
     bad = dict(tensors)
@@ -634,9 +641,11 @@ def test_non_finite_weights_are_refused(tmp_path: Path, tensors, value: float) -
 
 
 def test_tokenizer_directory_and_old_names_load(tmp_path: Path, tensors, codec) -> None:
-    """transformers' tokenizer layout (unprefixed, config.json), weight_g/weight_v names, masked_spec_embed."""
+    """transformers' tokenizer layout (unprefixed, config.json), weight_g/weight_v names, masked_spec_embed, and a
+    codebook saved as ``codebook.weight`` (upstream's loader takes that name too)."""
     old = dict(tensors)
     pos = "semantic_model.encoder.pos_conv_embed.conv."
+    old["quantizer.quantizers.3.codebook.weight"] = old.pop("quantizer.quantizers.3.codebook.embed")
     old[pos + "weight_g"] = old.pop(pos + "parametrizations.weight.original0")
     old[pos + "weight_v"] = old.pop(pos + "parametrizations.weight.original1")
     old["semantic_model.masked_spec_embed"] = torch.zeros(16)

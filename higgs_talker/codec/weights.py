@@ -11,9 +11,10 @@ Two sources hold a codec:
 Loading checks the safetensors headers before any tensor is read: every missing, unexpected, mis-shaped or
 non-float key is reported in one ``ValueError``; a tensor holding NaN/inf is refused when read; the model is
 assembled only once everything passed, so a failure leaves nothing half-loaded. Keys are transformers' names
-with two renames older exports need: ``weight_g`` / ``weight_v`` (weight norm) become
-``parametrizations.weight.original0`` / ``original1``, and HuBERT's training-only ``masked_spec_embed`` is
-dropped (SPEC_codec 2).
+with the renames older exports need: ``weight_g`` / ``weight_v`` (weight norm) become
+``parametrizations.weight.original0`` / ``original1``, a quantizer's ``codebook.weight`` (the name of upstream's
+``nn.Embedding``, which upstream's loader also takes) becomes ``codebook.embed``, and HuBERT's training-only
+``masked_spec_embed`` is dropped (SPEC_codec 2).
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ def _source(path: Path, config, prefix: str, kind: str, header=None) -> CodecSou
             name = name[: -len("weight_g")] + "parametrizations.weight.original0"
         elif name.endswith(".weight_v"):
             name = name[: -len("weight_v")] + "parametrizations.weight.original1"
+        elif name.startswith("quantizer.quantizers.") and name.endswith(".codebook.weight"):
+            name = name[: -len("weight")] + "embed"
         if name in _DROPPED:
             continue
         if name in tensors:
