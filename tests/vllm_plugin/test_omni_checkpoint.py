@@ -137,3 +137,20 @@ def test_vllm_omnis_chunked_hand_over_gives_our_upstream_chunking_audio(code2wav
     ours = list(talker.stream_audio("Hello there, streaming.", params, chunking=UPSTREAM_CHUNKING))
     assert [c.numel() for c in theirs] == [c.numel() for c in ours]
     assert torch.equal(torch.cat(theirs), torch.cat(ours))
+
+
+@pytest.mark.parametrize("profile", ["low_latency", "high_throughput"])
+@pytest.mark.parametrize("talker", ["ours", "upstream"])
+def test_bench_omnis_deploy_yamls_and_their_test_variants_parse(talker, profile, tmp_path):
+    """bench_omni's YAML of each talker and profile, and the test suite's variant of it (stage keys replaced),
+    through vllm-omni's own loader."""
+    from bench_omni import deploy_yaml, derived_yaml
+    from vllm_omni.config.stage_config import load_deploy_config
+
+    base = deploy_yaml(talker, profile)
+    derived = derived_yaml(base, tmp_path / "derived.yaml", {0: {"max_model_len": 1024}, 1: {"dtype": "float32"}})
+    for path in (base, derived):
+        cfg = load_deploy_config(path)
+        assert sorted(s.stage_id for s in cfg.stages) == [0, 1] and cfg.async_chunk is True
+    text = derived.read_text()
+    assert "max_model_len: 1024" in text and "dtype: float32" in text and "base_config" not in text
