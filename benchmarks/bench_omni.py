@@ -1,0 +1,424 @@
+"""The talker inside vllm-omni's own two-stage pipeline (Stage 0 talker -> Stage 1 code2wav): ours against
+vllm-omni's in-tree talker, per deploy profile and concurrency, offline and over HTTP, with our direct engine
+beside them. NOT YET RUN ON A GPU: written and checked on a CPU-only machine, where vllm-omni's ``Omni`` does
+not import (its pipeline registry pulls in torchvision, whose PyPI wheels need CUDA torch); ``--help`` and the
+checkpoint writer ran there.
+
+Talkers: ``ours`` (this project's plugin installed: vllm-omni's Higgs architectures resolve to our talker) with
+our packaged profiles (``higgs_talker/vllm_plugin/deploy``); ``upstream`` (``VLLM_PLUGINS=vllm_omni_register_models``
+in its processes, so only vllm-omni's own plugin loads) with vllm-omni's own YAMLs. Profiles: ``low_latency``,
+``high_throughput``. Each (talker, profile, path) runs in its own process (a fresh CUDA context; ``Omni`` and
+``vllm-omni serve`` start their own stage processes), on one checkpoint: ``omni_checkpoint.py``'s (4B shape, random
+bf16 weights, EOC suppressed, the real-layout random codec). Lengths are forced (``max_tokens = min_tokens`` =
+the rows of ``--audio-s`` seconds), sampling is the profiles' (temperature 1.0, top_p 0.95, top_k 50), seeded.
+
+Paths (the ``path`` of a row):
+- ``offline``: ``vllm_omni.Omni(model, deploy_config).generate`` with C prompts at a time (the offline API takes
+  a batch; waves of C over max(2C, 8) requests), outputs read as they come (``py_generator``) with Stage 1 asked
+  for deltas: ``ttfa`` is submit -> the request's first audio, or its finish where the offline API did not stream
+  (the row's ``offline_streamed`` says which);
+- ``http``: ``vllm-omni serve`` on a free port, a closed loop of C clients (httpx, ``stream: true``, PCM);
+  ``ttfa`` is sent -> first audio byte;
+- ``direct``: our engine (``HiggsTalker.stream_audio`` with vllm-omni's chunking, C threads, greedy), once.
+
+Per level: TTFA and RTF (wall / audio seconds) p50/p90, audio seconds per wall second.
+
+    python benchmarks/bench_omni.py --out $OUT                       # both talkers x profiles x paths, 1,4,16,64
+    python benchmarks/bench_omni.py --smoke --out $OUT               # small shape, levels 1,2, 1 s of audio
+    python benchmarks/bench_omni.py --talkers ours --profiles low_latency --paths offline --levels 1,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import string
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+TALKERS = ("ours", "upstream")
+PROFILES = ("low_latency", "high_throughput")
+PATHS = ("offline", "http", "direct")
+LEVELS = (1, 4, 16, 64)
+SAMPLE_RATE = 24000
+FRAME_RATE = 25
+NUM_CODEBOOKS = 8
+UPSTREAM_YAML = {"low_latency": "higgs_multimodal_qwen3_low_latency.yaml",
+                 "high_throughput": "higgs_multimodal_qwen3_high_throughput.yaml"}  # fmt: skip
+UPSTREAM_ONLY = {"VLLM_PLUGINS": "vllm_omni_register_models"}  # vllm-omni's plugin alone: its in-tree talker
+
+
+# ---------------------------------------------------------------------------------------------------------
+# shared with tests/vllm_plugin/omni_run.py (nothing here imports vLLM at module level)
+
+
+def deploy_yaml(talker: str, profile: str) -> Path:
+    """The deploy YAML of ``talker`` (ours: the packaged profile; upstream: vllm-omni's own) and ``profile``."""
+    if talker == "ours":
+        from higgs_talker.vllm_plugin.deploy import deploy_config_path
+
+        return deploy_config_path(profile)
+    if talker == "upstream":
+        import vllm_omni
+
+        return Path(vllm_omni.__file__).parent / "deploy" / UPSTREAM_YAML[profile]
+    raise ValueError(f"unknown talker {talker!r}; choose from {TALKERS}")
+
+
+def talker_env(talker: str) -> dict[str, str]:
+    """The environment a process of ``talker`` runs in (upstream: only vllm-omni's plugin loads)."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # its JIT takes minutes on a fresh machine
+    if talker == "upstream":
+        env |= UPSTREAM_ONLY
+    return env
+
+
+def derived_yaml(base: Path, out: Path, stage_overrides: dict[int, dict]) -> Path:
+    """``base`` with keys of stages replaced (``{stage_id: {key: value}}``; value None drops the key), at ``out``.
+    vllm-omni reads ``base_config`` relative to the YAML, so that is resolved to an absolute path."""
+    import yaml
+
+    data = yaml.safe_load(base.read_text())
+    if "base_config" in data:
+        data = yaml.safe_load((base.parent / data.pop("base_config")).read_text()) | data
+    for stage in data["stages"]:
+        for key, value in stage_overrides.get(stage["stage_id"], {}).items():
+            if value is None:
+                stage.pop(key, None)
+            else:
+                stage[key] = value
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return out
+
+
+def stage_params(omni, temperature: float | None, seed: int | None, rows: int | None, stream: bool) -> list:
+    """Per-stage sampling parameters: the deploy defaults with Stage 0's ``temperature`` (None: the profile's),
+    ``seed`` and forced length ``rows`` (None: the profile's cap) set, and Stage 1 asked for deltas (``stream``)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    defaults = getattr(omni, "default_sampling_params_list", None)
+    if not defaults:
+        raise RuntimeError("this vllm-omni's Omni has no default_sampling_params_list; pass the stages' params")
+    s0, s1 = (p.clone() if hasattr(p, "clone") else p for p in defaults[:2])
+    if temperature is not None:
+        s0.temperature = temperature
+    s0.seed = seed
+    if rows is not None:
+        s0.max_tokens = s0.min_tokens = rows
+    if stream and hasattr(s1, "output_kind"):
+        s1.output_kind = RequestOutputKind.DELTA
+    return [s0, s1, *defaults[2:]]
+
+
+def audio_of(output) -> Any:
+    """The float32 waveform [S] (CPU tensor) an Omni output carries, or None: ``multimodal_output`` of the output
+    or of its completions, key ``audio`` or ``model_outputs``, a tensor or a list of chunks."""
+    import torch
+
+    mm = getattr(output, "multimodal_output", None)
+    for completion in [] if mm else getattr(output, "outputs", None) or []:
+        mm = getattr(completion, "multimodal_output", None)
+        if mm:
+            break
+    if not mm:
+        return None
+    value = mm.get("audio", mm.get("model_outputs"))
+    parts = value if isinstance(value, list | tuple) else [value]
+    parts = [torch.as_tensor(p).detach().float().reshape(-1).cpu() for p in parts if p is not None]
+    return torch.cat(parts) if parts else None
+
+
+def prompt_ids(ckpt: str, text: str) -> list[int]:
+    """Our prompt for ``text`` (equal to vllm-omni's ``HiggsAudioV3TokenizerAdapter.build_prompt``; checked on CPU
+    by tests/vllm_plugin/test_omni_checkpoint.py)."""
+    from higgs_talker.config import TalkerConfig
+    from higgs_talker.prompt import TalkerTokenizer
+
+    cfg = TalkerConfig.from_pretrained(ckpt)
+    return TalkerTokenizer.from_pretrained(ckpt, cfg).build(text).input_ids.tolist()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(ckpt: str, yaml_path: Path, env: dict[str, str], log_path: Path, timeout: float = 900):
+    """``vllm-omni serve`` on a free port (its own process group) -> (process, base URL) once /health answers 200."""
+    import httpx
+
+    port = free_port()
+    exe = Path(sys.executable).with_name("vllm-omni")
+    cmd = [str(exe) if exe.exists() else "vllm-omni", "serve", ckpt, "--omni", "--deploy-config", str(yaml_path),
+           "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    sink = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - lives as long as the server
+    proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm-omni serve exited with {proc.returncode}; see {log_path}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    stop_server(proc)
+    raise TimeoutError(f"vllm-omni serve did not answer /health in {timeout} s; see {log_path}")
+
+
+def stop_server(proc) -> None:
+    """SIGTERM to the server's process group (it spawned its stage processes), SIGKILL after 60 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# measuring
+
+
+def jobs(n: int, seed: int) -> list[dict]:
+    """n requests: random words (30-200 characters), each with its own seed."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        chars, words = rng.randint(30, 200), []
+        while sum(len(w) + 1 for w in words) < chars:
+            words.append("".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 9))))
+        out.append({"text": " ".join(words) + ".", "seed": seed + i})
+    return out
+
+
+def level_row(base: dict, level: int, records: list[dict], wall: float) -> dict:
+    from common import percentile
+
+    row = base | {"concurrency": level, "requests": len(records), "wall_s": wall,
+                  "audio_s_per_s": sum(r["audio_s"] for r in records) / wall if wall else None}  # fmt: skip
+    for m in ("ttfa_ms", "rtf"):
+        for q in (50, 90):
+            row[f"{m}_p{q}"] = percentile([r[m] for r in records if r.get(m) is not None], q)
+    row["audio_s_min"] = min((r["audio_s"] for r in records), default=None)
+    row["status"] = "ok"
+    return row
+
+
+def run_offline(args: argparse.Namespace, base: dict) -> None:
+    from vllm_omni import Omni
+
+    t0 = time.perf_counter()
+    omni = Omni(model=args.model, deploy_config=str(args.yaml), stage_init_timeout=args.worker_timeout)
+    base = base | {"start_s": time.perf_counter() - t0}
+    rows_out, rows = [], args.frames + NUM_CODEBOOKS
+    try:
+        for level in args.levels:
+            todo, records, streamed = jobs(max(2 * level, 8), args.seed + 1000 * level), [], False
+            wall0 = time.perf_counter()
+            for start in range(0, len(todo), level):
+                wave = todo[start : start + level]
+                params = stage_params(omni, None, wave[0]["seed"], rows, stream=True)
+                prompts = [{"prompt_token_ids": prompt_ids(args.model, j["text"])} for j in wave]
+                sent, first, audio, done = time.perf_counter(), {}, {}, {}
+                for out in omni.generate(prompts, params, py_generator=True, use_tqdm=False):
+                    now, rid, wav = time.perf_counter(), out.request_id, audio_of(out)
+                    if wav is not None and wav.numel():
+                        streamed |= rid in first
+                        first.setdefault(rid, now)
+                        audio[rid] = audio.get(rid, 0) + wav.numel()
+                    if getattr(out, "finished", True):
+                        done[rid] = now
+                for rid, end in done.items():
+                    seconds = audio.get(rid, 0) / SAMPLE_RATE
+                    records.append({"ttfa_ms": (first.get(rid, end) - sent) * 1e3, "audio_s": seconds,
+                                    "rtf": (end - sent) / seconds if seconds else None})  # fmt: skip
+            wall = time.perf_counter() - wall0
+            rows_out.append(level_row(base | {"offline_streamed": streamed}, level, records, wall))
+            print("RESULT:" + json.dumps(rows_out), flush=True)
+    finally:
+        omni.close()
+
+
+async def _http_level(url: str, todo: list[dict], level: int, rows: int) -> tuple[list[dict], float]:
+    import asyncio
+
+    import httpx
+
+    queue, records = list(todo), []
+    limits = httpx.Limits(max_connections=level + 4, max_keepalive_connections=level + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(900.0), limits=limits) as client:
+
+        async def worker() -> None:
+            while queue:
+                job = queue.pop(0)
+                body = {"input": job["text"], "response_format": "pcm", "stream": True, "seed": job["seed"],
+                        "max_new_tokens": rows}  # fmt: skip
+                t0, first, size = time.perf_counter(), None, 0
+                async with client.stream("POST", "/v1/audio/speech", json=body) as response:
+                    if response.status_code != 200:
+                        await response.aread()
+                        raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+                    async for chunk in response.aiter_raw():
+                        if chunk and first is None:
+                            first = time.perf_counter()
+                        size += len(chunk)
+                end, seconds = time.perf_counter(), size / 2 / SAMPLE_RATE
+                records.append({"ttfa_ms": (first - t0) * 1e3 if first else None, "audio_s": seconds,
+                                "rtf": (end - t0) / seconds if seconds else None})  # fmt: skip
+
+        wall0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(min(level, len(todo)))))
+    return records, time.perf_counter() - wall0
+
+
+def run_http(args: argparse.Namespace, base: dict) -> None:
+    import asyncio
+
+    t0 = time.perf_counter()
+    log_path = Path(args.out_dir) / f"server_{base['talker']}_{base['profile']}.log"
+    proc, url = start_server(args.model, Path(args.yaml), talker_env(base["talker"]), log_path, args.worker_timeout)
+    base = base | {"start_s": time.perf_counter() - t0}
+    rows_out = []
+    try:
+        asyncio.run(_http_level(url, jobs(2, args.seed), 2, 2 * FRAME_RATE + NUM_CODEBOOKS))  # warm up
+        for level in args.levels:
+            records, wall = asyncio.run(_http_level(url, jobs(max(2 * level, 8), args.seed + 1000 * level), level,
+                                                    args.frames + NUM_CODEBOOKS))  # fmt: skip
+            rows_out.append(level_row(base, level, records, wall))
+            print("RESULT:" + json.dumps(rows_out), flush=True)
+    finally:
+        stop_server(proc)
+
+
+def run_direct(args: argparse.Namespace, base: dict) -> None:
+    """Our engine alone: bench_serve's closed loop of C threads over ``stream_audio`` with vllm-omni's chunking."""
+    from bench_serve import run_direct as closed_loop
+
+    from higgs_talker import HiggsTalker
+    from higgs_talker.codec import UPSTREAM_CHUNKING
+
+    t0 = time.perf_counter()
+    talker = HiggsTalker.from_pretrained(args.model, device="cuda", dtype="bfloat16", max_num_seqs=max(args.levels))
+    talker.codec  # noqa: B018 - load the decoder before timing
+    base = base | {"start_s": time.perf_counter() - t0}
+    warm = [{"text": "warm up.", "frames": 30, "seed": i} for i in range(max(args.levels))]
+    closed_loop(talker, warm, max(args.levels), UPSTREAM_CHUNKING, 10_000)
+    rows_out = []
+    for level in args.levels:
+        todo = [j | {"frames": args.frames} for j in jobs(max(2 * level, 8), args.seed + 1000 * level)]
+        records, wall = closed_loop(talker, todo, level, UPSTREAM_CHUNKING, 10_000)
+        rows_out.append(level_row(base, level, records, wall))
+        print("RESULT:" + json.dumps(rows_out), flush=True)
+
+
+def worker(args: argparse.Namespace) -> None:
+    base = {"talker": args.talkers[0], "profile": args.profiles[0], "path": args.paths[0],
+            "sampling": "greedy" if args.paths[0] == "direct" else "deploy (seeded)"}  # fmt: skip
+    {"offline": run_offline, "http": run_http, "direct": run_direct}[args.paths[0]](args, base)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the driver
+
+
+def main(argv: list[str] | None = None):
+    from common import ResultFile, environment, ints_arg, log, package_version, print_table, strs_arg
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--talkers", type=strs_arg, default=list(TALKERS))
+    p.add_argument("--profiles", type=strs_arg, default=list(PROFILES))
+    p.add_argument("--paths", type=strs_arg, default=list(PATHS))
+    p.add_argument("--levels", type=ints_arg, default=None, help="concurrency levels (default 1,4,16,64)")
+    p.add_argument("--audio-s", type=float, default=None, help="seconds of audio per request (default 8)")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: omni_checkpoint.py's, 4B shape)")
+    p.add_argument("--ckpt-dir", default="/tmp/higgs_4b_omni", help="where the random checkpoint is written")
+    p.add_argument("--smoke", action="store_true", help="small shape, levels 1,2, 1 s of audio (still a GPU run)")
+    p.add_argument("--worker-timeout", type=int, default=900, help="s per worker process, start-up included")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--yaml", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out-dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--frames", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.levels = args.levels or ([1, 2] if args.smoke else list(LEVELS))
+    args.audio_s = args.audio_s or (1.0 if args.smoke else 8.0)
+    for name, allowed in (("talkers", TALKERS), ("profiles", PROFILES), ("paths", PATHS)):
+        bad = [x for x in getattr(args, name) if x not in allowed]
+        if bad:
+            p.error(f"--{name}: unknown {bad}; choose from {list(allowed)}")
+    if args.worker:
+        return worker(args)
+    import torch
+    from omni_checkpoint import write_omni_checkpoint
+
+    if args.model is None:
+        shape, where = ("small", args.ckpt_dir + "_small") if args.smoke else ("4b", args.ckpt_dir)
+        args.model = str(write_omni_checkpoint(where, shape=shape, seed=args.seed))
+    frames = round(args.audio_s * FRAME_RATE)
+    meta = environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"), "bench_omni.py", argv) | {
+        "vllm": package_version("vllm"), "vllm_omni": package_version("vllm_omni"), "model": args.model,
+        "audio_s": args.audio_s, "frames": frames, "levels": args.levels,
+        "sampling": "offline/http: the profiles' (temperature 1.0, top_p 0.95, top_k 50), seeded; direct: greedy",
+        "ttfa": "offline: submit -> first audio output (its finish where offline_streamed is false); http: sent -> "
+                "first PCM byte; direct: call -> first stream_audio chunk",
+        "rtf": "request wall time / audio seconds",
+        "upstream": f"VLLM_PLUGINS={UPSTREAM_ONLY['VLLM_PLUGINS']} with vllm-omni's own deploy YAMLs",
+    }  # fmt: skip
+    writer = ResultFile(args.out, "omni", meta)
+    log(f"writing {writer.path}")
+    configs = [(t, pr, pa) for t in args.talkers for pr in args.profiles for pa in args.paths if pa != "direct"]
+    if "direct" in args.paths:
+        configs.append(("ours", "direct", "direct"))
+    for talker, profile, path in configs:
+        name = f"{talker}_{profile}_{path}"
+        yaml_path = "" if path == "direct" else str(deploy_yaml(talker, profile))
+        cmd = [sys.executable, __file__, "--worker", "--talkers", talker, "--profiles", profile, "--paths", path,
+               "--model", args.model, "--yaml", yaml_path, "--out-dir", str(writer.dir), "--frames", str(frames),
+               "--levels", ",".join(map(str, args.levels)), "--seed", str(args.seed),
+               "--worker-timeout", str(args.worker_timeout)]  # fmt: skip
+        if path == "direct":
+            cmd[cmd.index("--profiles") + 1] = PROFILES[0]  # unused by the direct engine
+        log_path = writer.path.with_name(f"{writer.path.stem}_{name}.log")
+        t0, error = time.perf_counter(), None
+        with open(log_path, "w", encoding="utf-8") as sink:
+            try:
+                # its own session: a timed-out worker is ended with the stage processes it started
+                proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=talker_env(talker),
+                                        start_new_session=True)  # fmt: skip
+                code = proc.wait(timeout=args.worker_timeout + 60 * len(args.levels) * 5)
+                error = f"worker exited with status {code}" if code else None
+            except subprocess.TimeoutExpired as exc:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                error = f"timed out after {exc.timeout} s"
+        text = log_path.read_text(encoding="utf-8", errors="replace")
+        lines = [x for x in text.splitlines() if x.startswith("RESULT:")]
+        for row in json.loads(lines[-1][len("RESULT:") :]) if lines else []:
+            writer.add(row)
+        if error or not lines:
+            writer.add({"talker": talker, "profile": profile, "path": path, "status": "error",
+                        "error": error or "no result", "log_tail": text[-3000:]})  # fmt: skip
+        log(f"{name}: {time.perf_counter() - t0:.0f} s {error or ''}")
+    cols = ["talker", "profile", "path", "concurrency", "requests", "ttfa_ms_p50", "ttfa_ms_p90", "rtf_p50", "rtf_p90",
+            "audio_s_per_s", "status"]  # fmt: skip
+    print_table(writer.rows, cols, "vllm-omni pipeline: ours vs upstream talker (TTFA ms, RTF = wall / audio)")
+    print(f"wrote {writer.path}")
+    return writer
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    main()

@@ -1,0 +1,43 @@
+"""Run spec requests through vllm-omni's offline ``Omni`` (both stages) and save each request's audio.
+
+Run as a script (``Omni`` starts its own stage processes): ``python omni_run.py CKPT YAML SPEC_JSON OUT_DIR``.
+SPEC_JSON is a list of ``{"key", "text", "max_tokens", "temperature", "top_k", "top_p", "seed"}`` (a missing
+sampling key keeps the deploy profile's); each request runs alone, one after another. Each audio goes to
+``OUT_DIR/<key>.pt`` (float32 [S]); prints ``RESULT:`` and ``{"results": [{"key", "samples", "outputs"}]}``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def main(ckpt: str, yaml_path: str, spec: list[dict], out_dir: Path) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import torch
+    from bench_omni import audio_of, prompt_ids, stage_params
+    from vllm_omni import Omni
+
+    omni = Omni(model=ckpt, deploy_config=yaml_path, stage_init_timeout=600)
+    results = []
+    try:
+        for r in spec:
+            params = stage_params(omni, r.get("temperature"), r.get("seed"), None, stream=False)
+            params[0].max_tokens = r["max_tokens"]
+            for key in ("top_k", "top_p"):
+                if key in r:
+                    setattr(params[0], key, r[key])
+            outs = list(omni.generate([{"prompt_token_ids": prompt_ids(ckpt, r["text"])}], params, use_tqdm=False))
+            chunks = [a for a in (audio_of(o) for o in outs) if a is not None]
+            audio = chunks[-1] if chunks else torch.zeros(0)  # FINAL_ONLY: the last output holds the whole audio
+            torch.save(audio, out_dir / f"{r['key']}.pt")
+            results.append({"key": r["key"], "samples": int(audio.numel()), "outputs": len(outs)})
+    finally:
+        omni.close()
+    return {"results": results}
+
+
+if __name__ == "__main__":
+    out = main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), Path(sys.argv[4]))
+    print("RESULT:" + json.dumps(out))

@@ -1,0 +1,156 @@
+"""The checkpoint vllm-omni's two stages load (``benchmarks/omni_checkpoint.py``), checked on CPU against vllm-omni's
+own Stage-1 code: its ``HiggsAudioV3Code2Wav`` loads the real-layout random codec without a missing or unexpected
+key and decodes bit-identically to our codec; its async-chunk stage-input processor fed our direct engine's rows,
+then its code2wav, gives the audio of ``HiggsTalker.stream_audio(..., chunking=UPSTREAM_CHUNKING)``; its prompt
+builder gives our prompt. vllm-omni's ``Omni`` itself does not import on this CPU venv (torchvision), so the
+pipeline end to end is ``test_omni_gpu.py``'s.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm.config")
+pytest.importorskip("vllm_omni")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from omni_checkpoint import CODEC_SHARD, write_omni_checkpoint  # noqa: E402
+
+from higgs_talker import HiggsTalker, SamplingParams  # noqa: E402
+from higgs_talker.checkpoint import CODEC_PREFIX, INDEX_FILE, read_header  # noqa: E402
+from higgs_talker.codec import UPSTREAM_CHUNKING  # noqa: E402
+
+
+def _connector_extra() -> dict:
+    """The codec chunk settings of our low-latency profile's connector (the same in every deploy YAML)."""
+    import yaml
+
+    from higgs_talker.vllm_plugin.deploy import deploy_config_path
+
+    (connector,) = yaml.safe_load(deploy_config_path("low-latency").read_text())["connectors"].values()
+    return connector["extra"]
+
+
+@pytest.fixture(scope="module")
+def omni_ckpt(tmp_path_factory) -> Path:
+    return write_omni_checkpoint(tmp_path_factory.mktemp("omni") / "ckpt", shape="tiny")
+
+
+@pytest.fixture(scope="module")
+def code2wav(omni_ckpt):
+    """vllm-omni's Stage-1 module with the checkpoint's weights, fed as vLLM's loader feeds them (the index's
+    shards, every key)."""
+    from safetensors import safe_open
+    from vllm_omni.model_executor.models.higgs_audio_v3.higgs_audio_v3_code2wav import HiggsAudioV3Code2Wav
+    from vllm_omni.transformers_utils.configs.higgs_audio_v3 import HiggsAudioV3Config
+
+    files = sorted(set(json.loads((omni_ckpt / INDEX_FILE).read_text())["weight_map"].values()))
+
+    def weights():
+        for name in files:
+            with safe_open(str(omni_ckpt / name), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    yield key, f.get_tensor(key)
+
+    module = HiggsAudioV3Code2Wav(HiggsAudioV3Config.from_pretrained(str(omni_ckpt)))
+    module.load_weights(weights(), device=torch.device("cpu"))  # raises on a missing or unexpected decoder key
+    return module
+
+
+@pytest.fixture
+def no_capture_check(monkeypatch):
+    """vllm-omni's code check asks CUDA whether a graph is being captured, which raises on CPU-only torch."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+
+def test_the_index_names_every_key_and_the_codec_has_its_own_shard(omni_ckpt):
+    weight_map = json.loads((omni_ckpt / INDEX_FILE).read_text())["weight_map"]
+    header = read_header(sorted(omni_ckpt.glob("*.safetensors")))
+    assert set(weight_map) == set(header)
+    assert all(header[k][0].name == f for k, f in weight_map.items())
+    codec = {k for k in weight_map if k.startswith(CODEC_PREFIX)}
+    assert codec == {k for k, f in weight_map.items() if f == CODEC_SHARD}
+    assert f"{CODEC_PREFIX}quantizer.quantizers.7.codebook.embed" in codec
+    assert header[f"{CODEC_PREFIX}fc2.weight"][1:] == ((256, 1024), "BF16")
+    assert not (omni_ckpt / "codec_config.json").exists()  # would describe the tiny codec, not this one
+
+
+def test_vllm_omni_code2wav_loads_the_codec_and_decodes_like_ours(code2wav, omni_ckpt, no_capture_check):
+    from higgs_talker.codec import Codec
+
+    assert code2wav._loaded and code2wav.quantizer is not None
+    codes = torch.randint(0, 1024, (1, 8, 24), generator=torch.Generator().manual_seed(0))
+    theirs = code2wav.decode_codes(codes)[0, 0]
+    ours = Codec.from_pretrained(omni_ckpt).decode(codes[0].t().contiguous())
+    assert theirs.shape == ours.shape == (24 * 960,)
+    assert torch.equal(theirs, ours)  # float32 both, same modules and order of operations
+    assert ours.abs().max() > 1e-3  # random weights, not a silent decoder
+
+
+def test_our_prompt_equals_vllm_omnis(omni_ckpt):
+    from transformers import AutoTokenizer
+    from vllm_omni.model_executor.models.higgs_audio_v3.higgs_audio_v3_tokenizer import HiggsAudioV3TokenizerAdapter
+
+    from higgs_talker.config import TalkerConfig
+    from higgs_talker.prompt import TalkerTokenizer
+
+    adapter = HiggsAudioV3TokenizerAdapter(AutoTokenizer.from_pretrained(str(omni_ckpt)))
+    ours = TalkerTokenizer.from_pretrained(omni_ckpt, TalkerConfig.from_pretrained(omni_ckpt))
+    for text in ("Hello there.", "A longer sentence, with a comma; and more words."):
+        assert list(adapter.build_prompt(text)) == ours.build(text).input_ids.tolist()
+
+
+def _upstream_stream(code2wav, rows: torch.Tensor) -> list[torch.Tensor]:
+    """vllm-omni's Stage-0 -> Stage-1 hand-over on ``rows`` [N, 8] (one row per step, the last with the finish),
+    each chunk decoded by its code2wav with the trims the chunk's meta asks for."""
+    from vllm_omni.model_executor.stage_input_processors.higgs_audio_v3 import talker2code2wav_async_chunk
+
+    connector = SimpleNamespace(config={"extra": _connector_extra()})
+    manager = SimpleNamespace(code_prompt_token_ids={"r": []}, connector=connector)
+    chunks = []
+    for i, row in enumerate(rows):
+        last = i == len(rows) - 1
+        request = SimpleNamespace(external_req_id="r", is_finished=lambda last=last: last)
+        payload = talker2code2wav_async_chunk(manager, {"codes": {"audio": row[None]}}, request, is_finished=last)
+        if payload is None or payload.codes.audio.numel() == 0:
+            continue
+        codes = payload.codes.audio.reshape(8, -1)[None]
+        left, right = payload.meta.left_context_size or 0, payload.meta.right_holdback_size or 0
+        chunks.append(code2wav.forward_chunk(codes, left_context_size=left, right_holdback_size=right)[0, 0])
+    return chunks
+
+
+@pytest.mark.parametrize("frames", [3, 33])
+def test_vllm_omnis_chunked_hand_over_gives_our_upstream_chunking_audio(code2wav, omni_ckpt, no_capture_check, frames):
+    """Our rows through vllm-omni's async-chunk processor and code2wav = our ``stream_audio`` with its schedule."""
+    talker = HiggsTalker.from_pretrained(omni_ckpt, max_num_seqs=2, max_model_len=512)
+    params = SamplingParams(temperature=0.0, max_frames=frames)
+    result = talker.generate("Hello there, streaming.", params)
+    assert result.codes.shape == (frames, 8)  # the EOC is pushed down: the cap sets the length
+    theirs = _upstream_stream(code2wav, result.rows.long())
+    ours = list(talker.stream_audio("Hello there, streaming.", params, chunking=UPSTREAM_CHUNKING))
+    assert [c.numel() for c in theirs] == [c.numel() for c in ours]
+    assert torch.equal(torch.cat(theirs), torch.cat(ours))
+
+
+@pytest.mark.parametrize("profile", ["low_latency", "high_throughput"])
+@pytest.mark.parametrize("talker", ["ours", "upstream"])
+def test_bench_omnis_deploy_yamls_and_their_test_variants_parse(talker, profile, tmp_path):
+    """bench_omni's YAML of each talker and profile, and the test suite's variant of it (stage keys replaced),
+    through vllm-omni's own loader."""
+    from bench_omni import deploy_yaml, derived_yaml
+    from vllm_omni.config.stage_config import load_deploy_config
+
+    base = deploy_yaml(talker, profile)
+    derived = derived_yaml(base, tmp_path / "derived.yaml", {0: {"max_model_len": 1024}, 1: {"dtype": "float32"}})
+    for path in (base, derived):
+        cfg = load_deploy_config(path)
+        assert sorted(s.stage_id for s in cfg.stages) == [0, 1] and cfg.async_chunk is True
+    text = derived.read_text()
+    assert "max_model_len: 1024" in text and "dtype: float32" in text and "base_config" not in text
