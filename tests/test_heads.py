@@ -947,3 +947,29 @@ def test_slot_state_exports_and_loads_into_another_slot():
     for key in saved:
         assert torch.equal(saved[key], again[key]), key
     assert int(store.num_rows[3]) == 5 and int(store.seeds[3]) == 9 and int(store.min_rows[3]) == 3
+
+
+def test_seeds_fold_into_range_and_unseeded_draws_follow_the_generator():
+    import random
+
+    from higgs_talker.heads.sampling import MAX_SEED, resolve_seed
+
+    assert resolve_seed(17) == 17 and resolve_seed(MAX_SEED + 5) == 4 and resolve_seed(-1) == MAX_SEED
+    a, b = random.Random(3), random.Random(3)
+    assert [resolve_seed(None, a) for _ in range(3)] == [resolve_seed(None, b) for _ in range(3)]
+    assert len({resolve_seed(None) for _ in range(8)}) > 1
+
+
+def test_row_params_fill_the_front_ends_conventions_and_keep_tiny_temperatures():
+    from higgs_talker.heads.sampling import is_greedy, row_params
+
+    t, k, p = row_params(3, torch.device("cpu"), None, None, None)
+    assert torch.equal(t, torch.zeros(3)) and torch.equal(k, torch.zeros(3, dtype=torch.long))
+    assert torch.equal(p, torch.ones(3))
+    temp = torch.tensor([1e-6, 0.0, float("nan"), 0.5])
+    t, k, p = row_params(
+        4, torch.device("cpu"), temp, torch.tensor([-1, 0, 5, 2000]), torch.tensor([0.0, 1.5, 0.3, 1.0])
+    )
+    assert t.tolist() == [pytest.approx(1e-6), 0.0, 1.0, 0.5] and k.tolist() == [-1, 0, 5, 2000]
+    assert p.tolist() == [1.0, 1.0, pytest.approx(0.3), 1.0]
+    assert is_greedy(t).tolist() == [False, True, False, False]  # 1e-6 samples: no threshold but 0

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..heads.sampling import MAX_SEED
+from ..heads.sampling import resolve_seed
 from ..heads.slots import FreeList, SlotInit, SlotStore
 
 
@@ -84,8 +84,7 @@ class RequestSlots:
                 self.seed_pos[req.slot] = snapshot["seed_pos"].to(self.seed_pos.device)[0]
                 self.requests[rid] = req
                 continue
-            seed = (seeds or {}).get(i)
-            req = HostRequest(self.free.acquire(), seed if seed is not None else self._seeds.randrange(MAX_SEED))
+            req = HostRequest(self.free.acquire(), resolve_seed((seeds or {}).get(i), self._seeds))
             self.requests[rid] = req
             inits.append(SlotInit(req.slot, req.seed, min_rows=(min_rows or {}).get(i, 0)))
             new_rows.append(i)

@@ -143,24 +143,3 @@ def sample_step(
     return sample_frame(
         slots.store, step.slots, logits, params=params, active=modes.code_rows, fresh=modes.seed | modes.done
     )
-
-
-def step_params(
-    num_rows: int,
-    codebook_size: int,
-    device: torch.device,
-    temperature: Tensor | None = None,
-    top_k: Tensor | None = None,
-    top_p: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-row (temperature, top_k, top_p) with vLLM's "None = off / greedy" conventions filled in (top_k <= 0
-    or >= codebook_size is off, as ``sample_codes`` reads it)."""
-    f32 = torch.float32
-    t = torch.zeros(num_rows, dtype=f32, device=device) if temperature is None else temperature[:num_rows].float()
-    k = torch.zeros(num_rows, dtype=torch.long, device=device) if top_k is None else top_k[:num_rows].long()
-    p = torch.ones(num_rows, dtype=f32, device=device) if top_p is None else top_p[:num_rows].float()
-    # vLLM marks greedy rows with temperature 0 (or below a tiny epsilon); non-finite values sample at 1
-    t = torch.where(torch.isfinite(t), t, 1.0)
-    p = torch.where(torch.isfinite(p), p.clamp(0.0, 1.0), 1.0)
-    p = torch.where(p <= 0, 1.0, p)
-    return t, k, p

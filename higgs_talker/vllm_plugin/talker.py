@@ -37,7 +37,7 @@ from ..checkpoint import WeightRouter
 from ..config import SpecialTokens, TalkerConfig
 from ..cuda_graphs.policy import decide
 from ..heads.codebooks import build_codebooks
-from ..heads.sampling import MAX_SEED
+from ..heads.sampling import resolve_seed, row_params
 from ..heads.slots import SlotStore
 from . import compat
 from . import step as S
@@ -309,11 +309,9 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         step = self._step
         for i, gen in (getattr(sampling_metadata, "generators", None) or {}).items():
             if i in step.new_rows:
-                self.slots.set_seed(step.req_ids[i], gen.initial_seed() % (MAX_SEED + 1))
-        params = S.step_params(
-            step.num_reqs, self.cfg.codebook_size, logits.device,
-            sampling_metadata.temperature, sampling_metadata.top_k, sampling_metadata.top_p,
-        )  # fmt: skip
+                self.slots.set_seed(step.req_ids[i], resolve_seed(gen.initial_seed()))
+        m = sampling_metadata
+        params = row_params(step.num_reqs, logits.device, m.temperature, m.top_k, m.top_p)
         modes = self._pending[1]
         forced_only = self.slots.all_forced(step.req_ids) or bool(modes.audio.all())
         self.sample_codes(*params)
