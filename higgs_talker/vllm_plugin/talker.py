@@ -106,6 +106,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         self.stats = dict.fromkeys(("text_head_skipped", "text_head_full", "sample_steps", "bridge_moves",
                                     "bridge_replayed_steps", "bridge_no_qsl", "bridge_recomputed_rows"), 0)  # fmt: skip
         self.deferred_prefix_cache_mm_keys = {"codes.audio"}
+        self._runner_req_ids: list[str] | None = None  # from prepare_runner_inputs, for the step's metadata
         self._step: S.VllmStep | None = None  # the current step (None: a dummy or profile run)
         self._bridge_req_ids: list[str] | None = None  # set by the bridge before a real step's forward
         self._bridge_infos: list[dict] | None = None  # the bridge's voice-clone references, batch order
@@ -130,15 +131,21 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         req_ids: list[str] | None = None,
         **_: Any,
     ) -> None:
-        """Called by the vllm-omni runner before every forward or graph replay."""
+        """Called by the vllm-omni runner before every forward or graph replay (0.26 passes no ``req_ids``: the
+        ones ``prepare_runner_inputs`` got for this step stand in; a dummy run has neither)."""
         qsl = omni_query_start_loc
-        num_reqs = None if qsl is None else qsl.shape[0] - 1
-        req_ids = compat.omni_step_req_ids(req_ids, num_reqs)
+        req_ids, self._runner_req_ids = (req_ids if req_ids is not None else self._runner_req_ids), None
         if req_ids is None or input_ids is None or positions is None or qsl is None:
             self._step = None
             self._fb_use.zero_()
             return
-        self._begin_step(req_ids, input_ids, positions, qsl)
+        self._begin_step(list(req_ids), input_ids, positions, qsl)
+
+    def prepare_runner_inputs(self, *, input_ids: Tensor, positions: Tensor, req_ids=None, **_: Any):
+        """vllm-omni's AR runner (0.26 and 0.30) names the step's requests here, before its forward; the inputs
+        go back unchanged."""
+        self._runner_req_ids = None if req_ids is None else list(req_ids)
+        return input_ids, positions
 
     def set_bridge_requests(
         self,

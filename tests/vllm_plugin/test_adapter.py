@@ -144,6 +144,19 @@ def test_state_follows_request_ids_across_reorder_join_and_finish(adapter):
     assert adapter.slots.requests == {}
 
 
+def test_request_ids_from_prepare_runner_inputs_when_the_metadata_has_none(adapter):
+    """vllm-omni 0.26 passes no req_ids to update_decode_step_metadata; its runner names them in
+    prepare_runner_inputs just before. A dummy run (no prepare call) gets no step."""
+    m, sp = adapter, adapter.specials
+    ids, pos = torch.tensor([sp.audio, sp.audio]), torch.tensor([5, 5])
+    assert m.prepare_runner_inputs(input_ids=ids, positions=pos, req_ids=["R1", "R2"]) == (ids, pos)
+    m.update_decode_step_metadata(input_ids=ids, positions=pos, omni_query_start_loc=torch.arange(3))
+    assert m._step is not None and m._step.req_ids == ["R1", "R2"]
+    m.update_decode_step_metadata(input_ids=ids, positions=pos, omni_query_start_loc=torch.arange(3))
+    assert m._step is None
+    m.on_requests_finished({"R1", "R2"})
+
+
 def test_reused_request_id_starts_fresh(adapter):
     d = Driver(adapter)
     for _ in range(3):
