@@ -973,3 +973,55 @@ def test_row_params_fill_the_front_ends_conventions_and_keep_tiny_temperatures()
     assert t.tolist() == [pytest.approx(1e-6), 0.0, 1.0, 0.5] and k.tolist() == [-1, 0, 5, 2000]
     assert p.tolist() == [1.0, 1.0, pytest.approx(0.3), 1.0]
     assert is_greedy(t).tolist() == [False, True, False, False]  # 1e-6 samples: no threshold but 0
+
+
+def test_rows_at_places_rows_by_position_in_any_span():
+    from higgs_talker.heads.codebooks import rows_at
+
+    codes = torch.arange(12).view(4, 3)
+    where = torch.tensor([9, 2, 5, 3])  # unsorted: row r belongs at position where[r]
+    tok, got = rows_at(torch.arange(3, 8), where, codes)  # a chunk covering positions 3..7
+    assert tok.tolist() == [0, 2] and got.tolist() == [codes[3].tolist(), codes[2].tolist()]
+    tok, got = rows_at(torch.arange(10, 12), where, codes)
+    assert tok.numel() == 0 and got.shape == (0, 3)
+    tok, got = rows_at(torch.arange(4), torch.zeros(0, dtype=torch.long), codes[:0])
+    assert tok.numel() == 0 and got.shape == (0, 3)
+
+
+def test_feed_back_and_embed_rows_replace_only_their_tokens():
+    from higgs_talker.heads.codebooks import FusedCodebookEmbedding, embed_rows, feed_back
+
+    emb = FusedCodebookEmbedding(N, V, 16)
+    torch.nn.init.normal_(emb.weight)
+    embeds = torch.randn(5, 16)
+    codes = torch.randint(0, V, (5, N))
+    use = torch.tensor([True, False, False, True, False])
+    out = feed_back(embeds, use, codes, emb)
+    assert torch.equal(out[~use], embeds[~use]) and torch.allclose(out[use], emb(codes[use]))
+    out = embed_rows(embeds, torch.tensor([4, 1]), codes[:2], emb)
+    assert torch.allclose(out[4], emb(codes[0])) and torch.allclose(out[1], emb(codes[1]))
+    assert torch.equal(out[[0, 2, 3]], embeds[[0, 2, 3]])
+    assert embed_rows(embeds, torch.zeros(0, dtype=torch.long), codes[:0], emb) is embeds
+
+
+def test_request_slots_follow_ids_and_resume_a_kept_state():
+    """Slots keyed by request id keep their state through reorders; a request released with ``keep`` comes back
+    (``resume``) with its decode state, seed position and rows, in whatever slot is free."""
+    from higgs_talker.heads.slots import RequestSlots, SlotStore, sample_frame
+
+    slots = RequestSlots(SlotStore(4, N, V, BOC, EOC, torch.device("cpu")), keep_finished=8, seed=1)
+    s, new = slots.sync(["a", "b"], seeds={0: 7})
+    assert new == [0, 1] and slots.requests["a"].seed == 7
+    slots.seed_pos[s] = torch.tensor([4, 9])
+    sample_frame(slots.store, s, torch.randn(2, N, V))
+    slots.record(["a", "b"], torch.cat([torch.ones(2, N), torch.ones(2, 3)], 1).int())
+    assert slots.sync(["b", "a"])[0].tolist() == s.flip(0).tolist() and slots.sync(["b", "a"])[1] == []
+    before = slots.store.export(slots.requests["a"].slot)
+    slots.release(["a"], keep=True)
+    slots.sync(["b", "c"])  # "c" takes the freed slot
+    s2, new = slots.sync(["b", "c", "a"], resume={"a"})
+    assert new == [] and len(slots.requests["a"].rows) == 1 and int(slots.seed_pos[s2[2]]) == 4
+    after = slots.store.export(slots.requests["a"].slot)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    slots.release(["b", "c", "a"])
+    assert slots.free.num_free == 4 and slots.requests == {}

@@ -127,7 +127,7 @@ class TextOnlyBridge(LogitsProcessor):
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         model = talker_for(self.vllm_config)
-        if not self.armed or model is None or model._pending is None:
+        if not self.armed or model is None:
             return logits
         self.armed = False
         batch = [self.rows[i] for i in range(self.batch_size)]

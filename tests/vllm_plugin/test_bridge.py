@@ -149,7 +149,6 @@ def test_bridge_codes_follow_the_core_greedy_rule(monkeypatch, temperature):
     b, n, v, boc, eoc = 16, 8, 12, 10, 11
     seeds = [1000 + i for i in range(b)]
     talker = FakeTalker()
-    talker._pending = object()
     talker.sample_codes = lambda *params: talker.__dict__.setdefault("params", params)
     monkeypatch.setattr(bridge_module, "talker_for", lambda _cfg: talker)
     bridge = TextOnlyBridge(object(), None, False)
