@@ -20,6 +20,7 @@ from .attention import AttentionBackend, SdpaAttention, use_backend
 from .batch import DeviceBatch, StepBatch
 from .config import SpecialTokens, TalkerConfig
 from .flashinfer_attention import check_decode_kernel
+from .heads.codebooks import embed_rows, feed_back
 from .heads.slots import SlotStore, sample_frame
 from .kv_cache import allocate_kv_caches
 from .model import PostAttention, TalkerModel, post_attention_block
@@ -127,10 +128,7 @@ class ModelRunner:
         """A prefill's token embeddings [N, H]: text ids, with the audio positions embedded from their codes."""
         model = self.model
         embeds = model.embed_text(inputs.token_ids)
-        if inputs.audio_index.numel():
-            fed = model.multimodal_embedding(inputs.audio_codes).to(embeds.dtype)
-            embeds = embeds.index_copy(0, inputs.audio_index, fed)
-        return embeds
+        return embed_rows(embeds, inputs.audio_index, inputs.audio_codes, model.multimodal_embedding)
 
     def eager_post_attention(self, layer: int, hidden: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """Layer ``layer``'s post-attention block, eagerly (what local MLP graphs capture)."""
@@ -140,6 +138,5 @@ class ModelRunner:
         """Decode embeddings [B, H]: each request's last frame, or ``<|audio|>`` before its first (SPEC 4.8)."""
         model, state = self.model, self.slots.state
         audio = torch.full(slots.shape, self.specials.audio, dtype=torch.long, device=slots.device)
-        text = model.embed_text(audio)
-        fed = model.multimodal_embedding(state.last_codes.index_select(0, slots)).to(text.dtype)
-        return torch.where(state.has_codes.index_select(0, slots)[:, None], fed, text)
+        use, last = state.has_codes.index_select(0, slots), state.last_codes.index_select(0, slots)
+        return feed_back(model.embed_text(audio), use, last, model.multimodal_embedding)

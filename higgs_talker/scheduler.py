@@ -40,6 +40,7 @@ from torch import Tensor
 
 from .batch import StepBatch
 from .config import TalkerConfig
+from .heads.codebooks import rows_at
 from .heads.sampling import SamplingParams
 from .heads.slots import FreeList, SlotInit
 from .kv_cache import BlockAllocator, kv_slot, prefix_hashes, slot_mapping
@@ -343,14 +344,12 @@ class Scheduler:
             token_ids += p.input_ids[cached:].tolist() + [audio] * len(req.rows)
             positions += range(cached, n)
             slots_kv += slot_mapping(req.blocks, cached, n, bs)
-            if p.audio_codes is not None:
-                keep = p.audio_positions >= cached
-                if bool(keep.any()):
-                    audio_index += (p.audio_positions[keep] - cached + start).tolist()
-                    codes.append(p.audio_codes[keep].long())
-            if req.rows:  # resume after preemption: position P + j was fed row j
-                audio_index += range(start + len(p) - cached, start + n - cached)
-                codes.append(torch.stack(req.rows).long())
+            span = torch.arange(cached, n)
+            for where, rows in _code_rows(p, req.rows):
+                tok, got = rows_at(span, where, rows)
+                if tok.numel():
+                    audio_index += (tok + start).tolist()
+                    codes.append(got.long())
             if not req.rows:  # a first prefill (a preempted request has rows): its stream starts now
                 new.append(self._slot_init(req))
             query_lens.append(n - cached)
@@ -469,3 +468,12 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.finished_at = time.perf_counter()
+
+
+def _code_rows(prompt: Prompt, fed: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
+    """(positions [R], rows [R, C]) a prefill embeds from codes: the reference rows at their placeholders and,
+    on resume after a preemption, row j fed back at position len(prompt) + j."""
+    out = [] if prompt.audio_codes is None else [(prompt.audio_positions, prompt.audio_codes)]
+    if fed:
+        out.append((torch.arange(len(prompt), len(prompt) + len(fed)), torch.stack(fed)))
+    return out

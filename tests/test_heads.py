@@ -947,3 +947,81 @@ def test_slot_state_exports_and_loads_into_another_slot():
     for key in saved:
         assert torch.equal(saved[key], again[key]), key
     assert int(store.num_rows[3]) == 5 and int(store.seeds[3]) == 9 and int(store.min_rows[3]) == 3
+
+
+def test_seeds_fold_into_range_and_unseeded_draws_follow_the_generator():
+    import random
+
+    from higgs_talker.heads.sampling import MAX_SEED, resolve_seed
+
+    assert resolve_seed(17) == 17 and resolve_seed(MAX_SEED + 5) == 4 and resolve_seed(-1) == MAX_SEED
+    a, b = random.Random(3), random.Random(3)
+    assert [resolve_seed(None, a) for _ in range(3)] == [resolve_seed(None, b) for _ in range(3)]
+    assert len({resolve_seed(None) for _ in range(8)}) > 1
+
+
+def test_row_params_fill_the_front_ends_conventions_and_keep_tiny_temperatures():
+    from higgs_talker.heads.sampling import is_greedy, row_params
+
+    t, k, p = row_params(3, torch.device("cpu"), None, None, None)
+    assert torch.equal(t, torch.zeros(3)) and torch.equal(k, torch.zeros(3, dtype=torch.long))
+    assert torch.equal(p, torch.ones(3))
+    temp = torch.tensor([1e-6, 0.0, float("nan"), 0.5])
+    t, k, p = row_params(
+        4, torch.device("cpu"), temp, torch.tensor([-1, 0, 5, 2000]), torch.tensor([0.0, 1.5, 0.3, 1.0])
+    )
+    assert t.tolist() == [pytest.approx(1e-6), 0.0, 1.0, 0.5] and k.tolist() == [-1, 0, 5, 2000]
+    assert p.tolist() == [1.0, 1.0, pytest.approx(0.3), 1.0]
+    assert is_greedy(t).tolist() == [False, True, False, False]  # 1e-6 samples: no threshold but 0
+
+
+def test_rows_at_places_rows_by_position_in_any_span():
+    from higgs_talker.heads.codebooks import rows_at
+
+    codes = torch.arange(12).view(4, 3)
+    where = torch.tensor([9, 2, 5, 3])  # unsorted: row r belongs at position where[r]
+    tok, got = rows_at(torch.arange(3, 8), where, codes)  # a chunk covering positions 3..7
+    assert tok.tolist() == [0, 2] and got.tolist() == [codes[3].tolist(), codes[2].tolist()]
+    tok, got = rows_at(torch.arange(10, 12), where, codes)
+    assert tok.numel() == 0 and got.shape == (0, 3)
+    tok, got = rows_at(torch.arange(4), torch.zeros(0, dtype=torch.long), codes[:0])
+    assert tok.numel() == 0 and got.shape == (0, 3)
+
+
+def test_feed_back_and_embed_rows_replace_only_their_tokens():
+    from higgs_talker.heads.codebooks import FusedCodebookEmbedding, embed_rows, feed_back
+
+    emb = FusedCodebookEmbedding(N, V, 16)
+    torch.nn.init.normal_(emb.weight)
+    embeds = torch.randn(5, 16)
+    codes = torch.randint(0, V, (5, N))
+    use = torch.tensor([True, False, False, True, False])
+    out = feed_back(embeds, use, codes, emb)
+    assert torch.equal(out[~use], embeds[~use]) and torch.allclose(out[use], emb(codes[use]))
+    out = embed_rows(embeds, torch.tensor([4, 1]), codes[:2], emb)
+    assert torch.allclose(out[4], emb(codes[0])) and torch.allclose(out[1], emb(codes[1]))
+    assert torch.equal(out[[0, 2, 3]], embeds[[0, 2, 3]])
+    assert embed_rows(embeds, torch.zeros(0, dtype=torch.long), codes[:0], emb) is embeds
+
+
+def test_request_slots_follow_ids_and_resume_a_kept_state():
+    """Slots keyed by request id keep their state through reorders; a request released with ``keep`` comes back
+    (``resume``) with its decode state, seed position and rows, in whatever slot is free."""
+    from higgs_talker.heads.slots import RequestSlots, SlotStore, sample_frame
+
+    slots = RequestSlots(SlotStore(4, N, V, BOC, EOC, torch.device("cpu")), keep_finished=8, seed=1)
+    s, new = slots.sync(["a", "b"], seeds={0: 7})
+    assert new == [0, 1] and slots.requests["a"].seed == 7
+    slots.seed_pos[s] = torch.tensor([4, 9])
+    sample_frame(slots.store, s, torch.randn(2, N, V))
+    slots.record(["a", "b"], torch.cat([torch.ones(2, N), torch.ones(2, 3)], 1).int())
+    assert slots.sync(["b", "a"])[0].tolist() == s.flip(0).tolist() and slots.sync(["b", "a"])[1] == []
+    before = slots.store.export(slots.requests["a"].slot)
+    slots.release(["a"], keep=True)
+    slots.sync(["b", "c"])  # "c" takes the freed slot
+    s2, new = slots.sync(["b", "c", "a"], resume={"a"})
+    assert new == [] and len(slots.requests["a"].rows) == 1 and int(slots.seed_pos[s2[2]]) == 4
+    after = slots.store.export(slots.requests["a"].slot)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    slots.release(["b", "c", "a"])
+    assert slots.free.num_free == 4 and slots.requests == {}

@@ -55,18 +55,3 @@ def test_unknowable_spans_are_none_not_a_guess(metadata):
 @pytest.mark.parametrize(("text", "want"), [("0.26.0", (0, 26)), ("0.30.0+cpu", (0, 30)), ("0.27.1rc2", (0, 27))])
 def test_version_tuple(text, want):
     assert compat.version_tuple(text) == want
-
-
-def test_omni_req_ids_from_the_calling_runner():
-    class Runner:  # vllm-omni 0.26's runner calls update_decode_step_metadata without req_ids
-        input_batch = NS(req_ids=["b", "a", "c"])
-
-        def _model_forward(self, model):
-            return model.update_decode_step_metadata()
-
-    class Model:
-        def update_decode_step_metadata(self):
-            return compat.omni_step_req_ids(None, 2)
-
-    assert Runner()._model_forward(Model()) == ["b", "a"]
-    assert compat.omni_step_req_ids(["x"], 1) == ["x"]  # 0.30 passes them

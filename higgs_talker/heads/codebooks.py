@@ -64,3 +64,29 @@ def build_codebooks(cfg) -> tuple[FusedCodebookEmbedding, FusedCodebookHead]:
         tied_to=embedding if cfg.tie_modality_embeddings else None,
     )
     return embedding, head
+
+
+def rows_at(positions: Tensor, where: Tensor, codes: Tensor) -> tuple[Tensor, Tensor]:
+    """Which tokens of a span carry a code row instead of text: positions [S] int64 of the span's tokens,
+    ``where`` [R] int64 the positions of ``codes`` [R, C] (reference rows at their placeholders, or the rows fed
+    back at positions a preempted request recomputes). Returns (indices into the span [K] int64, rows [K, C])."""
+    if where.numel() == 0:
+        return positions.new_zeros(0), codes[:0]
+    where, order = where.to(positions.device).sort()
+    idx = torch.searchsorted(where, positions).clamp(max=where.numel() - 1)
+    tok = torch.nonzero(where[idx] == positions).flatten()
+    return tok, codes[order[idx[tok]].to(codes.device)]
+
+
+def embed_rows(embeds: Tensor, index: Tensor, codes: Tensor, embedding: nn.Module) -> Tensor:
+    """embeds [N, H] -> [N, H] with the tokens at ``index`` [M] embedded from their rows ``codes`` [M, C]."""
+    if index.numel() == 0:
+        return embeds
+    rows = embedding(codes.to(embeds.device).long()).to(embeds.dtype)
+    return embeds.index_copy(0, index.to(embeds.device), rows)
+
+
+def feed_back(embeds: Tensor, use: Tensor, codes: Tensor, embedding: nn.Module) -> Tensor:
+    """The audio feedback (SPEC 4.8): embeds [N, H] -> [N, H] where tokens with ``use`` [N] bool embed their
+    request's last frame ``codes`` [N, C] instead (dense, graph-safe)."""
+    return torch.where(use[:, None], embedding(codes).to(embeds.dtype), embeds)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import random
 import secrets
 from dataclasses import dataclass
 
@@ -103,7 +104,38 @@ class SamplingParams:
 
     def resolved_seed(self) -> int:
         """The seed to use: the given one, or a fresh random one (no seed is pinned by default)."""
-        return self.seed if self.seed is not None else secrets.randbelow(MAX_SEED)
+        return resolve_seed(self.seed)
+
+
+def resolve_seed(seed: int | None, draw: random.Random | None = None) -> int:
+    """A request's sampling seed: ``seed`` folded into [0, MAX_SEED] (vLLM's seeds may lie outside), or, for
+    None, the next draw of ``draw`` (a seeded generator: every tensor-parallel rank draws the same sequence) or
+    a fresh one from the OS."""
+    if seed is not None:
+        return seed % (MAX_SEED + 1)
+    return draw.randrange(MAX_SEED) if draw is not None else secrets.randbelow(MAX_SEED)
+
+
+def is_greedy(temperature: Tensor) -> Tensor:
+    """The one greedy rule of every front end: temperature [B] <= 0 takes the argmax (a tiny positive
+    temperature samples, and falls back to the argmax only where ``logits / T`` overflows)."""
+    return temperature <= 0
+
+
+def row_params(
+    num_rows: int, device: torch.device, temperature: Tensor | None, top_k: Tensor | None, top_p: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row (temperature [B] fp32, top_k [B] int64, top_p [B] fp32) from a front end's per-row values, with
+    None meaning greedy / off / off. A non-finite temperature or top_p samples at 1 / keeps every code; top_p is
+    clamped into [0, 1] and 0 means off; top_k <= 0 (or >= the codebook size) is off, as ``sample_codes`` reads
+    it. Greedy is ``is_greedy``: no threshold of the front end's own."""
+    f32 = torch.float32
+    t = torch.zeros(num_rows, dtype=f32, device=device) if temperature is None else temperature[:num_rows].float()
+    k = torch.zeros(num_rows, dtype=torch.long, device=device) if top_k is None else top_k[:num_rows].long()
+    p = torch.ones(num_rows, dtype=f32, device=device) if top_p is None else top_p[:num_rows].float()
+    t = torch.where(torch.isfinite(t), t, 1.0)
+    p = torch.where(torch.isfinite(p), p.clamp(0.0, 1.0), 1.0)
+    return t, k, torch.where(p <= 0, 1.0, p)
 
 
 def _as_int(value: object) -> int | None:
@@ -217,7 +249,7 @@ def race_scores(
     """
     b, n, v = logits.shape
     x = logits.float()
-    greedy = temperature <= 0
+    greedy = is_greedy(temperature)
     x = x / torch.where(greedy, 1.0, temperature.float())[:, None, None]
     overflow = (x.isinf() & logits.isfinite()).any(dim=-1, keepdim=True)  # [B, C, 1]: a finite logit left range
     if filter:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from ..heads.sampling import MAX_SEED
+from ..heads.sampling import row_params
 from . import ROWS_EXTENSION
 from .compat import collective_rpc_every_engine, warn_once
 from .talker import talker_for
@@ -87,7 +87,6 @@ class TextOnlyBridge(LogitsProcessor):
                     finished.append(old.key)
                 extra = params.extra_args or {}
                 key = str(extra.get(REQUEST_KEY) or f"vllm-bridge-{next(self._ids)}")
-                seed = None if params.seed is None else params.seed % (MAX_SEED + 1)
                 min_rows = int(getattr(params, "min_tokens", 0) or 0)
                 ref = extra.get(REFERENCE)
                 info = None
@@ -95,7 +94,7 @@ class TextOnlyBridge(LogitsProcessor):
                     rows, where = (torch.tensor(ref[k], dtype=torch.long) for k in ("rows", "positions"))
                     info = {"audio_input_ids": rows, "audio_placeholder_positions": where}
                 self.rows[index] = _Row(
-                    key, float(params.temperature), int(params.top_k), float(params.top_p), seed, min_rows, info
+                    key, float(params.temperature), int(params.top_k), float(params.top_p), params.seed, min_rows, info
                 )
                 if output:  # generated tokens already: a preempted request comes back
                     resume.add(key)
@@ -128,18 +127,17 @@ class TextOnlyBridge(LogitsProcessor):
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         model = talker_for(self.vllm_config)
-        if not self.armed or model is None or model._pending is None:
+        if not self.armed or model is None:
             return logits
         self.armed = False
         batch = [self.rows[i] for i in range(self.batch_size)]
         if logits.shape[0] != len(batch):
             return logits
         dev = logits.device
-        # vLLM treats a temperature below 1e-5 as greedy; sample_codes takes 0 for greedy
-        temperature = torch.tensor([r.temperature if r.temperature >= 1e-5 else 0.0 for r in batch], device=dev)
-        top_k = torch.tensor([r.top_k if r.top_k > 0 else 0 for r in batch], dtype=torch.long, device=dev)
-        top_p = torch.tensor([r.top_p for r in batch], device=dev)
-        model.sample_codes(temperature, top_k, top_p)
+        values = (
+            torch.tensor([getattr(r, name) for r in batch], device=dev) for name in ("temperature", "top_k", "top_p")
+        )
+        model.sample_codes(*row_params(len(batch), dev, *values))  # the core's greedy rule, as the runner path
         return logits
 
 

@@ -6,8 +6,6 @@ something, so the adapter runs on each release and says what it could not find.
 - The step's request spans: vLLM's attention metadata carries ``query_start_loc`` on most backends, but
   FlashInfer's has none (it keeps only decode/prefill counts, decodes first); ``step_query_start_loc``
   rebuilds it from what the backend has.
-- vllm-omni 0.26 calls ``update_decode_step_metadata`` without ``req_ids`` (0.30 passes them);
-  ``omni_step_req_ids`` reads them from the calling runner's input batch there.
 - Config reads (cudagraph mode, capture sizes, max_num_seqs), the backbone's config copy (0.26's Qwen2 layers
   read ``hf_text_config`` too), the text sampler with the configured logprobs mode.
 """
@@ -16,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import sys
 from typing import Any
 
 import torch
@@ -122,24 +119,6 @@ def step_query_start_loc(num_reqs: int, positions: Tensor) -> Tensor | None:
 
 # ---------------------------------------------------------------------------------------------------------
 # vllm-omni
-
-
-def omni_step_req_ids(req_ids: list[str] | None, num_reqs: int | None) -> list[str] | None:
-    """The step's request ids: as vllm-omni 0.30 passes them, else (0.26) the calling runner's input batch."""
-    if req_ids is not None:
-        return list(req_ids)
-    frame = sys._getframe(1)
-    for _ in range(4):  # update_decode_step_metadata's caller is the runner's _model_forward
-        frame = frame.f_back
-        if frame is None:
-            break
-        batch = getattr(frame.f_locals.get("self"), "input_batch", None)
-        ids = getattr(batch, "req_ids", None)
-        if ids is not None:
-            warn_once("omni-req-ids", "vllm-omni passes no req_ids: reading them from its runner's input batch")
-            ids = list(ids)
-            return ids[:num_reqs] if num_reqs is not None else ids
-    return None
 
 
 def omni_output(text_hidden_states: Tensor, multimodal_outputs: dict | None):

@@ -36,13 +36,12 @@ from vllm.model_executor.models.qwen3 import Qwen3Model
 from ..checkpoint import WeightRouter
 from ..config import SpecialTokens, TalkerConfig
 from ..cuda_graphs.policy import decide
-from ..heads.codebooks import build_codebooks
-from ..heads.sampling import MAX_SEED
-from ..heads.slots import SlotStore
+from ..heads.codebooks import build_codebooks, embed_rows, feed_back, rows_at
+from ..heads.sampling import resolve_seed, row_params
+from ..heads.slots import RequestSlots, SlotStore
 from . import compat
 from . import step as S
 from .graphs import LocalMLPPath
-from .state import RequestSlots
 
 logger = logging.getLogger(__name__)
 
@@ -106,12 +105,10 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         self.stats = dict.fromkeys(("text_head_skipped", "text_head_full", "sample_steps", "bridge_moves",
                                     "bridge_replayed_steps", "bridge_no_qsl", "bridge_recomputed_rows"), 0)  # fmt: skip
         self.deferred_prefix_cache_mm_keys = {"codes.audio"}
-        self._step: S.VllmStep | None = None  # the current step (None: a dummy or profile run)
-        self._bridge_req_ids: list[str] | None = None  # set by the bridge before a real step's forward
-        self._bridge_infos: list[dict] | None = None  # the bridge's voice-clone references, batch order
-        self._pending: tuple[Tensor, S.RowModes] | None = None
-        self._published: list[Tensor | None] = []
-        self._cursor = 0
+        self._runner_req_ids: list[str] | None = None  # from prepare_runner_inputs, for the step's metadata
+        self.step: S.PluginStep | None = None  # the current step (None: a dummy or profile run)
+        self.sampled: S.PluginStep | None = None  # the last sampled step, whose rows postprocess publishes
+        self._bridge_pending = False  # the bridge armed self.step; its token layout comes with the forward
         self._text_sampler = None
         self.graph_decision = decide(vllm_config=vllm_config)
         logger.info("higgs talker (vLLM adapter): %s", self.graph_decision.reason)
@@ -120,51 +117,43 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
 
     # ------------------------------------------------------------------ per-step metadata
 
+    def prepare_runner_inputs(self, *, input_ids: Tensor, positions: Tensor, req_ids=None, **_: Any):
+        """vllm-omni's AR runner (0.26 and 0.30) names the step's requests here, before its forward; the inputs
+        go back unchanged."""
+        self._runner_req_ids = None if req_ids is None else list(req_ids)
+        return input_ids, positions
+
     def update_decode_step_metadata(
-        self,
-        *,
-        input_ids: Tensor | None = None,
-        positions: Tensor | None = None,
-        inputs_embeds: Tensor | None = None,
-        omni_query_start_loc: Tensor | None = None,
-        req_ids: list[str] | None = None,
-        **_: Any,
+        self, *, input_ids=None, positions=None, omni_query_start_loc=None, req_ids=None, **_: Any
     ) -> None:
-        """Called by the vllm-omni runner before every forward or graph replay."""
-        qsl = omni_query_start_loc
-        num_reqs = None if qsl is None else qsl.shape[0] - 1
-        req_ids = compat.omni_step_req_ids(req_ids, num_reqs)
-        if req_ids is None or input_ids is None or positions is None or qsl is None:
-            self._step = None
+        """Called by the vllm-omni runner before every forward or graph replay (0.26 passes no ``req_ids``: the
+        ones ``prepare_runner_inputs`` got for this step stand in; a dummy run has neither)."""
+        req_ids, self._runner_req_ids = (req_ids if req_ids is not None else self._runner_req_ids), None
+        self.step, self._bridge_pending = None, False
+        if req_ids is None or input_ids is None or positions is None or omni_query_start_loc is None:
             self._fb_use.zero_()
             return
-        self._begin_step(req_ids, input_ids, positions, qsl)
+        self._lay_out(S.PluginStep(list(req_ids)), input_ids, positions, omni_query_start_loc)
 
-    def set_bridge_requests(
-        self,
-        req_ids: list[str],
-        seeds: dict[int, int],
-        min_rows: dict[int, int] | None = None,
-        references: list[dict] | None = None,
-        resume: set[str] | None = None,
-    ) -> None:
+    def set_bridge_requests(self, req_ids, seeds, min_rows=None, references=None, resume=None) -> None:
         """The text-only bridge's view of the batch, before a real step. The feedback buffers are written for a
         pure decode step (token i = request i): a replayed FULL decode graph reads them without our forward;
         an eager forward rewrites them for the step's real layout."""
-        self._bridge_req_ids = list(req_ids)
-        self._bridge_infos = references if references and any(references) else None
-        slots, _ = self.slots.sync(self._bridge_req_ids, seeds, min_rows, resume)
-        if len(req_ids) < self._capacity:
-            b = len(req_ids)
-            decode = S.VllmStep(self._bridge_req_ids, slots, torch.arange(b + 1, device=slots.device), None, None, [])
-            S.write_feedback(decode, self.slots, self._fb_use, self._fb_codes)
+        refs = references if references and any(references) else None
+        self.step = step = S.PluginStep(list(req_ids), refs)
+        self._bridge_pending = True
+        slots, _ = self.slots.sync(step.req_ids, seeds, min_rows, resume)
+        if step.num_reqs < self._capacity:
+            decode = S.PluginStep(step.req_ids, slots=slots, qsl=torch.arange(step.num_reqs + 1, device=slots.device))
+            decode.write_feedback(self.slots, self._fb_use, self._fb_codes)
 
-    def _begin_step(self, req_ids: list[str], input_ids: Tensor, positions: Tensor, qsl: Tensor) -> None:
-        n = len(req_ids)
-        slots, new_rows = self.slots.sync(req_ids)
-        self._step = S.VllmStep(req_ids, slots, qsl[: n + 1].long(), input_ids.long(), positions.long(), new_rows)
+    def _lay_out(self, step: S.PluginStep, input_ids: Tensor, positions: Tensor, qsl: Tensor) -> None:
+        """The step's token layout is known: its slots (new requests get one), spans and feedback."""
+        step.slots, step.new_rows = self.slots.sync(step.req_ids)
+        step.qsl, step.input_ids, step.positions = qsl[: step.num_reqs + 1].long(), input_ids.long(), positions.long()
+        self.step, self._bridge_pending = step, False
         if input_ids.shape[0] <= self._capacity:
-            S.write_feedback(self._step, self.slots, self._fb_use, self._fb_codes)
+            step.write_feedback(self.slots, self._fb_use, self._fb_codes)
 
     def on_requests_finished(self, finished_req_ids) -> None:
         self.slots.release(finished_req_ids)
@@ -180,176 +169,140 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         """Text embedding (placeholder ids < 0 embed as 0 and are replaced later)."""
         return self.model.embed_input_ids(input_ids.clamp(min=0))
 
-    def forward(
-        self,
-        input_ids: Tensor | None,
-        positions: Tensor,
-        intermediate_tensors=None,
-        inputs_embeds: Tensor | None = None,
-        **kwargs: Any,
-    ) -> Tensor:
+    def forward(self, input_ids, positions: Tensor, intermediate_tensors=None, inputs_embeds=None, **kwargs: Any):
         """Scheduled tokens [T] -> final hidden [T, H]."""
         t = positions.shape[0]
         if input_ids is not None and t <= self._capacity:  # captured too: a replay refreshes the copies
             self._tok_ids[:t].copy_(input_ids)
             self._tok_pos[:t].copy_(positions)
-        if self._bridge_req_ids is not None and input_ids is not None:
-            self._begin_bridge_step(input_ids, positions)
+        if self._bridge_pending and input_ids is not None:
+            qsl = compat.step_query_start_loc(self.step.num_reqs, positions)
+            if qsl is None:
+                self.stats["bridge_no_qsl"] += 1
+                compat.warn_once(
+                    "no-qsl", "the step's request spans are unknown (attention metadata has none): no codes"
+                )
+                self.step, self._bridge_pending = None, False
+                self._fb_use.zero_()  # no feedback this step rather than feedback on the wrong tokens
+            else:
+                self._lay_out(self.step, input_ids, positions, qsl)
         embeds = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        step = self._step
-        if step is not None:
+        step = self.step if self.step is not None and self.step.slots is not None else None
+        if step is not None and embeds.shape[0] > step.num_reqs:  # prefill spans: reference and re-fed rows
             infos = kwargs.get("model_intermediate_buffer") or kwargs.get("runtime_additional_information")
-            infos = infos or self._bridge_infos
-            if infos:
-                embeds = self._substitute_reference(embeds, step, infos)
-        if step is not None and embeds.shape[0] > step.num_reqs:  # prefill spans: maybe a recompute
-            embeds = self._substitute_fed_rows(embeds, step)
+            embeds = self._prompt_rows(embeds, step, infos or step.references or [])
         if embeds.shape[0] <= self._capacity:
             # always, even in dummy runs: a FULL decode graph captured here must contain the feedback
-            embeds = S.apply_feedback(embeds, self._fb_use, self._fb_codes, self.multimodal_embedding)
-        elif step is not None:
-            embeds = S.feedback_sparse(embeds, step, self.slots, self.multimodal_embedding)
+            t = embeds.shape[0]
+            embeds = feed_back(embeds, self._fb_use[:t], self._fb_codes[:t], self.multimodal_embedding)
+        elif step is not None:  # more tokens than the buffers: only the tails change
+            use, last = step.tail_feedback(self.slots)
+            tails = feed_back(embeds.index_select(0, step.tails), use, last, self.multimodal_embedding)
+            embeds = embeds.index_copy(0, step.tails, tails)
         pure_decode = step is not None and embeds.shape[0] == step.num_reqs
         hidden = self.local_mlp.forward(positions, embeds, pure_decode)
         if hidden is None:
             hidden = self.model(None, positions, intermediate_tensors, inputs_embeds=embeds)
         return hidden
 
-    def _begin_bridge_step(self, input_ids: Tensor, positions: Tensor) -> None:
-        req_ids, self._bridge_req_ids = self._bridge_req_ids, None
-        qsl = compat.step_query_start_loc(len(req_ids), positions)
-        if qsl is None:
-            self.stats["bridge_no_qsl"] += 1
-            compat.warn_once("no-qsl", "the step's request spans are unknown (attention metadata has none): no codes")
-            self._step = None
-            self._fb_use.zero_()  # no feedback this step rather than feedback on the wrong tokens
-            return
-        self._begin_step(req_ids, input_ids, positions, qsl)
-
-    def _substitute_reference(self, embeds: Tensor, step: S.VllmStep, infos: list) -> Tensor:
-        """Voice clone: placeholder positions of a prefill span embed their delayed reference rows (SPEC 3.4)."""
-        qsl = step.qsl.tolist()
-        for i, info in enumerate(infos[: step.num_reqs]):
-            if not isinstance(info, dict) or info.get("audio_input_ids") is None:
-                continue
-            start, end = qsl[i], qsl[i + 1]
-            if end - start <= 1:
-                continue
-            codes, where = _reference_rows(info, self.cfg.num_codebooks)
-            if codes is None or where is None:
-                continue
-            pos = step.positions[start:end].to(where.device)
-            idx = torch.searchsorted(where, pos).clamp(max=where.numel() - 1)
-            hit = where[idx] == pos
-            if not bool(hit.any()):
-                continue
-            tok = torch.nonzero(hit).flatten()
-            rows = self.multimodal_embedding(codes[idx[tok]].to(embeds.device)).to(embeds.dtype)
-            embeds = embeds.index_copy(0, tok.to(embeds.device) + start, rows)
-        return embeds
-
-    def _substitute_fed_rows(self, embeds: Tensor, step: S.VllmStep) -> Tensor:
-        """A span vLLM recomputes after a preemption (the prompt and every generated token, from position 0):
-        the positions after the prompt's tail embed the rows fed there the first time (position seed_pos + 1 + j
-        carried row j), so the recomputed KV and the codes after it are what they would have been."""
-        qsl = None
+    def _prompt_rows(self, embeds: Tensor, step: S.PluginStep, infos: list) -> Tensor:
+        """Multi-token spans embed code rows at their positions (SPEC 3.4): a voice clone's reference rows at
+        the placeholders, and, where vLLM recomputes a preempted request (prompt and every generated token from
+        position 0), the rows fed there the first time (row j at seed_pos + 1 + j), so the recomputed KV and
+        the codes after it are what they would have been."""
+        qsl, index, codes = step.qsl.tolist(), [], []
         for i, rid in enumerate(step.req_ids):
-            req = self.slots.requests.get(rid)
-            if req is None or not req.rows:
-                continue
-            qsl = step.qsl.tolist() if qsl is None else qsl
             start, end = qsl[i], qsl[i + 1]
-            if end - start <= 1:  # a decode step: the dense feedback covers it
+            if end - start <= 1:  # a decode step: the feedback covers it
                 continue
-            j = step.positions[start:end] - int(self.slots.seed_pos[req.slot]) - 1  # the row fed at each position
-            hit = (j >= 0) & (j < len(req.rows))
-            tok = torch.nonzero(hit).flatten()
-            if tok.numel() == 0:
-                continue
-            self.stats["bridge_recomputed_rows"] += int(tok.numel())
-            rows = torch.stack(req.rows).to(embeds.device).long()[j[tok].to(embeds.device)]
-            embeds = embeds.index_copy(
-                0, tok.to(embeds.device) + start, self.multimodal_embedding(rows).to(embeds.dtype)
-            )
-        return embeds
+            sources = [_reference_rows(infos[i], self.cfg.num_codebooks) if i < len(infos) else None]
+            req = self.slots.requests.get(rid)
+            if req is not None and req.rows:
+                first = int(self.slots.seed_pos[req.slot]) + 1
+                sources.append((torch.arange(first, first + len(req.rows)), torch.stack(req.rows)))
+            for k, src in enumerate(sources):
+                if src is not None:
+                    tok, got = rows_at(step.positions[start:end], *src)
+                    index.append(tok + start)
+                    codes.append(got.long())
+                    self.stats["bridge_recomputed_rows"] += int(tok.numel()) if k else 0
+        if not index:
+            return embeds
+        return embed_rows(embeds, torch.cat(index), torch.cat(codes), self.multimodal_embedding)
 
     # ------------------------------------------------------------------ logits and sampling
 
     def compute_logits(self, hidden_states: Tensor, sampling_metadata: Any = None) -> Tensor | None:
         """hidden [B, H] -> text logits [B, V]; audio-mode rows keep only their forced token."""
-        if self._bridge_req_ids is not None and self._step is None:
-            self._begin_replayed_bridge_step(hidden_states.shape[0])
-        step = self._step
-        if step is None or self.specials is None or hidden_states.shape[0] != step.num_reqs:
-            self._pending = None
+        if self._bridge_pending:  # armed, but our forward did not run: vLLM replayed a FULL decode graph
+            self._replayed_bridge_step(hidden_states.shape[0])
+        step = self.step
+        if step is None or step.slots is None or self.specials is None or hidden_states.shape[0] != step.num_reqs:
+            if step is not None:
+                step.modes = None
             return self.logits_processor(self.lm_head, hidden_states)
-        sp = self.specials
-        modes = S.row_modes(step, self.slots, sp.audio, sp.eos)
-        self._pending = (hidden_states, modes)
+        step.hidden, step.modes = hidden_states, step.row_modes(self.slots, self.specials.audio, self.specials.eos)
         if self.slots.all_forced(step.req_ids):  # pure audio step: the text head is not computed
             self.stats["text_head_skipped"] += 1
-            return S.forced_only_logits(modes, self.cfg.text.vocab_size, hidden_states.dtype)
+            return S.forced_only_logits(step.modes, self.cfg.text.vocab_size, hidden_states.dtype)
         self.stats["text_head_full"] += 1
-        return S.force_text_logits(self.logits_processor(self.lm_head, hidden_states), modes)
+        return S.force_text_logits(self.logits_processor(self.lm_head, hidden_states), step.modes)
 
-    def _begin_replayed_bridge_step(self, num_rows: int) -> None:
-        """The bridge armed a step but our forward did not run: vLLM replayed a FULL decode graph (one token per
-        request, in batch order), whose captured copies refreshed the token buffers."""
-        req_ids, self._bridge_req_ids = self._bridge_req_ids, None
-        if num_rows != len(req_ids):
+    def _replayed_bridge_step(self, num_rows: int) -> None:
+        """A replayed FULL decode graph has one token per request, in batch order; its captured copies
+        refreshed the token buffers."""
+        self._bridge_pending = False
+        if num_rows != self.step.num_reqs:
+            self.step = None
             return
         self.stats["bridge_replayed_steps"] += 1
         qsl = torch.arange(num_rows + 1, device=self._tok_ids.device)
-        self._begin_step(req_ids, self._tok_ids[:num_rows], self._tok_pos[:num_rows], qsl)
+        self._lay_out(self.step, self._tok_ids[:num_rows], self._tok_pos[:num_rows], qsl)
 
     def sample(self, logits: Tensor, sampling_metadata: Any):
         """The vllm-omni model sampler: forced text tokens and this step's codes (None: use vLLM's sampler)."""
-        if self._pending is None or self._step is None:
+        step = self.step
+        if step is None or step.modes is None:
             return None
-        step = self._step
         for i, gen in (getattr(sampling_metadata, "generators", None) or {}).items():
             if i in step.new_rows:
-                self.slots.set_seed(step.req_ids[i], gen.initial_seed() % (MAX_SEED + 1))
-        params = S.step_params(
-            step.num_reqs, self.cfg.codebook_size, logits.device,
-            sampling_metadata.temperature, sampling_metadata.top_k, sampling_metadata.top_p,
-        )  # fmt: skip
-        modes = self._pending[1]
-        forced_only = self.slots.all_forced(step.req_ids) or bool(modes.audio.all())
-        self.sample_codes(*params)
-        if forced_only and sampling_metadata.max_num_logprobs is None:
-            return compat.sampler_output(modes.forced)
+                self.slots.set_seed(step.req_ids[i], resolve_seed(gen.initial_seed()))
+        m = sampling_metadata
+        forced = step.modes.forced
+        forced_only = self.slots.all_forced(step.req_ids) or bool(step.modes.audio.all())
+        self.sample_codes(*row_params(step.num_reqs, logits.device, m.temperature, m.top_k, m.top_p))
+        if forced_only and m.max_num_logprobs is None:
+            return compat.sampler_output(forced)
         if self._text_sampler is None:
             self._text_sampler = compat.text_sampler(self.vllm_config)
-        return self._text_sampler(logits, sampling_metadata)
+        return self._text_sampler(logits, m)
 
     def sample_codes(self, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> list[Tensor | None]:
-        """Sample this step's frames for the stashed rows; returns per request an owned [1, C] row or None."""
-        if self._pending is None or self._step is None:
+        """Sample this step's frames; returns per request an owned [1, C] row or None ([] when nothing is armed)."""
+        step = self.step
+        if step is None or step.modes is None:
             return []
-        hidden, modes = self._pending
-        step, self._pending = self._step, None
         self.stats["sample_steps"] += 1
-        emitted, new = S.sample_step(hidden, step, modes, self.slots, self.modality_head, (temperature, top_k, top_p))
-        host = torch.cat([emitted, modes.code_rows[:, None], new.has_codes[:, None], new.done[:, None]], dim=1)
-        self._published = self.slots.record(step.req_ids, host.to("cpu", torch.int32))  # the step's one sync
-        self._cursor = 0
-        self._step = None  # consumed: a dummy run before the next step's metadata sees no step
-        return self._published
+        emitted, new = step.sample(self.slots, self.modality_head, (temperature, top_k, top_p))
+        host = torch.cat([emitted, step.modes.code_rows[:, None], new.has_codes[:, None], new.done[:, None]], dim=1)
+        step.published = self.slots.record(step.req_ids, host.to("cpu", torch.int32))  # the step's one sync
+        self.step, self.sampled = None, step  # consumed: a dummy run before the next step's metadata sees none
+        return step.published
 
     # ------------------------------------------------------------------ publishing codes.audio
 
     def postprocess(self, hidden_states: Tensor, multimodal_outputs: Any = None, **_: Any) -> dict:
         """vllm-omni: called once per request in batch order after sampling; this step's owned row."""
-        i, self._cursor = self._cursor, self._cursor + 1
-        row = self._published[i] if i < len(self._published) else None
+        done = self.sampled
+        if done is None or done.cursor >= len(done.published):
+            return {}
+        row, done.cursor = done.published[done.cursor], done.cursor + 1
         return {"codes": {"audio": row}} if row is not None else {}
 
     def post_sample_multimodal_outputs(self, *, req_ids, invalid_req_indices=(), multimodal_outputs=None, **_):
         """This step's owned [1, C] rows by request (empty [0, C] where none)."""
-        invalid = set(invalid_req_indices or ())
-        empty = torch.zeros(0, self.cfg.num_codebooks, dtype=torch.int32)
-        published = self._published
+        invalid, empty = set(invalid_req_indices or ()), torch.zeros(0, self.cfg.num_codebooks, dtype=torch.int32)
+        published = self.sampled.published if self.sampled is not None else []
         rows = [published[i] if i < len(published) and published[i] is not None and i not in invalid else empty
                 for i in range(len(req_ids))]  # fmt: skip
         return {"codes": {"audio": rows}}
@@ -366,8 +319,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         for info in infos:
             codes = (info.get("codes") or {}).get("audio") if isinstance(info, dict) else None
             rows.append(codes if isinstance(codes, Tensor) and codes.numel() else empty)
-        mm = {"codes": {"audio": rows}} if any(r.numel() for r in rows) else None
-        return compat.omni_output(model_outputs, mm)
+        return compat.omni_output(model_outputs, {"codes": {"audio": rows}} if any(r.numel() for r in rows) else None)
 
     def request_rows(self, req_id: str) -> Tensor | None:
         """Every delayed row [R, C] int32 a request produced so far, live or recently finished (text-only
@@ -417,25 +369,23 @@ def _resolve_specials(vllm_config: VllmConfig, cfg: TalkerConfig) -> SpecialToke
     return TalkerTokenizer.from_pretrained(path, cfg).specials
 
 
-def _reference_rows(info: dict, num_codebooks: int) -> tuple[Tensor | None, Tensor | None]:
-    """(delayed reference rows [R, C] int64, sorted placeholder positions [R] int64) from a request's info."""
-    codes = info.get("audio_input_ids")
-    if isinstance(codes, list) and len(codes) == 1:
-        codes = codes[0]
-    if not isinstance(codes, Tensor):
-        codes = torch.as_tensor(codes)
-    codes = codes.reshape(-1, num_codebooks).long()
+def _reference_rows(info: Any, num_codebooks: int) -> tuple[Tensor, Tensor] | None:
+    """(placeholder positions [R] int64, reference rows [R, C] int64) of a request's voice-clone info, or None."""
+    if not isinstance(info, dict) or info.get("audio_input_ids") is None:
+        return None
+    codes = info["audio_input_ids"]
+    codes = codes[0] if isinstance(codes, list) and len(codes) == 1 else codes
+    codes = torch.as_tensor(codes).reshape(-1, num_codebooks).long()
     where = info.get("audio_placeholder_positions")
     if where is None:
-        return codes, None
+        return None
     where = torch.as_tensor(where).reshape(-1).long()
-    mask = info.get("audio_input_ids_mask")
-    if mask is not None:
-        mask = torch.as_tensor(mask).reshape(-1).bool()
+    if info.get("audio_input_ids_mask") is not None:
+        mask = torch.as_tensor(info["audio_input_ids_mask"]).reshape(-1).bool()
         codes, where = codes[mask.to(codes.device)], where[mask.to(where.device)]
-    if where.numel() != codes.shape[0] or where.numel() == 0:
-        logger.debug("reference rows (%d) and placeholder positions (%d) differ; skipped", codes.shape[0],
-                     where.numel())  # fmt: skip
-        return None, None
-    where, order = where.sort()
-    return codes[order.to(codes.device)], where
+    if where.numel() != codes.shape[0]:
+        logger.debug(
+            "reference rows (%d) and placeholder positions (%d) differ; skipped", codes.shape[0], where.numel()
+        )
+        return None
+    return where, codes

@@ -24,6 +24,7 @@ import torch  # noqa: E402
 
 from higgs_talker.checkpoint import iter_tensors  # noqa: E402
 from higgs_talker.config import TalkerConfig  # noqa: E402
+from higgs_talker.heads.codebooks import feed_back  # noqa: E402
 from higgs_talker.heads.delay import apply_delay_pattern  # noqa: E402
 from higgs_talker.vllm_plugin import step as S  # noqa: E402
 
@@ -144,6 +145,19 @@ def test_state_follows_request_ids_across_reorder_join_and_finish(adapter):
     assert adapter.slots.requests == {}
 
 
+def test_request_ids_from_prepare_runner_inputs_when_the_metadata_has_none(adapter):
+    """vllm-omni 0.26 passes no req_ids to update_decode_step_metadata; its runner names them in
+    prepare_runner_inputs just before. A dummy run (no prepare call) gets no step."""
+    m, sp = adapter, adapter.specials
+    ids, pos = torch.tensor([sp.audio, sp.audio]), torch.tensor([5, 5])
+    assert m.prepare_runner_inputs(input_ids=ids, positions=pos, req_ids=["R1", "R2"]) == (ids, pos)
+    m.update_decode_step_metadata(input_ids=ids, positions=pos, omni_query_start_loc=torch.arange(3))
+    assert m.step is not None and m.step.req_ids == ["R1", "R2"]
+    m.update_decode_step_metadata(input_ids=ids, positions=pos, omni_query_start_loc=torch.arange(3))
+    assert m.step is None
+    m.on_requests_finished({"R1", "R2"})
+
+
 def test_reused_request_id_starts_fresh(adapter):
     d = Driver(adapter)
     for _ in range(3):
@@ -201,7 +215,7 @@ def test_seeded_requests_are_batch_independent(adapter):
             out = m.sample(logits, _meta(len(ids), temperature=torch.ones(len(ids)), generators=gens))
             for i, r in enumerate(ids):
                 d.tokens.setdefault(r, []).append(int(out.sampled_token_ids[i, 0]))
-                d.rows.setdefault(r, []).append(m._published[i][0].tolist())
+                d.rows.setdefault(r, []).append(m.sampled.published[i][0].tolist())
                 d.pos[r] += 1
                 d.steps[r] += 1
         m.on_requests_finished(set(ids))
@@ -238,13 +252,13 @@ def test_feedback_replaces_only_decode_tokens_of_streams(adapter):
         req_ids=["G", "F"],
     )  # fmt: skip
     embeds = m.embed_input_ids(ids)
-    fed = S.apply_feedback(embeds, m._fb_use, m._fb_codes, m.multimodal_embedding)
+    fed = feed_back(embeds, m._fb_use[:4], m._fb_codes[:4], m.multimodal_embedding)
     slot = m.slots.requests["F"].slot
     want = m.multimodal_embedding(m.slots.store.state.last_codes[slot][None])[0]
     assert torch.equal(fed[:3], embeds[:3])
     assert torch.allclose(fed[3], want)
     m.on_requests_finished({"F", "G"})
-    m._step = None
+    m.step = None
 
 
 def test_voice_clone_reference_rows_replace_placeholders_by_position(adapter):
@@ -258,9 +272,10 @@ def test_voice_clone_reference_rows_replace_placeholders_by_position(adapter):
             "audio_placeholder_positions": where}  # fmt: skip
     # chunked prefill: the first chunk covers positions 0..5, the second 6..13
     for lo, hi in ((0, 6), (6, prompt_len)):
-        batch = S.VllmStep(["V"], torch.tensor([0]), torch.tensor([0, hi - lo]), ids[lo:hi], torch.arange(lo, hi), [])
+        qsl, pos = torch.tensor([0, hi - lo]), torch.arange(lo, hi)
+        batch = S.PluginStep(["V"], slots=torch.tensor([0]), qsl=qsl, input_ids=ids[lo:hi], positions=pos)
         embeds = m.embed_input_ids(ids[lo:hi])
-        out = m._substitute_reference(embeds, batch, [info])
+        out = m._prompt_rows(embeds, batch, [info])
         for j, p in enumerate(range(lo, hi)):
             if 2 <= p <= 10:
                 assert torch.allclose(out[j], m.multimodal_embedding(ref[p - 2][None])[0])
@@ -287,8 +302,7 @@ def test_load_weights_rejects_unexpected_and_missing_keys(adapter, tiny_dir):
 def test_unseeded_requests_draw_the_same_seeds_on_every_rank(adapter):
     """Tensor parallelism runs one adapter per rank; an unseeded request must get the same sampling seed on each
     (else the ranks feed different rows back): the seeds come from vLLM's model seed, in order of first sight."""
-    from higgs_talker.heads.slots import SlotStore
-    from higgs_talker.vllm_plugin.state import RequestSlots
+    from higgs_talker.heads.slots import RequestSlots, SlotStore
 
     store = adapter.slots.store
 

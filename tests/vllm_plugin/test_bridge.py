@@ -137,3 +137,36 @@ def test_rows_need_the_rows_extension():
     with pytest.raises(ValueError, match="worker_extension_cls="):
         rows_of({}, fake)
     assert not fake.engine_core.calls  # refused before asking anyone
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 0.0])
+def test_bridge_codes_follow_the_core_greedy_rule(monkeypatch, temperature):
+    """The bridge passes each request's own temperature to the core, whose one rule is "greedy at <= 0": at 1e-6
+    the codes equal the direct engine's (which samples, and breaks ties by noise, not by the lowest index; the
+    bridge used to call anything below 1e-5 greedy), at 0 both take the argmax."""
+    from higgs_talker.heads.slots import SlotInit, SlotStore, sample_frame
+
+    b, n, v, boc, eoc = 16, 8, 12, 10, 11
+    seeds = [1000 + i for i in range(b)]
+    talker = FakeTalker()
+    talker.sample_codes = lambda *params: talker.__dict__.setdefault("params", params)
+    monkeypatch.setattr(bridge_module, "talker_for", lambda _cfg: talker)
+    bridge = TextOnlyBridge(object(), None, False)
+    rows = []
+    for i, s in enumerate(seeds):
+        params = SamplingParams(seed=s, extra_args={REQUEST_KEY: f"r{i}"})
+        params.temperature = temperature  # past vLLM's own floor (it raises 0 < T < 0.01 to 0.01 on construction)
+        rows.append((i, params, [1], []))
+    bridge.update_state(BatchUpdate(b, [], rows, []))
+    bridge.apply(torch.zeros(b, 4))
+    logits = torch.zeros(b, n, v)  # every code of codebook 0 ties: only noise can pick another than code 0
+
+    def codes(params, inits):
+        store = SlotStore(b, n, v, boc, eoc, torch.device("cpu"))
+        store.reset(inits)
+        return sample_frame(store, torch.arange(b), logits.clone(), params=params)[0]
+
+    engine = codes(None, [SlotInit(i, s, temperature=temperature) for i, s in enumerate(seeds)])
+    plugin = codes(talker.params, [SlotInit(i, s) for i, s in enumerate(seeds)])
+    assert torch.equal(plugin, engine)
+    assert bool((engine[:, 0] != 0).any()) == (temperature > 0)
