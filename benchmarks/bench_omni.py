@@ -255,6 +255,7 @@ async def _http_level(url: str, todo: list[dict], level: int, rows: int) -> tupl
     import asyncio
 
     import httpx
+    from http_load import stream_speech
 
     queue, records = list(todo), []
     limits = httpx.Limits(max_connections=level + 4, max_keepalive_connections=level + 4)
@@ -265,16 +266,8 @@ async def _http_level(url: str, todo: list[dict], level: int, rows: int) -> tupl
                 job = queue.pop(0)
                 body = {"input": job["text"], "response_format": "pcm", "stream": True, "seed": job["seed"],
                         "max_new_tokens": rows}  # fmt: skip
-                t0, first, size = time.perf_counter(), None, 0
-                async with client.stream("POST", "/v1/audio/speech", json=body) as response:
-                    if response.status_code != 200:
-                        await response.aread()
-                        raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
-                    async for chunk in response.aiter_raw():
-                        if chunk and first is None:
-                            first = time.perf_counter()
-                        size += len(chunk)
-                end, seconds = time.perf_counter(), size / 2 / SAMPLE_RATE
+                t0, first, end, size = await stream_speech(client, body)
+                seconds = size / 2 / SAMPLE_RATE
                 records.append({"ttfa_ms": (first - t0) * 1e3 if first else None, "audio_s": seconds,
                                 "rtf": (end - t0) / seconds if seconds else None})  # fmt: skip
 

@@ -51,6 +51,7 @@ TARGETS = {"ttfa_ms_p50 at 1": 60.0, "rtf_p50 at 1": 0.1, "audio_s_per_s at 16":
 
 async def _client_level(url: str, jobs: list[dict], concurrency: int, sample_rate: int) -> dict:
     import httpx
+    from http_load import stream_speech
 
     queue, records = deque(jobs), []
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -61,17 +62,7 @@ async def _client_level(url: str, jobs: list[dict], concurrency: int, sample_rat
                 job = queue.popleft()
                 body = {"input": job["text"], "response_format": "pcm", "seed": job["seed"],
                         "max_new_tokens": job["frames"], **job["sampling"]}  # fmt: skip
-                t0 = time.perf_counter()
-                first, size = None, 0
-                async with client.stream("POST", "/v1/audio/speech", json=body) as response:
-                    if response.status_code != 200:
-                        await response.aread()
-                        raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
-                    async for chunk in response.aiter_raw():
-                        if chunk and first is None:
-                            first = time.perf_counter()
-                        size += len(chunk)
-                end = time.perf_counter()
+                t0, first, end, size = await stream_speech(client, body)
                 records.append(_record(job, t0, first, end, size / SAMPLE_BYTES / sample_rate))
 
         t0 = time.perf_counter()
