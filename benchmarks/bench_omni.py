@@ -19,7 +19,8 @@ Paths (the ``path`` of a row):
   (the row's ``offline_streamed`` says which);
 - ``http``: ``vllm-omni serve`` on a free port, a closed loop of C clients (httpx, ``stream: true``, PCM);
   ``ttfa`` is sent -> first audio byte;
-- ``direct``: our engine (``HiggsTalker.stream_audio`` with vllm-omni's chunking, C threads, greedy), once.
+- ``direct``: our engine (``HiggsTalker.stream_audio`` with vllm-omni's chunking, C threads, the same sampling,
+  seeded), once.
 
 Per level: TTFA and RTF (wall / audio seconds) p50/p90, audio seconds per wall second.
 
@@ -136,6 +137,19 @@ def audio_of(output) -> Any:
     return torch.cat(parts) if parts else None
 
 
+def offline_outputs(omni, prompts: list, params: list):
+    """The outputs of one offline ``generate``, as they come where this vllm-omni allows it: its ``py_generator``
+    closes the whole ``Omni`` once the generator ends in 0.26 (``_run_generation_with_generator``), and 0.30 no
+    longer does; versions in between are not known here, so below 0.30 the list API runs (outputs only at the end:
+    no first-chunk times)."""
+    from importlib.metadata import version
+
+    release = tuple(int(x) for x in version("vllm-omni").split(".")[:2] if x.isdigit())
+    if release >= (0, 30):
+        return omni.generate(prompts, params, py_generator=True, use_tqdm=False), True
+    return omni.generate(prompts, params, use_tqdm=False), False
+
+
 def prompt_ids(ckpt: str, text: str) -> list[int]:
     """Our prompt for ``text`` (equal to vllm-omni's ``HiggsAudioV3TokenizerAdapter.build_prompt``; checked on CPU
     by tests/vllm_plugin/test_omni_checkpoint.py)."""
@@ -232,10 +246,11 @@ def run_offline(args: argparse.Namespace, base: dict) -> None:
                 params = stage_params(omni, None, wave[0]["seed"], rows, stream=True)
                 prompts = [{"prompt_token_ids": prompt_ids(args.model, j["text"])} for j in wave]
                 sent, first, audio, done = time.perf_counter(), {}, {}, {}
-                for out in omni.generate(prompts, params, py_generator=True, use_tqdm=False):
+                outputs, live = offline_outputs(omni, prompts, params)
+                for out in outputs:
                     now, rid, wav = time.perf_counter(), out.request_id, audio_of(out)
                     if wav is not None and wav.numel():
-                        streamed |= rid in first
+                        streamed |= live and rid in first
                         first.setdefault(rid, now)
                         audio[rid] = audio.get(rid, 0) + wav.numel()
                     if getattr(out, "finished", True):
@@ -298,6 +313,7 @@ def run_http(args: argparse.Namespace, base: dict) -> None:
 def run_direct(args: argparse.Namespace, base: dict) -> None:
     """Our engine alone: bench_serve's closed loop of C threads over ``stream_audio`` with vllm-omni's chunking."""
     from bench_serve import run_direct as closed_loop
+    from common import SAMPLINGS
 
     from higgs_talker import HiggsTalker
     from higgs_talker.codec import UPSTREAM_CHUNKING
@@ -306,19 +322,19 @@ def run_direct(args: argparse.Namespace, base: dict) -> None:
     talker = HiggsTalker.from_pretrained(args.model, device="cuda", dtype="bfloat16", max_num_seqs=max(args.levels))
     talker.codec  # noqa: B018 - load the decoder before timing
     base = base | {"start_s": time.perf_counter() - t0}
-    warm = [{"text": "warm up.", "frames": 30, "seed": i} for i in range(max(args.levels))]
+    deploy = {"sampling": dict(SAMPLINGS["deploy"])}  # the profiles' sampling, as the offline and HTTP paths use
+    warm = [{"text": "warm up.", "frames": 30, "seed": i} | deploy for i in range(max(args.levels))]
     closed_loop(talker, warm, max(args.levels), UPSTREAM_CHUNKING, 10_000)
     rows_out = []
     for level in args.levels:
-        todo = [j | {"frames": args.frames} for j in jobs(max(2 * level, 8), args.seed + 1000 * level)]
+        todo = [j | {"frames": args.frames} | deploy for j in jobs(max(2 * level, 8), args.seed + 1000 * level)]
         records, wall = closed_loop(talker, todo, level, UPSTREAM_CHUNKING, 10_000)
         rows_out.append(level_row(base, level, records, wall))
         print("RESULT:" + json.dumps(rows_out), flush=True)
 
 
 def worker(args: argparse.Namespace) -> None:
-    base = {"talker": args.talkers[0], "profile": args.profiles[0], "path": args.paths[0],
-            "sampling": "greedy" if args.paths[0] == "direct" else "deploy (seeded)"}  # fmt: skip
+    base = {"talker": args.talkers[0], "profile": args.profiles[0], "path": args.paths[0], "sampling": "deploy"}
     {"offline": run_offline, "http": run_http, "direct": run_direct}[args.paths[0]](args, base)
 
 
@@ -364,7 +380,7 @@ def main(argv: list[str] | None = None):
     meta = environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"), "bench_omni.py", argv) | {
         "vllm": package_version("vllm"), "vllm_omni": package_version("vllm_omni"), "model": args.model,
         "audio_s": args.audio_s, "frames": frames, "levels": args.levels,
-        "sampling": "offline/http: the profiles' (temperature 1.0, top_p 0.95, top_k 50), seeded; direct: greedy",
+        "sampling": "every path: the profiles' (temperature 1.0, top_p 0.95, top_k 50), seeded",
         "ttfa": "offline: submit -> first audio output (its finish where offline_streamed is false); http: sent -> "
                 "first PCM byte; direct: call -> first stream_audio chunk",
         "rtf": "request wall time / audio seconds",
