@@ -35,13 +35,13 @@ from vllm.model_executor.models.qwen3 import Qwen3Model
 
 from ..checkpoint import WeightRouter
 from ..config import SpecialTokens, TalkerConfig
+from ..cuda_graphs.local_mlp import LocalMLPPath
 from ..cuda_graphs.policy import decide
 from ..heads.codebooks import build_codebooks, embed_rows, feed_back, rows_at
 from ..heads.sampling import resolve_seed, row_params
 from ..heads.slots import RequestSlots, SlotStore
+from ..heads.spans import SpanStep, force_text_logits, forced_only_logits
 from . import compat
-from . import step as S
-from .graphs import LocalMLPPath
 
 logger = logging.getLogger(__name__)
 
@@ -106,13 +106,15 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
                                     "bridge_replayed_steps", "bridge_no_qsl", "bridge_recomputed_rows"), 0)  # fmt: skip
         self.deferred_prefix_cache_mm_keys = {"codes.audio"}
         self._runner_req_ids: list[str] | None = None  # from prepare_runner_inputs, for the step's metadata
-        self.step: S.PluginStep | None = None  # the current step (None: a dummy or profile run)
-        self.sampled: S.PluginStep | None = None  # the last sampled step, whose rows postprocess publishes
+        self.step: SpanStep | None = None  # the current step (None: a dummy or profile run)
+        self.sampled: SpanStep | None = None  # the last sampled step, whose rows postprocess publishes
         self._bridge_pending = False  # the bridge armed self.step; its token layout comes with the forward
         self._text_sampler = None
         self.graph_decision = decide(vllm_config=vllm_config)
         logger.info("higgs talker (vLLM adapter): %s", self.graph_decision.reason)
-        self.local_mlp = LocalMLPPath(self.model, self.graph_decision.local_mlp, max_seqs)
+        layers = self.model.layers[self.model.start_layer : self.model.end_layer]  # this pipeline stage's
+        self.local_mlp = LocalMLPPath(layers, self.model.norm, self.graph_decision.local_mlp, max_seqs,
+                                      forward_context=compat.forward_context)  # fmt: skip
         _TALKERS[getattr(vllm_config, "instance_id", "") or ""] = weakref.ref(self)
 
     # ------------------------------------------------------------------ per-step metadata
@@ -133,21 +135,21 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         if req_ids is None or input_ids is None or positions is None or omni_query_start_loc is None:
             self._fb_use.zero_()
             return
-        self._lay_out(S.PluginStep(list(req_ids)), input_ids, positions, omni_query_start_loc)
+        self._lay_out(SpanStep(list(req_ids)), input_ids, positions, omni_query_start_loc)
 
     def set_bridge_requests(self, req_ids, seeds, min_rows=None, references=None, resume=None) -> None:
         """The text-only bridge's view of the batch, before a real step. The feedback buffers are written for a
         pure decode step (token i = request i): a replayed FULL decode graph reads them without our forward;
         an eager forward rewrites them for the step's real layout."""
         refs = references if references and any(references) else None
-        self.step = step = S.PluginStep(list(req_ids), refs)
+        self.step = step = SpanStep(list(req_ids), refs)
         self._bridge_pending = True
         slots, _ = self.slots.sync(step.req_ids, seeds, min_rows, resume)
         if step.num_reqs < self._capacity:
-            decode = S.PluginStep(step.req_ids, slots=slots, qsl=torch.arange(step.num_reqs + 1, device=slots.device))
+            decode = SpanStep(step.req_ids, slots=slots, qsl=torch.arange(step.num_reqs + 1, device=slots.device))
             decode.write_feedback(self.slots, self._fb_use, self._fb_codes)
 
-    def _lay_out(self, step: S.PluginStep, input_ids: Tensor, positions: Tensor, qsl: Tensor) -> None:
+    def _lay_out(self, step: SpanStep, input_ids: Tensor, positions: Tensor, qsl: Tensor) -> None:
         """The step's token layout is known: its slots (new requests get one), spans and feedback."""
         step.slots, step.new_rows = self.slots.sync(step.req_ids)
         step.qsl, step.input_ids, step.positions = qsl[: step.num_reqs + 1].long(), input_ids.long(), positions.long()
@@ -205,7 +207,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
             hidden = self.model(None, positions, intermediate_tensors, inputs_embeds=embeds)
         return hidden
 
-    def _prompt_rows(self, embeds: Tensor, step: S.PluginStep, infos: list) -> Tensor:
+    def _prompt_rows(self, embeds: Tensor, step: SpanStep, infos: list) -> Tensor:
         """Multi-token spans embed code rows at their positions (SPEC 3.4): a voice clone's reference rows at
         the placeholders, and, where vLLM recomputes a preempted request (prompt and every generated token from
         position 0), the rows fed there the first time (row j at seed_pos + 1 + j), so the recomputed KV and
@@ -244,9 +246,9 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         step.hidden, step.modes = hidden_states, step.row_modes(self.slots, self.specials.audio, self.specials.eos)
         if self.slots.all_forced(step.req_ids):  # pure audio step: the text head is not computed
             self.stats["text_head_skipped"] += 1
-            return S.forced_only_logits(step.modes, self.cfg.text.vocab_size, hidden_states.dtype)
+            return forced_only_logits(step.modes, self.cfg.text.vocab_size, hidden_states.dtype)
         self.stats["text_head_full"] += 1
-        return S.force_text_logits(self.logits_processor(self.lm_head, hidden_states), step.modes)
+        return force_text_logits(self.logits_processor(self.lm_head, hidden_states), step.modes)
 
     def _replayed_bridge_step(self, num_rows: int) -> None:
         """A replayed FULL decode graph has one token per request, in batch order; its captured copies

@@ -26,7 +26,7 @@ from higgs_talker.checkpoint import iter_tensors  # noqa: E402
 from higgs_talker.config import TalkerConfig  # noqa: E402
 from higgs_talker.heads.codebooks import feed_back  # noqa: E402
 from higgs_talker.heads.delay import apply_delay_pattern  # noqa: E402
-from higgs_talker.vllm_plugin import step as S  # noqa: E402
+from higgs_talker.heads.spans import SpanStep  # noqa: E402
 
 N_RAMP = 7  # rows of the delay pattern's ramp-up (SPEC 4.7)
 
@@ -273,7 +273,7 @@ def test_voice_clone_reference_rows_replace_placeholders_by_position(adapter):
     # chunked prefill: the first chunk covers positions 0..5, the second 6..13
     for lo, hi in ((0, 6), (6, prompt_len)):
         qsl, pos = torch.tensor([0, hi - lo]), torch.arange(lo, hi)
-        batch = S.PluginStep(["V"], slots=torch.tensor([0]), qsl=qsl, input_ids=ids[lo:hi], positions=pos)
+        batch = SpanStep(["V"], slots=torch.tensor([0]), qsl=qsl, input_ids=ids[lo:hi], positions=pos)
         embeds = m.embed_input_ids(ids[lo:hi])
         out = m._prompt_rows(embeds, batch, [info])
         for j, p in enumerate(range(lo, hi)):

@@ -1,8 +1,9 @@
-"""One vLLM step of the talker: vLLM's flat batch layout read onto the core's frame step (no vLLM import).
+"""One step of a flat token batch split into per-request spans (vLLM's layout) on the decode-state slots.
 
 ``qsl [B+1]`` splits the step's tokens into requests (vLLM's ``query_start_loc``); a request is sampled from its
-last scheduled token (its *tail*). The audio itself is the core's (``heads``); this module decides from vLLM's
-tokens which rows are in audio mode, which open a stream (the tail is ``<|audio|>``) and which are due a frame.
+last scheduled token (its *tail*). From the tail tokens and the slots' state this decides which rows are in
+audio mode (their text token is forced), which open a stream (the tail is ``<|audio|>``) and which are due a
+frame, feeds each tail its last frame, and samples the frames with ``sample_frame``.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..heads.delay import DelayState, forced_text_tokens
-from ..heads.slots import RequestSlots, sample_frame
+from .delay import DelayState, forced_text_tokens
+from .slots import RequestSlots, sample_frame
 
 
 @dataclass
@@ -28,8 +29,8 @@ class RowModes:
 
 
 @dataclass
-class PluginStep:
-    """Everything the adapter knows about one step, from the runner's metadata to the published rows."""
+class SpanStep:
+    """One step, from its requests and token layout to the rows it published (the vLLM adapter's step)."""
 
     req_ids: list[str]
     references: list | None = None  # voice-clone infos in batch order (the bridge's; the runner passes its own)
