@@ -8,12 +8,14 @@ frame, feeds each tail its last frame, and samples the frames with ``sample_fram
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from .delay import DelayState, forced_text_tokens
+from .codebooks import embed_rows, rows_at
+from .delay import forced_text_tokens
 from .slots import RequestSlots, sample_frame
 
 
@@ -80,15 +82,45 @@ class SpanStep:
         use.index_copy_(0, self.tails, fed)
         codes.index_copy_(0, self.tails, last)
 
-    def sample(self, slots: RequestSlots, head, params: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, DelayState]:
-        """This step's frames -> emitted rows [B, C] int64 (-1 where none) and the new state. Seed rows open a
-        fresh stream (remembering where), done rows close theirs; params: per-row (temperature, top_k, top_p)."""
+    def sample(self, slots: RequestSlots, head, params: tuple[Tensor, Tensor, Tensor]) -> list[Tensor | None]:
+        """Sample this step's frames from ``hidden`` and record them: per request an owned [1, C] int32 row, or
+        None where it produced none (also kept as ``published``). Seed rows open a fresh stream (remembering
+        where), done rows close theirs; params: per-row (temperature, top_k, top_p) [B] each."""
         modes, s = self.modes, self.slots
         tail_pos = self.positions.index_select(0, self.tails)
         slots.seed_pos.index_copy_(0, s, torch.where(modes.seed, tail_pos, slots.seed_pos.index_select(0, s)))
         logits = head(self.hidden).float()  # [B, C, V]
         fresh = modes.seed | modes.done
-        return sample_frame(slots.store, s, logits, params=params, active=modes.code_rows, fresh=fresh)
+        emitted, new = sample_frame(slots.store, s, logits, params=params, active=modes.code_rows, fresh=fresh)
+        host = torch.cat([emitted, modes.code_rows[:, None], new.has_codes[:, None], new.done[:, None]], dim=1)
+        self.published = slots.record(self.req_ids, host.to("cpu", torch.int32))  # the step's one host sync
+        return self.published
+
+    def prompt_rows(self, slots: RequestSlots, reference: Callable[[int], tuple[Tensor, Tensor] | None],
+                    embeds: Tensor, embedding) -> tuple[Tensor, int]:  # fmt: skip
+        """Multi-token spans embed code rows at their positions (SPEC 3.4): request i's voice-clone rows
+        (``reference(i)``: placeholder positions [R] int64, rows [R, C]; or None) and, where a preempted request
+        is recomputed from position 0, the rows it was fed the first time (row j at seed_pos + 1 + j), so the
+        recomputed KV and the codes after it are what they were. embeds [T, H] -> (embeds, re-fed rows)."""
+        qsl, index, codes, refed = self.qsl.tolist(), [], [], 0
+        for i, rid in enumerate(self.req_ids):
+            start, end = qsl[i], qsl[i + 1]
+            if end - start <= 1:  # a decode step: the feedback covers it
+                continue
+            sources = [reference(i)]
+            req = slots.requests.get(rid)
+            if req is not None and req.rows:
+                first = int(slots.seed_pos[req.slot]) + 1
+                sources.append((torch.arange(first, first + len(req.rows)), torch.stack(req.rows)))
+            for k, src in enumerate(sources):
+                if src is not None:
+                    tok, got = rows_at(self.positions[start:end], *src)
+                    index.append(tok + start)
+                    codes.append(got.long())
+                    refed += int(tok.numel()) if k else 0
+        if not index:
+            return embeds, 0
+        return embed_rows(embeds, torch.cat(index), torch.cat(codes), embedding), refed
 
 
 def force_text_logits(logits: Tensor, modes: RowModes) -> Tensor:

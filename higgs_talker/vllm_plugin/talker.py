@@ -1,24 +1,15 @@
-"""The model class vLLM / vllm-omni instantiate for Higgs-Audio V3 Stage 0: a translation layer over the core.
+"""The model class vLLM / vllm-omni build for Higgs-Audio V3 Stage 0: vLLM's Qwen3 backbone, the core's audio.
 
-vLLM owns the backbone (its ``Qwen3Model``: attention, KV cache, batching, compile boundary, its own graphs); the
-core owns everything audio (``heads/``: the fused codebook embedding/head, the decode-state slots and the frame
-step) and the checkpoint names (``checkpoint.WeightRouter``). This class translates between them and implements
-the vllm-omni runner contract (SPEC 6):
-
-    update_decode_step_metadata(req_ids, ...)   before every forward or graph replay: batch order -> slots
-    forward(...)                                text embedding, voice-clone reference rows, audio feedback
-    compute_logits(hidden)                      stash the rows; forced tokens only on pure audio steps
-    sample(logits, sampling_metadata)           forced <|audio|>/EOS + C codes per row (per-request params)
-    postprocess / post_sample_multimodal_outputs / make_omni_output   owned [1, C] ``codes.audio`` rows
-    on_requests_finished(ids)                   frees the requests' slots
-
-Under plain vLLM the ``TextOnlyBridge`` logits processor (``bridge.py``) plays the runner's part; it finds this
-instance through ``talker_for(vllm_config)`` (keyed by the config's instance id). Release differences are in
-``compat.py``; the local MLP graph path is switched by ``cuda_graphs.policy.decide(vllm_config=...)``.
+vLLM owns attention, KV cache, batching and its graphs; ``heads/`` owns everything audio (codebook embedding and
+head, decode-state slots, ``SpanStep``) and ``checkpoint.WeightRouter`` the weight names. The class implements
+vllm-omni's Stage-0 runner contract (SPEC 6: ``update_decode_step_metadata``, ``forward``, ``compute_logits``,
+``sample``, ``postprocess`` / ``make_omni_output`` with owned [1, C] ``codes.audio`` rows, ``on_requests_finished``);
+under plain vLLM ``bridge.TextOnlyBridge`` plays the runner, finding this instance with ``talker_for``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Iterable
@@ -37,7 +28,7 @@ from ..checkpoint import WeightRouter
 from ..config import SpecialTokens, TalkerConfig
 from ..cuda_graphs.local_mlp import LocalMLPPath
 from ..cuda_graphs.policy import decide
-from ..heads.codebooks import build_codebooks, embed_rows, feed_back, rows_at
+from ..heads.codebooks import build_codebooks, feed_back
 from ..heads.sampling import resolve_seed, row_params
 from ..heads.slots import RequestSlots, SlotStore
 from ..heads.spans import SpanStep, force_text_logits, forced_only_logits
@@ -192,7 +183,10 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         step = self.step if self.step is not None and self.step.slots is not None else None
         if step is not None and embeds.shape[0] > step.num_reqs:  # prefill spans: reference and re-fed rows
             infos = kwargs.get("model_intermediate_buffer") or kwargs.get("runtime_additional_information")
-            embeds = self._prompt_rows(embeds, step, infos or step.references or [])
+            infos = infos or step.references or []
+            ref = functools.partial(_reference_rows, infos, self.cfg.num_codebooks)
+            embeds, refed = step.prompt_rows(self.slots, ref, embeds, self.multimodal_embedding)
+            self.stats["bridge_recomputed_rows"] += refed
         if embeds.shape[0] <= self._capacity:
             # always, even in dummy runs: a FULL decode graph captured here must contain the feedback
             t = embeds.shape[0]
@@ -206,31 +200,6 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         if hidden is None:
             hidden = self.model(None, positions, intermediate_tensors, inputs_embeds=embeds)
         return hidden
-
-    def _prompt_rows(self, embeds: Tensor, step: SpanStep, infos: list) -> Tensor:
-        """Multi-token spans embed code rows at their positions (SPEC 3.4): a voice clone's reference rows at
-        the placeholders, and, where vLLM recomputes a preempted request (prompt and every generated token from
-        position 0), the rows fed there the first time (row j at seed_pos + 1 + j), so the recomputed KV and
-        the codes after it are what they would have been."""
-        qsl, index, codes = step.qsl.tolist(), [], []
-        for i, rid in enumerate(step.req_ids):
-            start, end = qsl[i], qsl[i + 1]
-            if end - start <= 1:  # a decode step: the feedback covers it
-                continue
-            sources = [_reference_rows(infos[i], self.cfg.num_codebooks) if i < len(infos) else None]
-            req = self.slots.requests.get(rid)
-            if req is not None and req.rows:
-                first = int(self.slots.seed_pos[req.slot]) + 1
-                sources.append((torch.arange(first, first + len(req.rows)), torch.stack(req.rows)))
-            for k, src in enumerate(sources):
-                if src is not None:
-                    tok, got = rows_at(step.positions[start:end], *src)
-                    index.append(tok + start)
-                    codes.append(got.long())
-                    self.stats["bridge_recomputed_rows"] += int(tok.numel()) if k else 0
-        if not index:
-            return embeds
-        return embed_rows(embeds, torch.cat(index), torch.cat(codes), self.multimodal_embedding)
 
     # ------------------------------------------------------------------ logits and sampling
 
@@ -285,11 +254,8 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         if step is None or step.modes is None:
             return []
         self.stats["sample_steps"] += 1
-        emitted, new = step.sample(self.slots, self.modality_head, (temperature, top_k, top_p))
-        host = torch.cat([emitted, step.modes.code_rows[:, None], new.has_codes[:, None], new.done[:, None]], dim=1)
-        step.published = self.slots.record(step.req_ids, host.to("cpu", torch.int32))  # the step's one sync
         self.step, self.sampled = None, step  # consumed: a dummy run before the next step's metadata sees none
-        return step.published
+        return step.sample(self.slots, self.modality_head, (temperature, top_k, top_p))
 
     # ------------------------------------------------------------------ publishing codes.audio
 
@@ -324,12 +290,8 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         return compat.omni_output(model_outputs, {"codes": {"audio": rows}} if any(r.numel() for r in rows) else None)
 
     def request_rows(self, req_id: str) -> Tensor | None:
-        """Every delayed row [R, C] int32 a request produced so far, live or recently finished (text-only
-        bridge path keeps the last 256 finished requests); None for an unknown id."""
-        req = self.slots.requests.get(req_id)
-        if req is None and req_id in self.slots.finished:
-            req = self.slots.finished[req_id][0]
-        return self.slots.rows_of(req) if req is not None else None
+        """Every row [R, C] int32 a request produced (bridge: also the last 256 finished); None if unknown."""
+        return self.slots.rows_for(req_id)
 
     # ------------------------------------------------------------------ weights
 
@@ -371,8 +333,9 @@ def _resolve_specials(vllm_config: VllmConfig, cfg: TalkerConfig) -> SpecialToke
     return TalkerTokenizer.from_pretrained(path, cfg).specials
 
 
-def _reference_rows(info: Any, num_codebooks: int) -> tuple[Tensor, Tensor] | None:
-    """(placeholder positions [R] int64, reference rows [R, C] int64) of a request's voice-clone info, or None."""
+def _reference_rows(infos: list, num_codebooks: int, i: int) -> tuple[Tensor, Tensor] | None:
+    """(placeholder positions [R] int64, reference rows [R, C] int64) of request i's voice-clone info, or None."""
+    info = infos[i] if i < len(infos) else None
     if not isinstance(info, dict) or info.get("audio_input_ids") is None:
         return None
     codes = info["audio_input_ids"]
