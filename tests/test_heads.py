@@ -1092,6 +1092,12 @@ def test_span_step_feeds_each_decoding_tail_its_last_frame():
     step.write_feedback(slots, use, codes)
     assert use.tolist() == [True, False, False, False, False, False, False, False]
     assert torch.equal(codes[0], state.last_codes[s[0]]) and torch.equal(codes[4], state.last_codes[s[2]])
+    embedding = lambda rows: rows.float().sum(-1, keepdim=True).expand(-1, 2)  # noqa: E731
+    embeds = torch.full((5, 2), -1.0)
+    fed = step.feed_tails(slots, embeds, embedding)  # the same feedback without the buffers
+    want = torch.full((5,), -1.0)
+    want[0] = state.last_codes[s[0]].sum()
+    assert torch.equal(fed[:, 0], want)
 
 
 def test_span_step_prompt_rows_place_reference_and_refed_rows_in_multi_token_spans():

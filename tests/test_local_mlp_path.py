@@ -61,6 +61,7 @@ def test_the_graphed_stack_equals_the_eager_layers_and_counts_its_replays(monkey
         want = norm(*forward_layers(layers, positions, embeds))[0]
     torch.testing.assert_close(got, want)
     assert path.replays == 1 and path.graphs.sizes == (1, 2, 4)
+    assert path.report() == {"replays": 1, "buckets": [1, 2, 4], "failed": {}}
 
 
 def test_steps_the_graphs_do_not_cover_return_none(monkeypatch):
@@ -80,4 +81,5 @@ def test_capture_only_when_enabled_and_on_cuda():
     off = LocalMLPPath([_Layer()], _Norm(), enabled=False, max_batch=4)
     off.capture(H, torch.zeros(1))
     assert path.graphs is None and off.graphs is None
+    assert path.report() == {"replays": 0, "buckets": [], "failed": {}}
     assert path.forward(torch.arange(1), torch.randn(1, H), pure_decode=True) is None

@@ -165,3 +165,9 @@ class LocalMLPPath:
         hidden, residual = forward_layers(self.layers, positions, embeds, graphs.post_attention_or_eager)
         self.replays += 1
         return self.norm(hidden, residual)[0]
+
+    def report(self) -> dict:
+        """What the path did: decode steps replayed, buckets captured, buckets whose capture failed (why)."""
+        g = self.graphs
+        failed = {str(k): str(v) for k, v in g.failed.items()} if g else {}
+        return {"replays": self.replays, "buckets": list(g.sizes) if g else [], "failed": failed}

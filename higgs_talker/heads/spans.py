@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .codebooks import embed_rows, rows_at
+from .codebooks import embed_rows, feed_back, rows_at
 from .delay import forced_text_tokens
 from .slots import RequestSlots, sample_frame
 
@@ -73,6 +73,12 @@ class SpanStep:
         frame [B, C]."""
         state, single = slots.store.state, (self.qsl[1:] - self.qsl[:-1]) == 1
         return state.has_codes.index_select(0, self.slots) & single, state.last_codes.index_select(0, self.slots)
+
+    def feed_tails(self, slots: RequestSlots, embeds: Tensor, embedding) -> Tensor:
+        """embeds [T, H] -> [T, H] with each decoding tail fed its last frame (``feed_back`` on the tails only:
+        for a step larger than the fixed feedback buffers)."""
+        use, last = self.tail_feedback(slots)
+        return embeds.index_copy(0, self.tails, feed_back(embeds.index_select(0, self.tails), use, last, embedding))
 
     def write_feedback(self, slots: RequestSlots, use: Tensor, codes: Tensor) -> None:
         """Fill the fixed per-token feedback buffers use [S] bool, codes [S, C] for this step (before the

@@ -148,20 +148,10 @@ class RowsWorkerExtension:
     def higgs_adapter_report(self) -> dict:
         """What this worker's talker adapter loaded and did: counters, graph decision, local MLP graphs."""
         talker = self.model_runner.get_model()
-        graphs = talker.local_mlp.graphs
-        return {
-            "arch_class": type(talker).__module__ + ":" + type(talker).__qualname__,
-            "specials": None if talker.specials is None else {"audio": talker.specials.audio,
-                                                               "eos": talker.specials.eos},
-            "loaded": sorted(talker.loaded_weight_names),
-            "stats": dict(talker.stats),
-            "graph_decision": talker.graph_decision.reason,
-            "local_mlp": {
-                "replays": talker.local_mlp.replays,
-                "buckets": list(graphs.sizes) if graphs else [],
-                "failed": {str(k): str(v) for k, v in graphs.failed.items()} if graphs else {},
-            },
-        }  # fmt: skip
+        specials = None if talker.specials is None else {"audio": talker.specials.audio, "eos": talker.specials.eos}
+        return {"arch_class": type(talker).__module__ + ":" + type(talker).__qualname__, "specials": specials,
+                "loaded": sorted(talker.loaded_weight_names), "stats": dict(talker.stats),
+                "graph_decision": talker.graph_decision.reason, "local_mlp": talker.local_mlp.report()}  # fmt: skip
 
 
 def request_rows(llm, keys) -> dict[str, torch.Tensor | None]:

@@ -191,10 +191,8 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
             # always, even in dummy runs: a FULL decode graph captured here must contain the feedback
             t = embeds.shape[0]
             embeds = feed_back(embeds, self._fb_use[:t], self._fb_codes[:t], self.multimodal_embedding)
-        elif step is not None:  # more tokens than the buffers: only the tails change
-            use, last = step.tail_feedback(self.slots)
-            tails = feed_back(embeds.index_select(0, step.tails), use, last, self.multimodal_embedding)
-            embeds = embeds.index_copy(0, step.tails, tails)
+        elif step is not None:  # more tokens than the buffers
+            embeds = step.feed_tails(self.slots, embeds, self.multimodal_embedding)
         pure_decode = step is not None and embeds.shape[0] == step.num_reqs
         hidden = self.local_mlp.forward(positions, embeds, pure_decode)
         if hidden is None:
@@ -338,19 +336,15 @@ def _reference_rows(infos: list, num_codebooks: int, i: int) -> tuple[Tensor, Te
     info = infos[i] if i < len(infos) else None
     if not isinstance(info, dict) or info.get("audio_input_ids") is None:
         return None
-    codes = info["audio_input_ids"]
-    codes = codes[0] if isinstance(codes, list) and len(codes) == 1 else codes
-    codes = torch.as_tensor(codes).reshape(-1, num_codebooks).long()
-    where = info.get("audio_placeholder_positions")
+    codes, where = info["audio_input_ids"], info.get("audio_placeholder_positions")
     if where is None:
         return None
-    where = torch.as_tensor(where).reshape(-1).long()
+    codes = torch.as_tensor(codes[0] if isinstance(codes, list) and len(codes) == 1 else codes)
+    codes, where = codes.reshape(-1, num_codebooks).long(), torch.as_tensor(where).reshape(-1).long()
     if info.get("audio_input_ids_mask") is not None:
         mask = torch.as_tensor(info["audio_input_ids_mask"]).reshape(-1).bool()
         codes, where = codes[mask.to(codes.device)], where[mask.to(where.device)]
     if where.numel() != codes.shape[0]:
-        logger.debug(
-            "reference rows (%d) and placeholder positions (%d) differ; skipped", codes.shape[0], where.numel()
-        )
+        logger.debug("reference rows (%d) and placeholder positions (%d) differ: skipped", len(codes), len(where))
         return None
     return where, codes
