@@ -102,16 +102,6 @@ def step_query_start_loc(num_reqs: int, positions: Tensor) -> Tensor | None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# vllm-omni
-
-
-def omni_output(text_hidden_states: Tensor, multimodal_outputs: dict | None):
-    from vllm_omni.model_executor.models.output_templates import OmniOutput
-
-    return OmniOutput(text_hidden_states=text_hidden_states, multimodal_outputs=multimodal_outputs)
-
-
-# ---------------------------------------------------------------------------------------------------------
 # config and samplers
 
 

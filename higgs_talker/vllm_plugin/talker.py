@@ -285,7 +285,8 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         for info in infos:
             codes = (info.get("codes") or {}).get("audio") if isinstance(info, dict) else None
             rows.append(codes if isinstance(codes, Tensor) and codes.numel() else empty)
-        return compat.omni_output(model_outputs, {"codes": {"audio": rows}} if any(r.numel() for r in rows) else None)
+        mm = {"codes": {"audio": rows}} if any(r.numel() for r in rows) else None
+        return OmniOutput(text_hidden_states=model_outputs, multimodal_outputs=mm)
 
     def request_rows(self, req_id: str) -> Tensor | None:
         """Every row [R, C] int32 a request produced (bridge: also the last 256 finished); None if unknown."""
