@@ -1025,3 +1025,106 @@ def test_request_slots_follow_ids_and_resume_a_kept_state():
     assert all(torch.equal(before[k], after[k]) for k in before)
     slots.release(["b", "c", "a"])
     assert slots.free.num_free == 4 and slots.requests == {}
+
+
+def _span_step(slots, req_ids, tail_ids, tail_pos):
+    """A pure decode step (one token per request) of ``req_ids`` with these tail tokens and positions."""
+    from higgs_talker.heads.spans import SpanStep
+
+    s, _ = slots.sync(req_ids)
+    qsl = torch.arange(len(req_ids) + 1)
+    return SpanStep(list(req_ids), slots=s, qsl=qsl, input_ids=torch.tensor(tail_ids), positions=torch.tensor(tail_pos))
+
+
+def test_span_step_classifies_rows_opens_streams_and_forces_the_text_token():
+    """Row modes from the tail tokens and the slots' state: ``<|audio|>`` opens a stream (at the tail position),
+    a stream row is due a frame only at ``seed_pos + rows produced``, a done row is forced EOS and produces
+    nothing; audio-mode rows keep only their forced text logit."""
+    from higgs_talker.heads.slots import RequestSlots, SlotStore
+    from higgs_talker.heads.spans import force_text_logits, forced_only_logits
+
+    audio, eos, text = 50, 51, 7
+    slots = RequestSlots(SlotStore(4, N, V, BOC, EOC, torch.device("cpu")), seed=0)
+    step = _span_step(slots, ["t", "a"], [text, audio], [3, 12])
+    step.modes = m = step.row_modes(slots, audio, eos)
+    assert m.seed.tolist() == [False, True] and m.audio.tolist() == [False, True]
+    assert m.code_rows.tolist() == [False, True] and m.forced.tolist() == [audio, audio]
+    step.hidden = torch.randn(2, 4)
+    head = lambda h: torch.randn(h.shape[0], N, V)  # noqa: E731
+    published = step.sample(slots, head, (torch.ones(2), torch.full((2,), V), torch.ones(2)))
+    assert published[0] is None and published[1].shape == (1, N) and published is step.published
+    assert torch.equal(slots.rows_for("a"), published[1]) and slots.requests["a"].active
+    assert slots.store.state.has_codes[step.slots].tolist() == [False, True]
+    assert slots.seed_pos[step.slots].tolist() == [-1, 12]  # the stream opened at its tail
+    # next step: "a" is due at 12 + 1 rows = 13, not at a partial chunk's position 20
+    for pos, due in ((13, True), (20, False)):
+        m = _span_step(slots, ["t", "a"], [text, audio], [4, pos]).row_modes(slots, audio, eos)
+        assert m.seed.tolist() == [False, False] and m.code_rows.tolist() == [False, due]
+    chunk = _span_step(slots, ["t", "a"], [text, audio], [4, 20])  # not due: in its stream, but no frame
+    chunk.modes, chunk.hidden = chunk.row_modes(slots, audio, eos), torch.randn(2, 4)
+    assert chunk.sample(slots, head, (torch.ones(2), torch.full((2,), V), torch.ones(2))) == [None, None]
+    assert slots.rows_for("a").shape == (1, N) and slots.requests["a"].active
+    slots.store.state.done[step.slots[1]] = True  # "a" emitted its terminal row
+    m = _span_step(slots, ["t", "a"], [text, audio], [4, 14]).row_modes(slots, audio, eos)
+    assert m.forced.tolist() == [audio, eos] and m.code_rows.tolist() == [False, False] and m.audio[1]
+    logits = torch.randn(2, 64)
+    want_text = logits[0].clone()
+    out = force_text_logits(logits, m)
+    assert torch.equal(out[0], want_text) and torch.isfinite(out[1]).tolist() == [i == eos for i in range(64)]
+    only = forced_only_logits(m, 64, torch.float32)
+    assert [torch.isfinite(r).nonzero().flatten().tolist() for r in only] == [[audio], [eos]]
+
+
+def test_span_step_feeds_each_decoding_tail_its_last_frame():
+    """Feedback: the tail of a stream fed in a one-token span gets the slot's last frame; a multi-token span
+    (prefill) and a request not in a stream get none; the buffers cover only the tails."""
+    from higgs_talker.heads.slots import RequestSlots, SlotStore
+    from higgs_talker.heads.spans import SpanStep
+
+    slots = RequestSlots(SlotStore(4, N, V, BOC, EOC, torch.device("cpu")), seed=0)
+    s, _ = slots.sync(["a", "b", "c"])
+    state = slots.store.state
+    state.has_codes[s] = torch.tensor([True, False, True])
+    state.last_codes[s] = torch.arange(3 * N).reshape(3, N)
+    qsl = torch.tensor([0, 1, 2, 5])  # "c" is a 3-token span
+    step = SpanStep(["a", "b", "c"], slots=s, qsl=qsl, input_ids=torch.zeros(5), positions=torch.arange(5))
+    use, codes = torch.ones(8, dtype=torch.bool), torch.zeros(8, N, dtype=torch.long)
+    step.write_feedback(slots, use, codes)
+    assert use.tolist() == [True, False, False, False, False, False, False, False]
+    assert torch.equal(codes[0], state.last_codes[s[0]]) and torch.equal(codes[4], state.last_codes[s[2]])
+    embedding = lambda rows: rows.float().sum(-1, keepdim=True).expand(-1, 2)  # noqa: E731
+    embeds = torch.full((5, 2), -1.0)
+    fed = step.feed_tails(slots, embeds, embedding)  # the same feedback without the buffers
+    want = torch.full((5,), -1.0)
+    want[0] = state.last_codes[s[0]].sum()
+    assert torch.equal(fed[:, 0], want)
+
+
+def test_span_step_prompt_rows_place_reference_and_refed_rows_in_multi_token_spans():
+    """A multi-token span embeds a voice clone's reference rows at their placeholder positions and, for a
+    request recomputed after a preemption, row j of what it produced at ``seed_pos + 1 + j`` (counted as re-fed);
+    a one-token span is left to the feedback; ``rows_for`` finds the rows of live and kept finished requests."""
+    from higgs_talker.heads.slots import RequestSlots, SlotStore
+    from higgs_talker.heads.spans import SpanStep
+
+    slots = RequestSlots(SlotStore(4, N, V, BOC, EOC, torch.device("cpu")), keep_finished=4, seed=0)
+    s, _ = slots.sync(["ref", "back", "dec"])
+    back = slots.requests["back"]
+    back.rows = [torch.full((N,), 100 + j, dtype=torch.int32) for j in range(3)]
+    slots.seed_pos[back.slot] = 4  # rows fed at positions 5, 6, 7
+    slots.requests["dec"].rows = [torch.full((N,), 7, dtype=torch.int32)]
+    qsl = torch.tensor([0, 4, 10, 11])
+    positions = torch.tensor([0, 1, 2, 3, 2, 3, 4, 5, 6, 7, 9])  # "back" recomputes 2..7 (a later chunk)
+    step = SpanStep(["ref", "back", "dec"], slots=s, qsl=qsl, input_ids=torch.zeros(11), positions=positions)
+    ref_rows = torch.arange(2 * N).reshape(2, N)
+    refs = {0: (torch.tensor([3, 1]), ref_rows), 2: (torch.tensor([9]), ref_rows[:1])}  # "dec" is at 9 too
+    embedding = lambda codes: codes.float().sum(-1, keepdim=True).expand(-1, 2)  # noqa: E731
+    embeds = torch.full((11, 2), -1.0)
+    out, refed = step.prompt_rows(slots, refs.get, embeds, embedding)
+    want = torch.full((11,), -1.0)
+    want[1], want[3] = ref_rows[1].sum(), ref_rows[0].sum()  # reference rows of request 0 at positions 1 and 3
+    want[7], want[8], want[9] = (N * (100 + j) for j in range(3))  # "back": positions 5, 6, 7
+    assert torch.equal(out[:, 0], want) and refed == 3  # "dec" (one token) untouched
+    assert torch.equal(slots.rows_for("back"), torch.stack(back.rows)) and slots.rows_for("nobody") is None
+    slots.release(["back"])
+    assert slots.rows_for("back").shape == (3, N)  # kept finished

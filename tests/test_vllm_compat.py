@@ -3,6 +3,7 @@ parsing, and vllm-omni 0.26's missing ``req_ids`` read from the calling runner."
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace as NS
 
 import pytest
@@ -55,3 +56,17 @@ def test_unknowable_spans_are_none_not_a_guess(metadata):
 @pytest.mark.parametrize(("text", "want"), [("0.26.0", (0, 26)), ("0.30.0+cpu", (0, 30)), ("0.27.1rc2", (0, 27))])
 def test_version_tuple(text, want):
     assert compat.version_tuple(text) == want
+
+
+@pytest.mark.parametrize(
+    ("vllm", "omni", "warned"),
+    [("0.31.0", "0.26.0", ["vllm"]), ("0.30.0+cpu", "x.y", ["vllm_omni"]), ("0.26.1", "0.30.0", [])],
+)
+def test_check_supported_warns_once_per_release_outside_the_range(monkeypatch, caplog, vllm, omni, warned):
+    monkeypatch.setattr(compat, "_warned", set())
+    for name, version in (("vllm", vllm), ("vllm_omni", omni)):
+        monkeypatch.setitem(sys.modules, name, NS(__version__=version))
+    with caplog.at_level("WARNING", logger=compat.__name__):
+        compat.check_supported()
+        compat.check_supported()
+    assert [r.getMessage().split()[0] for r in caplog.records] == warned

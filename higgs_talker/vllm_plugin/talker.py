@@ -1,24 +1,15 @@
-"""The model class vLLM / vllm-omni instantiate for Higgs-Audio V3 Stage 0: a translation layer over the core.
+"""The model class vLLM / vllm-omni build for Higgs-Audio V3 Stage 0: vLLM's Qwen3 backbone, the core's audio.
 
-vLLM owns the backbone (its ``Qwen3Model``: attention, KV cache, batching, compile boundary, its own graphs); the
-core owns everything audio (``heads/``: the fused codebook embedding/head, the decode-state slots and the frame
-step) and the checkpoint names (``checkpoint.WeightRouter``). This class translates between them and implements
-the vllm-omni runner contract (SPEC 6):
-
-    update_decode_step_metadata(req_ids, ...)   before every forward or graph replay: batch order -> slots
-    forward(...)                                text embedding, voice-clone reference rows, audio feedback
-    compute_logits(hidden)                      stash the rows; forced tokens only on pure audio steps
-    sample(logits, sampling_metadata)           forced <|audio|>/EOS + C codes per row (per-request params)
-    postprocess / post_sample_multimodal_outputs / make_omni_output   owned [1, C] ``codes.audio`` rows
-    on_requests_finished(ids)                   frees the requests' slots
-
-Under plain vLLM the ``TextOnlyBridge`` logits processor (``bridge.py``) plays the runner's part; it finds this
-instance through ``talker_for(vllm_config)`` (keyed by the config's instance id). Release differences are in
-``compat.py``; the local MLP graph path is switched by ``cuda_graphs.policy.decide(vllm_config=...)``.
+vLLM owns attention, KV cache, batching and its graphs; ``heads/`` owns everything audio (codebook embedding and
+head, decode-state slots, ``SpanStep``) and ``checkpoint.WeightRouter`` the weight names. The class implements
+vllm-omni's Stage-0 runner contract (SPEC 6: ``update_decode_step_metadata``, ``forward``, ``compute_logits``,
+``sample``, ``postprocess`` / ``make_omni_output`` with owned [1, C] ``codes.audio`` rows, ``on_requests_finished``);
+under plain vLLM ``bridge.TextOnlyBridge`` plays the runner, finding this instance with ``talker_for``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Iterable
@@ -35,13 +26,13 @@ from vllm.model_executor.models.qwen3 import Qwen3Model
 
 from ..checkpoint import WeightRouter
 from ..config import SpecialTokens, TalkerConfig
+from ..cuda_graphs.local_mlp import LocalMLPPath
 from ..cuda_graphs.policy import decide
-from ..heads.codebooks import build_codebooks, embed_rows, feed_back, rows_at
+from ..heads.codebooks import build_codebooks, feed_back
 from ..heads.sampling import resolve_seed, row_params
 from ..heads.slots import RequestSlots, SlotStore
+from ..heads.spans import SpanStep, force_text_logits, forced_only_logits
 from . import compat
-from . import step as S
-from .graphs import LocalMLPPath
 
 logger = logging.getLogger(__name__)
 
@@ -106,13 +97,15 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
                                     "bridge_replayed_steps", "bridge_no_qsl", "bridge_recomputed_rows"), 0)  # fmt: skip
         self.deferred_prefix_cache_mm_keys = {"codes.audio"}
         self._runner_req_ids: list[str] | None = None  # from prepare_runner_inputs, for the step's metadata
-        self.step: S.PluginStep | None = None  # the current step (None: a dummy or profile run)
-        self.sampled: S.PluginStep | None = None  # the last sampled step, whose rows postprocess publishes
+        self.step: SpanStep | None = None  # the current step (None: a dummy or profile run)
+        self.sampled: SpanStep | None = None  # the last sampled step, whose rows postprocess publishes
         self._bridge_pending = False  # the bridge armed self.step; its token layout comes with the forward
         self._text_sampler = None
         self.graph_decision = decide(vllm_config=vllm_config)
         logger.info("higgs talker (vLLM adapter): %s", self.graph_decision.reason)
-        self.local_mlp = LocalMLPPath(self.model, self.graph_decision.local_mlp, max_seqs)
+        layers = self.model.layers[self.model.start_layer : self.model.end_layer]  # this pipeline stage's
+        self.local_mlp = LocalMLPPath(layers, self.model.norm, self.graph_decision.local_mlp, max_seqs,
+                                      forward_context=compat.forward_context)  # fmt: skip
         _TALKERS[getattr(vllm_config, "instance_id", "") or ""] = weakref.ref(self)
 
     # ------------------------------------------------------------------ per-step metadata
@@ -133,21 +126,21 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         if req_ids is None or input_ids is None or positions is None or omni_query_start_loc is None:
             self._fb_use.zero_()
             return
-        self._lay_out(S.PluginStep(list(req_ids)), input_ids, positions, omni_query_start_loc)
+        self._lay_out(SpanStep(list(req_ids)), input_ids, positions, omni_query_start_loc)
 
     def set_bridge_requests(self, req_ids, seeds, min_rows=None, references=None, resume=None) -> None:
         """The text-only bridge's view of the batch, before a real step. The feedback buffers are written for a
         pure decode step (token i = request i): a replayed FULL decode graph reads them without our forward;
         an eager forward rewrites them for the step's real layout."""
         refs = references if references and any(references) else None
-        self.step = step = S.PluginStep(list(req_ids), refs)
+        self.step = step = SpanStep(list(req_ids), refs)
         self._bridge_pending = True
         slots, _ = self.slots.sync(step.req_ids, seeds, min_rows, resume)
         if step.num_reqs < self._capacity:
-            decode = S.PluginStep(step.req_ids, slots=slots, qsl=torch.arange(step.num_reqs + 1, device=slots.device))
+            decode = SpanStep(step.req_ids, slots=slots, qsl=torch.arange(step.num_reqs + 1, device=slots.device))
             decode.write_feedback(self.slots, self._fb_use, self._fb_codes)
 
-    def _lay_out(self, step: S.PluginStep, input_ids: Tensor, positions: Tensor, qsl: Tensor) -> None:
+    def _lay_out(self, step: SpanStep, input_ids: Tensor, positions: Tensor, qsl: Tensor) -> None:
         """The step's token layout is known: its slots (new requests get one), spans and feedback."""
         step.slots, step.new_rows = self.slots.sync(step.req_ids)
         step.qsl, step.input_ids, step.positions = qsl[: step.num_reqs + 1].long(), input_ids.long(), positions.long()
@@ -190,45 +183,21 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         step = self.step if self.step is not None and self.step.slots is not None else None
         if step is not None and embeds.shape[0] > step.num_reqs:  # prefill spans: reference and re-fed rows
             infos = kwargs.get("model_intermediate_buffer") or kwargs.get("runtime_additional_information")
-            embeds = self._prompt_rows(embeds, step, infos or step.references or [])
+            infos = infos or step.references or []
+            ref = functools.partial(_reference_rows, infos, self.cfg.num_codebooks)
+            embeds, refed = step.prompt_rows(self.slots, ref, embeds, self.multimodal_embedding)
+            self.stats["bridge_recomputed_rows"] += refed
         if embeds.shape[0] <= self._capacity:
             # always, even in dummy runs: a FULL decode graph captured here must contain the feedback
             t = embeds.shape[0]
             embeds = feed_back(embeds, self._fb_use[:t], self._fb_codes[:t], self.multimodal_embedding)
-        elif step is not None:  # more tokens than the buffers: only the tails change
-            use, last = step.tail_feedback(self.slots)
-            tails = feed_back(embeds.index_select(0, step.tails), use, last, self.multimodal_embedding)
-            embeds = embeds.index_copy(0, step.tails, tails)
+        elif step is not None:  # more tokens than the buffers
+            embeds = step.feed_tails(self.slots, embeds, self.multimodal_embedding)
         pure_decode = step is not None and embeds.shape[0] == step.num_reqs
         hidden = self.local_mlp.forward(positions, embeds, pure_decode)
         if hidden is None:
             hidden = self.model(None, positions, intermediate_tensors, inputs_embeds=embeds)
         return hidden
-
-    def _prompt_rows(self, embeds: Tensor, step: S.PluginStep, infos: list) -> Tensor:
-        """Multi-token spans embed code rows at their positions (SPEC 3.4): a voice clone's reference rows at
-        the placeholders, and, where vLLM recomputes a preempted request (prompt and every generated token from
-        position 0), the rows fed there the first time (row j at seed_pos + 1 + j), so the recomputed KV and
-        the codes after it are what they would have been."""
-        qsl, index, codes = step.qsl.tolist(), [], []
-        for i, rid in enumerate(step.req_ids):
-            start, end = qsl[i], qsl[i + 1]
-            if end - start <= 1:  # a decode step: the feedback covers it
-                continue
-            sources = [_reference_rows(infos[i], self.cfg.num_codebooks) if i < len(infos) else None]
-            req = self.slots.requests.get(rid)
-            if req is not None and req.rows:
-                first = int(self.slots.seed_pos[req.slot]) + 1
-                sources.append((torch.arange(first, first + len(req.rows)), torch.stack(req.rows)))
-            for k, src in enumerate(sources):
-                if src is not None:
-                    tok, got = rows_at(step.positions[start:end], *src)
-                    index.append(tok + start)
-                    codes.append(got.long())
-                    self.stats["bridge_recomputed_rows"] += int(tok.numel()) if k else 0
-        if not index:
-            return embeds
-        return embed_rows(embeds, torch.cat(index), torch.cat(codes), self.multimodal_embedding)
 
     # ------------------------------------------------------------------ logits and sampling
 
@@ -244,9 +213,9 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         step.hidden, step.modes = hidden_states, step.row_modes(self.slots, self.specials.audio, self.specials.eos)
         if self.slots.all_forced(step.req_ids):  # pure audio step: the text head is not computed
             self.stats["text_head_skipped"] += 1
-            return S.forced_only_logits(step.modes, self.cfg.text.vocab_size, hidden_states.dtype)
+            return forced_only_logits(step.modes, self.cfg.text.vocab_size, hidden_states.dtype)
         self.stats["text_head_full"] += 1
-        return S.force_text_logits(self.logits_processor(self.lm_head, hidden_states), step.modes)
+        return force_text_logits(self.logits_processor(self.lm_head, hidden_states), step.modes)
 
     def _replayed_bridge_step(self, num_rows: int) -> None:
         """A replayed FULL decode graph has one token per request, in batch order; its captured copies
@@ -283,11 +252,8 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         if step is None or step.modes is None:
             return []
         self.stats["sample_steps"] += 1
-        emitted, new = step.sample(self.slots, self.modality_head, (temperature, top_k, top_p))
-        host = torch.cat([emitted, step.modes.code_rows[:, None], new.has_codes[:, None], new.done[:, None]], dim=1)
-        step.published = self.slots.record(step.req_ids, host.to("cpu", torch.int32))  # the step's one sync
         self.step, self.sampled = None, step  # consumed: a dummy run before the next step's metadata sees none
-        return step.published
+        return step.sample(self.slots, self.modality_head, (temperature, top_k, top_p))
 
     # ------------------------------------------------------------------ publishing codes.audio
 
@@ -319,15 +285,12 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         for info in infos:
             codes = (info.get("codes") or {}).get("audio") if isinstance(info, dict) else None
             rows.append(codes if isinstance(codes, Tensor) and codes.numel() else empty)
-        return compat.omni_output(model_outputs, {"codes": {"audio": rows}} if any(r.numel() for r in rows) else None)
+        mm = {"codes": {"audio": rows}} if any(r.numel() for r in rows) else None
+        return OmniOutput(text_hidden_states=model_outputs, multimodal_outputs=mm)
 
     def request_rows(self, req_id: str) -> Tensor | None:
-        """Every delayed row [R, C] int32 a request produced so far, live or recently finished (text-only
-        bridge path keeps the last 256 finished requests); None for an unknown id."""
-        req = self.slots.requests.get(req_id)
-        if req is None and req_id in self.slots.finished:
-            req = self.slots.finished[req_id][0]
-        return self.slots.rows_of(req) if req is not None else None
+        """Every row [R, C] int32 a request produced (bridge: also the last 256 finished); None if unknown."""
+        return self.slots.rows_for(req_id)
 
     # ------------------------------------------------------------------ weights
 
@@ -369,23 +332,20 @@ def _resolve_specials(vllm_config: VllmConfig, cfg: TalkerConfig) -> SpecialToke
     return TalkerTokenizer.from_pretrained(path, cfg).specials
 
 
-def _reference_rows(info: Any, num_codebooks: int) -> tuple[Tensor, Tensor] | None:
-    """(placeholder positions [R] int64, reference rows [R, C] int64) of a request's voice-clone info, or None."""
+def _reference_rows(infos: list, num_codebooks: int, i: int) -> tuple[Tensor, Tensor] | None:
+    """(placeholder positions [R] int64, reference rows [R, C] int64) of request i's voice-clone info, or None."""
+    info = infos[i] if i < len(infos) else None
     if not isinstance(info, dict) or info.get("audio_input_ids") is None:
         return None
-    codes = info["audio_input_ids"]
-    codes = codes[0] if isinstance(codes, list) and len(codes) == 1 else codes
-    codes = torch.as_tensor(codes).reshape(-1, num_codebooks).long()
-    where = info.get("audio_placeholder_positions")
+    codes, where = info["audio_input_ids"], info.get("audio_placeholder_positions")
     if where is None:
         return None
-    where = torch.as_tensor(where).reshape(-1).long()
+    codes = torch.as_tensor(codes[0] if isinstance(codes, list) and len(codes) == 1 else codes)
+    codes, where = codes.reshape(-1, num_codebooks).long(), torch.as_tensor(where).reshape(-1).long()
     if info.get("audio_input_ids_mask") is not None:
         mask = torch.as_tensor(info["audio_input_ids_mask"]).reshape(-1).bool()
         codes, where = codes[mask.to(codes.device)], where[mask.to(where.device)]
     if where.numel() != codes.shape[0]:
-        logger.debug(
-            "reference rows (%d) and placeholder positions (%d) differ; skipped", codes.shape[0], where.numel()
-        )
+        logger.debug("reference rows (%d) and placeholder positions (%d) differ: skipped", len(codes), len(where))
         return None
     return where, codes

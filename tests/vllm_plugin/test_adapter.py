@@ -9,6 +9,7 @@ step, so a request's codes must not depend on its batch neighbours or position.
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -26,7 +27,7 @@ from higgs_talker.checkpoint import iter_tensors  # noqa: E402
 from higgs_talker.config import TalkerConfig  # noqa: E402
 from higgs_talker.heads.codebooks import feed_back  # noqa: E402
 from higgs_talker.heads.delay import apply_delay_pattern  # noqa: E402
-from higgs_talker.vllm_plugin import step as S  # noqa: E402
+from higgs_talker.heads.spans import SpanStep  # noqa: E402
 
 N_RAMP = 7  # rows of the delay pattern's ramp-up (SPEC 4.7)
 
@@ -262,6 +263,8 @@ def test_feedback_replaces_only_decode_tokens_of_streams(adapter):
 
 
 def test_voice_clone_reference_rows_replace_placeholders_by_position(adapter):
+    from higgs_talker.vllm_plugin.talker import _reference_rows
+
     m = adapter
     cfg = m.cfg
     ref = apply_delay_pattern(torch.randint(0, 1024, (2, 8)), cfg.boc_id, cfg.eoc_id)  # [9, 8]
@@ -273,9 +276,10 @@ def test_voice_clone_reference_rows_replace_placeholders_by_position(adapter):
     # chunked prefill: the first chunk covers positions 0..5, the second 6..13
     for lo, hi in ((0, 6), (6, prompt_len)):
         qsl, pos = torch.tensor([0, hi - lo]), torch.arange(lo, hi)
-        batch = S.PluginStep(["V"], slots=torch.tensor([0]), qsl=qsl, input_ids=ids[lo:hi], positions=pos)
+        batch = SpanStep(["V"], slots=torch.tensor([0]), qsl=qsl, input_ids=ids[lo:hi], positions=pos)
         embeds = m.embed_input_ids(ids[lo:hi])
-        out = m._prompt_rows(embeds, batch, [info])
+        reference = functools.partial(_reference_rows, [info], cfg.num_codebooks)
+        out, _ = batch.prompt_rows(m.slots, reference, embeds, m.multimodal_embedding)
         for j, p in enumerate(range(lo, hi)):
             if 2 <= p <= 10:
                 assert torch.allclose(out[j], m.multimodal_embedding(ref[p - 2][None])[0])

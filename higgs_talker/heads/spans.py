@@ -1,19 +1,22 @@
-"""One vLLM step of the talker: vLLM's flat batch layout read onto the core's frame step (no vLLM import).
+"""One step of a flat token batch split into per-request spans (vLLM's layout) on the decode-state slots.
 
 ``qsl [B+1]`` splits the step's tokens into requests (vLLM's ``query_start_loc``); a request is sampled from its
-last scheduled token (its *tail*). The audio itself is the core's (``heads``); this module decides from vLLM's
-tokens which rows are in audio mode, which open a stream (the tail is ``<|audio|>``) and which are due a frame.
+last scheduled token (its *tail*). From the tail tokens and the slots' state this decides which rows are in
+audio mode (their text token is forced), which open a stream (the tail is ``<|audio|>``) and which are due a
+frame, feeds each tail its last frame, and samples the frames with ``sample_frame``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from ..heads.delay import DelayState, forced_text_tokens
-from ..heads.slots import RequestSlots, sample_frame
+from .codebooks import embed_rows, feed_back, rows_at
+from .delay import forced_text_tokens
+from .slots import RequestSlots, sample_frame
 
 
 @dataclass
@@ -28,8 +31,8 @@ class RowModes:
 
 
 @dataclass
-class PluginStep:
-    """Everything the adapter knows about one step, from the runner's metadata to the published rows."""
+class SpanStep:
+    """One step, from its requests and token layout to the rows it published (the vLLM adapter's step)."""
 
     req_ids: list[str]
     references: list | None = None  # voice-clone infos in batch order (the bridge's; the runner passes its own)
@@ -71,6 +74,12 @@ class PluginStep:
         state, single = slots.store.state, (self.qsl[1:] - self.qsl[:-1]) == 1
         return state.has_codes.index_select(0, self.slots) & single, state.last_codes.index_select(0, self.slots)
 
+    def feed_tails(self, slots: RequestSlots, embeds: Tensor, embedding) -> Tensor:
+        """embeds [T, H] -> [T, H] with each decoding tail fed its last frame (``feed_back`` on the tails only:
+        for a step larger than the fixed feedback buffers)."""
+        use, last = self.tail_feedback(slots)
+        return embeds.index_copy(0, self.tails, feed_back(embeds.index_select(0, self.tails), use, last, embedding))
+
     def write_feedback(self, slots: RequestSlots, use: Tensor, codes: Tensor) -> None:
         """Fill the fixed per-token feedback buffers use [S] bool, codes [S, C] for this step (before the
         forward, outside any captured graph): tails of decoding streams get their last frame, the rest nothing."""
@@ -79,15 +88,45 @@ class PluginStep:
         use.index_copy_(0, self.tails, fed)
         codes.index_copy_(0, self.tails, last)
 
-    def sample(self, slots: RequestSlots, head, params: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, DelayState]:
-        """This step's frames -> emitted rows [B, C] int64 (-1 where none) and the new state. Seed rows open a
-        fresh stream (remembering where), done rows close theirs; params: per-row (temperature, top_k, top_p)."""
+    def sample(self, slots: RequestSlots, head, params: tuple[Tensor, Tensor, Tensor]) -> list[Tensor | None]:
+        """Sample this step's frames from ``hidden`` and record them: per request an owned [1, C] int32 row, or
+        None where it produced none (also kept as ``published``). Seed rows open a fresh stream (remembering
+        where), done rows close theirs; params: per-row (temperature, top_k, top_p) [B] each."""
         modes, s = self.modes, self.slots
         tail_pos = self.positions.index_select(0, self.tails)
         slots.seed_pos.index_copy_(0, s, torch.where(modes.seed, tail_pos, slots.seed_pos.index_select(0, s)))
         logits = head(self.hidden).float()  # [B, C, V]
         fresh = modes.seed | modes.done
-        return sample_frame(slots.store, s, logits, params=params, active=modes.code_rows, fresh=fresh)
+        emitted, new = sample_frame(slots.store, s, logits, params=params, active=modes.code_rows, fresh=fresh)
+        host = torch.cat([emitted, modes.code_rows[:, None], new.has_codes[:, None], new.done[:, None]], dim=1)
+        self.published = slots.record(self.req_ids, host.to("cpu", torch.int32))  # the step's one host sync
+        return self.published
+
+    def prompt_rows(self, slots: RequestSlots, reference: Callable[[int], tuple[Tensor, Tensor] | None],
+                    embeds: Tensor, embedding) -> tuple[Tensor, int]:  # fmt: skip
+        """Multi-token spans embed code rows at their positions (SPEC 3.4): request i's voice-clone rows
+        (``reference(i)``: placeholder positions [R] int64, rows [R, C]; or None) and, where a preempted request
+        is recomputed from position 0, the rows it was fed the first time (row j at seed_pos + 1 + j), so the
+        recomputed KV and the codes after it are what they were. embeds [T, H] -> (embeds, re-fed rows)."""
+        qsl, index, codes, refed = self.qsl.tolist(), [], [], 0
+        for i, rid in enumerate(self.req_ids):
+            start, end = qsl[i], qsl[i + 1]
+            if end - start <= 1:  # a decode step: the feedback covers it
+                continue
+            sources = [reference(i)]
+            req = slots.requests.get(rid)
+            if req is not None and req.rows:
+                first = int(slots.seed_pos[req.slot]) + 1
+                sources.append((torch.arange(first, first + len(req.rows)), torch.stack(req.rows)))
+            for k, src in enumerate(sources):
+                if src is not None:
+                    tok, got = rows_at(self.positions[start:end], *src)
+                    index.append(tok + start)
+                    codes.append(got.long())
+                    refed += int(tok.numel()) if k else 0
+        if not index:
+            return embeds, 0
+        return embed_rows(embeds, torch.cat(index), torch.cat(codes), embedding), refed
 
 
 def force_text_logits(logits: Tensor, modes: RowModes) -> Tensor:
