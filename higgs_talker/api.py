@@ -11,7 +11,6 @@ that fails fails the requests it was running, and their callers raise ``Generati
 from __future__ import annotations
 
 import logging
-import secrets
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,7 +28,7 @@ from .driver import Driver, Ticket
 from .engine import Engine, EngineConfig, Request
 from .flashinfer_attention import check_decode_kernel
 from .heads.delay import codec_frames
-from .heads.sampling import MAX_SEED, SamplingParams
+from .heads.sampling import SamplingParams, resolve_seed
 from .model import TalkerModel
 from .ops import check_row_gemv, default_kernels, rope_cache
 from .prompt import Prompt, TalkerTokenizer
@@ -395,7 +394,7 @@ class HiggsTalker:
         texts = split_text(text, max_chars) if isinstance(text, str) else []
         if len(texts) <= 1 and not (isinstance(text, str) and text.strip()):
             texts = [text]  # empty or not a string: build_prompt says what is wrong with it
-        seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED + 1)
+        seed = resolve_seed(params.seed)  # one seed for every part
         out = []
         for t in texts:
             cap = min(params.max_frames, frame_budget(t, self.cfg.frame_rate) if isinstance(t, str) else 1)
