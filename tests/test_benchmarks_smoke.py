@@ -311,3 +311,26 @@ def test_coldstart_smoke(bench, tmp_path: Path) -> None:
         assert run[key] > 0, key
     assert run["total_s"] == pytest.approx(run["import_s"] + run["load_s"] + run["first_step_s"])
     assert run["flashinfer_cache"] == str(tmp_path / "work" / "warmup" / ".cache" / "flashinfer")
+
+
+@pytest.mark.parametrize(("release", "live"), [("0.26.0", False), ("0.29.1", False), ("0.30.0", True)])
+def test_omni_offline_outputs_stream_only_where_the_generator_leaves_the_engine_open(
+    bench, monkeypatch, release: str, live: bool
+) -> None:
+    """vllm-omni 0.26's ``generate(py_generator=True)`` closes the whole ``Omni`` when its generator ends; below
+    0.30 bench_omni asks for the list instead (no first-chunk times)."""
+    import importlib.metadata
+
+    import bench_omni
+
+    calls = []
+
+    class FakeOmni:
+        def generate(self, prompts, params, **kw):
+            calls.append(kw)
+            return iter(["out"]) if kw.get("py_generator") else ["out"]
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: release if name == "vllm-omni" else "0")
+    outputs, streamed = bench_omni.offline_outputs(FakeOmni(), ["p"], ["s"])
+    assert list(outputs) == ["out"] and streamed is live
+    assert calls == [{"py_generator": True, "use_tqdm": False} if live else {"use_tqdm": False}]
