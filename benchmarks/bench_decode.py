@@ -59,10 +59,10 @@ from collections.abc import Sequence
 
 import torch
 from common import (
-    DEFAULT_SAMPLINGS,
     SAMPLINGS,
     ResultFile,
     StepTimer,
+    add_sampling_option,
     copy_bandwidth,
     environment,
     error_text,
@@ -73,7 +73,6 @@ from common import (
     percentile,
     print_table,
     resolve_device,
-    samplings_arg,
     strs_arg,
     sync,
 )
@@ -699,10 +698,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "only (off: MODE-wholesampler rows), or both")  # fmt: skip
     p.add_argument("--row-gemv", type=strs_arg, default=["auto"],
                    help="row_gemv options to time, each apart (of auto, on, off; default auto)")  # fmt: skip
-    p.add_argument("--sampling", type=samplings_arg, default=list(DEFAULT_SAMPLINGS),
-                   help=f"samplings to time at every point, the first the headline (of {', '.join(SAMPLINGS)}; "
-                   f"default {','.join(DEFAULT_SAMPLINGS)}: deploy = the deploy profiles' temperature 1.0, "
-                   "top_p 0.95, top_k 50, seeded)")  # fmt: skip
+    add_sampling_option(p, "point")
     p.add_argument("--batches", type=ints_arg, default=None, help="default 1,2,4,8,13,16,32,64")
     p.add_argument("--contexts", type=ints_arg, default=None, help="default 512,2048")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps per point (default 24)")

@@ -38,9 +38,9 @@ from collections.abc import Sequence
 import torch
 from bench_decode import Variant, build_talker, model_config, suppress_eoc
 from common import (
-    DEFAULT_SAMPLINGS,
     SAMPLINGS,
     ResultFile,
+    add_sampling_option,
     environment,
     error_text,
     floats_arg,
@@ -50,7 +50,6 @@ from common import (
     percentile,
     print_table,
     resolve_device,
-    samplings_arg,
     strs_arg,
     sync,
 )
@@ -250,10 +249,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=None, help="requests per level (default max(2C, 8))")
     p.add_argument("--prompt-tokens", type=ints_arg, default=None, help="min,max prompt tokens (default 30,200)")
     p.add_argument("--audio-s", type=floats_arg, default=None, help="min,max seconds of audio (default 5,20)")
-    p.add_argument("--sampling", type=samplings_arg, default=list(DEFAULT_SAMPLINGS),
-                   help=f"samplings to run at every level, the first the headline (of {', '.join(SAMPLINGS)}; "
-                   f"default {','.join(DEFAULT_SAMPLINGS)}: deploy = the deploy profiles' temperature 1.0, "
-                   "top_p 0.95, top_k 50, seeded)")  # fmt: skip
+    add_sampling_option(p, "level")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--budget-s", type=float, default=420.0, help="skip the remaining levels after this")

@@ -214,7 +214,7 @@ def warm_up(talker, url: str, args: argparse.Namespace, chunking) -> float:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    from common import DEFAULT_SAMPLINGS, floats_arg, ints_arg, samplings_arg, strs_arg
+    from common import add_sampling_option, floats_arg, ints_arg, strs_arg
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
@@ -224,9 +224,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="the tiny shape (CPU smoke test)")
     p.add_argument("--paths", type=strs_arg, default=["direct", "http"], help="direct,http (default both)")
     p.add_argument("--chunking", choices=("exact", "upstream", "both"), default="exact")
-    p.add_argument("--sampling", type=samplings_arg, default=DEFAULT_SAMPLINGS,
-                   help="samplings to time at every level, the first the headline (of deploy, greedy; default "
-                        "deploy,greedy)")  # fmt: skip
+    add_sampling_option(p, "level")
     p.add_argument("--levels", type=ints_arg, default=None, help="concurrency levels (default 1,4,16,64)")
     p.add_argument("--requests", type=int, default=None, help="requests per level (default max(2C, 8))")
     p.add_argument("--audio-s", type=floats_arg, default=None, help="min,max seconds of audio (default 5,20)")

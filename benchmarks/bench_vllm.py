@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 
 from common import (
-    DEFAULT_SAMPLINGS,
     SAMPLINGS,
     ResultFile,
+    add_sampling_option,
     environment,
     floats_arg,
     ints_arg,
@@ -44,7 +44,6 @@ from common import (
     package_version,
     percentile,
     print_table,
-    samplings_arg,
     strs_arg,
 )
 
@@ -363,8 +362,7 @@ def main(argv: list[str] | None = None) -> ResultFile | None:
     p.add_argument("--tp", type=ints_arg, default=[1], help="tensor-parallel sizes (one worker each)")
     p.add_argument("--dp", type=ints_arg, default=[1], help="data-parallel sizes (AsyncLLM engines; one worker each)")
     p.add_argument("--levels", type=ints_arg, default=list(LEVELS))
-    p.add_argument("--sampling", type=samplings_arg, default=list(DEFAULT_SAMPLINGS),
-                   help=f"samplings at every level, the first the headline (of {', '.join(SAMPLINGS)})")  # fmt: skip
+    add_sampling_option(p, "level")
     p.add_argument("--audio-s", type=floats_arg, default=[4.0, 8.0], help="min,max seconds of audio per request")
     p.add_argument("--model", default=None, help="checkpoint directory (default: a random 4B-shaped one)")
     p.add_argument("--ckpt-dir", default="/tmp/higgs_4b_random", help="where the random checkpoint is written")

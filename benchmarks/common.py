@@ -42,6 +42,17 @@ SAMPLINGS: dict[str, dict[str, float | int]] = {
 DEFAULT_SAMPLINGS = ["deploy", "greedy"]
 
 
+def add_sampling_option(parser: argparse.ArgumentParser, every: str) -> None:
+    """``--sampling`` (``samplings_arg``; default ``DEFAULT_SAMPLINGS``): the samplings run at ``every`` point or
+    level of a benchmark, the first the headline."""
+    deploy = ", ".join(f"{k} {v}" for k, v in SAMPLINGS["deploy"].items())
+    parser.add_argument(
+        "--sampling", type=samplings_arg, default=list(DEFAULT_SAMPLINGS),
+        help=f"samplings to run at every {every}, the first the headline (of {', '.join(SAMPLINGS)}; default "
+        f"{','.join(DEFAULT_SAMPLINGS)}: deploy = the deploy profiles' {deploy}, seeded)",
+    )  # fmt: skip
+
+
 def samplings_arg(text: str) -> list[str]:
     """Comma-separated sampling names (argparse type): each once, in the order given."""
     names = list(dict.fromkeys(x for x in text.split(",") if x))
