@@ -261,11 +261,12 @@ def choose_row_linears(model: torch.nn.Module, names: list[str] | None = None) -
                 row["chosen"] = "torch"
                 rows.append(row)
                 continue
+        want = _row_reference(x, modules[0], silu)  # once per linear: every tile is compared with it
         best = None
         for config in CONFIGS:
             tile = str(tuple(config))
             try:
-                row[f"err{tile}"] = err = _tile_error(row_linear, x, modules[0], config, silu)
+                row[f"err{tile}"] = err = _tile_error(row_linear, x, modules[0], config, silu, want)
                 if not _tile_ok(err, weight.dtype):
                     logger.warning("one-row GEMV %s off by %.1e on %s: not used", tile, err, name)
                     continue
@@ -310,7 +311,9 @@ def check_row_linears(model: torch.nn.Module, tiles: dict[str, tuple]) -> tuple[
         module = ROW_LINEARS[name](layer0)
         x = torch.randn(1, module.in_features, generator=gen, device=module.weight.device).to(module.weight.dtype)
         try:
-            row[f"err{tuple(config)}"] = err = _tile_error(row_linear, x, module, config, name == "gate_up")
+            silu = name == "gate_up"
+            want = _row_reference(x, module, silu)
+            row[f"err{tuple(config)}"] = err = _tile_error(row_linear, x, module, config, silu, want)
         except Exception as exc:  # noqa: BLE001 - a tile that cannot run fails its check
             logger.info("cached one-row GEMV %s failed on %s: %s", tuple(config), name, exc)
             err = float("nan")
@@ -321,10 +324,10 @@ def check_row_linears(model: torch.nn.Module, tiles: dict[str, tuple]) -> tuple[
     return rows, failed
 
 
-def _tile_error(row_linear, x: Tensor, module: torch.nn.Module, config, silu: bool) -> float:
-    """Relative error (norm) of the one-row GEMV with tile ``config`` on row ``x`` against float64."""
+def _tile_error(row_linear, x: Tensor, module: torch.nn.Module, config, silu: bool, want: Tensor) -> float:
+    """Relative error (norm) of the one-row GEMV with tile ``config`` on row ``x`` against ``want``, the float64
+    product (``_row_reference``)."""
     got = row_linear(x, module.weight, module.bias, config, silu_mul=silu)
-    want = _row_reference(x, module, silu)
     return ((got.double() - want).norm() / want.norm()).item()
 
 
