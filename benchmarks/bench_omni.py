@@ -137,17 +137,22 @@ def audio_of(output) -> Any:
     return torch.cat(parts) if parts else None
 
 
-def offline_outputs(omni, prompts: list, params: list):
-    """The outputs of one offline ``generate``, as they come where this vllm-omni allows it: its ``py_generator``
+def offline_streams() -> bool:
+    """Whether this vllm-omni's offline ``generate`` can hand outputs over as they come: its ``py_generator``
     closes the whole ``Omni`` once the generator ends in 0.26 (``_run_generation_with_generator``), and 0.30 no
     longer does; versions in between are not known here, so below 0.30 the list API runs (outputs only at the end:
     no first-chunk times)."""
     from importlib.metadata import version
 
-    release = tuple(int(x) for x in version("vllm-omni").split(".")[:2] if x.isdigit())
-    if release >= (0, 30):
-        return omni.generate(prompts, params, py_generator=True, use_tqdm=False), True
-    return omni.generate(prompts, params, use_tqdm=False), False
+    return tuple(int(x) for x in version("vllm-omni").split(".")[:2] if x.isdigit()) >= (0, 30)
+
+
+def offline_outputs(omni, prompts: list, params: list, streams: bool):
+    """The outputs of one offline ``generate``: as they come where ``streams`` (``offline_streams()``), else the
+    list."""
+    if streams:
+        return omni.generate(prompts, params, py_generator=True, use_tqdm=False)
+    return omni.generate(prompts, params, use_tqdm=False)
 
 
 def prompt_ids(ckpt: str, text: str) -> list[int]:
@@ -236,7 +241,7 @@ def run_offline(args: argparse.Namespace, base: dict) -> None:
     t0 = time.perf_counter()
     omni = Omni(model=args.model, deploy_config=str(args.yaml), stage_init_timeout=args.worker_timeout)
     base = base | {"start_s": time.perf_counter() - t0}
-    rows_out, rows = [], args.frames + NUM_CODEBOOKS
+    rows_out, rows, streams = [], args.frames + NUM_CODEBOOKS, offline_streams()
     try:
         for level in args.levels:
             todo, records, streamed = jobs(max(2 * level, 8), args.seed + 1000 * level), [], False
@@ -246,11 +251,10 @@ def run_offline(args: argparse.Namespace, base: dict) -> None:
                 params = stage_params(omni, None, wave[0]["seed"], rows, stream=True)
                 prompts = [{"prompt_token_ids": prompt_ids(args.model, j["text"])} for j in wave]
                 sent, first, audio, done = time.perf_counter(), {}, {}, {}
-                outputs, live = offline_outputs(omni, prompts, params)
-                for out in outputs:
+                for out in offline_outputs(omni, prompts, params, streams):
                     now, rid, wav = time.perf_counter(), out.request_id, audio_of(out)
                     if wav is not None and wav.numel():
-                        streamed |= live and rid in first
+                        streamed |= streams and rid in first
                         first.setdefault(rid, now)
                         audio[rid] = audio.get(rid, 0) + wav.numel()
                     if getattr(out, "finished", True):

@@ -331,6 +331,7 @@ def test_omni_offline_outputs_stream_only_where_the_generator_leaves_the_engine_
             return iter(["out"]) if kw.get("py_generator") else ["out"]
 
     monkeypatch.setattr(importlib.metadata, "version", lambda name: release if name == "vllm-omni" else "0")
-    outputs, streamed = bench_omni.offline_outputs(FakeOmni(), ["p"], ["s"])
-    assert list(outputs) == ["out"] and streamed is live
+    streams = bench_omni.offline_streams()
+    assert streams is live
+    assert list(bench_omni.offline_outputs(FakeOmni(), ["p"], ["s"], streams)) == ["out"]
     assert calls == [{"py_generator": True, "use_tqdm": False} if live else {"use_tqdm": False}]
