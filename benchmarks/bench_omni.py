@@ -176,9 +176,9 @@ def start_server(ckpt: str, yaml_path: Path, env: dict[str, str], log_path: Path
     import httpx
 
     port = free_port()
-    exe = Path(sys.executable).with_name("vllm-omni")
-    cmd = [str(exe) if exe.exists() else "vllm-omni", "serve", ckpt, "--omni", "--deploy-config", str(yaml_path),
-           "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    # the console script's module, run by this interpreter: an install with --target puts no script on PATH
+    cmd = [sys.executable, "-m", "vllm_omni.entrypoints.cli.main", "serve", ckpt, "--omni", "--deploy-config",
+           str(yaml_path), "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
     sink = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout

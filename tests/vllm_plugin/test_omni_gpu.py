@@ -107,10 +107,17 @@ def params_of(spec: dict, solo: HiggsTalker) -> SamplingParams:
 
 def direct(solo: HiggsTalker, codec: Codec, spec: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, audio): the direct engine's rows for ``spec`` and their frames streamed through our codec with
-    vllm-omni's chunking (equal to vllm-omni's hand-over + code2wav: test_omni_checkpoint.py)."""
+    vllm-omni's chunking (equal to vllm-omni's hand-over + code2wav: test_omni_checkpoint.py), less the last frame
+    where ``max_tokens`` cut the request: vllm-omni's runner (0.26-0.30) publishes a step's row on the request's
+    next forward, so the row sampled on the step that reaches ``max_tokens`` never reaches Stage 1 (SPEC 4.10;
+    seen on the H200: 70 / 40 / 45 / 12 tokens gave 61 / 31 / 36 / 3 frames, the direct engine's 62 / 32 / 37 / 4
+    less one). Those requests never end on EOC here (the checkpoint pushes EOC down), so each is cut."""
     result = solo.generate(spec["text"], params_of(spec, solo))
+    frames = result.codes
+    if len(result.rows) == spec["max_tokens"]:  # cut by max_tokens: its last row is never published
+        frames = frames[:-1]
     decoder, chunks = codec.stream(UPSTREAM_CHUNKING), []
-    for frame in result.codes:
+    for frame in frames:
         chunks.append(decoder.push(frame))
     chunks.append(decoder.finish())
     return result.rows.long().cpu(), torch.cat([c.float().cpu() for c in chunks if c is not None])
