@@ -9,12 +9,16 @@ directory (``higgs_talker.kernel_cache.cache_env``), on a 4B-shaped checkpoint w
   warm-up measures every choice (``choices``: measured);
 - ``warm``: the same directory again, after ``cold``: compiled kernels and cached choices (``choices``: cached,
   checked but not timed); with ``--no-cold``, the caches ``--cache-dir`` names (default: this machine's usual
-  ones, as they are; ``cache_dir_state`` says how many modules and choice entries they held);
+  ones, as they are; ``cache_dir_state`` and ``caches_before`` say what each held: FlashInfer and tvm-ffi modules,
+  Triton cubins, choice entries). A fresh machine given only FlashInfer's cache is not warm: it compiles every
+  Triton kernel (the one-row GEMV tiles warm-up tries, the frame kernels), minutes at the 4B shape;
 - ``warm_measured`` (``--measured-too``): the same kernel caches with the choice cache off, so warm-up times
   every choice again (the start before the choice cache);
 - ``warmup_cmd`` and ``after_warmup`` (``--with-warmup``): ``higgs-talker warmup`` into another new directory,
   timed as a whole, then one run on that directory.
 
+A child logs warm-up's phases (INFO, stamped from its spawn) on stderr, whose tail a failed or timed-out case keeps
+in ``stderr_tail``; give ``--timeout`` below any limit around the whole script, so a slow case still writes its row.
 A child stamps the wall clock at each point against the stamp its parent took just before spawning it:
 ``import_s`` (interpreter, torch, higgs_talker), ``load_s`` (``from_pretrained``: FlashInfer's import, weights,
 decode-kernel choice and graph capture, and the JIT they trigger; ``graph_warmup_s`` is the part inside the graph
@@ -39,18 +43,28 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 from common import REPO_ROOT, ResultFile, environment, log, print_table, resolve_device
 
-from higgs_talker.cuda_graphs.choice_cache import DEFAULT_DIR, OFF_VALUES
-from higgs_talker.kernel_cache import CHOICE_CACHE_VAR, FLASHINFER_BASE_VAR, cache_dirs, cache_env, count_modules
+from higgs_talker.kernel_cache import (
+    CHOICE_CACHE_VAR,
+    FLASHINFER_BASE_VAR,
+    cache_dirs,
+    cache_env,
+    count_all,
+    count_modules,
+)
 
 CHILD = r"""
-import json, sys, time
+import json, logging, sys, time
 spawned, opts = float(sys.argv[1]), json.loads(sys.argv[2])
+# warm-up's phases, stamped from spawn, on stderr: a case cut by --timeout keeps their tail in its row
+logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                    format=f"%(relativeCreated)9.0f ms +{time.time() - spawned:.2f} s %(name)s: %(message)s")
 import torch
 from higgs_talker import HiggsTalker, SamplingParams
-from higgs_talker.kernel_cache import cache_dirs, count_modules
+from higgs_talker.kernel_cache import cache_dirs, count_all, count_modules
 imported = time.time()
 talker = HiggsTalker.from_pretrained(opts["model"], opts["device"], opts["dtype"], graph_mode=opts["graph_mode"],
                                      codec=False, **opts["engine"])
@@ -69,7 +83,7 @@ print("RESULT:" + json.dumps({
     "import_s": imported - spawned, "load_s": loaded - imported, "first_step_s": first - loaded,
     "total_s": first - spawned, "graph_warmup_s": graphs.warmup_s if graphs is not None else 0.0,
     "rows": len(engine.requests[rid].rows), "kernels": talker.model.kernels.name,
-    "flashinfer_cache": str(cache), "modules_after": count_modules(cache),
+    "flashinfer_cache": str(cache), "modules_after": count_modules(cache), "caches_after": count_all(cache_dirs()),
     "choices": graphs.choices_source if graphs is not None else "none",
     "choice_file": None if entry is None else str(entry)}), flush=True)
 """
@@ -91,21 +105,24 @@ def child_env(base: Path | None, choices: bool = True) -> dict[str, str]:
     return env | ({} if choices else {CHOICE_CACHE_VAR: "off"})
 
 
-def choice_entries(base: Path | None) -> int:
-    """Entries of the choice cache a child with caches under ``base`` uses (0 where it has none)."""
-    env = child_env(base)
-    value = env.get(CHOICE_CACHE_VAR)
-    if value is not None and value.strip().lower() in OFF_VALUES:
-        return 0
-    path = Path(value or DEFAULT_DIR).expanduser()
-    return sum(1 for _ in path.glob("*.json")) if path.is_dir() else 0
+def cache_counts(base: Path | None, choices: bool = True) -> dict[str, int]:
+    """What each cache a child with caches under ``base`` uses holds (``kernel_cache.count_all``: FlashInfer and
+    tvm-ffi modules, Triton cubins, choice entries); a fresh machine with only FlashInfer's cache carried over
+    still compiles every Triton kernel, which this shows."""
+    with mock.patch.dict(os.environ, child_env(base, choices), clear=True):
+        return count_all(cache_dirs())
+
+
+def found(base: Path | None, choices: bool = True) -> str:
+    """``as found (...)``: the state of the caches a warm case starts from."""
+    return "as found (" + ", ".join(f"{n} {name}" for name, n in cache_counts(base, choices).items()) + ")"
 
 
 def run_child(case: str, state: str, base: Path | None, opts: dict, timeout: int, choices: bool = True) -> dict:
     """One fresh process from spawn to its first decode step -> a row."""
     cache = flashinfer_dir(base)
     row = {"case": case, "cache_dir_state": state, "cache_dir": str(cache), "modules_before": count_modules(cache),
-           "choice_entries_before": choice_entries(base) if choices else 0}  # fmt: skip
+           "caches_before": cache_counts(base, choices)}  # fmt: skip
     spawned = time.time()
     try:
         argv = [sys.executable, "-c", CHILD, repr(spawned), json.dumps(opts)]
@@ -197,12 +214,10 @@ def main(argv: list[str] | None = None) -> ResultFile:
             warm_base.mkdir()
             add(run_child("cold", "empty", warm_base, opts, args.timeout))
         for _ in range(args.repeats):
-            found = state or (f"as found ({count_modules(flashinfer_dir(warm_base))} modules, "
-                              f"{choice_entries(warm_base)} choice entries)")  # fmt: skip
-            add(run_child("warm", found, warm_base, opts, args.timeout))
+            add(run_child("warm", state or found(warm_base), warm_base, opts, args.timeout))
         if args.measured_too:
-            found = state or f"as found ({count_modules(flashinfer_dir(warm_base))} modules)"
-            add(run_child("warm_measured", f"{found}, choice cache off", warm_base, opts, args.timeout, choices=False))
+            measured = f"{state or found(warm_base, choices=False)}, choice cache off"
+            add(run_child("warm_measured", measured, warm_base, opts, args.timeout, choices=False))
         if args.with_warmup:
             base = work / "warmup"
             add(run_warmup(base, args, args.timeout))

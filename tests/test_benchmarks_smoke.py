@@ -311,6 +311,7 @@ def test_coldstart_smoke(bench, tmp_path: Path) -> None:
         assert run[key] > 0, key
     assert run["total_s"] == pytest.approx(run["import_s"] + run["load_s"] + run["first_step_s"])
     assert run["flashinfer_cache"] == str(tmp_path / "work" / "warmup" / ".cache" / "flashinfer")
+    assert set(run["caches_before"]) == set(run["caches_after"]) == {"flashinfer", "tvm_ffi", "triton", "choices"}
 
 
 @pytest.mark.parametrize(("release", "live"), [("0.26.0", False), ("0.29.1", False), ("0.30.0", True)])
