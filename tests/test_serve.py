@@ -524,3 +524,34 @@ def test_bench_serve_smoke(tmp_path: Path, monkeypatch) -> None:
     requests = data["requests"]
     assert len(requests) == 16 and all(0.3 < r["audio_s"] < 1.0 for r in requests)  # the 0.4-0.8 s asked for
     assert set(data["targets_met"]) == set(bench_serve.TARGETS)
+
+
+def test_the_servers_connections_send_without_nagles_delay(solo) -> None:
+    """Each connection the server accepts has TCP_NODELAY: asyncio sets it only where the listening socket's proto
+    says TCP. With Nagle on, a streamed body's first chunk waited for the client's delayed ACK of the headers (40 ms
+    more to the first audio byte on loopback, seen with this server before the fix)."""
+    import asyncio
+    import socket
+
+    _, sock = make_server(SpeechServing(solo, CONFIG), "127.0.0.1", 0)
+    seen: list[int] = []
+
+    async def main() -> None:
+        async def accepted(reader, writer) -> None:
+            seen.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(accepted, sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection(*sock.getsockname())
+            for _ in range(100):
+                if seen:
+                    break
+                await asyncio.sleep(0.01)
+            writer.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        sock.close()
+    assert seen and seen[0] != 0, f"TCP_NODELAY on the accepted connection: {seen}"

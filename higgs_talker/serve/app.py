@@ -177,7 +177,10 @@ def make_server(
         access_log=log_level == "debug",
     )
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not 0: asyncio turns Nagle off (TCP_NODELAY) only on connections of a socket whose proto
+    # says TCP, and with Nagle on, a streamed body's first chunk waited for the client's delayed ACK of the
+    # headers (40 ms more to the first audio byte, measured on loopback)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
