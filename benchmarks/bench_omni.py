@@ -27,6 +27,7 @@ Per level: TTFA and RTF (wall / audio seconds) p50/p90, audio seconds per wall s
     python benchmarks/bench_omni.py --out $OUT                       # both talkers x profiles x paths, 1,4,16,64
     python benchmarks/bench_omni.py --smoke --out $OUT               # small shape, levels 1,2, 1 s of audio
     python benchmarks/bench_omni.py --talkers ours --profiles low_latency --paths offline --levels 1,16
+    python benchmarks/bench_omni.py --profiles low_latency --paths offline --budget-s 480 --out $OUT  # one call
 """
 
 from __future__ import annotations
@@ -359,6 +360,9 @@ def main(argv: list[str] | None = None):
     p.add_argument("--ckpt-dir", default="/tmp/higgs_4b_omni", help="where the random checkpoint is written")
     p.add_argument("--smoke", action="store_true", help="small shape, levels 1,2, 1 s of audio (still a GPU run)")
     p.add_argument("--worker-timeout", type=int, default=900, help="s per worker process, start-up included")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="end the run after this many seconds: a worker still running is stopped and keeps the "
+                        "levels it finished; configurations not started are recorded as skipped")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -395,8 +399,12 @@ def main(argv: list[str] | None = None):
     configs = [(t, pr, pa) for t in args.talkers for pr in args.profiles for pa in args.paths if pa != "direct"]
     if "direct" in args.paths:
         configs.append(("ours", "direct", "direct"))
+    deadline = None if args.budget_s is None else time.perf_counter() + args.budget_s
     for talker, profile, path in configs:
         name = f"{talker}_{profile}_{path}"
+        if deadline is not None and time.perf_counter() >= deadline:
+            writer.add({"talker": talker, "profile": profile, "path": path, "status": "skipped", "error": "--budget-s"})
+            continue
         yaml_path = "" if path == "direct" else str(deploy_yaml(talker, profile))
         cmd = [sys.executable, __file__, "--worker", "--talkers", talker, "--profiles", profile, "--paths", path,
                "--model", args.model, "--yaml", yaml_path, "--out-dir", str(writer.dir), "--frames", str(frames),
@@ -411,12 +419,15 @@ def main(argv: list[str] | None = None):
                 # its own session: a timed-out worker is ended with the stage processes it started
                 proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=talker_env(talker),
                                         start_new_session=True)  # fmt: skip
-                code = proc.wait(timeout=args.worker_timeout + 60 * len(args.levels) * 5)
+                limit = args.worker_timeout + 60 * len(args.levels) * 5
+                if deadline is not None:
+                    limit = min(limit, max(deadline - time.perf_counter(), 1.0))
+                code = proc.wait(timeout=limit)
                 error = f"worker exited with status {code}" if code else None
             except subprocess.TimeoutExpired as exc:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-                error = f"timed out after {exc.timeout} s"
+                error = f"stopped after {exc.timeout:.0f} s (worker timeout or --budget-s)"
         text = log_path.read_text(encoding="utf-8", errors="replace")
         lines = [x for x in text.splitlines() if x.startswith("RESULT:")]
         for row in json.loads(lines[-1][len("RESULT:") :]) if lines else []:

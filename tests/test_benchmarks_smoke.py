@@ -336,3 +336,14 @@ def test_omni_offline_outputs_stream_only_where_the_generator_leaves_the_engine_
     assert streams is live
     assert list(bench_omni.offline_outputs(FakeOmni(), ["p"], ["s"], streams)) == ["out"]
     assert calls == [{"py_generator": True, "use_tqdm": False} if live else {"use_tqdm": False}]
+
+
+def test_omni_budget_records_what_it_did_not_start(bench, tmp_path: Path, tiny_dir) -> None:
+    """With its budget spent, bench_omni starts no worker (no vllm-omni needed) and writes one skipped row per
+    configuration, so a run cut short by --budget-s still says what it left out."""
+    mod = bench("bench_omni")
+    data = load(mod.main(["--model", str(tiny_dir), "--budget-s", "0", "--levels", "1", "--out", str(tmp_path)]))
+    configs = {(r["talker"], r["profile"], r["path"]) for r in data["rows"]}
+    want = {(t, pr, pa) for t in mod.TALKERS for pr in mod.PROFILES for pa in ("offline", "http")}
+    assert configs == want | {("ours", "direct", "direct")}
+    assert {r["status"] for r in data["rows"]} == {"skipped"}
