@@ -1027,6 +1027,24 @@ def test_request_slots_follow_ids_and_resume_a_kept_state():
     assert slots.free.num_free == 4 and slots.requests == {}
 
 
+def test_rows_by_key_and_merge_rows_across_ranks_and_engines():
+    """Workers answer ``rows_by_key`` with lists; ``merge_rows`` takes each request's rows from the one engine that
+    holds them, and raises for rows on two engines or tensor-parallel ranks that disagree."""
+    from higgs_talker.heads.slots import RequestSlots, SlotStore, merge_rows
+
+    slots = RequestSlots(SlotStore(2, N, V, BOC, EOC, torch.device("cpu")), seed=0)
+    slots.sync(["a"])
+    slots.requests["a"].rows = [torch.full((N,), 3, dtype=torch.int32)]
+    assert slots.rows_by_key(["a", "z"]) == {"a": [[3] * N], "z": None}
+    got = merge_rows([[{"a": [[1] * N], "b": None}] * 2, [{"a": None, "b": [[2] * N, [3] * N]}]], ["a", "b"])
+    assert got["a"].tolist() == [[1] * N] and got["b"].tolist() == [[2] * N, [3] * N]
+    assert got["b"].dtype == torch.int32 and merge_rows([[{"a": None}]], ["a"]) == {"a": None}
+    with pytest.raises(RuntimeError, match="request 'a' has rows on data-parallel engine 1"):
+        merge_rows([[{"a": [[1] * N]}], [{"a": [[1] * N]}]], ["a"])
+    with pytest.raises(RuntimeError, match="tensor-parallel rank 1 holds other rows than rank 0 for request 'b'"):
+        merge_rows([[{"a": None, "b": [[1] * N]}, {"a": None, "b": [[2] * N]}]], ["a", "b"])
+
+
 def _span_step(slots, req_ids, tail_ids, tail_pos):
     """A pure decode step (one token per request) of ``req_ids`` with these tail tokens and positions."""
     from higgs_talker.heads.spans import SpanStep

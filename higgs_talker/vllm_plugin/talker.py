@@ -288,10 +288,6 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         mm = {"codes": {"audio": rows}} if any(r.numel() for r in rows) else None
         return OmniOutput(text_hidden_states=model_outputs, multimodal_outputs=mm)
 
-    def request_rows(self, req_id: str) -> Tensor | None:
-        """Every row [R, C] int32 a request produced (bridge: also the last 256 finished); None if unknown."""
-        return self.slots.rows_for(req_id)
-
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:

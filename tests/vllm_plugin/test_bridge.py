@@ -125,13 +125,6 @@ def test_every_engine_is_asked():
     assert {call[1][0] for call in fake.engine_core.calls} == {"higgs_request_rows"}
 
 
-def test_rows_on_two_engines_or_disagreeing_ranks_raise():
-    with pytest.raises(RuntimeError, match="request 'a' has rows on data-parallel engine 1"):
-        rows_of({"e0": [{"a": [[1] * 8], "b": None, "c": None}], "e1": [{"a": [[1] * 8], "b": None, "c": None}]})
-    with pytest.raises(RuntimeError, match="tensor-parallel rank 1 holds other rows than rank 0 for request 'b'"):
-        rows_of({"e0": [{"a": None, "b": [[1] * 8], "c": None}, {"a": None, "b": [[2] * 8], "c": None}]})
-
-
 def test_rows_need_the_rows_extension():
     fake = FakeAsyncLLM({"e0": [{"a": None, "b": None, "c": None}]}, extension="")
     with pytest.raises(ValueError, match="worker_extension_cls="):
