@@ -1118,6 +1118,21 @@ def test_span_step_feeds_each_decoding_tail_its_last_frame():
     assert torch.equal(fed[:, 0], want)
 
 
+def test_decodes_first_qsl_from_counts_prefill_spans_or_position_jumps():
+    """Decodes first, one token each; the prefills from their own qsl, as one span, or split at position jumps
+    (None unless the jumps give exactly the prefill count); counts that do not add up are ignored."""
+    from higgs_talker.heads.spans import decodes_first_qsl
+
+    pos = torch.tensor([100, 101, 0, 1, 2, 5, 6, 7, 8])
+    assert decodes_first_qsl(4, pos, 2, 2).tolist() == [0, 1, 2, 5, 9]
+    assert decodes_first_qsl(4, pos, 2, 2, torch.tensor([0, 4, 7])).tolist() == [0, 1, 2, 6, 9]
+    assert decodes_first_qsl(3, pos, 2, 1).tolist() == [0, 1, 2, 9]
+    assert decodes_first_qsl(2, pos[:2], 2, 0).tolist() == [0, 1, 2]
+    assert decodes_first_qsl(2, torch.tensor([0, 1, 2, 0, 1]), 5, 5).tolist() == [0, 3, 5]  # counts ignored
+    assert decodes_first_qsl(3, pos, 2, 1).dtype == torch.long
+    assert decodes_first_qsl(2, torch.arange(5)) is None  # one run of positions cannot be two requests
+
+
 def test_span_step_prompt_rows_place_reference_and_refed_rows_in_multi_token_spans():
     """A multi-token span embeds a voice clone's reference rows at their placeholder positions and, for a
     request recomputed after a preemption, row j of what it produced at ``seed_pos + 1 + j`` (counted as re-fed);

@@ -139,3 +139,34 @@ def forced_only_logits(modes: RowModes, vocab_size: int, dtype: torch.dtype) -> 
     """[B, V] logits with only each row's forced token finite (0): the text head is not computed."""
     out = torch.full((modes.forced.shape[0], vocab_size), float("-inf"), dtype=dtype, device=modes.forced.device)
     return out.scatter_(1, modes.forced[:, None], 0.0)
+
+
+def decodes_first_qsl(
+    num_reqs: int,
+    positions: Tensor,
+    num_decodes: int | None = None,
+    num_prefills: int | None = None,
+    prefill_qsl: Tensor | None = None,
+) -> Tensor | None:
+    """qsl [num_reqs + 1] int64 of a step whose tokens (positions [T]) hold the decodes first, one token each,
+    then the prefills (FlashInfer's order); None where the spans cannot be known.
+
+    The prefill spans come from ``prefill_qsl [num_prefills + 1]`` when given, else a single prefill takes every
+    token left, else the position jumps split them, accepted only when they give exactly ``num_prefills`` spans.
+    Counts that are missing or do not add up to ``num_reqs`` make every request a prefill of unknown length.
+    """
+    dev, n_tokens = positions.device, positions.shape[0]
+    if not (isinstance(num_decodes, int) and isinstance(num_prefills, int) and num_decodes + num_prefills == num_reqs):
+        num_decodes, num_prefills = 0, num_reqs
+    decodes = torch.arange(num_decodes + 1, device=dev, dtype=torch.long)
+    if num_prefills == 0:
+        return decodes
+    if prefill_qsl is not None and prefill_qsl.shape[0] == num_prefills + 1:
+        return torch.cat([decodes, num_decodes + prefill_qsl[1:].to(dev, torch.long)])
+    if num_prefills == 1:
+        return torch.cat([decodes, torch.tensor([n_tokens], device=dev)])
+    pos = positions[num_decodes:].long()
+    starts = (torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1 + num_decodes).tolist()  # a host sync (prefills)
+    if len(starts) + 1 == num_prefills:
+        return torch.cat([decodes, torch.tensor([*starts, n_tokens], device=dev, dtype=torch.long)])
+    return None
