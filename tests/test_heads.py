@@ -1133,6 +1133,20 @@ def test_decodes_first_qsl_from_counts_prefill_spans_or_position_jumps():
     assert decodes_first_qsl(2, torch.arange(5)) is None  # one run of positions cannot be two requests
 
 
+def test_reference_rows_read_a_voice_clone_info():
+    """An info's rows (or a one-element list of them) pair with its placeholder positions, masked rows dropped;
+    anything that does not pair up, or no info at all, is None."""
+    from higgs_talker.heads.spans import reference_rows
+
+    rows, where = torch.arange(3 * N).reshape(3, N), torch.tensor([4, 5, 6])
+    mask = torch.tensor([True, False, True])
+    infos = [{"audio_input_ids": [rows], "audio_placeholder_positions": where, "audio_input_ids_mask": mask},
+             {"audio_input_ids": rows, "audio_placeholder_positions": where[:2]}, "not a dict", {}]  # fmt: skip
+    got_where, got_rows = reference_rows(infos, N, 0)
+    assert got_where.tolist() == [4, 6] and torch.equal(got_rows, rows[[0, 2]]) and got_rows.dtype == torch.long
+    assert all(reference_rows(infos, N, i) is None for i in (1, 2, 3, 4))
+
+
 def test_span_step_prompt_rows_place_reference_and_refed_rows_in_multi_token_spans():
     """A multi-token span embeds a voice clone's reference rows at their placeholder positions and, for a
     request recomputed after a preemption, row j of what it produced at ``seed_pos + 1 + j`` (counted as re-fed);

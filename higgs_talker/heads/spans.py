@@ -8,6 +8,7 @@ frame, feeds each tail its last frame, and samples the frames with ``sample_fram
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -17,6 +18,8 @@ from torch import Tensor
 from .codebooks import embed_rows, feed_back, rows_at
 from .delay import forced_text_tokens
 from .slots import RequestSlots, sample_frame
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -127,6 +130,30 @@ class SpanStep:
         if not index:
             return embeds, 0
         return embed_rows(embeds, torch.cat(index), torch.cat(codes), embedding), refed
+
+
+def reference_rows(infos: list, num_codebooks: int, i: int) -> tuple[Tensor, Tensor] | None:
+    """(placeholder positions [R] int64, reference rows [R, C] int64) of request i's voice-clone info, or None.
+
+    An info is vllm-omni's per-request dict (the bridge builds the same): ``audio_input_ids`` [R, C] (or a
+    one-element list of it), ``audio_placeholder_positions`` [R] and optionally ``audio_input_ids_mask`` [R] bool,
+    the rows to keep. Rows and positions that do not pair up are skipped rather than placed at a guess.
+    """
+    info = infos[i] if i < len(infos) else None
+    if not isinstance(info, dict) or info.get("audio_input_ids") is None:
+        return None
+    codes, where = info["audio_input_ids"], info.get("audio_placeholder_positions")
+    if where is None:
+        return None
+    codes = torch.as_tensor(codes[0] if isinstance(codes, list) and len(codes) == 1 else codes)
+    codes, where = codes.reshape(-1, num_codebooks).long(), torch.as_tensor(where).reshape(-1).long()
+    if info.get("audio_input_ids_mask") is not None:
+        mask = torch.as_tensor(info["audio_input_ids_mask"]).reshape(-1).bool()
+        codes, where = codes[mask.to(codes.device)], where[mask.to(where.device)]
+    if where.numel() != codes.shape[0]:
+        logger.debug("reference rows (%d) and placeholder positions (%d) differ: skipped", len(codes), len(where))
+        return None
+    return where, codes
 
 
 def force_text_logits(logits: Tensor, modes: RowModes) -> Tensor:

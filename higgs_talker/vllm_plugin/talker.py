@@ -31,7 +31,7 @@ from ..cuda_graphs.policy import decide
 from ..heads.codebooks import build_codebooks, feed_back
 from ..heads.sampling import resolve_seed, row_params
 from ..heads.slots import RequestSlots, SlotStore
-from ..heads.spans import SpanStep, force_text_logits, forced_only_logits
+from ..heads.spans import SpanStep, force_text_logits, forced_only_logits, reference_rows
 from . import compat
 
 logger = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         if step is not None and embeds.shape[0] > step.num_reqs:  # prefill spans: reference and re-fed rows
             infos = kwargs.get("model_intermediate_buffer") or kwargs.get("runtime_additional_information")
             infos = infos or step.references or []
-            ref = functools.partial(_reference_rows, infos, self.cfg.num_codebooks)
+            ref = functools.partial(reference_rows, infos, self.cfg.num_codebooks)
             embeds, refed = step.prompt_rows(self.slots, ref, embeds, self.multimodal_embedding)
             self.stats["bridge_recomputed_rows"] += refed
         if embeds.shape[0] <= self._capacity:
@@ -326,22 +326,3 @@ def _resolve_specials(vllm_config: VllmConfig, cfg: TalkerConfig) -> SpecialToke
     if not Path(str(path)).exists():
         path = mc.model
     return TalkerTokenizer.from_pretrained(path, cfg).specials
-
-
-def _reference_rows(infos: list, num_codebooks: int, i: int) -> tuple[Tensor, Tensor] | None:
-    """(placeholder positions [R] int64, reference rows [R, C] int64) of request i's voice-clone info, or None."""
-    info = infos[i] if i < len(infos) else None
-    if not isinstance(info, dict) or info.get("audio_input_ids") is None:
-        return None
-    codes, where = info["audio_input_ids"], info.get("audio_placeholder_positions")
-    if where is None:
-        return None
-    codes = torch.as_tensor(codes[0] if isinstance(codes, list) and len(codes) == 1 else codes)
-    codes, where = codes.reshape(-1, num_codebooks).long(), torch.as_tensor(where).reshape(-1).long()
-    if info.get("audio_input_ids_mask") is not None:
-        mask = torch.as_tensor(info["audio_input_ids_mask"]).reshape(-1).bool()
-        codes, where = codes[mask.to(codes.device)], where[mask.to(where.device)]
-    if where.numel() != codes.shape[0]:
-        logger.debug("reference rows (%d) and placeholder positions (%d) differ: skipped", len(codes), len(where))
-        return None
-    return where, codes

@@ -27,7 +27,7 @@ from higgs_talker.checkpoint import iter_tensors  # noqa: E402
 from higgs_talker.config import TalkerConfig  # noqa: E402
 from higgs_talker.heads.codebooks import feed_back  # noqa: E402
 from higgs_talker.heads.delay import apply_delay_pattern  # noqa: E402
-from higgs_talker.heads.spans import SpanStep  # noqa: E402
+from higgs_talker.heads.spans import SpanStep, reference_rows  # noqa: E402
 
 N_RAMP = 7  # rows of the delay pattern's ramp-up (SPEC 4.7)
 
@@ -263,8 +263,6 @@ def test_feedback_replaces_only_decode_tokens_of_streams(adapter):
 
 
 def test_voice_clone_reference_rows_replace_placeholders_by_position(adapter):
-    from higgs_talker.vllm_plugin.talker import _reference_rows
-
     m = adapter
     cfg = m.cfg
     ref = apply_delay_pattern(torch.randint(0, 1024, (2, 8)), cfg.boc_id, cfg.eoc_id)  # [9, 8]
@@ -278,7 +276,7 @@ def test_voice_clone_reference_rows_replace_placeholders_by_position(adapter):
         qsl, pos = torch.tensor([0, hi - lo]), torch.arange(lo, hi)
         batch = SpanStep(["V"], slots=torch.tensor([0]), qsl=qsl, input_ids=ids[lo:hi], positions=pos)
         embeds = m.embed_input_ids(ids[lo:hi])
-        reference = functools.partial(_reference_rows, [info], cfg.num_codebooks)
+        reference = functools.partial(reference_rows, [info], cfg.num_codebooks)
         out, _ = batch.prompt_rows(m.slots, reference, embeds, m.multimodal_embedding)
         for j, p in enumerate(range(lo, hi)):
             if 2 <= p <= 10:
