@@ -1118,6 +1118,36 @@ def test_span_step_feeds_each_decoding_tail_its_last_frame():
     assert torch.equal(fed[:, 0], want)
 
 
+def test_step_buffers_feed_from_fixed_storage_or_on_the_tails():
+    """A step that fits the buffers is fed from them (written before the forward); a larger one on its tails; a
+    cleared buffer feeds nothing, and token copies are kept only for steps that fit."""
+    from higgs_talker.heads.slots import RequestSlots, SlotStore
+    from higgs_talker.heads.spans import SpanStep, StepBuffers
+
+    slots = RequestSlots(SlotStore(4, N, V, BOC, EOC, torch.device("cpu")), seed=0)
+    s, _ = slots.sync(["a", "b"])
+    state = slots.store.state
+    state.has_codes[s] = True
+    state.last_codes[s] = torch.arange(2 * N).reshape(2, N)
+    buffers = StepBuffers(4, N, torch.device("cpu"))
+    embedding = lambda rows: rows.float().sum(-1, keepdim=True).expand(-1, 2)  # noqa: E731
+    step = SpanStep(["a", "b"], slots=s, qsl=torch.tensor([0, 1, 2]))
+    buffers.write_feedback(step, slots, 2)
+    buffers.keep_tokens(torch.tensor([7, 8]), torch.tensor([3, 9]))
+    assert buffers.use.tolist() == [True, True, False, False] and buffers.positions[:2].tolist() == [3, 9]
+    want = state.last_codes[s].sum(-1).float()
+    assert torch.equal(buffers.feed(torch.zeros(2, 2), embedding, slots, step)[:, 0], want)
+    buffers.clear()
+    assert torch.equal(buffers.feed(torch.zeros(2, 2), embedding, slots, step), torch.zeros(2, 2))
+    big = SpanStep(["a", "b"], slots=s, qsl=torch.tensor([0, 1, 6]))  # 6 tokens: more than the buffers hold
+    buffers.write_feedback(big, slots, 6)
+    buffers.keep_tokens(torch.arange(6), torch.arange(6))
+    assert not buffers.use.any() and buffers.positions[:2].tolist() == [3, 9]
+    fed = buffers.feed(torch.zeros(6, 2), embedding, slots, big)[:, 0]
+    assert fed.tolist() == [want[0].item(), 0, 0, 0, 0, 0]  # "b"'s tail ends a 5-token span: no feedback
+    assert torch.equal(buffers.feed(torch.zeros(6, 2), embedding, slots, None), torch.zeros(6, 2))
+
+
 def test_decodes_first_qsl_from_counts_prefill_spans_or_position_jumps():
     """Decodes first, one token each; the prefills from their own qsl, as one span, or split at position jumps
     (None unless the jumps give exactly the prefill count); counts that do not add up are ignored."""

@@ -132,6 +132,45 @@ class SpanStep:
         return embed_rows(embeds, torch.cat(index), torch.cat(codes), embedding), refed
 
 
+class StepBuffers:
+    """A step's per-token inputs in fixed storage, for steps of up to ``capacity`` tokens: each token's feedback
+    (``use`` [S] bool, ``codes`` [S, C] int64) and copies of the step's ``input_ids`` / ``positions`` [S] int64.
+    A graph captured over the forward (vLLM's FULL decode graph) holds these very tensors: a replay reads the
+    feedback written before it and refreshes the token copies while no Python of ours runs."""
+
+    def __init__(self, capacity: int, num_codebooks: int, device: torch.device) -> None:
+        self.capacity = capacity
+        self.use = torch.zeros(capacity, dtype=torch.bool, device=device)
+        self.codes = torch.zeros(capacity, num_codebooks, dtype=torch.long, device=device)
+        self.input_ids = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.positions = torch.zeros(capacity, dtype=torch.long, device=device)
+
+    def clear(self) -> None:
+        """No feedback this step (a dummy run, or a step whose spans are unknown)."""
+        self.use.zero_()
+
+    def write_feedback(self, step: SpanStep, slots: RequestSlots, num_tokens: int) -> None:
+        """The feedback of a step of ``num_tokens`` tokens, before its forward; a step larger than the buffers is
+        fed on its tails by ``feed`` instead."""
+        if num_tokens <= self.capacity:
+            step.write_feedback(slots, self.use, self.codes)
+
+    def keep_tokens(self, input_ids: Tensor, positions: Tensor) -> None:
+        """Copy the step's tokens and positions [T] (in the forward: a captured graph refreshes them on replay)."""
+        t = positions.shape[0]
+        if t <= self.capacity:
+            self.input_ids[:t].copy_(input_ids)
+            self.positions[:t].copy_(positions)
+
+    def feed(self, embeds: Tensor, embedding, slots: RequestSlots, step: SpanStep | None) -> Tensor:
+        """embeds [T, H] -> [T, H] with each token's feedback: from the buffers whenever T fits (in dummy runs too,
+        so that a graph captured there contains it), else on the tails of ``step``."""
+        t = embeds.shape[0]
+        if t <= self.capacity:
+            return feed_back(embeds, self.use[:t], self.codes[:t], embedding)
+        return embeds if step is None else step.feed_tails(slots, embeds, embedding)
+
+
 def reference_rows(infos: list, num_codebooks: int, i: int) -> tuple[Tensor, Tensor] | None:
     """(placeholder positions [R] int64, reference rows [R, C] int64) of request i's voice-clone info, or None.
 

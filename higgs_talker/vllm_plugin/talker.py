@@ -28,10 +28,10 @@ from ..checkpoint import WeightRouter
 from ..config import SpecialTokens, TalkerConfig
 from ..cuda_graphs.local_mlp import LocalMLPPath
 from ..cuda_graphs.policy import decide
-from ..heads.codebooks import build_codebooks, feed_back
+from ..heads.codebooks import build_codebooks
 from ..heads.sampling import resolve_seed, row_params
 from ..heads.slots import RequestSlots, SlotStore
-from ..heads.spans import SpanStep, force_text_logits, forced_only_logits, reference_rows
+from ..heads.spans import SpanStep, StepBuffers, force_text_logits, forced_only_logits, reference_rows
 from . import compat
 
 logger = logging.getLogger(__name__)
@@ -83,13 +83,8 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         max_seqs = compat.max_num_seqs(vllm_config)
         store = SlotStore(max(64, max_seqs), cfg.num_codebooks, cfg.codebook_size, cfg.boc_id, cfg.eoc_id, device)
         self.slots = RequestSlots(store, seed=getattr(vllm_config.model_config, "seed", None))
-        # per-token buffers in fixed storage (a vLLM FULL decode graph captures them): feedback, and the step's
-        # tokens and positions, which a replay refreshes while our Python forward does not run
-        cap = self._capacity = max([max_seqs, *compat.capture_sizes(vllm_config)]) + 1
-        self._fb_use = torch.zeros(cap, dtype=torch.bool, device=device)
-        self._fb_codes = torch.zeros(cap, cfg.num_codebooks, dtype=torch.long, device=device)
-        self._tok_ids = torch.zeros(cap, dtype=torch.long, device=device)
-        self._tok_pos = torch.zeros(cap, dtype=torch.long, device=device)
+        # sized for vLLM's largest batch and graph: a FULL decode graph captured over our forward holds them
+        self.buffers = StepBuffers(max([max_seqs, *compat.capture_sizes(vllm_config)]) + 1, cfg.num_codebooks, device)
         self.specials: SpecialTokens | None = None
         self.loaded_weight_names: frozenset[str] = frozenset()
         # what the steps did (tests and logs read these)
@@ -124,7 +119,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         req_ids, self._runner_req_ids = (req_ids if req_ids is not None else self._runner_req_ids), None
         self.step, self._bridge_pending = None, False
         if req_ids is None or input_ids is None or positions is None or omni_query_start_loc is None:
-            self._fb_use.zero_()
+            self.buffers.clear()
             return
         self._lay_out(SpanStep(list(req_ids)), input_ids, positions, omni_query_start_loc)
 
@@ -136,17 +131,15 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         self.step = step = SpanStep(list(req_ids), refs)
         self._bridge_pending = True
         slots, _ = self.slots.sync(step.req_ids, seeds, min_rows, resume)
-        if step.num_reqs < self._capacity:
-            decode = SpanStep(step.req_ids, slots=slots, qsl=torch.arange(step.num_reqs + 1, device=slots.device))
-            decode.write_feedback(self.slots, self._fb_use, self._fb_codes)
+        decode = SpanStep(step.req_ids, slots=slots, qsl=torch.arange(step.num_reqs + 1, device=slots.device))
+        self.buffers.write_feedback(decode, self.slots, step.num_reqs)
 
     def _lay_out(self, step: SpanStep, input_ids: Tensor, positions: Tensor, qsl: Tensor) -> None:
         """The step's token layout is known: its slots (new requests get one), spans and feedback."""
         step.slots, step.new_rows = self.slots.sync(step.req_ids)
         step.qsl, step.input_ids, step.positions = qsl[: step.num_reqs + 1].long(), input_ids.long(), positions.long()
         self.step, self._bridge_pending = step, False
-        if input_ids.shape[0] <= self._capacity:
-            step.write_feedback(self.slots, self._fb_use, self._fb_codes)
+        self.buffers.write_feedback(step, self.slots, input_ids.shape[0])
 
     def on_requests_finished(self, finished_req_ids) -> None:
         self.slots.release(finished_req_ids)
@@ -164,10 +157,8 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
 
     def forward(self, input_ids, positions: Tensor, intermediate_tensors=None, inputs_embeds=None, **kwargs: Any):
         """Scheduled tokens [T] -> final hidden [T, H]."""
-        t = positions.shape[0]
-        if input_ids is not None and t <= self._capacity:  # captured too: a replay refreshes the copies
-            self._tok_ids[:t].copy_(input_ids)
-            self._tok_pos[:t].copy_(positions)
+        if input_ids is not None:  # the bridge's replayed decode steps read these copies
+            self.buffers.keep_tokens(input_ids, positions)
         if self._bridge_pending and input_ids is not None:
             qsl = compat.step_query_start_loc(self.step.num_reqs, positions)
             if qsl is None:
@@ -176,7 +167,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
                     "no-qsl", "the step's request spans are unknown (attention metadata has none): no codes"
                 )
                 self.step, self._bridge_pending = None, False
-                self._fb_use.zero_()  # no feedback this step rather than feedback on the wrong tokens
+                self.buffers.clear()  # no feedback this step rather than feedback on the wrong tokens
             else:
                 self._lay_out(self.step, input_ids, positions, qsl)
         embeds = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
@@ -187,12 +178,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
             ref = functools.partial(reference_rows, infos, self.cfg.num_codebooks)
             embeds, refed = step.prompt_rows(self.slots, ref, embeds, self.multimodal_embedding)
             self.stats["bridge_recomputed_rows"] += refed
-        if embeds.shape[0] <= self._capacity:
-            # always, even in dummy runs: a FULL decode graph captured here must contain the feedback
-            t = embeds.shape[0]
-            embeds = feed_back(embeds, self._fb_use[:t], self._fb_codes[:t], self.multimodal_embedding)
-        elif step is not None:  # more tokens than the buffers
-            embeds = step.feed_tails(self.slots, embeds, self.multimodal_embedding)
+        embeds = self.buffers.feed(embeds, self.multimodal_embedding, self.slots, step)
         pure_decode = step is not None and embeds.shape[0] == step.num_reqs
         hidden = self.local_mlp.forward(positions, embeds, pure_decode)
         if hidden is None:
@@ -225,8 +211,8 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
             self.step = None
             return
         self.stats["bridge_replayed_steps"] += 1
-        qsl = torch.arange(num_rows + 1, device=self._tok_ids.device)
-        self._lay_out(self.step, self._tok_ids[:num_rows], self._tok_pos[:num_rows], qsl)
+        ids, pos = self.buffers.input_ids[:num_rows], self.buffers.positions[:num_rows]
+        self._lay_out(self.step, ids, pos, torch.arange(num_rows + 1, device=ids.device))
 
     def sample(self, logits: Tensor, sampling_metadata: Any):
         """The vllm-omni model sampler: forced text tokens and this step's codes (None: use vLLM's sampler)."""

@@ -253,7 +253,7 @@ def test_feedback_replaces_only_decode_tokens_of_streams(adapter):
         req_ids=["G", "F"],
     )  # fmt: skip
     embeds = m.embed_input_ids(ids)
-    fed = feed_back(embeds, m._fb_use[:4], m._fb_codes[:4], m.multimodal_embedding)
+    fed = feed_back(embeds, m.buffers.use[:4], m.buffers.codes[:4], m.multimodal_embedding)
     slot = m.slots.requests["F"].slot
     want = m.multimodal_embedding(m.slots.store.state.last_codes[slot][None])[0]
     assert torch.equal(fed[:3], embeds[:3])
