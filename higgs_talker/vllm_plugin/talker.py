@@ -280,11 +280,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         """Checkpoint-named tensors -> parameters through vLLM's weight loaders (packed q/k/v and gate/up, tensor
         parallel shards); the names and checks are ``checkpoint.WeightRouter``'s. Returns the names loaded."""
         router = WeightRouter(dict(self.named_parameters()), self.cfg)
-        for key, tensor in weights:
-            hit = router.route(key, tensor)
-            if hit is None:
-                continue
-            target, param = hit
+        for target, param, tensor in router.routed(weights):
             loader = getattr(param, "weight_loader", default_weight_loader)
             if target.shard is None:
                 loader(param, tensor)
