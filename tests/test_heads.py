@@ -1194,10 +1194,14 @@ def test_span_step_prompt_rows_place_reference_and_refed_rows_in_multi_token_spa
     positions = torch.tensor([0, 1, 2, 3, 2, 3, 4, 5, 6, 7, 9])  # "back" recomputes 2..7 (a later chunk)
     step = SpanStep(["ref", "back", "dec"], slots=s, qsl=qsl, input_ids=torch.zeros(11), positions=positions)
     ref_rows = torch.arange(2 * N).reshape(2, N)
-    refs = {0: (torch.tensor([3, 1]), ref_rows), 2: (torch.tensor([9]), ref_rows[:1])}  # "dec" is at 9 too
+    infos = [
+        {"audio_input_ids": ref_rows, "audio_placeholder_positions": torch.tensor([3, 1])},
+        None,
+        {"audio_input_ids": ref_rows[:1], "audio_placeholder_positions": torch.tensor([9])},
+    ]  # "dec" is at 9 too
     embedding = lambda codes: codes.float().sum(-1, keepdim=True).expand(-1, 2)  # noqa: E731
     embeds = torch.full((11, 2), -1.0)
-    out, refed = step.prompt_rows(slots, refs.get, embeds, embedding)
+    out, refed = step.prompt_rows(slots, infos, embeds, embedding)
     want = torch.full((11,), -1.0)
     want[1], want[3] = ref_rows[1].sum(), ref_rows[0].sum()  # reference rows of request 0 at positions 1 and 3
     want[7], want[8], want[9] = (N * (100 + j) for j in range(3))  # "back": positions 5, 6, 7

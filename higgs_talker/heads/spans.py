@@ -9,7 +9,6 @@ frame, feeds each tail its last frame, and samples the frames with ``sample_fram
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -105,18 +104,19 @@ class SpanStep:
         self.published = slots.record(self.req_ids, host.to("cpu", torch.int32))  # the step's one host sync
         return self.published
 
-    def prompt_rows(self, slots: RequestSlots, reference: Callable[[int], tuple[Tensor, Tensor] | None],
-                    embeds: Tensor, embedding) -> tuple[Tensor, int]:  # fmt: skip
+    def prompt_rows(self, slots: RequestSlots, infos: list, embeds: Tensor, embedding) -> tuple[Tensor, int]:
         """Multi-token spans embed code rows at their positions (SPEC 3.4): request i's voice-clone rows
-        (``reference(i)``: placeholder positions [R] int64, rows [R, C]; or None) and, where a preempted request
-        is recomputed from position 0, the rows it was fed the first time (row j at seed_pos + 1 + j), so the
-        recomputed KV and the codes after it are what they were. embeds [T, H] -> (embeds, re-fed rows)."""
+        (``reference_rows`` of ``infos``, in batch order) and, where a preempted request is recomputed from
+        position 0, the rows it was fed the first time (row j at seed_pos + 1 + j), so the recomputed KV and the
+        codes after it are what they were. embeds [T, H] -> (embeds, re-fed rows)."""
+        if embeds.shape[0] <= self.num_reqs:  # one token per request: the feedback covers them, no host sync
+            return embeds, 0
         qsl, index, codes, refed = self.qsl.tolist(), [], [], 0
         for i, rid in enumerate(self.req_ids):
             start, end = qsl[i], qsl[i + 1]
             if end - start <= 1:  # a decode step: the feedback covers it
                 continue
-            sources = [reference(i)]
+            sources = [reference_rows(infos, slots.store.num_codebooks, i)]
             req = slots.requests.get(rid)
             if req is not None and req.rows:
                 first = int(slots.seed_pos[req.slot]) + 1

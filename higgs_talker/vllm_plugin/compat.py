@@ -72,6 +72,12 @@ def first_attn_metadata(ctx: Any) -> Any:
     return meta
 
 
+def runner_infos(kwargs: dict) -> list | None:
+    """The per-request info dicts vllm-omni's runner passes the model: ``model_intermediate_buffer``, or the
+    older name ``runtime_additional_information``."""
+    return kwargs.get("model_intermediate_buffer") or kwargs.get("runtime_additional_information")
+
+
 def step_query_start_loc(num_reqs: int, positions: Tensor) -> Tensor | None:
     """The step's token span per request, ``qsl [num_reqs + 1]`` int64 on the positions' device, or None: the
     backend's ``query_start_loc``, else ``heads.spans.decodes_first_qsl`` over FlashInfer's counts and, where its

@@ -9,7 +9,6 @@ under plain vLLM ``bridge.TextOnlyBridge`` plays the runner, finding this instan
 
 from __future__ import annotations
 
-import functools
 import logging
 import weakref
 from collections.abc import Iterable
@@ -31,7 +30,7 @@ from ..cuda_graphs.policy import decide
 from ..heads.codebooks import build_codebooks
 from ..heads.sampling import resolve_seed, row_params
 from ..heads.slots import RequestSlots, SlotStore
-from ..heads.spans import SpanStep, StepBuffers, force_text_logits, forced_only_logits, reference_rows
+from ..heads.spans import SpanStep, StepBuffers, force_text_logits, forced_only_logits
 from . import compat
 
 logger = logging.getLogger(__name__)
@@ -172,11 +171,9 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
                 self._lay_out(self.step, input_ids, positions, qsl)
         embeds = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         step = self.step if self.step is not None and self.step.slots is not None else None
-        if step is not None and embeds.shape[0] > step.num_reqs:  # prefill spans: reference and re-fed rows
-            infos = kwargs.get("model_intermediate_buffer") or kwargs.get("runtime_additional_information")
-            infos = infos or step.references or []
-            ref = functools.partial(reference_rows, infos, self.cfg.num_codebooks)
-            embeds, refed = step.prompt_rows(self.slots, ref, embeds, self.multimodal_embedding)
+        if step is not None:  # prefill spans: reference and re-fed rows
+            infos = compat.runner_infos(kwargs) or step.references or []
+            embeds, refed = step.prompt_rows(self.slots, infos, embeds, self.multimodal_embedding)
             self.stats["bridge_recomputed_rows"] += refed
         embeds = self.buffers.feed(embeds, self.multimodal_embedding, self.slots, step)
         pure_decode = step is not None and embeds.shape[0] == step.num_reqs
@@ -265,7 +262,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
 
         if isinstance(model_outputs, OmniOutput):
             return model_outputs
-        infos = kwargs.get("model_intermediate_buffer") or kwargs.get("runtime_additional_information") or []
+        infos = compat.runner_infos(kwargs) or []
         empty = torch.zeros(0, self.cfg.num_codebooks, dtype=torch.int32)
         rows = []
         for info in infos:

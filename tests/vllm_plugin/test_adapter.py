@@ -9,7 +9,6 @@ step, so a request's codes must not depend on its batch neighbours or position.
 
 from __future__ import annotations
 
-import functools
 import random
 
 import pytest
@@ -27,7 +26,7 @@ from higgs_talker.checkpoint import iter_tensors  # noqa: E402
 from higgs_talker.config import TalkerConfig  # noqa: E402
 from higgs_talker.heads.codebooks import feed_back  # noqa: E402
 from higgs_talker.heads.delay import apply_delay_pattern  # noqa: E402
-from higgs_talker.heads.spans import SpanStep, reference_rows  # noqa: E402
+from higgs_talker.heads.spans import SpanStep  # noqa: E402
 
 N_RAMP = 7  # rows of the delay pattern's ramp-up (SPEC 4.7)
 
@@ -276,8 +275,7 @@ def test_voice_clone_reference_rows_replace_placeholders_by_position(adapter):
         qsl, pos = torch.tensor([0, hi - lo]), torch.arange(lo, hi)
         batch = SpanStep(["V"], slots=torch.tensor([0]), qsl=qsl, input_ids=ids[lo:hi], positions=pos)
         embeds = m.embed_input_ids(ids[lo:hi])
-        reference = functools.partial(reference_rows, [info], cfg.num_codebooks)
-        out, _ = batch.prompt_rows(m.slots, reference, embeds, m.multimodal_embedding)
+        out, _ = batch.prompt_rows(m.slots, [info], embeds, m.multimodal_embedding)
         for j, p in enumerate(range(lo, hi)):
             if 2 <= p <= 10:
                 assert torch.allclose(out[j], m.multimodal_embedding(ref[p - 2][None])[0])
