@@ -1093,6 +1093,30 @@ def test_span_step_classifies_rows_opens_streams_and_forces_the_text_token():
     assert [torch.isfinite(r).nonzero().flatten().tolist() for r in only] == [[audio], [eos]]
 
 
+def test_span_step_text_logits_skip_the_head_only_when_every_request_is_forced():
+    """``text_logits`` classifies the rows, keeps them for sampling, and computes the text head unless the host
+    knows every request is in audio mode; ``next_published`` hands the sampled rows out in batch order."""
+    from types import SimpleNamespace
+
+    from higgs_talker.heads.slots import RequestSlots, SlotStore
+
+    specials = SimpleNamespace(audio=50, eos=51)
+    slots = RequestSlots(SlotStore(4, N, V, BOC, EOC, torch.device("cpu")), seed=0)
+    calls = []
+    text_head = lambda h: calls.append(h) or torch.zeros(h.shape[0], 64)  # noqa: E731
+    step = _span_step(slots, ["t", "a"], [7, 50], [3, 12])
+    hidden = torch.randn(2, 4)
+    logits, skipped = step.text_logits(slots, hidden, specials, text_head, 64)
+    assert not skipped and len(calls) == 1 and step.hidden is hidden and step.modes.audio.tolist() == [False, True]
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [50] and torch.isfinite(logits[0]).all()
+    head = lambda h: torch.randn(h.shape[0], N, V)  # noqa: E731
+    published = step.sample(slots, head, (torch.ones(2), torch.full((2,), V), torch.ones(2)))
+    assert step.next_published() is None and step.next_published() is published[1] and step.next_published() is None
+    audio_only = _span_step(slots, ["a"], [50], [13])  # "a" is in its stream: known forced on the host
+    logits, skipped = audio_only.text_logits(slots, hidden[:1], specials, text_head, 64)
+    assert skipped and len(calls) == 1 and torch.isfinite(logits[0]).nonzero().flatten().tolist() == [50]
+
+
 def test_span_step_feeds_each_decoding_tail_its_last_frame():
     """Feedback: the tail of a stream fed in a one-token span gets the slot's last frame; a multi-token span
     (prefill) and a request not in a stream get none; the buffers cover only the tails."""

@@ -9,7 +9,9 @@ frame, feeds each tail its last frame, and samples the frames with ``sample_fram
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -17,6 +19,9 @@ from torch import Tensor
 from .codebooks import embed_rows, feed_back, rows_at
 from .delay import forced_text_tokens
 from .slots import RequestSlots, sample_frame
+
+if TYPE_CHECKING:
+    from ..config import SpecialTokens
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +75,22 @@ class SpanStep:
         forced = forced_text_tokens(done, audio_id, eos_id)
         return RowModes(seed, done, audio, (seed | (active & due)) & ~done, forced)
 
+    def text_logits(
+        self,
+        slots: RequestSlots,
+        hidden: Tensor,
+        specials: SpecialTokens,
+        text_head: Callable[[Tensor], Tensor],
+        vocab_size: int,
+    ) -> tuple[Tensor, bool]:
+        """hidden [B, H] -> (text logits [B, V], whether the text head was skipped), the rows classified first
+        (``row_modes``, kept with ``hidden`` for ``sample``). Audio-mode rows keep only their forced token; when
+        the host knows every request is in audio mode, the head is not computed at all (``forced_only_logits``)."""
+        self.hidden, self.modes = hidden, self.row_modes(slots, specials.audio, specials.eos)
+        if slots.all_forced(self.req_ids):
+            return forced_only_logits(self.modes, vocab_size, hidden.dtype), True
+        return force_text_logits(text_head(hidden), self.modes), False
+
     def tail_feedback(self, slots: RequestSlots) -> tuple[Tensor, Tensor]:
         """Per request [B]: whether its tail is fed its last frame (in a stream, one-token span), and that
         frame [B, C]."""
@@ -103,6 +124,14 @@ class SpanStep:
         host = torch.cat([emitted, modes.code_rows[:, None], new.has_codes[:, None], new.done[:, None]], dim=1)
         self.published = slots.record(self.req_ids, host.to("cpu", torch.int32))  # the step's one host sync
         return self.published
+
+    def next_published(self) -> Tensor | None:
+        """The next request's published row in batch order, None where it has none or past the last request
+        (vllm-omni's postprocess asks once per request)."""
+        if self.cursor >= len(self.published):
+            return None
+        self.cursor += 1
+        return self.published[self.cursor - 1]
 
     def prompt_rows(self, slots: RequestSlots, infos: list, embeds: Tensor, embedding) -> tuple[Tensor, int]:
         """Multi-token spans embed code rows at their positions (SPEC 3.4): request i's voice-clone rows

@@ -9,6 +9,7 @@ under plain vLLM ``bridge.TextOnlyBridge`` plays the runner, finding this instan
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Iterable
@@ -22,6 +23,7 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.qwen3 import Qwen3Model
+from vllm.model_executor.models.utils import maybe_prefix
 
 from ..checkpoint import WeightRouter
 from ..config import SpecialTokens, TalkerConfig
@@ -30,7 +32,7 @@ from ..cuda_graphs.policy import decide
 from ..heads.codebooks import build_codebooks
 from ..heads.sampling import resolve_seed, row_params
 from ..heads.slots import RequestSlots, SlotStore
-from ..heads.spans import SpanStep, StepBuffers, force_text_logits, forced_only_logits
+from ..heads.spans import SpanStep, StepBuffers
 from . import compat
 
 logger = logging.getLogger(__name__)
@@ -70,11 +72,11 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         t = cfg.text
         self.vllm_config = vllm_config
         backbone = compat.backbone_config(vllm_config, t.to_qwen3_config())
-        self.model = Qwen3Model(vllm_config=backbone, prefix=_join(prefix, "model"))
+        self.model = Qwen3Model(vllm_config=backbone, prefix=maybe_prefix(prefix, "model"))
         if t.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = ParallelLMHead(t.vocab_size, t.hidden_size, prefix=_join(prefix, "lm_head"))
+            self.lm_head = ParallelLMHead(t.vocab_size, t.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
         self.logits_processor = LogitsProcessor(t.vocab_size)
         # replicated on every tensor-parallel rank: the hidden rows they read are replicated too
         self.multimodal_embedding, self.modality_head = build_codebooks(cfg)
@@ -193,12 +195,10 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
             if step is not None:
                 step.modes = None
             return self.logits_processor(self.lm_head, hidden_states)
-        step.hidden, step.modes = hidden_states, step.row_modes(self.slots, self.specials.audio, self.specials.eos)
-        if self.slots.all_forced(step.req_ids):  # pure audio step: the text head is not computed
-            self.stats["text_head_skipped"] += 1
-            return forced_only_logits(step.modes, self.cfg.text.vocab_size, hidden_states.dtype)
-        self.stats["text_head_full"] += 1
-        return force_text_logits(self.logits_processor(self.lm_head, hidden_states), step.modes)
+        head = functools.partial(self.logits_processor, self.lm_head)
+        logits, skipped = step.text_logits(self.slots, hidden_states, self.specials, head, self.cfg.text.vocab_size)
+        self.stats["text_head_skipped" if skipped else "text_head_full"] += 1
+        return logits
 
     def _replayed_bridge_step(self, num_rows: int) -> None:
         """A replayed FULL decode graph has one token per request, in batch order; its captured copies
@@ -220,11 +220,10 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
             if i in step.new_rows:
                 self.slots.set_seed(step.req_ids[i], resolve_seed(gen.initial_seed()))
         m = sampling_metadata
-        forced = step.modes.forced
         forced_only = self.slots.all_forced(step.req_ids) or bool(step.modes.audio.all())
         self.sample_codes(*row_params(step.num_reqs, logits.device, m.temperature, m.top_k, m.top_p))
         if forced_only and m.max_num_logprobs is None:
-            return compat.sampler_output(forced)
+            return compat.sampler_output(step.modes.forced)
         if self._text_sampler is None:
             self._text_sampler = compat.text_sampler(self.vllm_config)
         return self._text_sampler(logits, m)
@@ -242,10 +241,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
 
     def postprocess(self, hidden_states: Tensor, multimodal_outputs: Any = None, **_: Any) -> dict:
         """vllm-omni: called once per request in batch order after sampling; this step's owned row."""
-        done = self.sampled
-        if done is None or done.cursor >= len(done.published):
-            return {}
-        row, done.cursor = done.published[done.cursor], done.cursor + 1
+        row = self.sampled.next_published() if self.sampled is not None else None
         return {"codes": {"audio": row}} if row is not None else {}
 
     def post_sample_multimodal_outputs(self, *, req_ids, invalid_req_indices=(), multimodal_outputs=None, **_):
@@ -291,10 +287,6 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def _resolve_specials(vllm_config: VllmConfig, cfg: TalkerConfig) -> SpecialTokens:
