@@ -1049,9 +1049,8 @@ def _span_step(slots, req_ids, tail_ids, tail_pos):
     """A pure decode step (one token per request) of ``req_ids`` with these tail tokens and positions."""
     from higgs_talker.heads.spans import SpanStep
 
-    s, _ = slots.sync(req_ids)
     qsl = torch.arange(len(req_ids) + 1)
-    return SpanStep(list(req_ids), slots=s, qsl=qsl, input_ids=torch.tensor(tail_ids), positions=torch.tensor(tail_pos))
+    return SpanStep(list(req_ids)).lay_out(slots, torch.tensor(tail_ids), torch.tensor(tail_pos), qsl)
 
 
 def test_span_step_classifies_rows_opens_streams_and_forces_the_text_token():
@@ -1099,12 +1098,16 @@ def test_span_step_text_logits_skip_the_head_only_when_every_request_is_forced()
     from types import SimpleNamespace
 
     from higgs_talker.heads.slots import RequestSlots, SlotStore
+    from higgs_talker.heads.spans import rows_or_empty
 
     specials = SimpleNamespace(audio=50, eos=51)
     slots = RequestSlots(SlotStore(4, N, V, BOC, EOC, torch.device("cpu")), seed=0)
     calls = []
     text_head = lambda h: calls.append(h) or torch.zeros(h.shape[0], 64)  # noqa: E731
     step = _span_step(slots, ["t", "a"], [7, 50], [3, 12])
+    assert step.laid_out and step.new_rows == [0, 1]
+    step.adopt_seeds(slots, {1: 2**63 + 5})  # vLLM's seed for "a", new this step (folded into range)
+    assert slots.requests["a"].seed == 5 and int(slots.store.seeds[step.slots[1]]) == 5
     hidden = torch.randn(2, 4)
     logits, skipped = step.text_logits(slots, hidden, specials, text_head, 64)
     assert not skipped and len(calls) == 1 and step.hidden is hidden and step.modes.audio.tolist() == [False, True]
@@ -1112,7 +1115,10 @@ def test_span_step_text_logits_skip_the_head_only_when_every_request_is_forced()
     head = lambda h: torch.randn(h.shape[0], N, V)  # noqa: E731
     published = step.sample(slots, head, (torch.ones(2), torch.full((2,), V), torch.ones(2)))
     assert step.next_published() is None and step.next_published() is published[1] and step.next_published() is None
+    assert [r.shape for r in rows_or_empty([None, published[1], torch.zeros(0, N)], N)] == [(0, N), (1, N), (0, N)]
     audio_only = _span_step(slots, ["a"], [50], [13])  # "a" is in its stream: known forced on the host
+    audio_only.adopt_seeds(slots, {0: 9})  # not new: keeps the seed it sampled with
+    assert slots.requests["a"].seed == 5
     logits, skipped = audio_only.text_logits(slots, hidden[:1], specials, text_head, 64)
     assert skipped and len(calls) == 1 and torch.isfinite(logits[0]).nonzero().flatten().tolist() == [50]
 
@@ -1159,6 +1165,8 @@ def test_step_buffers_feed_from_fixed_storage_or_on_the_tails():
     buffers.write_feedback(step, slots, 2)
     buffers.keep_tokens(torch.tensor([7, 8]), torch.tensor([3, 9]))
     assert buffers.use.tolist() == [True, True, False, False] and buffers.positions[:2].tolist() == [3, 9]
+    ids, pos, qsl = buffers.decode_layout(2)  # what a replayed decode graph ran: one token per request
+    assert ids.tolist() == [7, 8] and pos.tolist() == [3, 9] and qsl.tolist() == [0, 1, 2]
     want = state.last_codes[s].sum(-1).float()
     assert torch.equal(buffers.feed(torch.zeros(2, 2), embedding, slots, step)[:, 0], want)
     buffers.clear()

@@ -89,6 +89,11 @@ class SlotStore:
         self.min_rows = torch.zeros(r, dtype=torch.long, device=device)
         self.num_rows = torch.zeros(r, dtype=torch.long, device=device)
 
+    @classmethod
+    def for_config(cls, cfg, capacity: int, device: torch.device) -> SlotStore:
+        """Storage for ``capacity`` requests of a ``TalkerConfig``'s codebooks."""
+        return cls(capacity, cfg.num_codebooks, cfg.codebook_size, cfg.boc_id, cfg.eoc_id, device)
+
     def reset(self, inits: Sequence[SlotInit]) -> None:
         """Start fresh streams in these slots: all-BOC feedback, no rows yet, their parameters (two copies)."""
         if not inits:

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .codebooks import embed_rows, feed_back, rows_at
 from .delay import forced_text_tokens
+from .sampling import resolve_seed
 from .slots import RequestSlots, sample_frame
 
 if TYPE_CHECKING:
@@ -56,6 +57,18 @@ class SpanStep:
     @property
     def num_reqs(self) -> int:
         return len(self.req_ids)
+
+    @property
+    def laid_out(self) -> bool:
+        """Whether the step's token layout is known (the text-only bridge names the requests before it comes)."""
+        return self.slots is not None
+
+    def lay_out(self, slots: RequestSlots, input_ids: Tensor, positions: Tensor, qsl: Tensor) -> SpanStep:
+        """Take the step's token layout, input_ids / positions [T] and qsl [>= B+1], and its requests' slots
+        (a request seen for the first time gets one, listed in ``new_rows``)."""
+        self.slots, self.new_rows = slots.sync(self.req_ids)
+        self.qsl, self.input_ids, self.positions = qsl[: self.num_reqs + 1].long(), input_ids.long(), positions.long()
+        return self
 
     @property
     def tails(self) -> Tensor:
@@ -125,6 +138,13 @@ class SpanStep:
         self.published = slots.record(self.req_ids, host.to("cpu", torch.int32))  # the step's one host sync
         return self.published
 
+    def adopt_seeds(self, slots: RequestSlots, seeds: dict[int, int]) -> None:
+        """vLLM hands a request's own seed over (batch index -> seed) at its first sample: the requests new this
+        step take theirs; the others keep the seed they have sampled with."""
+        for i, seed in seeds.items():
+            if i in self.new_rows:
+                slots.set_seed(self.req_ids[i], resolve_seed(seed))
+
     def next_published(self) -> Tensor | None:
         """The next request's published row in batch order, None where it has none or past the last request
         (vllm-omni's postprocess asks once per request)."""
@@ -191,6 +211,12 @@ class StepBuffers:
             self.input_ids[:t].copy_(input_ids)
             self.positions[:t].copy_(positions)
 
+    def decode_layout(self, num_reqs: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(input_ids, positions, qsl) of a pure decode step of ``num_reqs`` requests (one token each, in batch
+        order) as the token copies hold it: a replayed graph refreshed them without our forward."""
+        qsl = torch.arange(num_reqs + 1, device=self.input_ids.device)
+        return self.input_ids[:num_reqs], self.positions[:num_reqs], qsl
+
     def feed(self, embeds: Tensor, embedding, slots: RequestSlots, step: SpanStep | None) -> Tensor:
         """embeds [T, H] -> [T, H] with each token's feedback: from the buffers whenever T fits (in dummy runs too,
         so that a graph captured there contains it), else on the tails of ``step``."""
@@ -198,6 +224,13 @@ class StepBuffers:
         if t <= self.capacity:
             return feed_back(embeds, self.use[:t], self.codes[:t], embedding)
         return embeds if step is None else step.feed_tails(slots, embeds, embedding)
+
+
+def rows_or_empty(rows: list, num_codebooks: int) -> list[Tensor]:
+    """Per request its code rows [R, C] as a runner passes them on: a non-empty tensor as it is, anything else
+    (None, no rows) as one shared empty [0, C] int32."""
+    empty = torch.zeros(0, num_codebooks, dtype=torch.int32)
+    return [r if isinstance(r, Tensor) and r.numel() else empty for r in rows]
 
 
 def reference_rows(infos: list, num_codebooks: int, i: int) -> tuple[Tensor, Tensor] | None:

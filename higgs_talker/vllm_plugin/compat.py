@@ -73,8 +73,7 @@ def first_attn_metadata(ctx: Any) -> Any:
 
 
 def runner_infos(kwargs: dict) -> list | None:
-    """The per-request info dicts vllm-omni's runner passes the model: ``model_intermediate_buffer``, or the
-    older name ``runtime_additional_information``."""
+    """vllm-omni's per-request info dicts: ``model_intermediate_buffer``, or its older name for them."""
     return kwargs.get("model_intermediate_buffer") or kwargs.get("runtime_additional_information")
 
 

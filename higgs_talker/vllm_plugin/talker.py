@@ -30,9 +30,9 @@ from ..config import SpecialTokens, TalkerConfig
 from ..cuda_graphs.local_mlp import LocalMLPPath
 from ..cuda_graphs.policy import decide
 from ..heads.codebooks import build_codebooks
-from ..heads.sampling import resolve_seed, row_params
+from ..heads.sampling import row_params
 from ..heads.slots import RequestSlots, SlotStore
-from ..heads.spans import SpanStep, StepBuffers
+from ..heads.spans import SpanStep, StepBuffers, rows_or_empty
 from . import compat
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         self.multimodal_embedding, self.modality_head = build_codebooks(cfg)
         device = self.multimodal_embedding.weight.device
         max_seqs = compat.max_num_seqs(vllm_config)
-        store = SlotStore(max(64, max_seqs), cfg.num_codebooks, cfg.codebook_size, cfg.boc_id, cfg.eoc_id, device)
+        store = SlotStore.for_config(cfg, max(64, max_seqs), device)
         self.slots = RequestSlots(store, seed=getattr(vllm_config.model_config, "seed", None))
         # sized for vLLM's largest batch and graph: a FULL decode graph captured over our forward holds them
         self.buffers = StepBuffers(max([max_seqs, *compat.capture_sizes(vllm_config)]) + 1, cfg.num_codebooks, device)
@@ -93,9 +93,9 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
                                     "bridge_replayed_steps", "bridge_no_qsl", "bridge_recomputed_rows"), 0)  # fmt: skip
         self.deferred_prefix_cache_mm_keys = {"codes.audio"}
         self._runner_req_ids: list[str] | None = None  # from prepare_runner_inputs, for the step's metadata
-        self.step: SpanStep | None = None  # the current step (None: a dummy or profile run)
+        # the current step (None: a dummy or profile run); one the bridge armed is laid out in the forward
+        self.step: SpanStep | None = None
         self.sampled: SpanStep | None = None  # the last sampled step, whose rows postprocess publishes
-        self._bridge_pending = False  # the bridge armed self.step; its token layout comes with the forward
         self._text_sampler = None
         self.graph_decision = decide(vllm_config=vllm_config)
         logger.info("higgs talker (vLLM adapter): %s", self.graph_decision.reason)
@@ -118,7 +118,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         """Called by the vllm-omni runner before every forward or graph replay (0.26 passes no ``req_ids``: the
         ones ``prepare_runner_inputs`` got for this step stand in; a dummy run has neither)."""
         req_ids, self._runner_req_ids = (req_ids if req_ids is not None else self._runner_req_ids), None
-        self.step, self._bridge_pending = None, False
+        self.step = None
         if req_ids is None or input_ids is None or positions is None or omni_query_start_loc is None:
             self.buffers.clear()
             return
@@ -128,18 +128,14 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         """The text-only bridge's view of the batch, before a real step. The feedback buffers are written for a
         pure decode step (token i = request i): a replayed FULL decode graph reads them without our forward;
         an eager forward rewrites them for the step's real layout."""
-        refs = references if references and any(references) else None
-        self.step = step = SpanStep(list(req_ids), refs)
-        self._bridge_pending = True
+        self.step = step = SpanStep(list(req_ids), references)
         slots, _ = self.slots.sync(step.req_ids, seeds, min_rows, resume)
         decode = SpanStep(step.req_ids, slots=slots, qsl=torch.arange(step.num_reqs + 1, device=slots.device))
         self.buffers.write_feedback(decode, self.slots, step.num_reqs)
 
     def _lay_out(self, step: SpanStep, input_ids: Tensor, positions: Tensor, qsl: Tensor) -> None:
         """The step's token layout is known: its slots (new requests get one), spans and feedback."""
-        step.slots, step.new_rows = self.slots.sync(step.req_ids)
-        step.qsl, step.input_ids, step.positions = qsl[: step.num_reqs + 1].long(), input_ids.long(), positions.long()
-        self.step, self._bridge_pending = step, False
+        self.step = step.lay_out(self.slots, input_ids, positions, qsl)
         self.buffers.write_feedback(step, self.slots, input_ids.shape[0])
 
     def on_requests_finished(self, finished_req_ids) -> None:
@@ -160,19 +156,19 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         """Scheduled tokens [T] -> final hidden [T, H]."""
         if input_ids is not None:  # the bridge's replayed decode steps read these copies
             self.buffers.keep_tokens(input_ids, positions)
-        if self._bridge_pending and input_ids is not None:
+        if self.step is not None and not self.step.laid_out and input_ids is not None:
             qsl = compat.step_query_start_loc(self.step.num_reqs, positions)
             if qsl is None:
                 self.stats["bridge_no_qsl"] += 1
                 compat.warn_once(
                     "no-qsl", "the step's request spans are unknown (attention metadata has none): no codes"
                 )
-                self.step, self._bridge_pending = None, False
+                self.step = None
                 self.buffers.clear()  # no feedback this step rather than feedback on the wrong tokens
             else:
                 self._lay_out(self.step, input_ids, positions, qsl)
         embeds = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        step = self.step if self.step is not None and self.step.slots is not None else None
+        step = self.step if self.step is not None and self.step.laid_out else None
         if step is not None:  # prefill spans: reference and re-fed rows
             infos = compat.runner_infos(kwargs) or step.references or []
             embeds, refed = step.prompt_rows(self.slots, infos, embeds, self.multimodal_embedding)
@@ -188,10 +184,11 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
 
     def compute_logits(self, hidden_states: Tensor, sampling_metadata: Any = None) -> Tensor | None:
         """hidden [B, H] -> text logits [B, V]; audio-mode rows keep only their forced token."""
-        if self._bridge_pending:  # armed, but our forward did not run: vLLM replayed a FULL decode graph
+        # armed by the bridge, but our forward did not run: vLLM replayed a FULL decode graph
+        if self.step is not None and not self.step.laid_out:
             self._replayed_bridge_step(hidden_states.shape[0])
         step = self.step
-        if step is None or step.slots is None or self.specials is None or hidden_states.shape[0] != step.num_reqs:
+        if step is None or not step.laid_out or self.specials is None or hidden_states.shape[0] != step.num_reqs:
             if step is not None:
                 step.modes = None
             return self.logits_processor(self.lm_head, hidden_states)
@@ -203,22 +200,19 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
     def _replayed_bridge_step(self, num_rows: int) -> None:
         """A replayed FULL decode graph has one token per request, in batch order; its captured copies
         refreshed the token buffers."""
-        self._bridge_pending = False
         if num_rows != self.step.num_reqs:
             self.step = None
             return
         self.stats["bridge_replayed_steps"] += 1
-        ids, pos = self.buffers.input_ids[:num_rows], self.buffers.positions[:num_rows]
-        self._lay_out(self.step, ids, pos, torch.arange(num_rows + 1, device=ids.device))
+        self._lay_out(self.step, *self.buffers.decode_layout(num_rows))
 
     def sample(self, logits: Tensor, sampling_metadata: Any):
         """The vllm-omni model sampler: forced text tokens and this step's codes (None: use vLLM's sampler)."""
         step = self.step
         if step is None or step.modes is None:
             return None
-        for i, gen in (getattr(sampling_metadata, "generators", None) or {}).items():
-            if i in step.new_rows:
-                self.slots.set_seed(step.req_ids[i], resolve_seed(gen.initial_seed()))
+        generators = getattr(sampling_metadata, "generators", None) or {}
+        step.adopt_seeds(self.slots, {i: gen.initial_seed() for i, gen in generators.items()})
         m = sampling_metadata
         forced_only = self.slots.all_forced(step.req_ids) or bool(step.modes.audio.all())
         self.sample_codes(*row_params(step.num_reqs, logits.device, m.temperature, m.top_k, m.top_p))
@@ -246,11 +240,10 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
 
     def post_sample_multimodal_outputs(self, *, req_ids, invalid_req_indices=(), multimodal_outputs=None, **_):
         """This step's owned [1, C] rows by request (empty [0, C] where none)."""
-        invalid, empty = set(invalid_req_indices or ()), torch.zeros(0, self.cfg.num_codebooks, dtype=torch.int32)
+        invalid = set(invalid_req_indices or ())
         published = self.sampled.published if self.sampled is not None else []
-        rows = [published[i] if i < len(published) and published[i] is not None and i not in invalid else empty
-                for i in range(len(req_ids))]  # fmt: skip
-        return {"codes": {"audio": rows}}
+        rows = [published[i] if i < len(published) and i not in invalid else None for i in range(len(req_ids))]
+        return {"codes": {"audio": rows_or_empty(rows, self.cfg.num_codebooks)}}
 
     def make_omni_output(self, model_outputs: Any, **kwargs: Any):
         """Wrap the hidden states with the per-request ``codes.audio`` the runner buffered."""
@@ -259,11 +252,8 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         if isinstance(model_outputs, OmniOutput):
             return model_outputs
         infos = compat.runner_infos(kwargs) or []
-        empty = torch.zeros(0, self.cfg.num_codebooks, dtype=torch.int32)
-        rows = []
-        for info in infos:
-            codes = (info.get("codes") or {}).get("audio") if isinstance(info, dict) else None
-            rows.append(codes if isinstance(codes, Tensor) and codes.numel() else empty)
+        codes = [(info.get("codes") or {}).get("audio") if isinstance(info, dict) else None for info in infos]
+        rows = rows_or_empty(codes, self.cfg.num_codebooks)
         mm = {"codes": {"audio": rows}} if any(r.numel() for r in rows) else None
         return OmniOutput(text_hidden_states=model_outputs, multimodal_outputs=mm)
 
