@@ -1162,7 +1162,7 @@ def test_step_buffers_feed_from_fixed_storage_or_on_the_tails():
     buffers = StepBuffers(4, N, torch.device("cpu"))
     embedding = lambda rows: rows.float().sum(-1, keepdim=True).expand(-1, 2)  # noqa: E731
     step = SpanStep(["a", "b"], slots=s, qsl=torch.tensor([0, 1, 2]))
-    buffers.write_feedback(step, slots, 2)
+    buffers.write_decode_feedback(slots, ["a", "b"], s)  # the same step, from its slots alone
     buffers.keep_tokens(torch.tensor([7, 8]), torch.tensor([3, 9]))
     assert buffers.use.tolist() == [True, True, False, False] and buffers.positions[:2].tolist() == [3, 9]
     ids, pos, qsl = buffers.decode_layout(2)  # what a replayed decode graph ran: one token per request

@@ -204,6 +204,11 @@ class StepBuffers:
         if num_tokens <= self.capacity:
             step.write_feedback(slots, self.use, self.codes)
 
+    def write_decode_feedback(self, slots: RequestSlots, req_ids: list[str], step_slots: Tensor) -> None:
+        """The feedback of a pure decode step (token i = request i) of ``req_ids`` in ``step_slots`` [B]."""
+        qsl = torch.arange(len(req_ids) + 1, device=step_slots.device)
+        self.write_feedback(SpanStep(req_ids, slots=step_slots, qsl=qsl), slots, len(req_ids))
+
     def keep_tokens(self, input_ids: Tensor, positions: Tensor) -> None:
         """Copy the step's tokens and positions [T] (in the forward: a captured graph refreshes them on replay)."""
         t = positions.shape[0]

@@ -132,17 +132,14 @@ class TextOnlyBridge(LogitsProcessor):
         return logits
 
 
-def _worker_rows(worker, keys: list[str]) -> dict[str, list | None]:
-    """On a vLLM worker: the rows its adapter holds for ``keys``, as lists."""
-    return worker.model_runner.get_model().slots.rows_by_key(keys)
-
-
 class RowsWorkerExtension:
     """A vLLM worker extension (``vllm.LLM(..., worker_extension_cls=ROWS_EXTENSION)``): lets ``request_rows``
     ask worker processes for rows by method name, without sending them a pickled function."""
 
     def higgs_request_rows(self, keys: list[str]) -> dict[str, list | None]:
-        return _worker_rows(self, keys)
+        """On a vLLM worker: the rows its adapter holds for ``keys``, as lists (also sent as a function to a worker
+        built without the extension: it reads nothing but the worker)."""
+        return self.model_runner.get_model().slots.rows_by_key(keys)
 
     def higgs_adapter_report(self) -> dict:
         """What this worker's talker adapter loaded and did: counters, graph decision, local MLP graphs."""
@@ -159,7 +156,8 @@ def request_rows(llm, keys) -> dict[str, torch.Tensor | None]:
     ``worker_extension_cls=ROWS_EXTENSION``). None for a request no worker knows; see ``merge_rows`` for the checks."""
     keys = list(keys)
     parallel = llm.llm_engine.vllm_config.parallel_config
-    method = "higgs_request_rows" if parallel.worker_extension_cls == ROWS_EXTENSION else _worker_rows
+    extended = parallel.worker_extension_cls == ROWS_EXTENSION
+    method = "higgs_request_rows" if extended else RowsWorkerExtension.higgs_request_rows
     return merge_rows([llm.collective_rpc(method, args=(keys,))], keys)
 
 

@@ -16,7 +16,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -130,8 +129,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         an eager forward rewrites them for the step's real layout."""
         self.step = step = SpanStep(list(req_ids), references)
         slots, _ = self.slots.sync(step.req_ids, seeds, min_rows, resume)
-        decode = SpanStep(step.req_ids, slots=slots, qsl=torch.arange(step.num_reqs + 1, device=slots.device))
-        self.buffers.write_feedback(decode, self.slots, step.num_reqs)
+        self.buffers.write_decode_feedback(self.slots, step.req_ids, slots)
 
     def _lay_out(self, step: SpanStep, input_ids: Tensor, positions: Tensor, qsl: Tensor) -> None:
         """The step's token layout is known: its slots (new requests get one), spans and feedback."""
