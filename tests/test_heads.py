@@ -1169,6 +1169,8 @@ def test_step_buffers_feed_from_fixed_storage_or_on_the_tails():
     assert ids.tolist() == [7, 8] and pos.tolist() == [3, 9] and qsl.tolist() == [0, 1, 2]
     want = state.last_codes[s].sum(-1).float()
     assert torch.equal(buffers.feed(torch.zeros(2, 2), embedding, slots, step)[:, 0], want)
+    fed, refed = buffers.embed_codes(torch.zeros(2, 2), embedding, slots, step)  # one token each: feedback only
+    assert torch.equal(fed[:, 0], want) and refed == 0
     buffers.clear()
     assert torch.equal(buffers.feed(torch.zeros(2, 2), embedding, slots, step), torch.zeros(2, 2))
     big = SpanStep(["a", "b"], slots=s, qsl=torch.tensor([0, 1, 6]))  # 6 tokens: more than the buffers hold
@@ -1214,7 +1216,7 @@ def test_span_step_prompt_rows_place_reference_and_refed_rows_in_multi_token_spa
     request recomputed after a preemption, row j of what it produced at ``seed_pos + 1 + j`` (counted as re-fed);
     a one-token span is left to the feedback; ``rows_for`` finds the rows of live and kept finished requests."""
     from higgs_talker.heads.slots import RequestSlots, SlotStore
-    from higgs_talker.heads.spans import SpanStep
+    from higgs_talker.heads.spans import SpanStep, StepBuffers
 
     slots = RequestSlots(SlotStore(4, N, V, BOC, EOC, torch.device("cpu")), keep_finished=4, seed=0)
     s, _ = slots.sync(["ref", "back", "dec"])
@@ -1234,6 +1236,8 @@ def test_span_step_prompt_rows_place_reference_and_refed_rows_in_multi_token_spa
     embedding = lambda codes: codes.float().sum(-1, keepdim=True).expand(-1, 2)  # noqa: E731
     embeds = torch.full((11, 2), -1.0)
     out, refed = step.prompt_rows(slots, infos, embeds, embedding)
+    buffers = StepBuffers(4, N, torch.device("cpu"))  # fewer than the 11 tokens: the feedback goes on the tails
+    assert torch.equal(buffers.embed_codes(embeds, embedding, slots, step, infos)[0][:, 0], out[:, 0])
     want = torch.full((11,), -1.0)
     want[1], want[3] = ref_rows[1].sum(), ref_rows[0].sum()  # reference rows of request 0 at positions 1 and 3
     want[7], want[8], want[9] = (N * (100 + j) for j in range(3))  # "back": positions 5, 6, 7

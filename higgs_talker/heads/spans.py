@@ -222,6 +222,16 @@ class StepBuffers:
         qsl = torch.arange(num_reqs + 1, device=self.input_ids.device)
         return self.input_ids[:num_reqs], self.positions[:num_reqs], qsl
 
+    def embed_codes(
+        self, embeds: Tensor, embedding, slots: RequestSlots, step: SpanStep | None, infos: list | None = None
+    ) -> tuple[Tensor, int]:
+        """embeds [T, H] -> (embeds with the step's code rows, rows re-fed): its multi-token spans' reference and
+        re-fed rows (``prompt_rows`` of ``infos``, else the step's own references), then every token's feedback."""
+        refed = 0
+        if step is not None:
+            embeds, refed = step.prompt_rows(slots, infos or step.references or [], embeds, embedding)
+        return self.feed(embeds, embedding, slots, step), refed
+
     def feed(self, embeds: Tensor, embedding, slots: RequestSlots, step: SpanStep | None) -> Tensor:
         """embeds [T, H] -> [T, H] with each token's feedback: from the buffers whenever T fits (in dummy runs too,
         so that a graph captured there contains it), else on the tails of ``step``."""

@@ -81,9 +81,8 @@ class TextOnlyBridge(LogitsProcessor):
                 min_rows = int(getattr(params, "min_tokens", 0) or 0)
                 ref = extra.get(REFERENCE)
                 info = None
-                if isinstance(ref, dict) and ref.get("rows") is not None and ref.get("positions") is not None:
-                    rows, where = (torch.tensor(ref[k], dtype=torch.long) for k in ("rows", "positions"))
-                    info = {"audio_input_ids": rows, "audio_placeholder_positions": where}
+                if isinstance(ref, dict):  # in the keys of vllm-omni's info; heads.spans.reference_rows reads both
+                    info = {"audio_input_ids": ref.get("rows"), "audio_placeholder_positions": ref.get("positions")}
                 self.rows[index] = _Row(
                     key, float(params.temperature), int(params.top_k), float(params.top_p), params.seed, min_rows, info
                 )

@@ -167,11 +167,9 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
                 self._lay_out(self.step, input_ids, positions, qsl)
         embeds = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         step = self.step if self.step is not None and self.step.laid_out else None
-        if step is not None:  # prefill spans: reference and re-fed rows
-            infos = compat.runner_infos(kwargs) or step.references or []
-            embeds, refed = step.prompt_rows(self.slots, infos, embeds, self.multimodal_embedding)
-            self.stats["bridge_recomputed_rows"] += refed
-        embeds = self.buffers.feed(embeds, self.multimodal_embedding, self.slots, step)
+        infos = compat.runner_infos(kwargs)
+        embeds, refed = self.buffers.embed_codes(embeds, self.multimodal_embedding, self.slots, step, infos)
+        self.stats["bridge_recomputed_rows"] += refed
         pure_decode = step is not None and embeds.shape[0] == step.num_reqs
         hidden = self.local_mlp.forward(positions, embeds, pure_decode)
         if hidden is None:
@@ -254,6 +252,10 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         rows = rows_or_empty(codes, self.cfg.num_codebooks)
         mm = {"codes": {"audio": rows}} if any(r.numel() for r in rows) else None
         return OmniOutput(text_hidden_states=model_outputs, multimodal_outputs=mm)
+
+    def request_rows(self, req_id: str) -> Tensor | None:
+        """Every row [R, C] int32 a request produced (bridge: also the last 256 finished); None if unknown."""
+        return self.slots.rows_for(req_id)
 
     # ------------------------------------------------------------------ weights
 
