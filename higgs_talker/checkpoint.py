@@ -351,6 +351,17 @@ class WeightRouter:
         shards.add(target.shard)
         return target, param
 
+    def routed(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[Target, torch.Tensor, torch.Tensor]]:
+        """(target, parameter, tensor) for each tensor of ``weights`` to load, checked by ``route``; skipped keys
+        (codec, tied heads) are passed over."""
+        for key, tensor in weights:
+            hit = self.route(key, tensor)
+            if hit is not None:
+                target, param = hit
+                yield target, param, tensor
+
     def finish(self) -> set[str]:
         """The parameter names filled; raises if a required key or a parameter's fill is missing."""
         missing = sorted(set(self.expected) - self.seen)
@@ -379,12 +390,9 @@ def load_into(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     """
     router = WeightRouter(dict(model.named_parameters()), cfg)
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for key, tensor in weights:
-        hit = router.route(key, tensor)
-        if hit is not None:
-            target, param = hit
-            dest = param.data if target.shard is None else _shard_view(param.data, target.param, target.shard, cfg)
-            staged.append((dest, tensor))
+    for target, param, tensor in router.routed(weights):
+        dest = param.data if target.shard is None else _shard_view(param.data, target.param, target.shard, cfg)
+        staged.append((dest, tensor))
     filled = router.finish()
     with torch.no_grad():
         for dest, tensor in staged:

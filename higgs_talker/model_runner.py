@@ -71,7 +71,7 @@ class ModelRunner:
         # write and read the scratch block; padding tokens of prefill buckets read it and write the dump block
         self.scratch_block, self.dump_block = num_blocks, num_blocks + 1
         self.kv_caches = allocate_kv_caches(cfg.text, num_blocks + 2, block_size, self.dtype, self.device)
-        self.slots = SlotStore(max_num_seqs, cfg.num_codebooks, cfg.codebook_size, cfg.boc_id, cfg.eoc_id, self.device)
+        self.slots = SlotStore.for_config(cfg, max_num_seqs, self.device)
         self.attn = attention or default_backend(
             self.kv_caches, cfg, max_model_len, self.scratch_block, max_num_seqs, decode_kernel
         )

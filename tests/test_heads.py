@@ -1027,13 +1027,30 @@ def test_request_slots_follow_ids_and_resume_a_kept_state():
     assert slots.free.num_free == 4 and slots.requests == {}
 
 
+def test_rows_by_key_and_merge_rows_across_ranks_and_engines():
+    """Workers answer ``rows_by_key`` with lists; ``merge_rows`` takes each request's rows from the one engine that
+    holds them, and raises for rows on two engines or tensor-parallel ranks that disagree."""
+    from higgs_talker.heads.slots import RequestSlots, SlotStore, merge_rows
+
+    slots = RequestSlots(SlotStore(2, N, V, BOC, EOC, torch.device("cpu")), seed=0)
+    slots.sync(["a"])
+    slots.requests["a"].rows = [torch.full((N,), 3, dtype=torch.int32)]
+    assert slots.rows_by_key(["a", "z"]) == {"a": [[3] * N], "z": None}
+    got = merge_rows([[{"a": [[1] * N], "b": None}] * 2, [{"a": None, "b": [[2] * N, [3] * N]}]], ["a", "b"])
+    assert got["a"].tolist() == [[1] * N] and got["b"].tolist() == [[2] * N, [3] * N]
+    assert got["b"].dtype == torch.int32 and merge_rows([[{"a": None}]], ["a"]) == {"a": None}
+    with pytest.raises(RuntimeError, match="request 'a' has rows on data-parallel engine 1"):
+        merge_rows([[{"a": [[1] * N]}], [{"a": [[1] * N]}]], ["a"])
+    with pytest.raises(RuntimeError, match="tensor-parallel rank 1 holds other rows than rank 0 for request 'b'"):
+        merge_rows([[{"a": None, "b": [[1] * N]}, {"a": None, "b": [[2] * N]}]], ["a", "b"])
+
+
 def _span_step(slots, req_ids, tail_ids, tail_pos):
     """A pure decode step (one token per request) of ``req_ids`` with these tail tokens and positions."""
     from higgs_talker.heads.spans import SpanStep
 
-    s, _ = slots.sync(req_ids)
     qsl = torch.arange(len(req_ids) + 1)
-    return SpanStep(list(req_ids), slots=s, qsl=qsl, input_ids=torch.tensor(tail_ids), positions=torch.tensor(tail_pos))
+    return SpanStep(list(req_ids)).lay_out(slots, torch.tensor(tail_ids), torch.tensor(tail_pos), qsl)
 
 
 def test_span_step_classifies_rows_opens_streams_and_forces_the_text_token():
@@ -1075,6 +1092,37 @@ def test_span_step_classifies_rows_opens_streams_and_forces_the_text_token():
     assert [torch.isfinite(r).nonzero().flatten().tolist() for r in only] == [[audio], [eos]]
 
 
+def test_span_step_text_logits_skip_the_head_only_when_every_request_is_forced():
+    """``text_logits`` classifies the rows, keeps them for sampling, and computes the text head unless the host
+    knows every request is in audio mode; ``next_published`` hands the sampled rows out in batch order."""
+    from types import SimpleNamespace
+
+    from higgs_talker.heads.slots import RequestSlots, SlotStore
+    from higgs_talker.heads.spans import rows_or_empty
+
+    specials = SimpleNamespace(audio=50, eos=51)
+    slots = RequestSlots(SlotStore(4, N, V, BOC, EOC, torch.device("cpu")), seed=0)
+    calls = []
+    text_head = lambda h: calls.append(h) or torch.zeros(h.shape[0], 64)  # noqa: E731
+    step = _span_step(slots, ["t", "a"], [7, 50], [3, 12])
+    assert step.laid_out and step.new_rows == [0, 1]
+    step.adopt_seeds(slots, {1: 2**63 + 5})  # vLLM's seed for "a", new this step (folded into range)
+    assert slots.requests["a"].seed == 5 and int(slots.store.seeds[step.slots[1]]) == 5
+    hidden = torch.randn(2, 4)
+    logits, skipped = step.text_logits(slots, hidden, specials, text_head, 64)
+    assert not skipped and len(calls) == 1 and step.hidden is hidden and step.modes.audio.tolist() == [False, True]
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [50] and torch.isfinite(logits[0]).all()
+    head = lambda h: torch.randn(h.shape[0], N, V)  # noqa: E731
+    published = step.sample(slots, head, (torch.ones(2), torch.full((2,), V), torch.ones(2)))
+    assert step.next_published() is None and step.next_published() is published[1] and step.next_published() is None
+    assert [r.shape for r in rows_or_empty([None, published[1], torch.zeros(0, N)], N)] == [(0, N), (1, N), (0, N)]
+    audio_only = _span_step(slots, ["a"], [50], [13])  # "a" is in its stream: known forced on the host
+    audio_only.adopt_seeds(slots, {0: 9})  # not new: keeps the seed it sampled with
+    assert slots.requests["a"].seed == 5
+    logits, skipped = audio_only.text_logits(slots, hidden[:1], specials, text_head, 64)
+    assert skipped and len(calls) == 1 and torch.isfinite(logits[0]).nonzero().flatten().tolist() == [50]
+
+
 def test_span_step_feeds_each_decoding_tail_its_last_frame():
     """Feedback: the tail of a stream fed in a one-token span gets the slot's last frame; a multi-token span
     (prefill) and a request not in a stream get none; the buffers cover only the tails."""
@@ -1100,12 +1148,75 @@ def test_span_step_feeds_each_decoding_tail_its_last_frame():
     assert torch.equal(fed[:, 0], want)
 
 
+def test_step_buffers_feed_from_fixed_storage_or_on_the_tails():
+    """A step that fits the buffers is fed from them (written before the forward); a larger one on its tails; a
+    cleared buffer feeds nothing, and token copies are kept only for steps that fit."""
+    from higgs_talker.heads.slots import RequestSlots, SlotStore
+    from higgs_talker.heads.spans import SpanStep, StepBuffers
+
+    slots = RequestSlots(SlotStore(4, N, V, BOC, EOC, torch.device("cpu")), seed=0)
+    s, _ = slots.sync(["a", "b"])
+    state = slots.store.state
+    state.has_codes[s] = True
+    state.last_codes[s] = torch.arange(2 * N).reshape(2, N)
+    buffers = StepBuffers(4, N, torch.device("cpu"))
+    embedding = lambda rows: rows.float().sum(-1, keepdim=True).expand(-1, 2)  # noqa: E731
+    step = SpanStep(["a", "b"], slots=s, qsl=torch.tensor([0, 1, 2]))
+    buffers.write_decode_feedback(slots, ["a", "b"], s)  # the same step, from its slots alone
+    buffers.keep_tokens(torch.tensor([7, 8]), torch.tensor([3, 9]))
+    assert buffers.use.tolist() == [True, True, False, False] and buffers.positions[:2].tolist() == [3, 9]
+    ids, pos, qsl = buffers.decode_layout(2)  # what a replayed decode graph ran: one token per request
+    assert ids.tolist() == [7, 8] and pos.tolist() == [3, 9] and qsl.tolist() == [0, 1, 2]
+    want = state.last_codes[s].sum(-1).float()
+    assert torch.equal(buffers.feed(torch.zeros(2, 2), embedding, slots, step)[:, 0], want)
+    fed, refed = buffers.embed_codes(torch.zeros(2, 2), embedding, slots, step)  # one token each: feedback only
+    assert torch.equal(fed[:, 0], want) and refed == 0
+    buffers.clear()
+    assert torch.equal(buffers.feed(torch.zeros(2, 2), embedding, slots, step), torch.zeros(2, 2))
+    big = SpanStep(["a", "b"], slots=s, qsl=torch.tensor([0, 1, 6]))  # 6 tokens: more than the buffers hold
+    buffers.write_feedback(big, slots, 6)
+    buffers.keep_tokens(torch.arange(6), torch.arange(6))
+    assert not buffers.use.any() and buffers.positions[:2].tolist() == [3, 9]
+    fed = buffers.feed(torch.zeros(6, 2), embedding, slots, big)[:, 0]
+    assert fed.tolist() == [want[0].item(), 0, 0, 0, 0, 0]  # "b"'s tail ends a 5-token span: no feedback
+    assert torch.equal(buffers.feed(torch.zeros(6, 2), embedding, slots, None), torch.zeros(6, 2))
+
+
+def test_decodes_first_qsl_from_counts_prefill_spans_or_position_jumps():
+    """Decodes first, one token each; the prefills from their own qsl, as one span, or split at position jumps
+    (None unless the jumps give exactly the prefill count); counts that do not add up are ignored."""
+    from higgs_talker.heads.spans import decodes_first_qsl
+
+    pos = torch.tensor([100, 101, 0, 1, 2, 5, 6, 7, 8])
+    assert decodes_first_qsl(4, pos, 2, 2).tolist() == [0, 1, 2, 5, 9]
+    assert decodes_first_qsl(4, pos, 2, 2, torch.tensor([0, 4, 7])).tolist() == [0, 1, 2, 6, 9]
+    assert decodes_first_qsl(3, pos, 2, 1).tolist() == [0, 1, 2, 9]
+    assert decodes_first_qsl(2, pos[:2], 2, 0).tolist() == [0, 1, 2]
+    assert decodes_first_qsl(2, torch.tensor([0, 1, 2, 0, 1]), 5, 5).tolist() == [0, 3, 5]  # counts ignored
+    assert decodes_first_qsl(3, pos, 2, 1).dtype == torch.long
+    assert decodes_first_qsl(2, torch.arange(5)) is None  # one run of positions cannot be two requests
+
+
+def test_reference_rows_read_a_voice_clone_info():
+    """An info's rows (or a one-element list of them) pair with its placeholder positions, masked rows dropped;
+    anything that does not pair up, or no info at all, is None."""
+    from higgs_talker.heads.spans import reference_rows
+
+    rows, where = torch.arange(3 * N).reshape(3, N), torch.tensor([4, 5, 6])
+    mask = torch.tensor([True, False, True])
+    infos = [{"audio_input_ids": [rows], "audio_placeholder_positions": where, "audio_input_ids_mask": mask},
+             {"audio_input_ids": rows, "audio_placeholder_positions": where[:2]}, "not a dict", {}]  # fmt: skip
+    got_where, got_rows = reference_rows(infos, N, 0)
+    assert got_where.tolist() == [4, 6] and torch.equal(got_rows, rows[[0, 2]]) and got_rows.dtype == torch.long
+    assert all(reference_rows(infos, N, i) is None for i in (1, 2, 3, 4))
+
+
 def test_span_step_prompt_rows_place_reference_and_refed_rows_in_multi_token_spans():
     """A multi-token span embeds a voice clone's reference rows at their placeholder positions and, for a
     request recomputed after a preemption, row j of what it produced at ``seed_pos + 1 + j`` (counted as re-fed);
     a one-token span is left to the feedback; ``rows_for`` finds the rows of live and kept finished requests."""
     from higgs_talker.heads.slots import RequestSlots, SlotStore
-    from higgs_talker.heads.spans import SpanStep
+    from higgs_talker.heads.spans import SpanStep, StepBuffers
 
     slots = RequestSlots(SlotStore(4, N, V, BOC, EOC, torch.device("cpu")), keep_finished=4, seed=0)
     s, _ = slots.sync(["ref", "back", "dec"])
@@ -1117,10 +1228,16 @@ def test_span_step_prompt_rows_place_reference_and_refed_rows_in_multi_token_spa
     positions = torch.tensor([0, 1, 2, 3, 2, 3, 4, 5, 6, 7, 9])  # "back" recomputes 2..7 (a later chunk)
     step = SpanStep(["ref", "back", "dec"], slots=s, qsl=qsl, input_ids=torch.zeros(11), positions=positions)
     ref_rows = torch.arange(2 * N).reshape(2, N)
-    refs = {0: (torch.tensor([3, 1]), ref_rows), 2: (torch.tensor([9]), ref_rows[:1])}  # "dec" is at 9 too
+    infos = [
+        {"audio_input_ids": ref_rows, "audio_placeholder_positions": torch.tensor([3, 1])},
+        None,
+        {"audio_input_ids": ref_rows[:1], "audio_placeholder_positions": torch.tensor([9])},
+    ]  # "dec" is at 9 too
     embedding = lambda codes: codes.float().sum(-1, keepdim=True).expand(-1, 2)  # noqa: E731
     embeds = torch.full((11, 2), -1.0)
-    out, refed = step.prompt_rows(slots, refs.get, embeds, embedding)
+    out, refed = step.prompt_rows(slots, infos, embeds, embedding)
+    buffers = StepBuffers(4, N, torch.device("cpu"))  # fewer than the 11 tokens: the feedback goes on the tails
+    assert torch.equal(buffers.embed_codes(embeds, embedding, slots, step, infos)[0][:, 0], out[:, 0])
     want = torch.full((11,), -1.0)
     want[1], want[3] = ref_rows[1].sum(), ref_rows[0].sum()  # reference rows of request 0 at positions 1 and 3
     want[7], want[8], want[9] = (N * (100 + j) for j in range(3))  # "back": positions 5, 6, 7

@@ -89,6 +89,11 @@ class SlotStore:
         self.min_rows = torch.zeros(r, dtype=torch.long, device=device)
         self.num_rows = torch.zeros(r, dtype=torch.long, device=device)
 
+    @classmethod
+    def for_config(cls, cfg, capacity: int, device: torch.device) -> SlotStore:
+        """Storage for ``capacity`` requests of a ``TalkerConfig``'s codebooks."""
+        return cls(capacity, cfg.num_codebooks, cfg.codebook_size, cfg.boc_id, cfg.eoc_id, device)
+
     def reset(self, inits: Sequence[SlotInit]) -> None:
         """Start fresh streams in these slots: all-BOC feedback, no rows yet, their parameters (two copies)."""
         if not inits:
@@ -332,6 +337,11 @@ class RequestSlots:
             req = self.finished[req_id][0]
         return self.rows_of(req) if req is not None else None
 
+    def rows_by_key(self, keys: Sequence[str]) -> dict[str, list | None]:
+        """``rows_for`` of each key as nested lists (a worker's answer to a remote caller), None where unknown."""
+        rows = {k: self.rows_for(k) for k in keys}
+        return {k: None if r is None else r.tolist() for k, r in rows.items()}
+
     def rows_of(self, req: HostRequest) -> Tensor:
         """All rows a request produced, [R, C] int32 (R may be 0)."""
         if not req.rows:
@@ -365,3 +375,20 @@ class RequestSlots:
             if req is None or not (req.active or req.done):
                 return False
         return True
+
+
+def merge_rows(per_engine: list[list[dict]], keys: Sequence[str]) -> dict[str, Tensor | None]:
+    """Rows [R, C] int32 by key from each engine's ``rows_by_key`` answers, one per worker. An engine's tensor-
+    parallel ranks hold the same rows (replicated heads, the same seeds) and a request lives on one data-parallel
+    engine: RuntimeError otherwise. None for a key no engine knows."""
+    merged: dict[str, list | None] = dict.fromkeys(keys)
+    for index, (first, *others) in enumerate(per_engine):
+        for rank, other in enumerate(others, start=1):
+            for k in keys:
+                if other[k] != first[k]:
+                    raise RuntimeError(f"tensor-parallel rank {rank} holds other rows than rank 0 for request {k!r}")
+        for k in keys:
+            if first[k] is not None and merged[k] is not None:
+                raise RuntimeError(f"request {k!r} has rows on data-parallel engine {index} and an earlier one")
+            merged[k] = first[k] if first[k] is not None else merged[k]
+    return {k: None if r is None else torch.tensor(r, dtype=torch.int32) for k, r in merged.items()}

@@ -8,15 +8,23 @@ frame, feeds each tail its last frame, and samples the frames with ``sample_fram
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .codebooks import embed_rows, feed_back, rows_at
 from .delay import forced_text_tokens
+from .sampling import resolve_seed
 from .slots import RequestSlots, sample_frame
+
+if TYPE_CHECKING:
+    from ..config import SpecialTokens
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,6 +59,18 @@ class SpanStep:
         return len(self.req_ids)
 
     @property
+    def laid_out(self) -> bool:
+        """Whether the step's token layout is known (the text-only bridge names the requests before it comes)."""
+        return self.slots is not None
+
+    def lay_out(self, slots: RequestSlots, input_ids: Tensor, positions: Tensor, qsl: Tensor) -> SpanStep:
+        """Take the step's token layout, input_ids / positions [T] and qsl [>= B+1], and its requests' slots
+        (a request seen for the first time gets one, listed in ``new_rows``)."""
+        self.slots, self.new_rows = slots.sync(self.req_ids)
+        self.qsl, self.input_ids, self.positions = qsl[: self.num_reqs + 1].long(), input_ids.long(), positions.long()
+        return self
+
+    @property
     def tails(self) -> Tensor:
         """[B] index of each request's last scheduled token."""
         return self.qsl[1:] - 1
@@ -67,6 +87,22 @@ class SpanStep:
         audio = (tail_ids == audio_id) | active | done
         forced = forced_text_tokens(done, audio_id, eos_id)
         return RowModes(seed, done, audio, (seed | (active & due)) & ~done, forced)
+
+    def text_logits(
+        self,
+        slots: RequestSlots,
+        hidden: Tensor,
+        specials: SpecialTokens,
+        text_head: Callable[[Tensor], Tensor],
+        vocab_size: int,
+    ) -> tuple[Tensor, bool]:
+        """hidden [B, H] -> (text logits [B, V], whether the text head was skipped), the rows classified first
+        (``row_modes``, kept with ``hidden`` for ``sample``). Audio-mode rows keep only their forced token; when
+        the host knows every request is in audio mode, the head is not computed at all (``forced_only_logits``)."""
+        self.hidden, self.modes = hidden, self.row_modes(slots, specials.audio, specials.eos)
+        if slots.all_forced(self.req_ids):
+            return forced_only_logits(self.modes, vocab_size, hidden.dtype), True
+        return force_text_logits(text_head(hidden), self.modes), False
 
     def tail_feedback(self, slots: RequestSlots) -> tuple[Tensor, Tensor]:
         """Per request [B]: whether its tail is fed its last frame (in a stream, one-token span), and that
@@ -102,18 +138,34 @@ class SpanStep:
         self.published = slots.record(self.req_ids, host.to("cpu", torch.int32))  # the step's one host sync
         return self.published
 
-    def prompt_rows(self, slots: RequestSlots, reference: Callable[[int], tuple[Tensor, Tensor] | None],
-                    embeds: Tensor, embedding) -> tuple[Tensor, int]:  # fmt: skip
+    def adopt_seeds(self, slots: RequestSlots, seeds: dict[int, int]) -> None:
+        """vLLM hands a request's own seed over (batch index -> seed) at its first sample: the requests new this
+        step take theirs; the others keep the seed they have sampled with."""
+        for i, seed in seeds.items():
+            if i in self.new_rows:
+                slots.set_seed(self.req_ids[i], resolve_seed(seed))
+
+    def next_published(self) -> Tensor | None:
+        """The next request's published row in batch order, None where it has none or past the last request
+        (vllm-omni's postprocess asks once per request)."""
+        if self.cursor >= len(self.published):
+            return None
+        self.cursor += 1
+        return self.published[self.cursor - 1]
+
+    def prompt_rows(self, slots: RequestSlots, infos: list, embeds: Tensor, embedding) -> tuple[Tensor, int]:
         """Multi-token spans embed code rows at their positions (SPEC 3.4): request i's voice-clone rows
-        (``reference(i)``: placeholder positions [R] int64, rows [R, C]; or None) and, where a preempted request
-        is recomputed from position 0, the rows it was fed the first time (row j at seed_pos + 1 + j), so the
-        recomputed KV and the codes after it are what they were. embeds [T, H] -> (embeds, re-fed rows)."""
+        (``reference_rows`` of ``infos``, in batch order) and, where a preempted request is recomputed from
+        position 0, the rows it was fed the first time (row j at seed_pos + 1 + j), so the recomputed KV and the
+        codes after it are what they were. embeds [T, H] -> (embeds, re-fed rows)."""
+        if embeds.shape[0] <= self.num_reqs:  # one token per request: the feedback covers them, no host sync
+            return embeds, 0
         qsl, index, codes, refed = self.qsl.tolist(), [], [], 0
         for i, rid in enumerate(self.req_ids):
             start, end = qsl[i], qsl[i + 1]
             if end - start <= 1:  # a decode step: the feedback covers it
                 continue
-            sources = [reference(i)]
+            sources = [reference_rows(infos, slots.store.num_codebooks, i)]
             req = slots.requests.get(rid)
             if req is not None and req.rows:
                 first = int(slots.seed_pos[req.slot]) + 1
@@ -129,6 +181,97 @@ class SpanStep:
         return embed_rows(embeds, torch.cat(index), torch.cat(codes), embedding), refed
 
 
+class StepBuffers:
+    """A step's per-token inputs in fixed storage, for steps of up to ``capacity`` tokens: each token's feedback
+    (``use`` [S] bool, ``codes`` [S, C] int64) and copies of the step's ``input_ids`` / ``positions`` [S] int64.
+    A graph captured over the forward (vLLM's FULL decode graph) holds these very tensors: a replay reads the
+    feedback written before it and refreshes the token copies while no Python of ours runs."""
+
+    def __init__(self, capacity: int, num_codebooks: int, device: torch.device) -> None:
+        self.capacity = capacity
+        self.use = torch.zeros(capacity, dtype=torch.bool, device=device)
+        self.codes = torch.zeros(capacity, num_codebooks, dtype=torch.long, device=device)
+        self.input_ids = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.positions = torch.zeros(capacity, dtype=torch.long, device=device)
+
+    def clear(self) -> None:
+        """No feedback this step (a dummy run, or a step whose spans are unknown)."""
+        self.use.zero_()
+
+    def write_feedback(self, step: SpanStep, slots: RequestSlots, num_tokens: int) -> None:
+        """The feedback of a step of ``num_tokens`` tokens, before its forward; a step larger than the buffers is
+        fed on its tails by ``feed`` instead."""
+        if num_tokens <= self.capacity:
+            step.write_feedback(slots, self.use, self.codes)
+
+    def write_decode_feedback(self, slots: RequestSlots, req_ids: list[str], step_slots: Tensor) -> None:
+        """The feedback of a pure decode step (token i = request i) of ``req_ids`` in ``step_slots`` [B]."""
+        qsl = torch.arange(len(req_ids) + 1, device=step_slots.device)
+        self.write_feedback(SpanStep(req_ids, slots=step_slots, qsl=qsl), slots, len(req_ids))
+
+    def keep_tokens(self, input_ids: Tensor, positions: Tensor) -> None:
+        """Copy the step's tokens and positions [T] (in the forward: a captured graph refreshes them on replay)."""
+        t = positions.shape[0]
+        if t <= self.capacity:
+            self.input_ids[:t].copy_(input_ids)
+            self.positions[:t].copy_(positions)
+
+    def decode_layout(self, num_reqs: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(input_ids, positions, qsl) of a pure decode step of ``num_reqs`` requests (one token each, in batch
+        order) as the token copies hold it: a replayed graph refreshed them without our forward."""
+        qsl = torch.arange(num_reqs + 1, device=self.input_ids.device)
+        return self.input_ids[:num_reqs], self.positions[:num_reqs], qsl
+
+    def embed_codes(
+        self, embeds: Tensor, embedding, slots: RequestSlots, step: SpanStep | None, infos: list | None = None
+    ) -> tuple[Tensor, int]:
+        """embeds [T, H] -> (embeds with the step's code rows, rows re-fed): its multi-token spans' reference and
+        re-fed rows (``prompt_rows`` of ``infos``, else the step's own references), then every token's feedback."""
+        refed = 0
+        if step is not None:
+            embeds, refed = step.prompt_rows(slots, infos or step.references or [], embeds, embedding)
+        return self.feed(embeds, embedding, slots, step), refed
+
+    def feed(self, embeds: Tensor, embedding, slots: RequestSlots, step: SpanStep | None) -> Tensor:
+        """embeds [T, H] -> [T, H] with each token's feedback: from the buffers whenever T fits (in dummy runs too,
+        so that a graph captured there contains it), else on the tails of ``step``."""
+        t = embeds.shape[0]
+        if t <= self.capacity:
+            return feed_back(embeds, self.use[:t], self.codes[:t], embedding)
+        return embeds if step is None else step.feed_tails(slots, embeds, embedding)
+
+
+def rows_or_empty(rows: list, num_codebooks: int) -> list[Tensor]:
+    """Per request its code rows [R, C] as a runner passes them on: a non-empty tensor as it is, anything else
+    (None, no rows) as one shared empty [0, C] int32."""
+    empty = torch.zeros(0, num_codebooks, dtype=torch.int32)
+    return [r if isinstance(r, Tensor) and r.numel() else empty for r in rows]
+
+
+def reference_rows(infos: list, num_codebooks: int, i: int) -> tuple[Tensor, Tensor] | None:
+    """(placeholder positions [R] int64, reference rows [R, C] int64) of request i's voice-clone info, or None.
+
+    An info is vllm-omni's per-request dict (the bridge builds the same): ``audio_input_ids`` [R, C] (or a
+    one-element list of it), ``audio_placeholder_positions`` [R] and optionally ``audio_input_ids_mask`` [R] bool,
+    the rows to keep. Rows and positions that do not pair up are skipped rather than placed at a guess.
+    """
+    info = infos[i] if i < len(infos) else None
+    if not isinstance(info, dict) or info.get("audio_input_ids") is None:
+        return None
+    codes, where = info["audio_input_ids"], info.get("audio_placeholder_positions")
+    if where is None:
+        return None
+    codes = torch.as_tensor(codes[0] if isinstance(codes, list) and len(codes) == 1 else codes)
+    codes, where = codes.reshape(-1, num_codebooks).long(), torch.as_tensor(where).reshape(-1).long()
+    if info.get("audio_input_ids_mask") is not None:
+        mask = torch.as_tensor(info["audio_input_ids_mask"]).reshape(-1).bool()
+        codes, where = codes[mask.to(codes.device)], where[mask.to(where.device)]
+    if where.numel() != codes.shape[0]:
+        logger.debug("reference rows (%d) and placeholder positions (%d) differ: skipped", len(codes), len(where))
+        return None
+    return where, codes
+
+
 def force_text_logits(logits: Tensor, modes: RowModes) -> Tensor:
     """Text logits [B, V]: audio-mode rows keep only their forced token's logit (others -inf), in place."""
     keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, modes.forced[:, None], True)
@@ -139,3 +282,34 @@ def forced_only_logits(modes: RowModes, vocab_size: int, dtype: torch.dtype) -> 
     """[B, V] logits with only each row's forced token finite (0): the text head is not computed."""
     out = torch.full((modes.forced.shape[0], vocab_size), float("-inf"), dtype=dtype, device=modes.forced.device)
     return out.scatter_(1, modes.forced[:, None], 0.0)
+
+
+def decodes_first_qsl(
+    num_reqs: int,
+    positions: Tensor,
+    num_decodes: int | None = None,
+    num_prefills: int | None = None,
+    prefill_qsl: Tensor | None = None,
+) -> Tensor | None:
+    """qsl [num_reqs + 1] int64 of a step whose tokens (positions [T]) hold the decodes first, one token each,
+    then the prefills (FlashInfer's order); None where the spans cannot be known.
+
+    The prefill spans come from ``prefill_qsl [num_prefills + 1]`` when given, else a single prefill takes every
+    token left, else the position jumps split them, accepted only when they give exactly ``num_prefills`` spans.
+    Counts that are missing or do not add up to ``num_reqs`` make every request a prefill of unknown length.
+    """
+    dev, n_tokens = positions.device, positions.shape[0]
+    if not (isinstance(num_decodes, int) and isinstance(num_prefills, int) and num_decodes + num_prefills == num_reqs):
+        num_decodes, num_prefills = 0, num_reqs
+    decodes = torch.arange(num_decodes + 1, device=dev, dtype=torch.long)
+    if num_prefills == 0:
+        return decodes
+    if prefill_qsl is not None and prefill_qsl.shape[0] == num_prefills + 1:
+        return torch.cat([decodes, num_decodes + prefill_qsl[1:].to(dev, torch.long)])
+    if num_prefills == 1:
+        return torch.cat([decodes, torch.tensor([n_tokens], device=dev)])
+    pos = positions[num_decodes:].long()
+    starts = (torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1 + num_decodes).tolist()  # a host sync (prefills)
+    if len(starts) + 1 == num_prefills:
+        return torch.cat([decodes, torch.tensor([*starts, n_tokens], device=dev, dtype=torch.long)])
+    return None

@@ -20,6 +20,7 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from ..heads.sampling import row_params
+from ..heads.slots import merge_rows
 from . import ROWS_EXTENSION
 from .compat import collective_rpc_every_engine, warn_once
 from .talker import talker_for
@@ -80,9 +81,8 @@ class TextOnlyBridge(LogitsProcessor):
                 min_rows = int(getattr(params, "min_tokens", 0) or 0)
                 ref = extra.get(REFERENCE)
                 info = None
-                if isinstance(ref, dict) and ref.get("rows") is not None and ref.get("positions") is not None:
-                    rows, where = (torch.tensor(ref[k], dtype=torch.long) for k in ("rows", "positions"))
-                    info = {"audio_input_ids": rows, "audio_placeholder_positions": where}
+                if isinstance(ref, dict):  # in the keys of vllm-omni's info; heads.spans.reference_rows reads both
+                    info = {"audio_input_ids": ref.get("rows"), "audio_placeholder_positions": ref.get("positions")}
                 self.rows[index] = _Row(
                     key, float(params.temperature), int(params.top_k), float(params.top_p), params.seed, min_rows, info
                 )
@@ -131,19 +131,14 @@ class TextOnlyBridge(LogitsProcessor):
         return logits
 
 
-def _worker_rows(worker, keys: list[str]) -> dict[str, list | None]:
-    """On a vLLM worker: the rows its adapter holds for ``keys``, as lists."""
-    model = worker.model_runner.get_model()
-    rows = {k: model.request_rows(k) for k in keys}
-    return {k: None if r is None else r.tolist() for k, r in rows.items()}
-
-
 class RowsWorkerExtension:
     """A vLLM worker extension (``vllm.LLM(..., worker_extension_cls=ROWS_EXTENSION)``): lets ``request_rows``
     ask worker processes for rows by method name, without sending them a pickled function."""
 
     def higgs_request_rows(self, keys: list[str]) -> dict[str, list | None]:
-        return _worker_rows(self, keys)
+        """On a vLLM worker: the rows its adapter holds for ``keys``, as lists (also sent as a function to a worker
+        built without the extension: it reads nothing but the worker)."""
+        return self.model_runner.get_model().slots.rows_by_key(keys)
 
     def higgs_adapter_report(self) -> dict:
         """What this worker's talker adapter loaded and did: counters, graph decision, local MLP graphs."""
@@ -157,11 +152,12 @@ class RowsWorkerExtension:
 def request_rows(llm, keys) -> dict[str, torch.Tensor | None]:
     """The code rows [R, C] int32 of the bridge's requests ``keys`` from a ``vllm.LLM``, asked of every worker
     through ``llm.collective_rpc`` (worker processes, e.g. tensor parallel, need the engine built with
-    ``worker_extension_cls=ROWS_EXTENSION``). None for a request no worker knows; see ``_merge`` for the checks."""
+    ``worker_extension_cls=ROWS_EXTENSION``). None for a request no worker knows; see ``merge_rows`` for the checks."""
     keys = list(keys)
     parallel = llm.llm_engine.vllm_config.parallel_config
-    method = "higgs_request_rows" if parallel.worker_extension_cls == ROWS_EXTENSION else _worker_rows
-    return _merge([llm.collective_rpc(method, args=(keys,))], keys)
+    extended = parallel.worker_extension_cls == ROWS_EXTENSION
+    method = "higgs_request_rows" if extended else RowsWorkerExtension.higgs_request_rows
+    return merge_rows([llm.collective_rpc(method, args=(keys,))], keys)
 
 
 async def request_rows_async(engine, keys) -> dict[str, torch.Tensor | None]:
@@ -172,20 +168,4 @@ async def request_rows_async(engine, keys) -> dict[str, torch.Tensor | None]:
         raise ValueError(f"request_rows_async needs the engine built with worker_extension_cls={ROWS_EXTENSION!r}, "
                          f"got {extension!r}")  # fmt: skip
     keys = list(keys)
-    return _merge(await collective_rpc_every_engine(engine, "higgs_request_rows", (keys,)), keys)
-
-
-def _merge(per_engine: list[list[dict]], keys: list[str]) -> dict[str, torch.Tensor | None]:
-    """Rows by key from each engine's worker answers. An engine's tensor-parallel ranks hold the same rows
-    (replicated heads, the same seeds) and a request lives on one data-parallel engine: RuntimeError otherwise."""
-    merged: dict[str, list | None] = dict.fromkeys(keys)
-    for index, (first, *others) in enumerate(per_engine):
-        for rank, other in enumerate(others, start=1):
-            for k in keys:
-                if other[k] != first[k]:
-                    raise RuntimeError(f"tensor-parallel rank {rank} holds other rows than rank 0 for request {k!r}")
-        for k in keys:
-            if first[k] is not None and merged[k] is not None:
-                raise RuntimeError(f"request {k!r} has rows on data-parallel engine {index} and an earlier one")
-            merged[k] = first[k] if first[k] is not None else merged[k]
-    return {k: None if r is None else torch.tensor(r, dtype=torch.int32) for k, r in merged.items()}
+    return merge_rows(await collective_rpc_every_engine(engine, "higgs_request_rows", (keys,)), keys)

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..heads.spans import decodes_first_qsl
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED = ((0, 26), (0, 30))  # inclusive (major, minor) range
@@ -70,35 +72,23 @@ def first_attn_metadata(ctx: Any) -> Any:
     return meta
 
 
-def step_query_start_loc(num_reqs: int, positions: Tensor) -> Tensor | None:
-    """The step's token span per request, ``qsl [num_reqs + 1]`` int64 on the positions' device, or None.
+def runner_infos(kwargs: dict) -> list | None:
+    """vllm-omni's per-request info dicts: ``model_intermediate_buffer``, or its older name for them."""
+    return kwargs.get("model_intermediate_buffer") or kwargs.get("runtime_additional_information")
 
-    In order: the backend's ``query_start_loc``; FlashInfer's counts (decodes first, one token each, then the
-    prefills: their spans from ``cum_seq_lens_q`` where the prefill path has it, or a single prefill); the
-    position jumps between requests, accepted only when they split the tokens into exactly ``num_reqs`` spans.
-    """
+
+def step_query_start_loc(num_reqs: int, positions: Tensor) -> Tensor | None:
+    """The step's token span per request, ``qsl [num_reqs + 1]`` int64 on the positions' device, or None: the
+    backend's ``query_start_loc``, else ``heads.spans.decodes_first_qsl`` over FlashInfer's counts and, where its
+    prefill path has them, the prefills' ``cum_seq_lens_q`` (FlashInfer's metadata has no ``query_start_loc``)."""
     meta = first_attn_metadata(forward_context())
-    dev = positions.device
     qsl = getattr(meta, "query_start_loc", None)
     if isinstance(qsl, Tensor) and qsl.shape[0] >= num_reqs + 1:
-        return qsl[: num_reqs + 1].to(dev, torch.long)
-    n_dec, n_pre = getattr(meta, "num_decodes", None), getattr(meta, "num_prefills", None)
+        return qsl[: num_reqs + 1].to(positions.device, torch.long)
     n_tokens = int(getattr(meta, "num_actual_tokens", positions.shape[0]) or positions.shape[0])
-    if not (isinstance(n_dec, int) and isinstance(n_pre, int) and n_dec + n_pre == num_reqs):
-        n_dec, n_pre = 0, num_reqs  # no counts: every request is a span of unknown length
-    decodes = torch.arange(n_dec + 1, device=dev, dtype=torch.long)  # FlashInfer orders one-token spans first
-    if n_pre == 0:
-        return decodes
+    counts = getattr(meta, "num_decodes", None), getattr(meta, "num_prefills", None)
     cum = getattr(getattr(meta, "prefill", None), "cum_seq_lens_q", None)
-    if isinstance(cum, Tensor) and cum.shape[0] == n_pre + 1:
-        return torch.cat([decodes, n_dec + cum[1:].to(dev, torch.long)])
-    if n_pre == 1:
-        return torch.cat([decodes, torch.tensor([n_tokens], device=dev)])
-    pos = positions[n_dec:n_tokens].long()  # the prefill spans, split where positions jump
-    starts = (torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1 + n_dec).tolist()  # a host sync (prefills)
-    if len(starts) + 1 == n_pre:
-        return torch.cat([decodes, torch.tensor([*starts, n_tokens], device=dev, dtype=torch.long)])
-    return None
+    return decodes_first_qsl(num_reqs, positions[:n_tokens], *counts, cum if isinstance(cum, Tensor) else None)
 
 
 # ---------------------------------------------------------------------------------------------------------

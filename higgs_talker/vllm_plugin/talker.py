@@ -16,22 +16,22 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.qwen3 import Qwen3Model
+from vllm.model_executor.models.utils import maybe_prefix
 
 from ..checkpoint import WeightRouter
 from ..config import SpecialTokens, TalkerConfig
 from ..cuda_graphs.local_mlp import LocalMLPPath
 from ..cuda_graphs.policy import decide
-from ..heads.codebooks import build_codebooks, feed_back
-from ..heads.sampling import resolve_seed, row_params
+from ..heads.codebooks import build_codebooks
+from ..heads.sampling import row_params
 from ..heads.slots import RequestSlots, SlotStore
-from ..heads.spans import SpanStep, force_text_logits, forced_only_logits
+from ..heads.spans import SpanStep, StepBuffers, rows_or_empty
 from . import compat
 
 logger = logging.getLogger(__name__)
@@ -71,25 +71,20 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         t = cfg.text
         self.vllm_config = vllm_config
         backbone = compat.backbone_config(vllm_config, t.to_qwen3_config())
-        self.model = Qwen3Model(vllm_config=backbone, prefix=_join(prefix, "model"))
+        self.model = Qwen3Model(vllm_config=backbone, prefix=maybe_prefix(prefix, "model"))
         if t.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = ParallelLMHead(t.vocab_size, t.hidden_size, prefix=_join(prefix, "lm_head"))
+            self.lm_head = ParallelLMHead(t.vocab_size, t.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
         self.logits_processor = LogitsProcessor(t.vocab_size)
         # replicated on every tensor-parallel rank: the hidden rows they read are replicated too
         self.multimodal_embedding, self.modality_head = build_codebooks(cfg)
         device = self.multimodal_embedding.weight.device
         max_seqs = compat.max_num_seqs(vllm_config)
-        store = SlotStore(max(64, max_seqs), cfg.num_codebooks, cfg.codebook_size, cfg.boc_id, cfg.eoc_id, device)
+        store = SlotStore.for_config(cfg, max(64, max_seqs), device)
         self.slots = RequestSlots(store, seed=getattr(vllm_config.model_config, "seed", None))
-        # per-token buffers in fixed storage (a vLLM FULL decode graph captures them): feedback, and the step's
-        # tokens and positions, which a replay refreshes while our Python forward does not run
-        cap = self._capacity = max([max_seqs, *compat.capture_sizes(vllm_config)]) + 1
-        self._fb_use = torch.zeros(cap, dtype=torch.bool, device=device)
-        self._fb_codes = torch.zeros(cap, cfg.num_codebooks, dtype=torch.long, device=device)
-        self._tok_ids = torch.zeros(cap, dtype=torch.long, device=device)
-        self._tok_pos = torch.zeros(cap, dtype=torch.long, device=device)
+        # sized for vLLM's largest batch and graph: a FULL decode graph captured over our forward holds them
+        self.buffers = StepBuffers(max([max_seqs, *compat.capture_sizes(vllm_config)]) + 1, cfg.num_codebooks, device)
         self.specials: SpecialTokens | None = None
         self.loaded_weight_names: frozenset[str] = frozenset()
         # what the steps did (tests and logs read these)
@@ -97,9 +92,9 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
                                     "bridge_replayed_steps", "bridge_no_qsl", "bridge_recomputed_rows"), 0)  # fmt: skip
         self.deferred_prefix_cache_mm_keys = {"codes.audio"}
         self._runner_req_ids: list[str] | None = None  # from prepare_runner_inputs, for the step's metadata
-        self.step: SpanStep | None = None  # the current step (None: a dummy or profile run)
+        # the current step (None: a dummy or profile run); one the bridge armed is laid out in the forward
+        self.step: SpanStep | None = None
         self.sampled: SpanStep | None = None  # the last sampled step, whose rows postprocess publishes
-        self._bridge_pending = False  # the bridge armed self.step; its token layout comes with the forward
         self._text_sampler = None
         self.graph_decision = decide(vllm_config=vllm_config)
         logger.info("higgs talker (vLLM adapter): %s", self.graph_decision.reason)
@@ -122,9 +117,9 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         """Called by the vllm-omni runner before every forward or graph replay (0.26 passes no ``req_ids``: the
         ones ``prepare_runner_inputs`` got for this step stand in; a dummy run has neither)."""
         req_ids, self._runner_req_ids = (req_ids if req_ids is not None else self._runner_req_ids), None
-        self.step, self._bridge_pending = None, False
+        self.step = None
         if req_ids is None or input_ids is None or positions is None or omni_query_start_loc is None:
-            self._fb_use.zero_()
+            self.buffers.clear()
             return
         self._lay_out(SpanStep(list(req_ids)), input_ids, positions, omni_query_start_loc)
 
@@ -132,21 +127,14 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         """The text-only bridge's view of the batch, before a real step. The feedback buffers are written for a
         pure decode step (token i = request i): a replayed FULL decode graph reads them without our forward;
         an eager forward rewrites them for the step's real layout."""
-        refs = references if references and any(references) else None
-        self.step = step = SpanStep(list(req_ids), refs)
-        self._bridge_pending = True
+        self.step = step = SpanStep(list(req_ids), references)
         slots, _ = self.slots.sync(step.req_ids, seeds, min_rows, resume)
-        if step.num_reqs < self._capacity:
-            decode = SpanStep(step.req_ids, slots=slots, qsl=torch.arange(step.num_reqs + 1, device=slots.device))
-            decode.write_feedback(self.slots, self._fb_use, self._fb_codes)
+        self.buffers.write_decode_feedback(self.slots, step.req_ids, slots)
 
     def _lay_out(self, step: SpanStep, input_ids: Tensor, positions: Tensor, qsl: Tensor) -> None:
         """The step's token layout is known: its slots (new requests get one), spans and feedback."""
-        step.slots, step.new_rows = self.slots.sync(step.req_ids)
-        step.qsl, step.input_ids, step.positions = qsl[: step.num_reqs + 1].long(), input_ids.long(), positions.long()
-        self.step, self._bridge_pending = step, False
-        if input_ids.shape[0] <= self._capacity:
-            step.write_feedback(self.slots, self._fb_use, self._fb_codes)
+        self.step = step.lay_out(self.slots, input_ids, positions, qsl)
+        self.buffers.write_feedback(step, self.slots, input_ids.shape[0])
 
     def on_requests_finished(self, finished_req_ids) -> None:
         self.slots.release(finished_req_ids)
@@ -164,35 +152,24 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
 
     def forward(self, input_ids, positions: Tensor, intermediate_tensors=None, inputs_embeds=None, **kwargs: Any):
         """Scheduled tokens [T] -> final hidden [T, H]."""
-        t = positions.shape[0]
-        if input_ids is not None and t <= self._capacity:  # captured too: a replay refreshes the copies
-            self._tok_ids[:t].copy_(input_ids)
-            self._tok_pos[:t].copy_(positions)
-        if self._bridge_pending and input_ids is not None:
+        if input_ids is not None:  # the bridge's replayed decode steps read these copies
+            self.buffers.keep_tokens(input_ids, positions)
+        if self.step is not None and not self.step.laid_out and input_ids is not None:
             qsl = compat.step_query_start_loc(self.step.num_reqs, positions)
             if qsl is None:
                 self.stats["bridge_no_qsl"] += 1
                 compat.warn_once(
                     "no-qsl", "the step's request spans are unknown (attention metadata has none): no codes"
                 )
-                self.step, self._bridge_pending = None, False
-                self._fb_use.zero_()  # no feedback this step rather than feedback on the wrong tokens
+                self.step = None
+                self.buffers.clear()  # no feedback this step rather than feedback on the wrong tokens
             else:
                 self._lay_out(self.step, input_ids, positions, qsl)
         embeds = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        step = self.step if self.step is not None and self.step.slots is not None else None
-        if step is not None and embeds.shape[0] > step.num_reqs:  # prefill spans: reference and re-fed rows
-            infos = kwargs.get("model_intermediate_buffer") or kwargs.get("runtime_additional_information")
-            infos = infos or step.references or []
-            ref = functools.partial(_reference_rows, infos, self.cfg.num_codebooks)
-            embeds, refed = step.prompt_rows(self.slots, ref, embeds, self.multimodal_embedding)
-            self.stats["bridge_recomputed_rows"] += refed
-        if embeds.shape[0] <= self._capacity:
-            # always, even in dummy runs: a FULL decode graph captured here must contain the feedback
-            t = embeds.shape[0]
-            embeds = feed_back(embeds, self._fb_use[:t], self._fb_codes[:t], self.multimodal_embedding)
-        elif step is not None:  # more tokens than the buffers
-            embeds = step.feed_tails(self.slots, embeds, self.multimodal_embedding)
+        step = self.step if self.step is not None and self.step.laid_out else None
+        infos = compat.runner_infos(kwargs)
+        embeds, refed = self.buffers.embed_codes(embeds, self.multimodal_embedding, self.slots, step, infos)
+        self.stats["bridge_recomputed_rows"] += refed
         pure_decode = step is not None and embeds.shape[0] == step.num_reqs
         hidden = self.local_mlp.forward(positions, embeds, pure_decode)
         if hidden is None:
@@ -203,45 +180,40 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
 
     def compute_logits(self, hidden_states: Tensor, sampling_metadata: Any = None) -> Tensor | None:
         """hidden [B, H] -> text logits [B, V]; audio-mode rows keep only their forced token."""
-        if self._bridge_pending:  # armed, but our forward did not run: vLLM replayed a FULL decode graph
+        # armed by the bridge, but our forward did not run: vLLM replayed a FULL decode graph
+        if self.step is not None and not self.step.laid_out:
             self._replayed_bridge_step(hidden_states.shape[0])
         step = self.step
-        if step is None or step.slots is None or self.specials is None or hidden_states.shape[0] != step.num_reqs:
+        if step is None or not step.laid_out or self.specials is None or hidden_states.shape[0] != step.num_reqs:
             if step is not None:
                 step.modes = None
             return self.logits_processor(self.lm_head, hidden_states)
-        step.hidden, step.modes = hidden_states, step.row_modes(self.slots, self.specials.audio, self.specials.eos)
-        if self.slots.all_forced(step.req_ids):  # pure audio step: the text head is not computed
-            self.stats["text_head_skipped"] += 1
-            return forced_only_logits(step.modes, self.cfg.text.vocab_size, hidden_states.dtype)
-        self.stats["text_head_full"] += 1
-        return force_text_logits(self.logits_processor(self.lm_head, hidden_states), step.modes)
+        head = functools.partial(self.logits_processor, self.lm_head)
+        logits, skipped = step.text_logits(self.slots, hidden_states, self.specials, head, self.cfg.text.vocab_size)
+        self.stats["text_head_skipped" if skipped else "text_head_full"] += 1
+        return logits
 
     def _replayed_bridge_step(self, num_rows: int) -> None:
         """A replayed FULL decode graph has one token per request, in batch order; its captured copies
         refreshed the token buffers."""
-        self._bridge_pending = False
         if num_rows != self.step.num_reqs:
             self.step = None
             return
         self.stats["bridge_replayed_steps"] += 1
-        qsl = torch.arange(num_rows + 1, device=self._tok_ids.device)
-        self._lay_out(self.step, self._tok_ids[:num_rows], self._tok_pos[:num_rows], qsl)
+        self._lay_out(self.step, *self.buffers.decode_layout(num_rows))
 
     def sample(self, logits: Tensor, sampling_metadata: Any):
         """The vllm-omni model sampler: forced text tokens and this step's codes (None: use vLLM's sampler)."""
         step = self.step
         if step is None or step.modes is None:
             return None
-        for i, gen in (getattr(sampling_metadata, "generators", None) or {}).items():
-            if i in step.new_rows:
-                self.slots.set_seed(step.req_ids[i], resolve_seed(gen.initial_seed()))
+        generators = getattr(sampling_metadata, "generators", None) or {}
+        step.adopt_seeds(self.slots, {i: gen.initial_seed() for i, gen in generators.items()})
         m = sampling_metadata
-        forced = step.modes.forced
         forced_only = self.slots.all_forced(step.req_ids) or bool(step.modes.audio.all())
         self.sample_codes(*row_params(step.num_reqs, logits.device, m.temperature, m.top_k, m.top_p))
         if forced_only and m.max_num_logprobs is None:
-            return compat.sampler_output(forced)
+            return compat.sampler_output(step.modes.forced)
         if self._text_sampler is None:
             self._text_sampler = compat.text_sampler(self.vllm_config)
         return self._text_sampler(logits, m)
@@ -259,19 +231,15 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
 
     def postprocess(self, hidden_states: Tensor, multimodal_outputs: Any = None, **_: Any) -> dict:
         """vllm-omni: called once per request in batch order after sampling; this step's owned row."""
-        done = self.sampled
-        if done is None or done.cursor >= len(done.published):
-            return {}
-        row, done.cursor = done.published[done.cursor], done.cursor + 1
+        row = self.sampled.next_published() if self.sampled is not None else None
         return {"codes": {"audio": row}} if row is not None else {}
 
     def post_sample_multimodal_outputs(self, *, req_ids, invalid_req_indices=(), multimodal_outputs=None, **_):
         """This step's owned [1, C] rows by request (empty [0, C] where none)."""
-        invalid, empty = set(invalid_req_indices or ()), torch.zeros(0, self.cfg.num_codebooks, dtype=torch.int32)
+        invalid = set(invalid_req_indices or ())
         published = self.sampled.published if self.sampled is not None else []
-        rows = [published[i] if i < len(published) and published[i] is not None and i not in invalid else empty
-                for i in range(len(req_ids))]  # fmt: skip
-        return {"codes": {"audio": rows}}
+        rows = [published[i] if i < len(published) and i not in invalid else None for i in range(len(req_ids))]
+        return {"codes": {"audio": rows_or_empty(rows, self.cfg.num_codebooks)}}
 
     def make_omni_output(self, model_outputs: Any, **kwargs: Any):
         """Wrap the hidden states with the per-request ``codes.audio`` the runner buffered."""
@@ -279,12 +247,9 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
 
         if isinstance(model_outputs, OmniOutput):
             return model_outputs
-        infos = kwargs.get("model_intermediate_buffer") or kwargs.get("runtime_additional_information") or []
-        empty = torch.zeros(0, self.cfg.num_codebooks, dtype=torch.int32)
-        rows = []
-        for info in infos:
-            codes = (info.get("codes") or {}).get("audio") if isinstance(info, dict) else None
-            rows.append(codes if isinstance(codes, Tensor) and codes.numel() else empty)
+        infos = compat.runner_infos(kwargs) or []
+        codes = [(info.get("codes") or {}).get("audio") if isinstance(info, dict) else None for info in infos]
+        rows = rows_or_empty(codes, self.cfg.num_codebooks)
         mm = {"codes": {"audio": rows}} if any(r.numel() for r in rows) else None
         return OmniOutput(text_hidden_states=model_outputs, multimodal_outputs=mm)
 
@@ -298,11 +263,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         """Checkpoint-named tensors -> parameters through vLLM's weight loaders (packed q/k/v and gate/up, tensor
         parallel shards); the names and checks are ``checkpoint.WeightRouter``'s. Returns the names loaded."""
         router = WeightRouter(dict(self.named_parameters()), self.cfg)
-        for key, tensor in weights:
-            hit = router.route(key, tensor)
-            if hit is None:
-                continue
-            target, param = hit
+        for target, param, tensor in router.routed(weights):
             loader = getattr(param, "weight_loader", default_weight_loader)
             if target.shard is None:
                 loader(param, tensor)
@@ -318,10 +279,6 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
 def _resolve_specials(vllm_config: VllmConfig, cfg: TalkerConfig) -> SpecialTokens:
     from ..prompt import TalkerTokenizer
 
@@ -330,22 +287,3 @@ def _resolve_specials(vllm_config: VllmConfig, cfg: TalkerConfig) -> SpecialToke
     if not Path(str(path)).exists():
         path = mc.model
     return TalkerTokenizer.from_pretrained(path, cfg).specials
-
-
-def _reference_rows(infos: list, num_codebooks: int, i: int) -> tuple[Tensor, Tensor] | None:
-    """(placeholder positions [R] int64, reference rows [R, C] int64) of request i's voice-clone info, or None."""
-    info = infos[i] if i < len(infos) else None
-    if not isinstance(info, dict) or info.get("audio_input_ids") is None:
-        return None
-    codes, where = info["audio_input_ids"], info.get("audio_placeholder_positions")
-    if where is None:
-        return None
-    codes = torch.as_tensor(codes[0] if isinstance(codes, list) and len(codes) == 1 else codes)
-    codes, where = codes.reshape(-1, num_codebooks).long(), torch.as_tensor(where).reshape(-1).long()
-    if info.get("audio_input_ids_mask") is not None:
-        mask = torch.as_tensor(info["audio_input_ids_mask"]).reshape(-1).bool()
-        codes, where = codes[mask.to(codes.device)], where[mask.to(where.device)]
-    if where.numel() != codes.shape[0]:
-        logger.debug("reference rows (%d) and placeholder positions (%d) differ: skipped", len(codes), len(where))
-        return None
-    return where, codes

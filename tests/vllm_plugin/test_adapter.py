@@ -9,7 +9,6 @@ step, so a request's codes must not depend on its batch neighbours or position.
 
 from __future__ import annotations
 
-import functools
 import random
 
 import pytest
@@ -253,7 +252,7 @@ def test_feedback_replaces_only_decode_tokens_of_streams(adapter):
         req_ids=["G", "F"],
     )  # fmt: skip
     embeds = m.embed_input_ids(ids)
-    fed = feed_back(embeds, m._fb_use[:4], m._fb_codes[:4], m.multimodal_embedding)
+    fed = feed_back(embeds, m.buffers.use[:4], m.buffers.codes[:4], m.multimodal_embedding)
     slot = m.slots.requests["F"].slot
     want = m.multimodal_embedding(m.slots.store.state.last_codes[slot][None])[0]
     assert torch.equal(fed[:3], embeds[:3])
@@ -263,8 +262,6 @@ def test_feedback_replaces_only_decode_tokens_of_streams(adapter):
 
 
 def test_voice_clone_reference_rows_replace_placeholders_by_position(adapter):
-    from higgs_talker.vllm_plugin.talker import _reference_rows
-
     m = adapter
     cfg = m.cfg
     ref = apply_delay_pattern(torch.randint(0, 1024, (2, 8)), cfg.boc_id, cfg.eoc_id)  # [9, 8]
@@ -278,8 +275,7 @@ def test_voice_clone_reference_rows_replace_placeholders_by_position(adapter):
         qsl, pos = torch.tensor([0, hi - lo]), torch.arange(lo, hi)
         batch = SpanStep(["V"], slots=torch.tensor([0]), qsl=qsl, input_ids=ids[lo:hi], positions=pos)
         embeds = m.embed_input_ids(ids[lo:hi])
-        reference = functools.partial(_reference_rows, [info], cfg.num_codebooks)
-        out, _ = batch.prompt_rows(m.slots, reference, embeds, m.multimodal_embedding)
+        out, _ = batch.prompt_rows(m.slots, [info], embeds, m.multimodal_embedding)
         for j, p in enumerate(range(lo, hi)):
             if 2 <= p <= 10:
                 assert torch.allclose(out[j], m.multimodal_embedding(ref[p - 2][None])[0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import pytest
 import torch
@@ -77,6 +78,30 @@ def test_the_rows_extension_name_resolves_to_the_worker_extension():
     assert callable(RowsWorkerExtension.higgs_request_rows) and callable(RowsWorkerExtension.higgs_adapter_report)
 
 
+@pytest.mark.parametrize("extension", [bridge_module.ROWS_EXTENSION, None])
+def test_request_rows_asks_workers_by_name_or_by_function(extension):
+    """With the rows extension a worker is asked by method name; without it the same method goes as a function
+    called with the worker (vLLM's collective_rpc either way)."""
+    from types import SimpleNamespace as NS
+
+    slots = NS(rows_by_key=lambda keys: {k: [[5] * 8] if k == "a" else None for k in keys})
+    worker = bridge_module.RowsWorkerExtension()
+    worker.model_runner = NS(get_model=lambda: NS(slots=slots))
+    sent = []
+
+    def collective_rpc(method, args):
+        sent.append(method)
+        call = getattr(worker, method) if isinstance(method, str) else functools.partial(method, worker)  # as vLLM
+        return [call(*args)]  # one worker
+
+    llm = NS(
+        llm_engine=NS(vllm_config=NS(parallel_config=NS(worker_extension_cls=extension))), collective_rpc=collective_rpc
+    )
+    got = bridge_module.request_rows(llm, ["a", "b"])
+    assert got["a"].tolist() == [[5] * 8] and got["b"] is None
+    assert isinstance(sent[0], str) == (extension is not None)
+
+
 # ----------------------------------------------------------------------- rows from data-parallel engines
 
 
@@ -123,13 +148,6 @@ def test_every_engine_is_asked():
     rows_of(engines, fake)
     assert sorted(call[2] for call in fake.engine_core.calls) == ["e0", "e1"]
     assert {call[1][0] for call in fake.engine_core.calls} == {"higgs_request_rows"}
-
-
-def test_rows_on_two_engines_or_disagreeing_ranks_raise():
-    with pytest.raises(RuntimeError, match="request 'a' has rows on data-parallel engine 1"):
-        rows_of({"e0": [{"a": [[1] * 8], "b": None, "c": None}], "e1": [{"a": [[1] * 8], "b": None, "c": None}]})
-    with pytest.raises(RuntimeError, match="tensor-parallel rank 1 holds other rows than rank 0 for request 'b'"):
-        rows_of({"e0": [{"a": None, "b": [[1] * 8], "c": None}, {"a": None, "b": [[2] * 8], "c": None}]})
 
 
 def test_rows_need_the_rows_extension():
