@@ -675,9 +675,7 @@ def _reference_prompts(talker: HiggsTalker, n: int) -> list:
 
 @pytest.mark.parametrize("batch", [1, 13, 64])
 @needs_flashinfer
-def test_prefill_graphs_give_the_codes_of_unpadded_prefills(
-    prefill_graph_talker, unpadded_talker, score_check, batch
-):
+def test_prefill_graphs_give_the_codes_of_unpadded_prefills(prefill_graph_talker, unpadded_talker, score_check, batch):
     """Prefill graphs against unpadded eager prefills (``auto`` without them): the same greedy codes. The two
     plan FlashInfer's prefill attention for different row counts; where a code flips, both runs are checked
     against the float32 reference (``assert_same_or_near_tie``)."""

@@ -1,5 +1,6 @@
 """H200 probe: the reference check's failure on the medium auto talker with the deploy sampling, in full, then the
 4B shape's errors (correct and o_proj x 1.25). Prints everything; asserts nothing."""
+
 import sys
 import traceback
 
@@ -21,8 +22,15 @@ for name, talker in (("auto", auto), ("eager", eager)):
             traceback.print_exc()
             sys.stdout.flush()
 del auto, eager, ref
-four = HiggsTalker.from_config(t.medium_config(**t.FOUR_B), device="cuda", graph_mode="eager", max_num_seqs=4,
-                               max_model_len=512, seed=0, row_gemv="on")
+four = HiggsTalker.from_config(
+    t.medium_config(**t.FOUR_B),
+    device="cuda",
+    graph_mode="eager",
+    max_num_seqs=4,
+    max_model_len=512,
+    seed=0,
+    row_gemv="on",
+)
 ref = float32_reference(four)
 inf = ScoreBound(row=float("inf"), overall=float("inf"), code=float("inf"))
 greedy = SamplingParams(temperature=0, max_frames=40)
