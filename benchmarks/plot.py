@@ -1,8 +1,10 @@
 """Turn benchmark JSONs into PNGs: ms/step vs batch per mode (and sampling) with the floor, TTFP/RTF vs
-concurrency, attention microseconds vs context. Needs matplotlib (``pip install -e '.[bench]'``); without it
+concurrency, attention microseconds vs context, and for the speech paths (``serve_``: our server over HTTP and the
+direct API; ``omni_``: vllm-omni's pipeline, ours and upstream's talker) TTFA, RTF and audio seconds per second vs
+concurrency. Needs matplotlib (``pip install -e '.[bench]'``); without it
 the script says so and exits with status 1.
 
-    python benchmarks/plot.py                       # the newest decode_/e2e_/attention_ JSON under benchmarks/results
+    python benchmarks/plot.py                       # the newest JSON of each kind under benchmarks/results
     python benchmarks/plot.py a.json b.json --out DIR
 
 "Newest" goes by the time a result was measured, not the file's modification time (a fresh clone gives every
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-KINDS = ("decode", "e2e", "attention")
+KINDS = ("decode", "e2e", "attention", "serve", "omni")
 
 
 def kind_of(data: dict, path: Path) -> str | None:
@@ -29,6 +31,10 @@ def kind_of(data: dict, path: Path) -> str | None:
     keys = set().union(*(r.keys() for r in rows))
     if "variant" in keys:
         return "attention"
+    if "talker" in keys:
+        return "omni"
+    if "chunking" in keys:
+        return "serve"
     if "concurrency" in keys:
         return "e2e"
     if "ms_per_step" in keys or "mode" in keys:
@@ -204,12 +210,52 @@ def _finish_axes(ax, xs: list, log_y: bool = True) -> None:
     if log_y:
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
     ax.grid(True, which="both", alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
 
 
-PLOTTERS = {"decode": plot_decode, "e2e": plot_e2e, "attention": plot_attention}
+SPEECH_SERIES = {"serve": ("path", "chunking", "sampling"), "omni": ("talker", "profile", "path")}
+
+
+def plot_speech(kind: str):
+    """The plotter of a speech benchmark (``serve`` or ``omni``): one line per configuration (the row keys of
+    ``SPEECH_SERIES``), TTFA p50 (p90 dashed), RTF p50 and audio seconds per second against concurrency."""
+    keys = SPEECH_SERIES[kind]
+    what = {"serve": "speech server vs direct API", "omni": "vllm-omni pipeline"}[kind]
+
+    def plot(plt, data: dict, png: Path) -> Path:
+        rows = [r for r in data["rows"] if r.get("status") == "ok" and r.get("concurrency") is not None]
+        if not rows:
+            raise ValueError("no finished level to plot")
+        fig, (ttfa, rtf, rate) = plt.subplots(1, 3, figsize=(16, 4.6))
+        for label in dict.fromkeys(" ".join(str(r.get(k)) for k in keys) for r in rows):
+            here = sorted((r for r in rows if " ".join(str(r.get(k)) for k in keys) == label),
+                          key=lambda r: r["concurrency"])  # fmt: skip
+            xs = [r["concurrency"] for r in here]
+            ys = {m: [float("nan") if r.get(m) is None else r[m] for r in here]
+                  for m in ("ttfa_ms_p50", "ttfa_ms_p90", "rtf_p50", "audio_s_per_s")}  # fmt: skip
+            (line,) = ttfa.plot(xs, ys["ttfa_ms_p50"], "o-", label=label, markersize=4)
+            ttfa.plot(xs, ys["ttfa_ms_p90"], "^--", color=line.get_color(), markersize=3)
+            rtf.plot(xs, ys["rtf_p50"], "o-", color=line.get_color(), label=label, markersize=4)
+            rate.plot(xs, ys["audio_s_per_s"], "o-", color=line.get_color(), label=label, markersize=4)
+        labels = ("time to first audio (ms; p90 dashed)", "RTF p50 (wall / audio)", "audio seconds per second")
+        for ax, ylabel in zip((ttfa, rtf, rate), labels, strict=True):
+            ax.set_xlabel("concurrent requests")
+            ax.set_ylabel(ylabel)
+            _finish_axes(ax, [r["concurrency"] for r in rows], log_y=ax is not rtf)
+        fig.suptitle(title(data, what), fontsize=10)
+        fig.tight_layout()
+        fig.savefig(png, dpi=120)
+        plt.close(fig)
+        return png
+
+    return plot
+
+
+PLOTTERS = {"decode": plot_decode, "e2e": plot_e2e, "attention": plot_attention, "serve": plot_speech("serve"),
+            "omni": plot_speech("omni")}  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> list[Path]:

@@ -225,8 +225,17 @@ def test_plot_smoke(bench, tmp_path: Path) -> None:
     attention = {"meta": {}, "rows": [
         {"variant": v, "batch": 1, "context": c, "page_size": 16, "layout": "NHD", "us_per_call": 10.0, "status": "ok"}
         for v in ("fi_native", "xqa_own", "xqa_1block") for c in (256, 1024)]}  # fmt: skip
+    speech = {f"{m}_p{q}": 10.0 for m in ("ttfa_ms", "rtf") for q in (50, 90)} | {"audio_s_per_s": 5.0}
+    skipped = {"path": "http", "concurrency": 16, "status": "skipped"}
+    serve = {"meta": {}, "rows": [
+        {"path": p, "chunking": "exact", "sampling": "deploy", "concurrency": c, "status": "ok", **speech}
+        for p in ("direct", "http") for c in (1, 4)] + [skipped]}  # fmt: skip
+    omni = {"meta": {}, "rows": [
+        {"talker": t, "profile": "low_latency", "path": "offline", "concurrency": c, "status": "ok", **speech,
+         "ttfa_ms_p90": None} for t in ("ours", "upstream") for c in (1, 4)]}  # fmt: skip
     files = []
-    for name, data in (("decode_x.json", decode), ("e2e_x.json", e2e), ("attention_x.json", attention)):
+    for name, data in (("decode_x.json", decode), ("e2e_x.json", e2e), ("attention_x.json", attention),
+                       ("serve_x.json", serve), ("omni_x.json", omni)):  # fmt: skip
         files.append(tmp_path / name)
         files[-1].write_text(json.dumps(data))
     try:
@@ -237,7 +246,8 @@ def test_plot_smoke(bench, tmp_path: Path) -> None:
         assert exc.value.code and "matplotlib is not installed" in str(exc.value.code)
         return
     written = plot.main([str(f) for f in files])
-    assert sorted(p.name for p in written) == ["attention_x.png", "decode_x.png", "e2e_x.png"]
+    assert sorted(p.name for p in written) == ["attention_x.png", "decode_x.png", "e2e_x.png", "omni_x.png",
+                                               "serve_x.png"]  # fmt: skip
 
 
 def test_plot_without_matplotlib_exits_nonzero(bench, tmp_path: Path, monkeypatch) -> None:
