@@ -19,16 +19,18 @@ and fail if it grows past them); a 5% change of one projection exceeds them (the
 
 from __future__ import annotations
 
+import shutil
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
 import higgs_talker.heads.slots as slots_module
 from higgs_talker import HiggsTalker, SamplingParams
-from higgs_talker.heads.sampling import race_scores
+from higgs_talker.heads.sampling import race_scores, top_k_top_p_filter
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,26 @@ def break_projection(talker: HiggsTalker, name: str, layer: int, factor: float) 
         hits = [w.mul_(factor) for n, w in talker.model.named_parameters() if f"layers.{layer}." in n and name in n]
     assert len(hits) == 1, f"{name} of layer {layer} matched {len(hits)} parameters"
     return talker
+
+
+def broken_checkpoint(src: str | Path, dst: str | Path, name: str, layer: int, factor: float) -> Path:
+    """A copy of checkpoint ``src`` at ``dst`` whose layer ``layer`` has its ``name`` projection scaled by
+    ``factor``: ``break_projection`` for a model another engine (vLLM) loads from disk."""
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst)
+    hits = 0
+    for shard in sorted(dst.glob("*.safetensors")):
+        tensors = load_file(shard)
+        keys = [k for k in tensors if f"layers.{layer}." in k and name in k and k.endswith(".weight")]
+        if keys:
+            for k in keys:
+                tensors[k] = (tensors[k].double() * factor).to(tensors[k].dtype)
+            save_file(tensors, shard, metadata={"format": "pt"})
+            hits += len(keys)
+    assert hits == 1, f"{name} of layer {layer} matched {hits} tensors in {src}"
+    return dst
 
 
 @contextmanager
@@ -291,7 +313,23 @@ class ScoreCheck:
         want = teacher_forced(self.reference, prompt, params, rows)
         got = teacher_forced(talker, prompt, params, rows)
         assert_codes_near_best(want, rows, 2 * self.bound.code, what, got, params)
-        diff, norm = score_errors(got, want)
+        self._add(*score_errors(got, want), what)
+
+    def check_scores(self, prompt, params: SamplingParams, rows: Tensor, scaled: Tensor, what: str = "run") -> None:
+        """A run whose own scores were kept as it ran (``scaled`` [>= T, C, V]: what its sampler ranked at each
+        row, masked logits / T; vLLM's, recorded by ``serve_tiny.py``), against the reference teacher-forced on
+        its rows [T, C]: the same bounds as ``check``, on the run's computation itself rather than on our kernels
+        re-run on its rows."""
+        want = teacher_forced(self.reference, prompt, params, rows)
+        x = scaled[: len(rows)].float().cpu()
+        assert x.shape == want["scaled"].shape, (what, tuple(x.shape), tuple(want["scaled"].shape))
+        m, v = x.shape[0] * x.shape[1], x.shape[2]
+        kept = top_k_top_p_filter(x.reshape(m, v), torch.full((m,), params.top_k), torch.full((m,), params.top_p))
+        got = {"scaled": x, "scores": kept.reshape(x.shape)}  # finite where the run's filter kept the code
+        assert_codes_near_best(want, rows, 2 * self.bound.code, what, got, params)
+        self._add(*score_errors(got, want), what)
+
+    def _add(self, diff: Tensor, norm: Tensor, what: str) -> None:
         per_row = (diff / norm.clamp(min=1e-300)).sqrt()
         self.worst_row = max(self.worst_row, per_row.max().item())
         self.diff, self.norm = self.diff + diff.sum().item(), self.norm + norm.sum().item()

@@ -44,6 +44,42 @@ def build_requests(tok, cfg, spec: list[dict]) -> tuple[list[dict], list]:
     return prompts, params
 
 
+def record_scores(adapter) -> dict[str, dict]:
+    """Keep what the adapter's sampler ranks at every row it publishes, by request: the masked logits / T (/ 1 for
+    greedy), [C, V] float32 per row, as ``_reference_check.teacher_forced`` gives them for the reference (its
+    ``scaled``). Rows a step samples but does not publish (a partial prefill's, the forced EOS step's after a
+    request's last row) are dropped. Needs the engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
+    returns {request key: {row: [C, V]}}, filled as vLLM runs."""
+    import torch
+
+    import higgs_talker.heads.slots as slots_module
+
+    if adapter is None:
+        raise RuntimeError("HIGGS_RECORD_SCORES needs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    recorded: dict[str, dict] = {}
+    pending: list = []  # this step's (row, scaled [C, V]) per request, kept once the step says what it published
+    real_codes, real_sample = slots_module.sample_codes, adapter.sample_codes
+
+    def ranking(logits, temperature, top_k, top_p, seeds, steps, **shortcuts):
+        t = torch.where(temperature > 0, temperature.float(), torch.ones_like(temperature.float()))
+        scaled = (logits.float() / t[:, None, None]).cpu()
+        pending[:] = [(int(steps[i]), scaled[i]) for i in range(scaled.shape[0])]
+        return real_codes(logits, temperature, top_k, top_p, seeds, steps, **shortcuts)
+
+    def sampling(*args, **kwargs):
+        pending.clear()
+        step = adapter.step
+        published = real_sample(*args, **kwargs)
+        if step is not None and len(pending) == step.num_reqs:
+            for key, row, (t, scaled) in zip(step.req_ids, published, pending, strict=False):
+                if row is not None:
+                    recorded.setdefault(key, {})[t] = scaled
+        return published
+
+    slots_module.sample_codes, adapter.sample_codes = ranking, sampling
+    return recorded
+
+
 def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512, llm_kwargs: dict | None = None) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model lives in this process
@@ -66,7 +102,14 @@ def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512, llm_kwa
         **(kwargs | (llm_kwargs or {})),
     )
     prompts, params = build_requests(tok, cfg, spec)
+    scores_path = os.environ.get("HIGGS_RECORD_SCORES")
+    recorded = record_scores(talker_for(llm.llm_engine.vllm_config)) if scores_path else None
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    if recorded is not None:
+        import torch
+
+        torch.save({key: torch.stack([steps[t] for t in sorted(steps)]) for key, steps in recorded.items()},
+                   scores_path)  # fmt: skip
     if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":  # the adapter lives in this process: findable
         assert talker_for(llm.llm_engine.vllm_config) is not None, "no talker adapter for this engine's config"
     rows = request_rows(llm, [r["key"] for r in spec])  # from every worker (tensor parallel: they must agree)

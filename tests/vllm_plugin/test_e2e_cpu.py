@@ -23,6 +23,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+from _reference_check import ScoreBound, ScoreCheck, broken_checkpoint  # noqa: E402
 from _served import run_served  # noqa: E402
 
 from higgs_talker import HiggsTalker, Reference, SamplingParams  # noqa: E402
@@ -53,10 +54,68 @@ BUDGET = 64  # tokens per step: the first step ends part-way through greedy-long
 
 
 @pytest.fixture(scope="module")
-def served(tiny_dir):
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+def served(tiny_dir, tmp_path_factory):
+    scores = tmp_path_factory.mktemp("scores") / "scores.pt"  # what vLLM's sampler ranked (serve_tiny records it)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "HIGGS_RECORD_SCORES": str(scores)}  # fmt: skip
     # the step budget forces chunked prefill of the long prompt next to decoding requests
-    return run_served([sys.executable, str(SCRIPT), str(tiny_dir), json.dumps(SPEC), str(BUDGET)], env)
+    out = run_served([sys.executable, str(SCRIPT), str(tiny_dir), json.dumps(SPEC), str(BUDGET)], env)
+    return out | {"scores": torch.load(scores)}
+
+
+def _spec_params(spec: dict, talker: HiggsTalker) -> SamplingParams:
+    return SamplingParams(temperature=spec.get("temperature", 0.0), top_k=spec.get("top_k", -1),
+                          top_p=spec.get("top_p", 1.0), seed=spec.get("seed"),
+                          max_frames=spec["max_tokens"] - talker.cfg.num_codebooks)  # fmt: skip
+
+
+def _spec_prompt(spec: dict, talker: HiggsTalker):
+    reference = None
+    if "reference" in spec:  # the same random codes serve_tiny drew
+        ref = spec["reference"]
+        codes = torch.randint(0, 1024, (ref["frames"], 8), generator=torch.Generator().manual_seed(ref["seed"]))
+        reference = Reference(codes=codes, text=ref["text"])
+    return talker.build_prompt(spec["text"], reference)
+
+
+# float32 on both sides (vLLM's CPU kernels, our torch ones, hidden 64, 3 layers): their scores differ by summation
+# order only (measured over SPEC: worst row 3.9e-7, overall 2.6e-7); layer 1's o_proj x 1.05 or down_proj x 0.95
+# moves them by 0.015 (worst row) / 0.010 (overall) over seed3 and greedy-long (the mutation test below)
+FP32_BOUND = ScoreBound(row=1e-5, overall=1e-5, code=1e-5)
+
+
+def test_vllms_own_scores_equal_the_float32_engines(served, tiny_dir):
+    """What vLLM's sampler ranked at every row of every request (recorded inside vLLM) against our float32 engine
+    teacher-forced on vLLM's rows: the check the GPU suite runs with bf16 bounds, here at float32's."""
+    talker = HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=2, max_model_len=1024)
+    check = ScoreCheck(talker, FP32_BOUND)
+    for spec, got in zip(SPEC, served["results"], strict=True):
+        rows = torch.tensor(got["rows"], dtype=torch.long)
+        scaled = served["scores"][spec["key"]]
+        check.check_scores(_spec_prompt(spec, talker), _spec_params(spec, talker), rows, scaled, spec["key"])
+    assert 0 < check.worst_row <= FP32_BOUND.row
+
+
+@pytest.fixture(scope="module")
+def served_broken(tiny_dir, tmp_path_factory):
+    """The tiny checkpoint with layer 1's o_proj x 1.05 served by vLLM, its sampler's scores recorded."""
+    tmp = tmp_path_factory.mktemp("broken")
+    ckpt = broken_checkpoint(tiny_dir, tmp / "ckpt", "o_proj", 1, 1.05)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "HIGGS_RECORD_SCORES": str(tmp / "scores.pt")}  # fmt: skip
+    spec = [s for s in SPEC if s["key"] in ("seed3", "greedy-long")]
+    out = run_served([sys.executable, str(SCRIPT), str(ckpt), json.dumps(spec), str(BUDGET)], env)
+    return out | {"scores": torch.load(tmp / "scores.pt"), "spec": spec}
+
+
+def test_the_score_check_fails_a_vllm_model_off_by_5_percent(served_broken, tiny_dir):
+    """The mutation test of the check above: vLLM serving one projection 5% off fails it on every request."""
+    talker = HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=2, max_model_len=1024)
+    for spec, got in zip(served_broken["spec"], served_broken["results"], strict=True):
+        rows, scaled = torch.tensor(got["rows"], dtype=torch.long), served_broken["scores"][spec["key"]]
+        prompt, params = _spec_prompt(spec, talker), _spec_params(spec, talker)
+        with pytest.raises(AssertionError, match="from the float32 reference|far from the reference"):
+            ScoreCheck(talker, FP32_BOUND).check_scores(prompt, params, rows, scaled, spec["key"])
 
 
 def test_our_class_serves_and_loads_every_parameter(served):

@@ -26,7 +26,7 @@ import torch
 pytestmark = pytest.mark.gpu
 pytest.importorskip("vllm.config")
 
-from _reference_check import ScoreCheck, float32_reference, score_bound  # noqa: E402
+from _reference_check import ScoreCheck, broken_checkpoint, float32_reference, score_bound  # noqa: E402
 from _served import run_served  # noqa: E402
 
 from higgs_talker import HiggsTalker, Reference, SamplingParams  # noqa: E402
@@ -94,7 +94,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def served(request, checkpoints) -> dict:
+def served(request, checkpoints, tmp_path_factory) -> dict:
     name, profile, tp, dp = CASES[request.param]
     if torch.cuda.device_count() < tp * dp:
         pytest.skip(f"needs {tp * dp} GPUs")
@@ -111,7 +111,12 @@ def served(request, checkpoints) -> dict:
         cmd = [sys.executable, str(SCRIPT), str(checkpoints[name]), json.dumps(SPECS[name]), "64", json.dumps(kwargs)]
     log_dir = os.environ.get("HIGGS_VLLM_LOG_DIR")  # keep vLLM's own log of each case (the GPU run's evidence)
     log = Path(log_dir, f"serve_{request.param}.log") if log_dir else None
-    return run_served(cmd, env, timeout=900, log=log) | {"profile": profile, "checkpoint": name}
+    scores = None
+    if tp * dp == 1:  # the engine runs in serve_tiny's process: it records what vLLM's sampler ranked
+        scores = tmp_path_factory.mktemp("scores") / "scores.pt"
+        env["HIGGS_RECORD_SCORES"] = str(scores)
+    out = run_served(cmd, env, timeout=900, log=log) | {"profile": profile, "checkpoint": name}
+    return out | {"scores": torch.load(scores) if scores is not None else None}
 
 
 _SOLO: dict[str, HiggsTalker] = {}
@@ -156,12 +161,44 @@ def test_codes_match_the_direct_engine_or_split_at_a_near_tie(served, checkpoint
     prompt = solo.build_prompt(spec["text"], reference)
     want = solo.generate(spec["text"], params, reference=reference).rows
     rows = torch.tensor(got["rows"], dtype=torch.long)
+    what = f"{served['profile']} {spec['key']}"
+    if served["scores"] is not None:
+        # what vLLM's sampler ranked at every row (recorded inside vLLM) against the float32 reference
+        # teacher-forced on vLLM's rows: vLLM's own bf16 computation within the measured bf16 error, every row
+        ScoreCheck(_reference(solo), score_bound(solo)).check_scores(prompt, params, rows,
+                                                                     served["scores"][spec["key"]], what)  # fmt: skip
     if not torch.equal(rows, want):
         # every code vLLM took scores near the best of the float32 reference teacher-forced on vLLM's rows, and
         # our kernels (the direct engine, eager) teacher-forced on them stay within the measured bf16 error
-        check = ScoreCheck(_reference(solo), score_bound(solo))
-        check.check(solo, prompt, params, rows, f"{served['profile']} {spec['key']}")
+        ScoreCheck(_reference(solo), score_bound(solo)).check(solo, prompt, params, rows, what)
     assert rows.shape[0] == spec["max_tokens"] or got["finish_reason"] == "stop"
+
+
+@pytest.fixture(scope="module")
+def served_broken(checkpoints, tmp_path_factory) -> dict:
+    """The head_dim-64 checkpoint with layer 1's o_proj x 1.05, served in the FULL-decode-graph profile with its
+    sampler's scores recorded: the mutation run of the check above."""
+    tmp = tmp_path_factory.mktemp("broken")
+    ckpt = broken_checkpoint(checkpoints["h64"], tmp / "ckpt", "o_proj", 1, 1.05)
+    spec = [s for s in SPEC if s["key"] in ("greedy-long", "seeded")]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0",
+           "HIGGS_RECORD_SCORES": str(tmp / "scores.pt")}  # fmt: skip
+    cmd = [sys.executable, str(SCRIPT), str(ckpt), json.dumps(spec), "64", json.dumps(COMMON | PROFILES["fdo"])]
+    return run_served(cmd, env, timeout=900) | {"scores": torch.load(tmp / "scores.pt"), "spec": spec}
+
+
+def test_the_score_check_fails_vllm_serving_a_model_off_by_5_percent(served_broken, checkpoints):
+    """Every request of the broken model fails the check of vLLM's own scores (against the intact weights'
+    float32 reference): rows past the measured bf16 error, or codes far from the reference's best."""
+    solo = solo_for(checkpoints, "h64")
+    for spec, got in zip(served_broken["spec"], served_broken["results"], strict=True):
+        params = SamplingParams(temperature=spec.get("temperature", 0.0), seed=spec.get("seed"),
+                                max_frames=spec["max_tokens"] - solo.cfg.num_codebooks)  # fmt: skip
+        rows, scaled = torch.tensor(got["rows"], dtype=torch.long), served_broken["scores"][spec["key"]]
+        with pytest.raises(AssertionError, match="from the float32 reference|far from the reference"):
+            ScoreCheck(_reference(solo), score_bound(solo)).check_scores(
+                solo.build_prompt(spec["text"]), params, rows, scaled, f"broken {spec['key']}"
+            )
 
 
 def test_the_audio_path_ran_and_the_text_head_was_skipped(served):
