@@ -156,6 +156,11 @@ def test_offline_audio_equals_the_direct_engine_through_our_codec(offline, solo,
     profile, audio = offline
     spec = SPEC[index]
     rows, want = direct(solo, codec, spec)
+    log_dir = os.environ.get("HIGGS_VLLM_LOG_DIR")
+    if log_dir:  # both sides of the comparison, for a look after the GPU run
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        torch.save({"omni": audio[spec["key"]], "direct": want, "direct_rows": rows},
+                   Path(log_dir, f"omni_audio_{profile}_{spec['key']}.pt"))  # fmt: skip
     assert_same_audio(audio[spec["key"]], want, f"{profile} {spec['key']}", solo, spec, rows)
 
 
