@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from serve_tiny import reference_codes
 
-from higgs_talker import HiggsTalker, SamplingParams
+from higgs_talker import HiggsTalker, Reference, SamplingParams
 
 
 def run_served(cmd: list[str], env: dict[str, str], timeout: float = 570, log: Path | None = None) -> dict:
@@ -40,10 +41,21 @@ def one_core_each(n: int) -> str:
     return "|".join(str(c) for c in cores[:n])
 
 
+def spec_params(spec: dict, talker: HiggsTalker) -> SamplingParams:
+    """The direct engine's sampling for a serve-script spec request: its sampling fields, and vLLM's max_tokens
+    (delayed rows, one per decode step) as audio frames, C fewer."""
+    return SamplingParams(temperature=spec.get("temperature", 0.0), top_k=spec.get("top_k", -1),
+                          top_p=spec.get("top_p", 1.0), seed=spec.get("seed"),
+                          max_frames=spec["max_tokens"] - talker.cfg.num_codebooks)  # fmt: skip
+
+
+def spec_reference(spec: dict) -> Reference | None:
+    """The voice-clone reference of a spec request: the codes serve_tiny drew for it, and its text."""
+    codes = reference_codes(spec)
+    return None if codes is None else Reference(codes=codes, text=spec["reference"]["text"])
+
+
 def direct_rows(ckpt: Path, spec: dict) -> torch.Tensor:
     """The rows the direct engine (CPU, one process) gives the request ``spec`` (a serve-script spec entry)."""
     talker = HiggsTalker.from_pretrained(ckpt, codec=False)
-    params = SamplingParams(temperature=spec.get("temperature", 0.0), top_k=spec.get("top_k", -1),
-                            top_p=spec.get("top_p", 1.0), seed=spec.get("seed"),
-                            max_frames=spec["max_tokens"] - talker.cfg.num_codebooks)  # fmt: skip
-    return talker.generate(spec["text"], params).rows.long()
+    return talker.generate(spec["text"], spec_params(spec, talker)).rows.long()

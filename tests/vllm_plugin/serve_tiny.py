@@ -14,10 +14,20 @@ import os
 import sys
 
 
+def reference_codes(spec: dict):
+    """The voice-clone reference codes [F, 8] of a spec request (random, from its ``reference`` seed), or None:
+    the one draw both this script and the tests that rebuild its requests use."""
+    import torch
+
+    ref = spec.get("reference")
+    if ref is None:
+        return None
+    return torch.randint(0, 1024, (ref["frames"], 8), generator=torch.Generator().manual_seed(ref["seed"]))
+
+
 def build_requests(tok, cfg, spec: list[dict]) -> tuple[list[dict], list]:
     """vLLM prompts and sampling parameters for the spec's requests (a voice clone: random reference codes
     from its seed, as the tests rebuild them)."""
-    import torch
     import vllm
 
     from higgs_talker.vllm_plugin.bridge import request_args
@@ -25,10 +35,9 @@ def build_requests(tok, cfg, spec: list[dict]) -> tuple[list[dict], list]:
     prompts, params = [], []
     for r in spec:
         prompt = tok.build(r["text"])
-        ref = r.get("reference")
-        if ref is not None:
-            codes = torch.randint(0, 1024, (ref["frames"], 8), generator=torch.Generator().manual_seed(ref["seed"]))
-            prompt = tok.build(r["text"], codes, ref.get("text"), cfg)
+        codes = reference_codes(r)
+        if codes is not None:
+            prompt = tok.build(r["text"], codes, r["reference"].get("text"), cfg)
         prompts.append({"prompt_token_ids": prompt.input_ids.tolist()})
         params.append(
             vllm.SamplingParams(

@@ -24,9 +24,9 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 from _reference_check import ScoreBound, ScoreCheck, broken_checkpoint  # noqa: E402
-from _served import run_served  # noqa: E402
+from _served import run_served, spec_params, spec_reference  # noqa: E402
 
-from higgs_talker import HiggsTalker, Reference, SamplingParams  # noqa: E402
+from higgs_talker import HiggsTalker  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("serve_tiny.py")
 # Seeds 1 and 3 make the tiny model sample EOC early (65 and 22 rows), so the EOS path runs too. The seeded
@@ -63,21 +63,6 @@ def served(tiny_dir, tmp_path_factory):
     return out | {"scores": torch.load(scores)}
 
 
-def _spec_params(spec: dict, talker: HiggsTalker) -> SamplingParams:
-    return SamplingParams(temperature=spec.get("temperature", 0.0), top_k=spec.get("top_k", -1),
-                          top_p=spec.get("top_p", 1.0), seed=spec.get("seed"),
-                          max_frames=spec["max_tokens"] - talker.cfg.num_codebooks)  # fmt: skip
-
-
-def _spec_prompt(spec: dict, talker: HiggsTalker):
-    reference = None
-    if "reference" in spec:  # the same random codes serve_tiny drew
-        ref = spec["reference"]
-        codes = torch.randint(0, 1024, (ref["frames"], 8), generator=torch.Generator().manual_seed(ref["seed"]))
-        reference = Reference(codes=codes, text=ref["text"])
-    return talker.build_prompt(spec["text"], reference)
-
-
 # float32 on both sides (vLLM's CPU kernels, our torch ones, hidden 64, 3 layers): their scores differ by summation
 # order only (measured over SPEC: worst row 3.9e-7, overall 2.6e-7); layer 1's o_proj x 1.05 or down_proj x 0.95
 # moves them by 0.015 (worst row) / 0.010 (overall) over seed3 and greedy-long (the mutation test below)
@@ -92,7 +77,8 @@ def test_vllms_own_scores_equal_the_float32_engines(served, tiny_dir):
     for spec, got in zip(SPEC, served["results"], strict=True):
         rows = torch.tensor(got["rows"], dtype=torch.long)
         scaled = served["scores"][spec["key"]]
-        check.check_scores(_spec_prompt(spec, talker), _spec_params(spec, talker), rows, scaled, spec["key"])
+        prompt = talker.build_prompt(spec["text"], spec_reference(spec))
+        check.check_scores(prompt, spec_params(spec, talker), rows, scaled, spec["key"])
     assert 0 < check.worst_row <= FP32_BOUND.row
 
 
@@ -113,7 +99,7 @@ def test_the_score_check_fails_a_vllm_model_off_by_5_percent(served_broken, tiny
     talker = HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=2, max_model_len=1024)
     for spec, got in zip(served_broken["spec"], served_broken["results"], strict=True):
         rows, scaled = torch.tensor(got["rows"], dtype=torch.long), served_broken["scores"][spec["key"]]
-        prompt, params = _spec_prompt(spec, talker), _spec_params(spec, talker)
+        prompt, params = talker.build_prompt(spec["text"], spec_reference(spec)), spec_params(spec, talker)
         with pytest.raises(AssertionError, match="from the float32 reference|far from the reference"):
             ScoreCheck(talker, FP32_BOUND).check_scores(prompt, params, rows, scaled, spec["key"])
 
@@ -130,19 +116,7 @@ def test_our_class_serves_and_loads_every_parameter(served):
 def test_codes_match_the_direct_engine(served, tiny_dir, index):
     spec, got = SPEC[index], served["results"][index]
     talker = HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=2, max_model_len=1024)
-    params = SamplingParams(
-        temperature=spec.get("temperature", 0.0), top_k=spec.get("top_k", -1), top_p=spec.get("top_p", 1.0),
-        seed=spec.get("seed"),
-    )  # fmt: skip
-    # vLLM's max_tokens counts delayed rows (one per decode step); ours counts audio frames, C rows fewer
-    reference = None
-    if "reference" in spec:  # the same random codes serve_tiny drew
-        ref = spec["reference"]
-        codes = torch.randint(0, 1024, (ref["frames"], 8), generator=torch.Generator().manual_seed(ref["seed"]))
-        reference = Reference(codes=codes, text=ref["text"])
-    want = talker.generate(
-        spec["text"], params, reference=reference, max_frames=spec["max_tokens"] - talker.cfg.num_codebooks
-    )
+    want = talker.generate(spec["text"], spec_params(spec, talker), reference=spec_reference(spec))
     rows = torch.tensor(got["rows"], dtype=torch.long)
     assert rows.shape == want.rows.shape
     assert torch.equal(rows, want.rows)
@@ -184,6 +158,5 @@ def test_preempted_requests_resume_with_their_codes(served_with_preemption, tiny
     assert stats["bridge_recomputed_rows"] > 0, stats  # a preemption really happened and was re-fed
     talker = HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=2, max_model_len=1024)
     for spec, got in zip(PREEMPT_SPEC, served_with_preemption["results"], strict=True):
-        params = SamplingParams(temperature=spec.get("temperature", 0.0), seed=spec.get("seed"))
-        want = talker.generate(spec["text"], params, max_frames=spec["max_tokens"] - talker.cfg.num_codebooks)
+        want = talker.generate(spec["text"], spec_params(spec, talker))
         assert torch.equal(torch.tensor(got["rows"], dtype=torch.long), want.rows), spec["key"]

@@ -27,9 +27,9 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("vllm.config")
 
 from _reference_check import ScoreCheck, broken_checkpoint, float32_reference, score_bound  # noqa: E402
-from _served import run_served  # noqa: E402
+from _served import run_served, spec_params, spec_reference  # noqa: E402
 
-from higgs_talker import HiggsTalker, Reference, SamplingParams  # noqa: E402
+from higgs_talker import HiggsTalker  # noqa: E402
 from higgs_talker.tiny import tiny_config, write_checkpoint  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("serve_tiny.py")
@@ -150,14 +150,7 @@ def test_codes_match_the_direct_engine_or_split_at_a_near_tie(served, checkpoint
         pytest.skip(f"the {served['checkpoint']} case has {len(specs)} requests")
     spec, got = specs[index], served["results"][index]
     solo = solo_for(checkpoints, served["checkpoint"])
-    frames = spec["max_tokens"] - solo.cfg.num_codebooks  # the same cap for the run and its re-run below
-    params = SamplingParams(temperature=spec.get("temperature", 0.0), top_k=spec.get("top_k", -1),
-                            top_p=spec.get("top_p", 1.0), seed=spec.get("seed"), max_frames=frames)  # fmt: skip
-    reference = None
-    if "reference" in spec:  # the same random codes serve_tiny drew
-        ref = spec["reference"]
-        codes = torch.randint(0, 1024, (ref["frames"], 8), generator=torch.Generator().manual_seed(ref["seed"]))
-        reference = Reference(codes=codes, text=ref["text"])
+    params, reference = spec_params(spec, solo), spec_reference(spec)  # the same cap for the run and its re-run
     prompt = solo.build_prompt(spec["text"], reference)
     want = solo.generate(spec["text"], params, reference=reference).rows
     rows = torch.tensor(got["rows"], dtype=torch.long)
@@ -192,8 +185,7 @@ def test_the_score_check_fails_vllm_serving_a_model_off_by_5_percent(served_brok
     float32 reference): rows past the measured bf16 error, or codes far from the reference's best."""
     solo = solo_for(checkpoints, "h64")
     for spec, got in zip(served_broken["spec"], served_broken["results"], strict=True):
-        params = SamplingParams(temperature=spec.get("temperature", 0.0), seed=spec.get("seed"),
-                                max_frames=spec["max_tokens"] - solo.cfg.num_codebooks)  # fmt: skip
+        params = spec_params(spec, solo)
         rows, scaled = torch.tensor(got["rows"], dtype=torch.long), served_broken["scores"][spec["key"]]
         with pytest.raises(AssertionError, match="from the float32 reference|far from the reference"):
             ScoreCheck(_reference(solo), score_bound(solo)).check_scores(
