@@ -78,10 +78,17 @@ def score_bound(talker: HiggsTalker) -> ScoreBound:
 def break_projection(talker: HiggsTalker, name: str, layer: int, factor: float) -> HiggsTalker:
     """Scale one layer's ``name`` projection by ``factor`` in place (captured graphs read the weights in place, so
     they replay the change): a deliberately broken model for the mutation tests. Returns the talker."""
+    params = dict(talker.model.named_parameters())
     with torch.no_grad():
-        hits = [w.mul_(factor) for n, w in talker.model.named_parameters() if f"layers.{layer}." in n and name in n]
-    assert len(hits) == 1, f"{name} of layer {layer} matched {len(hits)} parameters"
+        params[projection_key(params, name, layer)].mul_(factor)
     return talker
+
+
+def projection_key(names, name: str, layer: int) -> str:
+    """The one weight among ``names`` that is layer ``layer``'s ``name`` projection (AssertionError otherwise)."""
+    hits = [n for n in names if f"layers.{layer}." in n and name in n and n.endswith("weight")]
+    assert len(hits) == 1, f"{name} of layer {layer} matched {len(hits)} weights: {hits}"
+    return hits[0]
 
 
 def broken_checkpoint(src: str | Path, dst: str | Path, name: str, layer: int, factor: float) -> Path:
@@ -91,16 +98,11 @@ def broken_checkpoint(src: str | Path, dst: str | Path, name: str, layer: int, f
 
     src, dst = Path(src), Path(dst)
     shutil.copytree(src, dst)
-    hits = 0
-    for shard in sorted(dst.glob("*.safetensors")):
-        tensors = load_file(shard)
-        keys = [k for k in tensors if f"layers.{layer}." in k and name in k and k.endswith(".weight")]
-        if keys:
-            for k in keys:
-                tensors[k] = (tensors[k].double() * factor).to(tensors[k].dtype)
-            save_file(tensors, shard, metadata={"format": "pt"})
-            hits += len(keys)
-    assert hits == 1, f"{name} of layer {layer} matched {hits} tensors in {src}"
+    shards = {shard: load_file(shard) for shard in sorted(dst.glob("*.safetensors"))}
+    key = projection_key([k for tensors in shards.values() for k in tensors], name, layer)
+    shard, tensors = next((shard, tensors) for shard, tensors in shards.items() if key in tensors)
+    tensors[key] = (tensors[key].double() * factor).to(tensors[key].dtype)
+    save_file(tensors, shard, metadata={"format": "pt"})
     return dst
 
 
