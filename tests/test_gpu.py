@@ -432,12 +432,16 @@ def test_the_reference_check_passes_bf16_kernels_and_fails_a_model_off_by_5_perc
         print(f"[score error] medium auto, {name} x {factor}: {str(failed.value).splitlines()[0]}")
 
 
+def four_b_talker() -> HiggsTalker:
+    """The 4B shape (random bf16 weights, eager, the CUDA kernels; vocabulary cut to the tiny tokenizer's)."""
+    return HiggsTalker.from_config(medium_config(**FOUR_B), device="cuda", graph_mode="eager", max_num_seqs=4,
+                                   max_model_len=512, seed=0, row_gemv="on")  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def four_b() -> tuple[HiggsTalker, HiggsTalker]:
-    """The 4B shape (random bf16 weights, eager, the CUDA kernels; vocabulary cut to the tiny tokenizer's) and its
-    float32 reference, built once for both samplings."""
-    talker = HiggsTalker.from_config(medium_config(**FOUR_B), device="cuda", graph_mode="eager", max_num_seqs=4,
-                                     max_model_len=512, seed=0, row_gemv="on")  # fmt: skip
+    """``four_b_talker`` and its float32 reference, built once for both samplings."""
+    talker = four_b_talker()
     return talker, float32_reference(talker)
 
 

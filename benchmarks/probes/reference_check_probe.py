@@ -8,7 +8,7 @@ sys.path.insert(0, "tests")
 import test_gpu as t  # noqa: E402
 from _reference_check import ScoreBound, float32_reference  # noqa: E402
 
-from higgs_talker import HiggsTalker, SamplingParams  # noqa: E402
+from higgs_talker import SamplingParams  # noqa: E402
 
 auto, eager = t._talker("auto"), t._talker("eager")
 ref = float32_reference(eager)
@@ -22,15 +22,7 @@ for name, talker in (("auto", auto), ("eager", eager)):
             traceback.print_exc()
             sys.stdout.flush()
 del auto, eager, ref
-four = HiggsTalker.from_config(
-    t.medium_config(**t.FOUR_B),
-    device="cuda",
-    graph_mode="eager",
-    max_num_seqs=4,
-    max_model_len=512,
-    seed=0,
-    row_gemv="on",
-)
+four = t.four_b_talker()
 ref = float32_reference(four)
 inf = ScoreBound(row=float("inf"), overall=float("inf"), code=float("inf"))
 greedy = SamplingParams(temperature=0, max_frames=40)
