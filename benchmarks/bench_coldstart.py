@@ -49,7 +49,6 @@ from common import REPO_ROOT, ResultFile, environment, log, print_table, resolve
 
 from higgs_talker.kernel_cache import (
     CHOICE_CACHE_VAR,
-    FLASHINFER_BASE_VAR,
     cache_dirs,
     cache_env,
     count_all,
@@ -91,13 +90,6 @@ print("RESULT:" + json.dumps({
 TEXT = "The first sentence after a cold start."
 
 
-def flashinfer_dir(base: Path | None) -> Path:
-    """FlashInfer's cache directory in a child whose caches are under ``base`` (None: the inherited setting)."""
-    if base is None:
-        return cache_dirs()["flashinfer"]
-    return Path(cache_env(base)[FLASHINFER_BASE_VAR]) / ".cache" / "flashinfer"
-
-
 def child_env(base: Path | None, choices: bool = True) -> dict[str, str]:
     """The environment of a child: caches under ``base`` (None: as inherited); ``choices=False``: no choice cache."""
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
@@ -105,12 +97,23 @@ def child_env(base: Path | None, choices: bool = True) -> dict[str, str]:
     return env | ({} if choices else {CHOICE_CACHE_VAR: "off"})
 
 
+def child_caches(base: Path | None, choices: bool = True) -> dict[str, Path]:
+    """The cache directories of a child whose caches are under ``base`` (None: as inherited): ``cache_dirs`` read
+    in the child's environment (this process never imports FlashInfer, so its rule applies, as in the child)."""
+    with mock.patch.dict(os.environ, child_env(base, choices), clear=True):
+        return cache_dirs()
+
+
+def flashinfer_dir(base: Path | None) -> Path:
+    """FlashInfer's cache directory in a child whose caches are under ``base`` (None: the inherited setting)."""
+    return child_caches(base)["flashinfer"]
+
+
 def cache_counts(base: Path | None, choices: bool = True) -> dict[str, int]:
     """What each cache a child with caches under ``base`` uses holds (``kernel_cache.count_all``: FlashInfer and
     tvm-ffi modules, Triton cubins, choice entries); a fresh machine with only FlashInfer's cache carried over
     still compiles every Triton kernel, which this shows."""
-    with mock.patch.dict(os.environ, child_env(base, choices), clear=True):
-        return count_all(cache_dirs())
+    return count_all(child_caches(base, choices))
 
 
 def found(base: Path | None, choices: bool = True) -> str:
