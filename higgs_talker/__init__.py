@@ -3,12 +3,13 @@
 ``import higgs_talker`` imports neither vLLM nor FlashInfer.
 """
 
-from .api import GenerationError, GenerationResult, HiggsTalker, Reference
+from .api import GenerationCancelled, GenerationError, GenerationResult, HiggsTalker, Reference
 from .config import SpecialTokens, TalkerConfig, TextConfig
 from .heads.sampling import SamplingParams
 from .kernel_cache import WarmupReport, warmup
 
 __all__ = [
+    "GenerationCancelled",
     "GenerationError",
     "GenerationResult",
     "HiggsTalker",

@@ -11,6 +11,7 @@ that fails fails the requests it was running, and their callers raise ``Generati
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,11 +33,11 @@ from .heads.sampling import SamplingParams, resolve_seed
 from .model import TalkerModel
 from .ops import check_row_gemv, default_kernels, rope_cache
 from .prompt import Prompt, TalkerTokenizer
-from .results import GenerationError, GenerationResult, Reference
+from .results import GenerationCancelled, GenerationError, GenerationResult, Reference
 from .splitting import DEFAULT_PART_CHARS, frame_budget, split_text
 from .tiny import TINY_NAME, tiny_checkpoint
 
-__all__ = ["GenerationError", "GenerationResult", "HiggsTalker", "Reference"]
+__all__ = ["GenerationCancelled", "GenerationError", "GenerationResult", "HiggsTalker", "PreparedText", "Reference"]
 
 logger = logging.getLogger(__name__)
 
@@ -222,6 +223,22 @@ class HiggsTalker:
             codes = self.codec_loader.reference_codes(reference.audio, reference.sample_rate)
         return self.tokenizer.build(text, codes, reference.text, self.cfg)
 
+    def prepare(
+        self,
+        text: str,
+        sampling: SamplingParams | None = None,
+        reference: Reference | None = None,
+        max_frames: int | None = None,
+        split: bool | int = False,
+    ) -> PreparedText:
+        """Check, split and tokenize ``text`` once: ``stream`` and ``stream_audio`` take the result in place of the
+        text and queue its prompts as they are (the speech server checks a request this way, then speaks it).
+
+        Arguments as for ``stream``; with ``split``, the seed of all parts is drawn here when the sampling has none.
+        """
+        (params,) = self._params(sampling, 1, max_frames)
+        return self._prepare(text, params, reference, split)
+
     # ------------------------------------------------------------------ generation
 
     def generate(
@@ -250,14 +267,14 @@ class HiggsTalker:
         if not texts:
             raise ValueError("no text to generate")
         params = self._params(sampling, len(texts), max_frames)
-        jobs = [(i, *part) for i, t in enumerate(texts) for part in self._parts(t, params[i], split)]
-        prompts = [self.build_prompt(t, reference) for _, t, _ in jobs]  # validate all before queueing any
+        prepared = [self._prepare(t, p, reference, split) for t, p in zip(texts, params, strict=True)]
+        jobs = [(i, part) for i, p in enumerate(prepared) for part in p.parts]  # all checked before any is queued
         ids: list[str] = []
         eng = self.engine
         ticket = None
         try:
-            for p, (_, _, s) in zip(prompts, jobs, strict=True):
-                ids.append(eng.add_request(p, s))
+            for _, part in jobs:
+                ids.append(eng.add_request(part.prompt, part.sampling))
             ticket = Ticket(ids, per_step=progress is not None)
             self._driver.wait_for(ticket)
             while not ticket.done:
@@ -269,14 +286,14 @@ class HiggsTalker:
             self._forget(ids, ticket, settle=True)  # leave nothing of this call behind
             raise
         parts: list[list[GenerationResult]] = [[] for _ in texts]
-        for req, (i, t, _) in zip(requests, jobs, strict=True):
-            parts[i].append(self._result(req, t))
+        for req, (i, part) in zip(requests, jobs, strict=True):
+            parts[i].append(self._result(req, part.text))
         results = [ps[0] if not split else self._joined(ps, t) for ps, t in zip(parts, texts, strict=True)]
         return results[0] if single else results
 
     def stream(
         self,
-        text: str,
+        text: str | PreparedText,
         sampling: SamplingParams | None = None,
         reference: Reference | None = None,
         max_frames: int | None = None,
@@ -287,17 +304,16 @@ class HiggsTalker:
         Frame t needs delayed rows up to t + C - 1; it is yielded once row t + C exists (so it is known not
         to be the trimmed last frame). Closing the iterator early cancels the request. ``split`` as for
         ``generate``: the parts' frames follow each other; the next part is queued when one starts, so it is
-        generated alongside and its frames are ready when the previous part ends.
+        generated alongside and its frames are ready when the previous part ends. ``text`` may be a
+        ``PreparedText`` (``prepare``), given alone: it carries its sampling, voice, parts and prompts.
         """
-        (params,) = self._params(sampling, 1, max_frames)
-        parts = self._parts(text, params, split)
-        prompts = [self.build_prompt(t, reference) for t, _ in parts]  # all validated before any is queued
+        parts = self._prepared(text, sampling, reference, max_frames, split).parts  # all checked before any is queued
         live: list[_Live] = []
         interrupted = True  # until the stream ends on its own: closed early, an error, Ctrl-C
         try:
             for k in range(len(parts)):
                 for j in range(len(live), min(k + 2, len(parts))):  # this part and the one after it
-                    live.append(self._submit(prompts[j], parts[j][1]))
+                    live.append(self._submit(parts[j].prompt, parts[j].sampling))
                 yield from self._frames(live[k])
                 self._forget([live[k].rid], live[k].ticket)
             interrupted = False
@@ -354,12 +370,13 @@ class HiggsTalker:
 
     def stream_audio(
         self,
-        text: str,
+        text: str | PreparedText,
         sampling: SamplingParams | None = None,
         reference: Reference | None = None,
         max_frames: int | None = None,
         chunking=None,
         split: bool | int = False,
+        cancel: threading.Event | None = None,
     ) -> Iterator[Tensor]:
         """Yield 24 kHz waveform chunks [S] float32 (CPU) as frames complete; together they equal
         ``generate().audio`` up to float rounding under the default ``AudioChunking`` (exact context).
@@ -367,11 +384,19 @@ class HiggsTalker:
         ``chunking`` (``higgs_talker.codec.AudioChunking``) sets chunk sizes, left context and holdback;
         ``higgs_talker.codec.UPSTREAM_CHUNKING`` is vllm-omni's (lower latency, not exact). ``split`` as for
         ``generate``: the parts' frames go through one decoder, so the audio is one stream across the joins.
+        ``text`` may be a ``PreparedText``, as for ``stream``.
+
+        Closing the iterator early cancels the request (and a part queued ahead) and frees its decode slot and KV
+        blocks before ``close()`` returns. ``cancel``, an event another thread may set (a client that left), does
+        the same from outside: it is checked before each frame is decoded (frames come one engine step apart), and
+        once it is set the requests are cancelled and freed and ``GenerationCancelled`` is raised.
         """
         decoder = self.codec.stream(chunking)
         frames = self.stream(text, sampling, reference, max_frames, split=split)
         try:
-            for frame in frames:
+            for n, frame in enumerate(frames):
+                if cancel is not None and cancel.is_set():
+                    raise GenerationCancelled(f"cancelled after {n} frames")
                 chunk = decoder.push(frame)
                 if chunk is not None:
                     yield chunk.cpu()
@@ -380,6 +405,32 @@ class HiggsTalker:
         chunk = decoder.finish()
         if chunk is not None:
             yield chunk.cpu()
+
+    def _prepared(
+        self,
+        text: str | PreparedText,
+        sampling: SamplingParams | None,
+        reference: Reference | None,
+        max_frames: int | None,
+        split: bool | int,
+    ) -> PreparedText:
+        """``text`` prepared, or a ``PreparedText`` as it is (nothing else may be given with it)."""
+        if not isinstance(text, PreparedText):
+            return self.prepare(text, sampling, reference, max_frames, split)
+        given = {"sampling": sampling, "reference": reference, "max_frames": max_frames}
+        extra = [name for name, value in given.items() if value is not None] + ([] if split is False else ["split"])
+        if extra:
+            raise ValueError(
+                f"a PreparedText carries its own sampling, voice and parts; give it alone, not with {', '.join(extra)}"
+            )
+        return text
+
+    def _prepare(
+        self, text: str, params: SamplingParams, reference: Reference | None, split: bool | int
+    ) -> PreparedText:
+        """``text``'s parts with their sampling and their prompts, every prompt built (and so checked) here."""
+        parts = self._parts(text, params, split)
+        return PreparedText(text, tuple(PreparedPart(t, s, self.build_prompt(t, reference)) for t, s in parts))
 
     def _parts(self, text: str, params: SamplingParams, split: bool | int) -> list[tuple[str, SamplingParams]]:
         """(text, sampling) of each part ``text`` is spoken in (one, unchanged, without ``split``)."""
@@ -466,6 +517,28 @@ class HiggsTalker:
             cached_tokens=req.cached_tokens,
             codec=self.codec_loader,
         )
+
+
+@dataclass(frozen=True)
+class PreparedPart:
+    """One request of a prepared text: its words, its sampling (the text's seed, this part's frame cap), its prompt."""
+
+    text: str
+    sampling: SamplingParams
+    prompt: Prompt
+
+
+@dataclass(frozen=True)
+class PreparedText:
+    """A text checked, split and tokenized, ready to queue (``HiggsTalker.prepare``): one part without ``split``."""
+
+    text: str
+    parts: tuple[PreparedPart, ...]
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens over all parts."""
+        return sum(len(p.prompt) for p in self.parts)
 
 
 @dataclass

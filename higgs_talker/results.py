@@ -1,5 +1,5 @@
 """What a generation returns: ``GenerationResult`` (codes, rows, timings, the seed used, audio through the
-codec), the ``Reference`` voice a prompt clones, and ``GenerationError``."""
+codec), the ``Reference`` voice a prompt clones, ``GenerationError`` and ``GenerationCancelled``."""
 
 from __future__ import annotations
 
@@ -37,6 +37,11 @@ def _replacing(path: Path) -> Iterator[Path]:
 
 class GenerationError(RuntimeError):
     """A request failed inside a step (its cause is ``__cause__``); other requests are unaffected."""
+
+
+class GenerationCancelled(Exception):
+    """A stream stopped because its caller set its cancel event (``HiggsTalker.stream_audio(cancel=...)``); its
+    requests were cancelled, and their decode slots and KV blocks freed, before this was raised."""
 
 
 @dataclass(frozen=True)

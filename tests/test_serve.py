@@ -117,10 +117,17 @@ def check_error(response: httpx.Response, status: int, param: str | None) -> dic
     return error
 
 
+def speech_workers() -> list[threading.Thread]:
+    """The server's worker threads still running (each is named after its request, ``speech-N``)."""
+    return [t for t in threading.enumerate() if t.name.startswith("speech-")]
+
+
 def wait_until_idle(serving: SpeechServing, timeout: float = 20.0) -> None:
+    """No request live in the server or the engine, and every worker has ended (and counted how its request did:
+    a cancelled one frees its slot first, then counts)."""
     deadline = time.monotonic() + timeout
     engine = serving.talker.engine
-    while serving.active_requests or engine.requests or engine.scheduler._unpublished:
+    while serving.active_requests or engine.requests or engine.scheduler._unpublished or speech_workers():
         assert time.monotonic() < deadline, "requests still live"
         time.sleep(0.02)
     assert_idle(serving.talker)
@@ -283,18 +290,21 @@ LONG_TEXT = " ".join(f"This is sentence number {i}, one of many in a text longer
 
 
 def test_long_input_is_split_and_streamed_as_one_audio(served, solo, monkeypatch) -> None:
-    """A ~5,600-character input (one prompt would be refused) is spoken in parts of one seed, in order."""
+    """A ~5,600-character input (one prompt would be refused) is spoken in parts of one seed, in order; each part is
+    tokenized once (checked before anything is queued, then queued as it was built)."""
     serving, url = served
     assert len(LONG_TEXT) > 5000
     with pytest.raises(ValueError, match="prompt is"):
         solo.build_prompt(LONG_TEXT)
-    caps = []
-    real_add = serving.talker.engine.add_request
+    caps, built = [], []
+    real_add, real_build = serving.talker.engine.add_request, serving.talker.tokenizer.build
     monkeypatch.setattr(serving.talker.engine, "add_request", lambda p, s, *a: caps.append(s) or real_add(p, s, *a))
+    monkeypatch.setattr(serving.talker.tokenizer, "build", lambda t, *a: built.append(t) or real_build(t, *a))
     response = speech(url, input=LONG_TEXT, seed=21, response_format="pcm", max_new_tokens=30)
     assert response.status_code == 200, response.text
     assert response.content == expected_pcm(solo, LONG_TEXT, SamplingParams(seed=21, max_frames=30))
     assert len(caps) == len(_parts(LONG_TEXT)) > 30
+    assert built == _parts(LONG_TEXT)  # once each, in order
     assert {s.seed for s in caps} == {21} and all(s.max_frames <= 30 for s in caps)
     greedy = speech(url, input=LONG_TEXT[:200], temperature=0.0, response_format="pcm")  # capped from the text
     assert greedy.status_code == 200
@@ -404,9 +414,9 @@ def test_a_failing_request_leaves_the_others_alone(served, solo, monkeypatch) ->
     talker = serving.talker
     real_stream = talker.stream
 
-    def stream(text, *args, **kwargs):
+    def stream(text, *args, **kwargs):  # the server's worker streams the request's PreparedText
         frames = real_stream(text, *args, **kwargs)
-        if "poison" not in text:
+        if "poison" not in text.text:
             return frames
 
         def failing():

@@ -1,15 +1,17 @@
 """Long input in the Python API: ``splitting.split_text`` / ``frame_budget``, and ``generate`` / ``stream`` /
-``stream_audio`` with ``split=`` on the tiny checkpoint."""
+``stream_audio`` with ``split=`` on the tiny checkpoint; ``prepare`` (split and tokenized once) and the ways a
+``stream_audio`` ends early (closed, or its ``cancel`` event set)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import torch
 from _engine_invariants import assert_idle, remember_idle
 
-from higgs_talker import HiggsTalker, Reference, SamplingParams
+from higgs_talker import GenerationCancelled, HiggsTalker, Reference, SamplingParams
 from higgs_talker.splitting import DEFAULT_PART_CHARS, frame_budget, split_text
 
 LONG = " ".join(f"Sentence {i} of a text that no single prompt could hold, said in order." for i in range(70))
@@ -117,6 +119,62 @@ def test_split_batches_several_texts_and_closing_a_stream_frees_every_part(talke
     while talker.engine.scheduler._unpublished and time.monotonic() < deadline:  # the step running when it closed
         time.sleep(0.01)
     assert_idle(talker)
+
+
+def wait_for_the_step_in_flight(talker: HiggsTalker) -> None:
+    deadline = time.monotonic() + 10
+    while talker.engine.scheduler._unpublished and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_prepared_text_is_tokenized_once_and_streams_as_the_text(talker: HiggsTalker, monkeypatch) -> None:
+    built: list[str] = []
+    real_build = talker.tokenizer.build
+    monkeypatch.setattr(talker.tokenizer, "build", lambda text, *a: built.append(text) or real_build(text, *a))
+    voice = Reference(codes=torch.randint(0, 1024, (20, 8), generator=torch.Generator().manual_seed(1)), text="Hi.")
+    text, params = LONG[:400], SamplingParams(max_frames=10)  # no seed: prepare draws one for both parts
+    prepared = talker.prepare(text, params, voice, split=True)
+    texts = split_text(text)
+    assert built == texts and [p.text for p in prepared.parts] == texts and prepared.text == text
+    assert len({p.sampling.seed for p in prepared.parts}) == 1 and prepared.parts[0].sampling.seed is not None
+    audio = torch.cat(list(talker.stream_audio(prepared)))
+    frames = torch.stack(list(talker.stream(prepared)))
+    assert built == texts  # streamed twice, tokenized once
+    seeded = SamplingParams(seed=prepared.parts[0].sampling.seed, max_frames=10)
+    result = talker.generate(text, seeded, voice, split=True)
+    assert torch.equal(frames, result.codes) and prepared.prompt_tokens == result.prompt_tokens
+    torch.testing.assert_close(audio, torch.cat(list(talker.stream_audio(text, seeded, voice, split=True))))
+    for extra in ({"sampling": params}, {"reference": voice}, {"max_frames": 5}, {"split": True}):
+        with pytest.raises(ValueError, match=f"give it alone, not with {next(iter(extra))}"):
+            next(talker.stream_audio(prepared, **extra))
+    assert_idle(talker)
+
+
+def test_stream_audio_closed_or_cancelled_frees_its_requests_at_once(talker: HiggsTalker) -> None:
+    greedy = SamplingParams(seed=3, temperature=0.0)  # runs on to each part's cap: far longer than the test
+    chunks = talker.stream_audio(LONG, greedy, split=True)
+    next(chunks)
+    assert len(talker.engine.requests) == 2  # this part and the next, queued alongside
+    chunks.close()
+    assert not talker.engine.requests  # slots and KV blocks free when close() returns
+    wait_for_the_step_in_flight(talker)
+    assert_idle(talker)
+
+    cancel = threading.Event()
+    chunks = talker.stream_audio(LONG, greedy, split=True, cancel=cancel)
+    next(chunks)
+    assert len(talker.engine.requests) == 2
+    threading.Thread(target=cancel.set).start()  # set elsewhere, as a server's event loop does
+    with pytest.raises(GenerationCancelled, match=r"cancelled after \d+ frames"):
+        for _ in chunks:
+            pass
+    assert not talker.engine.requests
+    wait_for_the_step_in_flight(talker)
+    assert_idle(talker)
+    # an event that is never set changes nothing
+    short = SamplingParams(seed=3, max_frames=15)
+    with_event = torch.cat(list(talker.stream_audio("Hello there.", short, cancel=threading.Event())))
+    assert torch.equal(with_event, torch.cat(list(talker.stream_audio("Hello there.", short))))
 
 
 @pytest.mark.parametrize("bad", [0, -3, 1.5, "yes"])

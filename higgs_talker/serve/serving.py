@@ -1,12 +1,12 @@
 """``SpeechServing``: what the server's routes call. A request is checked completely before anything is queued
-(an error is a 4xx naming the field), then spoken by a worker thread of its own that iterates
-``HiggsTalker.stream`` (split into parts at sentence ends, each capped by ``splitting.frame_budget``) and decodes
-the frames with a streaming codec decoder; the engine's driver thread batches every request's steps. The worker
-hands PCM chunks to the event loop; the loop sends them on as they come.
+(an error is a 4xx naming the field): ``HiggsTalker.prepare`` splits its text into parts at sentence ends (each
+capped by ``splitting.frame_budget``) and builds their prompts, once. A worker thread of its own then speaks it
+with ``HiggsTalker.stream_audio`` (the engine's driver thread batches every request's steps, a streaming codec
+decoder turns the frames into audio) and hands PCM chunks to the event loop; the loop sends them on as they come.
 
-A client that leaves, a timeout, or the server shutting down sets the request's cancel flag; the worker sees it
-at the next frame (one engine step), closes its stream, and the engine frees the request's slot and KV blocks.
-A failure in one request (its step, its decoding) ends that request only.
+A client that leaves, a timeout, or the server shutting down sets the request's cancel event; ``stream_audio``
+sees it at the next frame (one engine step), cancels the request and frees its slot and KV blocks. A failure in
+one request (its step, its decoding) ends that request only.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from ..api import HiggsTalker
+from ..api import HiggsTalker, PreparedText
 from ..audio import decode_wav, pcm16
 from ..codec.streaming import UPSTREAM_CHUNKING, AudioChunking
 from ..heads.sampling import SamplingParams
-from ..results import Reference
-from ..splitting import DEFAULT_PART_CHARS, split_text
+from ..results import GenerationCancelled, Reference
+from ..splitting import DEFAULT_PART_CHARS
 from .encoding import FORMATS, b64, sse_event, wav_header
 from .protocol import (
     APIError,
@@ -82,13 +82,9 @@ class SpeechJob:
     """A checked speech request, ready to run."""
 
     id: str
-    text: str
-    params: SamplingParams
-    reference: Reference | None
+    prepared: PreparedText  # the parts, their sampling (one seed) and their prompts, queued as they are
     format: str  # wav | pcm
     mode: str  # file (the whole body at once) | audio (streamed bytes) | sse (streamed events)
-    prompt_tokens: int  # over all parts
-    parts: int
 
 
 class SpeechServing:
@@ -131,7 +127,7 @@ class SpeechServing:
         check_voice_name(name)
         codes = await asyncio.to_thread(self._encode, audio, "audio")
         reference = Reference(codes=codes, text=ref_text or None)
-        await self._prompts(["Hello."], reference)  # the reference text's checks (special tokens, length)
+        await self._prepare("Hello.", reference)  # the reference text's checks (special tokens, length)
         return self.voices.add(name, codes, reference.text).card(self.frame_rate)
 
     def delete_voice(self, name: str) -> None:
@@ -181,24 +177,18 @@ class SpeechServing:
             )
         reference = await self._reference(req)
         params = self._sampling(req)
-        parts = split_text(req.input, cfg.part_chars)
-        prompts = await self._prompts(parts, reference)
+        prepared = await self._prepare(req.input, reference, params)
         mode = "sse" if req.stream_format == "sse" else "file" if req.stream is False else "audio"
-        return SpeechJob(
-            id=f"speech-{next(_ids)}",
-            text=req.input,
-            params=params,
-            reference=reference,
-            format=req.response_format,
-            mode=mode,
-            prompt_tokens=sum(len(p) for p in prompts),
-            parts=len(parts),
-        )
+        return SpeechJob(id=f"speech-{next(_ids)}", prepared=prepared, format=req.response_format, mode=mode)
 
-    async def _prompts(self, texts: list[str], reference: Reference | None) -> list:
-        """The prompts of ``texts`` (built in a thread: a long input takes a while to tokenize)."""
+    async def _prepare(
+        self, text: str, reference: Reference | None, params: SamplingParams | None = None
+    ) -> PreparedText:
+        """``text`` split into parts of at most ``part_chars`` and their prompts built, once (in a thread: a long
+        input takes a while to tokenize); the worker queues these prompts as they are."""
+        split = self.config.part_chars
         try:
-            return await asyncio.to_thread(lambda: [self.talker.build_prompt(t, reference) for t in texts])
+            return await asyncio.to_thread(self.talker.prepare, text, params, reference, split=split)
         except ValueError as exc:
             raise APIError(400, str(exc), "ref_text" if "reference_text" in str(exc) else "input") from None
 
@@ -283,9 +273,8 @@ class SpeechServing:
                 elif kind == "done" and job.mode == "sse":
                     if header:
                         yield sse_event(SpeechAudioDelta(audio=b64(header)))
-                    usage = SpeechUsage(
-                        input_tokens=job.prompt_tokens, output_tokens=value, total_tokens=job.prompt_tokens + value
-                    )
+                    tokens = job.prepared.prompt_tokens
+                    usage = SpeechUsage(input_tokens=tokens, output_tokens=value, total_tokens=tokens + value)
                     yield sse_event(SpeechAudioDone(usage=usage))
                 elif kind == "done":
                     if header:
@@ -334,41 +323,36 @@ class SpeechServing:
                 self._active.discard(cancel)
 
     def _speak(self, job: SpeechJob, post: Callable[[tuple], None], cancel: threading.Event) -> None:
-        """The worker: frames from the engine, through the streaming decoder, to PCM chunks."""
-        t0 = time.perf_counter()
-        talker, frames_made = self.talker, 0
-        frames = talker.stream(job.text, job.params, job.reference, split=self.config.part_chars)
+        """The worker: ``stream_audio`` of the job's prepared text, as PCM chunks, until it ends or is cancelled."""
+        t0, samples = time.perf_counter(), 0
+        chunks = self.talker.stream_audio(job.prepared, chunking=self.chunking, cancel=cancel)
         try:
-            decoder = talker.codec.stream(self.chunking)
-            for frame in frames:
-                if cancel.is_set():
-                    self._count("cancelled")
-                    post(("cancelled", "shutdown" if self.closing else "cancelled"))
-                    logger.info("%s cancelled after %d frames", job.id, frames_made)
-                    return
-                frames_made += 1
-                chunk = decoder.push(frame)
-                if chunk is not None:
-                    post(("audio", pcm16(chunk)))
-            chunk = decoder.finish()
-            if chunk is not None:
+            for chunk in chunks:
+                samples += chunk.shape[0]
                 post(("audio", pcm16(chunk)))
-            self._count("finished")
-            post(("done", frames_made))
-            logger.info(
-                "%s: %d parts, %d frames (%.2f s of audio) in %.2f s",
-                job.id,
-                job.parts,
-                frames_made,
-                frames_made / self.frame_rate,
-                time.perf_counter() - t0,
-            )
+        except GenerationCancelled as exc:  # the request's slot and KV blocks are free already
+            self._count("cancelled")
+            post(("cancelled", "shutdown" if self.closing else "cancelled"))
+            logger.info("%s %s", job.id, exc)
+            return
         except Exception as exc:  # noqa: BLE001 - this request fails; the server and the other requests go on
-            logger.warning("%s failed after %d frames: %r", job.id, frames_made, exc)
+            logger.warning("%s failed after %.2f s of audio: %r", job.id, samples / self.sample_rate, exc)
             self._count("failed")
             post(("error", exc))
+            return
         finally:
-            frames.close()  # cancels the engine request (and any queued part) if it is still running
+            chunks.close()  # a loop left early cancels the engine request (and any queued part) at once
+        frames = samples // self.talker.codec.hop_length  # every frame decodes to one hop of samples
+        self._count("finished")
+        post(("done", frames))
+        logger.info(
+            "%s: %d parts, %d frames (%.2f s of audio) in %.2f s",
+            job.id,
+            len(job.prepared.parts),
+            frames,
+            frames / self.frame_rate,
+            time.perf_counter() - t0,
+        )
 
     def _count(self, what: str) -> None:
         with self._lock:
