@@ -89,9 +89,18 @@ def offline(request, ckpt, tmp_path_factory) -> tuple[str, dict[str, torch.Tenso
 
 @pytest.fixture(scope="module")
 def solo(ckpt) -> HiggsTalker:
-    """Our direct engine on the same GPU, one request at a time, eager (its sampler can be teacher-forced)."""
-    return HiggsTalker.from_pretrained(ckpt, device="cuda", dtype="bfloat16", graph_mode="eager", max_num_seqs=1,
-                                       max_model_len=512, decode_kernel="native", codec=False)  # fmt: skip
+    """Our direct engine on the same GPU, one request at a time, eager (its sampler can be teacher-forced), on
+    torch SDPA and torch kernels: FlashInfer is made unimportable while it is built. The FlashInfer here is
+    vLLM's (0.6.14), whose JIT compiled our engine's kernels for over a minute on the H200 (2026-12-03) before the
+    first comparison; a reference needs none of them (bf16 either way, near ties judged by ``score_bound``)."""
+    from higgs_talker.attention import SdpaAttention
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "flashinfer", None)  # `import flashinfer` raises ImportError: SDPA is chosen
+        talker = HiggsTalker.from_pretrained(ckpt, device="cuda", dtype="bfloat16", graph_mode="eager",
+                                             max_num_seqs=1, max_model_len=512, codec=False)  # fmt: skip
+    assert isinstance(talker.engine.runner.attn, SdpaAttention), type(talker.engine.runner.attn)
+    return talker
 
 
 @pytest.fixture(scope="module")
