@@ -1094,7 +1094,9 @@ def test_span_step_classifies_rows_opens_streams_and_forces_the_text_token():
 
 def test_span_step_text_logits_skip_the_head_only_when_every_request_is_forced():
     """``text_logits`` classifies the rows, keeps them for sampling, and computes the text head unless the host
-    knows every request is in audio mode; ``next_published`` hands the sampled rows out in batch order."""
+    knows every request is in audio mode; ``published_for`` hands a request its sampled row by where its hidden
+    rows sit in the step's output (vllm-omni's postprocess may leave requests out), and refuses rows that are no
+    request's."""
     from types import SimpleNamespace
 
     from higgs_talker.heads.slots import RequestSlots, SlotStore
@@ -1114,7 +1116,11 @@ def test_span_step_text_logits_skip_the_head_only_when_every_request_is_forced()
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [50] and torch.isfinite(logits[0]).all()
     head = lambda h: torch.randn(h.shape[0], N, V)  # noqa: E731
     published = step.sample(slots, head, (torch.ones(2), torch.full((2,), V), torch.ones(2)))
-    assert step.next_published() is None and step.next_published() is published[1] and step.next_published() is None
+    step.output = out = torch.randn(3, 4)  # the forward's output, one token per request and one of padding
+    assert step.published_for(out[1:2]) is published[1] and step.published_for(out[0:1]) is None
+    for not_a_request in (out.clone()[1:2], out[0:2], out[2:3]):  # another tensor, two requests' rows, the padding
+        with pytest.raises(ValueError, match="requests t, a"):
+            step.published_for(not_a_request)
     assert [r.shape for r in rows_or_empty([None, published[1], torch.zeros(0, N)], N)] == [(0, N), (1, N), (0, N)]
     audio_only = _span_step(slots, ["a"], [50], [13])  # "a" is in its stream: known forced on the host
     audio_only.adopt_seeds(slots, {0: 9})  # not new: keeps the seed it sampled with

@@ -52,7 +52,8 @@ class SpanStep:
     hidden: Tensor | None = None  # [B, H] the rows sampled from (compute_logits)
     modes: RowModes | None = None
     published: list[Tensor | None] = field(default_factory=list)  # per request an owned [1, C] row or None
-    cursor: int = 0  # postprocess calls so far
+    output: Tensor | None = None  # [T, H] the forward's hidden rows, of which vllm-omni's postprocess gets slices
+    spans: list[int] | None = None  # qsl on the host, read once by published_for
 
     @property
     def num_reqs(self) -> int:
@@ -145,13 +146,24 @@ class SpanStep:
             if i in self.new_rows:
                 slots.set_seed(self.req_ids[i], resolve_seed(seed))
 
-    def next_published(self) -> Tensor | None:
-        """The next request's published row in batch order, None where it has none or past the last request
-        (vllm-omni's postprocess asks once per request)."""
-        if self.cursor >= len(self.published):
-            return None
-        self.cursor += 1
-        return self.published[self.cursor - 1]
+    def published_for(self, rows: Tensor) -> Tensor | None:
+        """The published row (or None) of the request whose hidden rows ``rows`` [n, H] are. vllm-omni's postprocess
+        passes each request it asks its slice ``output[qsl[i]:qsl[i + 1]]`` and leaves out those it passes nothing
+        on for (a request whose last stage is this one), so the slice's place in ``output`` says which request is
+        asked, not the number of calls. ValueError for rows that are no request's slice of ``output``."""
+        out, i = self.output, None
+        if out is not None and rows.device == out.device:
+            self.spans = self.qsl.tolist() if self.spans is None else self.spans  # one host sync per step
+            start, rest = divmod(rows.data_ptr() - out.data_ptr(), out.stride(0) * out.element_size())
+            same = rows.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+            if same and not rest and start in self.spans[:-1]:
+                i = self.spans.index(start)
+        if i is None or self.spans[i + 1] - self.spans[i] != rows.shape[0]:
+            raise ValueError(
+                f"postprocess got hidden rows {list(rows.shape)} that are no request's rows of this step's output "
+                f"(requests {', '.join(self.req_ids)}): its code row cannot be told apart, so none is published"
+            )
+        return self.published[i]
 
     def prompt_rows(self, slots: RequestSlots, infos: list, embeds: Tensor, embedding) -> tuple[Tensor, int]:
         """Multi-token spans embed code rows at their positions (SPEC 3.4): request i's voice-clone rows
@@ -174,7 +186,7 @@ class SpanStep:
                 if src is not None:
                     tok, got = rows_at(self.positions[start:end], *src)
                     index.append(tok + start)
-                    codes.append(got.long())
+                    codes.append(got.to(embeds.device, torch.long))  # reference rows may sit elsewhere than ours
                     refed += int(tok.numel()) if k else 0
         if not index:
             return embeds, 0

@@ -53,7 +53,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
     prefer_model_sampler = True
     have_multimodal_outputs = True
     has_postprocess = True
-    postprocess_uses_hidden_states = False
+    postprocess_uses_hidden_states = True  # each request's slice of the step's output says which request it is
     postprocess_uses_multimodal_outputs = False
     postprocess_uses_req_infos = False
     skips_model_sampler_output_token_history = True
@@ -117,7 +117,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         """Called by the vllm-omni runner before every forward or graph replay (0.26 passes no ``req_ids``: the
         ones ``prepare_runner_inputs`` got for this step stand in; a dummy run has neither)."""
         req_ids, self._runner_req_ids = (req_ids if req_ids is not None else self._runner_req_ids), None
-        self.step = None
+        self.step = self.sampled = None
         if req_ids is None or input_ids is None or positions is None or omni_query_start_loc is None:
             self.buffers.clear()
             return
@@ -180,13 +180,11 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
 
     def compute_logits(self, hidden_states: Tensor, sampling_metadata: Any = None) -> Tensor | None:
         """hidden [B, H] -> text logits [B, V]; audio-mode rows keep only their forced token."""
-        # armed by the bridge, but our forward did not run: vLLM replayed a FULL decode graph
         if self.step is not None and not self.step.laid_out:
             self._replayed_bridge_step(hidden_states.shape[0])
         step = self.step
         if step is None or not step.laid_out or self.specials is None or hidden_states.shape[0] != step.num_reqs:
-            if step is not None:
-                step.modes = None
+            self.step = None  # left to vLLM's sampler (sample() says None); no later forward may use it
             return self.logits_processor(self.lm_head, hidden_states)
         head = functools.partial(self.logits_processor, self.lm_head)
         logits, skipped = step.text_logits(self.slots, hidden_states, self.specials, head, self.cfg.text.vocab_size)
@@ -194,8 +192,8 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         return logits
 
     def _replayed_bridge_step(self, num_rows: int) -> None:
-        """A replayed FULL decode graph has one token per request, in batch order; its captured copies
-        refreshed the token buffers."""
+        """The bridge armed a step but our forward did not run: vLLM replayed a FULL decode graph (one token per
+        request, in batch order), whose captured copies refreshed the token buffers."""
         if num_rows != self.step.num_reqs:
             self.step = None
             return
@@ -230,8 +228,8 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
     # ------------------------------------------------------------------ publishing codes.audio
 
     def postprocess(self, hidden_states: Tensor, multimodal_outputs: Any = None, **_: Any) -> dict:
-        """vllm-omni: called once per request in batch order after sampling; this step's owned row."""
-        row = self.sampled.next_published() if self.sampled is not None else None
+        """vllm-omni, after sampling, per request it passes on: its owned row, named by its slice of the output."""
+        row = self.sampled.published_for(hidden_states) if self.sampled is not None else None
         return {"codes": {"audio": row}} if row is not None else {}
 
     def post_sample_multimodal_outputs(self, *, req_ids, invalid_req_indices=(), multimodal_outputs=None, **_):
@@ -247,6 +245,8 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
 
         if isinstance(model_outputs, OmniOutput):
             return model_outputs
+        if self.step is not None:  # what the runner slices for postprocess
+            self.step.output = model_outputs
         infos = compat.runner_infos(kwargs) or []
         codes = [(info.get("codes") or {}).get("audio") if isinstance(info, dict) else None for info in infos]
         rows = rows_or_empty(codes, self.cfg.num_codebooks)

@@ -2,9 +2,10 @@
 
 The vllm-omni runner does not run on CPU, so these tests build the adapter in-process with a real vLLM config
 (a one-rank gloo group) and call the runner's methods in its order: ``update_decode_step_metadata`` ->
-(forward) -> ``compute_logits`` -> ``sample`` -> ``postprocess`` / ``post_sample_multimodal_outputs`` ->
-``on_requests_finished``. Hidden rows are fed directly (no attention), one deterministic vector per request and
-step, so a request's codes must not depend on its batch neighbours or position.
+(forward) -> ``make_omni_output`` -> ``compute_logits`` -> ``sample`` -> ``postprocess`` (each request with its
+slice of the output) / ``post_sample_multimodal_outputs`` -> ``on_requests_finished``. Hidden rows are fed
+directly (no attention), one deterministic vector per request and step, so a request's codes must not depend on
+its batch neighbours or position. One test runs vllm-omni's own postprocess loop over the adapter.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import socket  # noqa: E402
 import zlib  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from higgs_talker.checkpoint import iter_tensors  # noqa: E402
@@ -111,13 +113,15 @@ class Driver:
             input_ids=torch.tensor(ids), positions=torch.tensor(pos), inputs_embeds=None,
             omni_query_start_loc=qsl, req_ids=list(req_ids),
         )  # fmt: skip
+        # the forward's output, one token per request
         hidden = torch.stack([_hidden(r, self.steps[r], m.cfg.text.hidden_size) for r in req_ids])
-        logits = m.compute_logits(hidden)
+        m.make_omni_output(hidden, model_intermediate_buffer=[{} for _ in req_ids])
+        logits = m.compute_logits(hidden.clone())  # the runner's hidden[logits_indices]
         out = m.sample(logits, _meta(len(req_ids)))
         for i, r in enumerate(req_ids):
             tok = int(out.sampled_token_ids[i, 0])
             self.tokens.setdefault(r, []).append(tok)
-            upd = m.postprocess(hidden)
+            upd = m.postprocess(hidden[i : i + 1])  # the runner passes each request its rows of the output
             if upd:
                 row = upd["codes"]["audio"]
                 assert row.shape == (1, 8) and row.dtype == torch.int32
@@ -241,6 +245,63 @@ def test_publication_is_owned_and_per_step(adapter):
     adapter.on_requests_finished({"O", "Q"})
 
 
+def test_postprocess_finds_each_request_when_the_runner_leaves_one_out(adapter):
+    """vllm-omni's runner (its own loop, ``_process_additional_information_updates``) calls postprocess only for
+    the requests whose payload goes on to another stage (``req_ids_filter``: a request whose final stage is Stage 0
+    is left out), each with its rows of the step's hidden states. A request after the one left out still gets its
+    own row, not its neighbour's."""
+    from vllm_omni.worker.gpu_model_runner import OmniGPUModelRunner
+
+    m, ids = adapter, ["K1", "K2", "K3"]
+    m.update_decode_step_metadata(
+        input_ids=torch.full((3,), m.specials.audio), positions=torch.full((3,), 5),
+        omni_query_start_loc=torch.arange(4), req_ids=ids,
+    )  # fmt: skip
+    hidden = torch.stack([_hidden(r, 0, m.cfg.text.hidden_size) for r in ids])  # the forward's output
+    m.make_omni_output(hidden, model_intermediate_buffer=[{}, {}, {}])
+    m.sample(m.compute_logits(hidden.clone()), _meta(3))
+    published = m.sampled.published
+    assert not torch.equal(published[1], published[2])  # a swap would show
+    runner = object.__new__(OmniGPUModelRunner)  # the loop needs only these
+    runner.model, runner.model_intermediate_buffer = m, {}
+    runner.requests = {r: SimpleNamespace() for r in ids}
+    runner._process_additional_information_updates(
+        hidden, None, np.ones(3, dtype=np.int32), None, req_ids_filter={"K1", "K3"}, req_ids=ids,
+        query_start_loc_cpu=torch.arange(4),
+    )  # fmt: skip
+    buffer = runner.model_intermediate_buffer
+    assert set(buffer) == {"K1", "K3"}
+    assert torch.equal(buffer["K1"]["codes"]["audio"], published[0])
+    assert torch.equal(buffer["K3"]["codes"]["audio"], published[2])
+    with pytest.raises(ValueError, match="K1, K2, K3"):  # rows that are no request's: said, not guessed
+        m.postprocess(hidden.clone()[1:2])
+    m.on_requests_finished(set(ids))
+
+
+def test_a_step_left_to_vllms_sampler_is_not_used_by_a_later_forward(adapter, monkeypatch):
+    """compute_logits falls back to plain logits (here: more rows than the step has requests), so sample() leaves
+    the step to vLLM's sampler. A later forward without fresh step metadata (a dummy run) must not lay that old
+    step's code rows over its tokens, and postprocess publishes nothing for it."""
+    m = adapter
+    monkeypatch.setattr(m.local_mlp, "forward", lambda positions, embeds, pure_decode: embeds)  # no attention here
+    calls = []
+    real = SpanStep.prompt_rows
+    monkeypatch.setattr(SpanStep, "prompt_rows", lambda step, *a: calls.append(step) or real(step, *a))
+    Driver(m).step(["D0"])  # a sampled step before: its rows must not be published again
+    ids, pos = torch.tensor([1, 2, m.specials.audio]), torch.arange(3)
+    m.update_decode_step_metadata(
+        input_ids=ids, positions=pos, omni_query_start_loc=torch.tensor([0, 3]), req_ids=["D"]
+    )  # fmt: skip
+    hidden = m.forward(ids, pos)
+    assert len(calls) == 1  # a prefill step: its prompt rows are laid
+    m.make_omni_output(hidden)
+    assert m.sample(m.compute_logits(hidden[:2]), _meta(2)) is None
+    assert m.postprocess(hidden[:3]) == {}
+    m.forward(ids, pos)  # a dummy run: no update_decode_step_metadata before it
+    assert len(calls) == 1 and m.step is None
+    m.on_requests_finished({"D0", "D"})
+
+
 def test_feedback_replaces_only_decode_tokens_of_streams(adapter):
     d = Driver(adapter)
     d.step(["F"])  # F now has a frame to feed back
@@ -281,6 +342,45 @@ def test_voice_clone_reference_rows_replace_placeholders_by_position(adapter):
                 assert torch.allclose(out[j], m.multimodal_embedding(ref[p - 2][None])[0])
             else:
                 assert torch.equal(out[j], embeds[j])
+
+
+class _Elsewhere(torch.Tensor):
+    """A CPU tensor playing one on another device (a runner that keeps ``audio_input_ids`` on the GPU): what is
+    computed from it stays there, ``.to(device)`` brings it over, and ``torch.cat`` refuses to mix it with local
+    tensors, as torch does across devices."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.cat and len({isinstance(t, cls) for t in (args[0] if args else kwargs["tensors"])}) > 1:
+            raise RuntimeError("Expected all tensors to be on the same device")
+        out = super().__torch_function__(func, types, args, kwargs)
+        if func is torch.Tensor.to and ("device" in kwargs or any(isinstance(a, torch.device) for a in args[1:])):
+            with torch._C.DisableTorchFunctionSubclass():
+                return out.as_subclass(torch.Tensor)
+        return out
+
+
+def test_reference_and_recorded_rows_from_different_devices_embed_together(adapter):
+    """A preempted voice-clone request recomputed from position 0 in one prefill: its reference rows (on another
+    device here) and the rows it was fed (recorded on the CPU) both land at their positions."""
+    m = adapter
+    d = Driver(m)
+    for _ in range(3):
+        d.step(["W"])  # the prompt's <|audio|> at 5 opened the stream: rows 0-2 are fed at positions 6-8
+    req = m.slots.requests["W"]
+    ref = torch.randint(0, 1024, (2, 8), generator=torch.Generator().manual_seed(4))
+    info = {"audio_input_ids": ref.as_subclass(_Elsewhere), "audio_placeholder_positions": torch.tensor([1, 2])}
+    ids = torch.full((9,), m.specials.tts)
+    step = SpanStep(["W"], slots=torch.tensor([req.slot]), qsl=torch.tensor([0, 9]), input_ids=ids,
+                    positions=torch.arange(9))  # fmt: skip
+    embeds = m.embed_input_ids(ids)
+    out, refed = step.prompt_rows(m.slots, [info], embeds, m.multimodal_embedding)
+    assert refed == 3 and type(out) is torch.Tensor
+    for p, row in ((1, ref[0]), (2, ref[1]), (6, req.rows[0]), (7, req.rows[1]), (8, req.rows[2])):
+        assert torch.allclose(out[p], m.multimodal_embedding(row.long()[None])[0])
+    assert torch.equal(out[[0, 3, 4, 5]], embeds[[0, 3, 4, 5]])
+    m.on_requests_finished({"W"})
 
 
 def test_load_weights_rejects_unexpected_and_missing_keys(adapter, tiny_dir):
