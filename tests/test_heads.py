@@ -1217,6 +1217,49 @@ def test_reference_rows_read_a_voice_clone_info():
     assert all(reference_rows(infos, N, i) is None for i in (1, 2, 3, 4))
 
 
+def test_placeholder_prompts_place_reference_rows_as_explicit_positions_do(caplog):
+    """vllm-omni 0.26 passes a voice clone's rows without positions and marks them with -100 tokens in the prompt:
+    every way the prompt can be chunked (whole, the run split over three chunks, a chunk boundary right at the run's
+    start, a prefix-cache hit that begins inside the run) embeds each row where the explicit positions of vllm-omni
+    0.30 put it; a masked row leaves the run's last placeholder unfilled (the kept rows fill the first ones), and
+    a first span of placeholders only, its start skipped by a cache hit, places nothing (and warns)."""
+    from higgs_talker.heads.slots import RequestSlots, SlotStore
+    from higgs_talker.heads.spans import PLACEHOLDER, SpanStep
+
+    r = 5
+    ids = torch.tensor([11, 12] + [PLACEHOLDER] * r + [13, 14, 15, 16])  # tts, ref_audio, run, text, words, audio
+    rows = torch.arange(r * N).reshape(r, N) % 1000
+    embedding = lambda codes: codes.float().sum(-1, keepdim=True).expand(-1, 2)  # noqa: E731
+    legacy = {"audio_input_ids": [rows], "audio_input_ids_mask": torch.ones(r, dtype=torch.bool)}
+    explicit = {"audio_input_ids": rows, "audio_placeholder_positions": torch.arange(2, 2 + r)}
+
+    def run(info: dict, cuts: list[int], first: int = 0) -> torch.Tensor:
+        """The request's prompt from ``first`` on, prefilled in chunks ending at ``cuts``: each position's embedding."""
+        slots = RequestSlots(SlotStore(2, N, V, BOC, EOC, torch.device("cpu")), seed=0)
+        out, begin = torch.full((ids.numel(),), -1.0), first
+        for k, end in enumerate(cuts):
+            s, new = slots.sync(["req"])
+            assert new == ([0] if k == 0 else [])
+            step = SpanStep(["req"], slots=s, qsl=torch.tensor([0, end - begin]), input_ids=ids[begin:end],
+                            positions=torch.arange(begin, end), new_rows=new)  # fmt: skip
+            embeds, _ = step.prompt_rows(slots, [info], torch.full((end - begin, 2), -1.0), embedding)
+            out[begin:end] = embeds[:, 0]
+            begin = end
+        return out
+
+    want = run(explicit, [ids.numel()])
+    assert torch.equal(want[2 : 2 + r], rows.sum(-1).float()) and (want[[0, 1, 7, 8, 9, 10]] == -1).all()
+    for cuts, first in [([11], 0), ([4, 6, 11], 0), ([2, 4, 11], 0), ([11], 4), ([9, 11], 3)]:
+        assert torch.equal(run(legacy, cuts, first)[first:], want[first:]), (cuts, first)
+    masked = legacy | {"audio_input_ids_mask": torch.tensor([True, False, True, True, True])}
+    got = run(masked, [4, 11])
+    assert torch.equal(got[2:6], rows[[0, 2, 3, 4]].sum(-1).float()) and got[6] == -1  # upstream's first R
+    with caplog.at_level(logging.WARNING):
+        skipped = run(legacy, [5, 11], 3)
+    assert (skipped[3:5] == -1).all() and torch.equal(skipped[5:], want[5:])  # the next chunk counts back
+    assert "neither end" in caplog.text
+
+
 def test_span_step_prompt_rows_place_reference_and_refed_rows_in_multi_token_spans():
     """A multi-token span embeds a voice clone's reference rows at their placeholder positions and, for a
     request recomputed after a preemption, row j of what it produced at ``seed_pos + 1 + j`` (counted as re-fed);

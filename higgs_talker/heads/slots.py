@@ -240,6 +240,10 @@ class HostRequest:
     rows: list[Tensor] = field(default_factory=list)  # each [C] int32 CPU, owned
     active: bool = False  # in an audio stream (mirrors has_codes after the last sample)
     done: bool = False  # terminal row emitted; the next text token is EOS
+    # a voice clone whose prompt marks its rows with placeholder tokens (heads.spans.placeholder_positions): the
+    # run's first prompt position once known, and the last token of the request's latest prefill chunk
+    reference_start: int | None = None
+    prompt_tail: int | None = None
 
 
 class RequestSlots:

@@ -19,7 +19,7 @@ from torch import Tensor
 from .codebooks import embed_rows, feed_back, rows_at
 from .delay import forced_text_tokens
 from .sampling import resolve_seed
-from .slots import RequestSlots, sample_frame
+from .slots import HostRequest, RequestSlots, sample_frame
 
 if TYPE_CHECKING:
     from ..config import SpecialTokens
@@ -165,6 +165,10 @@ class SpanStep:
             )
         return self.published[i]
 
+    def span(self, start: int, end: int) -> tuple[Tensor, Tensor]:
+        """(input_ids, positions) [end - start] of the step's tokens ``start:end``."""
+        return self.input_ids[start:end], self.positions[start:end]
+
     def prompt_rows(self, slots: RequestSlots, infos: list, embeds: Tensor, embedding) -> tuple[Tensor, int]:
         """Multi-token spans embed code rows at their positions (SPEC 3.4): request i's voice-clone rows
         (``reference_rows`` of ``infos``, in batch order) and, where a preempted request is recomputed from
@@ -177,8 +181,8 @@ class SpanStep:
             start, end = qsl[i], qsl[i + 1]
             if end - start <= 1:  # a decode step: the feedback covers it
                 continue
-            sources = [reference_rows(infos, slots.store.num_codebooks, i)]
             req = slots.requests.get(rid)
+            sources = [reference_rows(infos, slots.store.num_codebooks, i, self.span(start, end), req)]
             if req is not None and req.rows:
                 first = int(slots.seed_pos[req.slot]) + 1
                 sources.append((torch.arange(first, first + len(req.rows)), torch.stack(req.rows)))
@@ -260,28 +264,79 @@ def rows_or_empty(rows: list, num_codebooks: int) -> list[Tensor]:
     return [r if isinstance(r, Tensor) and r.numel() else empty for r in rows]
 
 
-def reference_rows(infos: list, num_codebooks: int, i: int) -> tuple[Tensor, Tensor] | None:
+def reference_rows(
+    infos: list,
+    num_codebooks: int,
+    i: int,
+    span: tuple[Tensor, Tensor] | None = None,
+    req: HostRequest | None = None,
+) -> tuple[Tensor, Tensor] | None:
     """(placeholder positions [R] int64, reference rows [R, C] int64) of request i's voice-clone info, or None.
 
     An info is vllm-omni's per-request dict (the bridge builds the same): ``audio_input_ids`` [R, C] (or a
-    one-element list of it), ``audio_placeholder_positions`` [R] and optionally ``audio_input_ids_mask`` [R] bool,
-    the rows to keep. Rows and positions that do not pair up are skipped rather than placed at a guess.
+    one-element list of it), optionally ``audio_input_ids_mask`` [R] bool (the rows to keep) and
+    ``audio_placeholder_positions`` [R] (vllm-omni 0.30, the bridge). Without positions (vllm-omni 0.26) the
+    prompt marks the rows with ``PLACEHOLDER`` tokens: ``placeholder_positions`` finds them in ``span``, the
+    request's scheduled (input_ids, positions), keeping what it learns on ``req``. Rows and positions
+    that do not pair up are skipped rather than placed at a guess.
     """
     info = infos[i] if i < len(infos) else None
     if not isinstance(info, dict) or info.get("audio_input_ids") is None:
         return None
-    codes, where = info["audio_input_ids"], info.get("audio_placeholder_positions")
+    codes, where, mask = (_unwrapped(info.get(k)) for k in ("audio_input_ids", "audio_placeholder_positions",
+                                                             "audio_input_ids_mask"))  # fmt: skip
+    codes = torch.as_tensor(codes).reshape(-1, num_codebooks).long()
+    mask = None if mask is None else torch.as_tensor(mask).reshape(-1).bool()
     if where is None:
-        return None
-    codes = torch.as_tensor(codes[0] if isinstance(codes, list) and len(codes) == 1 else codes)
-    codes, where = codes.reshape(-1, num_codebooks).long(), torch.as_tensor(where).reshape(-1).long()
-    if info.get("audio_input_ids_mask") is not None:
-        mask = torch.as_tensor(info["audio_input_ids_mask"]).reshape(-1).bool()
+        codes = codes if mask is None else codes[mask.to(codes.device)]
+        where = None if span is None else placeholder_positions(*span, codes.shape[0], req)
+        return None if where is None else (where, codes)
+    where = torch.as_tensor(where).reshape(-1).long()
+    if mask is not None:
         codes, where = codes[mask.to(codes.device)], where[mask.to(where.device)]
     if where.numel() != codes.shape[0]:
         logger.debug("reference rows (%d) and placeholder positions (%d) differ: skipped", len(codes), len(where))
         return None
     return where, codes
+
+
+def _unwrapped(value):
+    """A runner's per-request tensor, which serialization may have wrapped in a one-element list."""
+    return value[0] if isinstance(value, list) and len(value) == 1 and isinstance(value[0], Tensor) else value
+
+
+PLACEHOLDER = -100  # the token id that stands for a reference row in vllm-omni 0.26's voice-clone prompts
+
+
+def placeholder_positions(input_ids: Tensor, positions: Tensor, count: int, req: HostRequest | None) -> Tensor | None:
+    """Prompt positions [count] of a voice clone's rows where its prompt marks them with ``PLACEHOLDER`` tokens,
+    from one scheduled span of the request (input_ids, positions [S]), or None where the span shows none.
+
+    The placeholders are one run and row j sits at the run's start + j. A prefill runs in prompt order, so the
+    first span with a placeholder holds the run's start unless a prefix-cache hit skipped it: the start is that
+    span's first placeholder when a token comes before it (in the span, or last in the request's previous span),
+    else it is counted back from the run's end (a token after it in the span). ``req`` keeps the start for the
+    request's later chunks (and a recompute after a preemption), and each span's last token. A span of
+    placeholders only whose start is unknown places nothing, with a warning.
+    """
+    if req is not None and req.reference_start is not None:
+        return torch.arange(req.reference_start, req.reference_start + count)
+    before = None if req is None else req.prompt_tail
+    if req is not None:
+        req.prompt_tail = int(input_ids[-1])
+    tok = torch.nonzero(input_ids == PLACEHOLDER).flatten().tolist()
+    if not tok:
+        return None
+    if tok[0] > 0 or before not in (None, PLACEHOLDER):
+        start = int(positions[tok[0]])
+    elif tok[-1] + 1 < input_ids.shape[0]:
+        start = int(positions[tok[-1]]) - count + 1
+    else:
+        logger.warning("a chunk of voice-clone placeholders shows neither end of their run: rows not placed")
+        return None
+    if req is not None:
+        req.reference_start = start
+    return torch.arange(start, start + count)
 
 
 def force_text_logits(logits: Tensor, modes: RowModes) -> Tensor:
