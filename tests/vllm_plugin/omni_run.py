@@ -1,8 +1,10 @@
 """Run spec requests through vllm-omni's offline ``Omni`` (both stages) and save each request's audio.
 
 Run as a script (``Omni`` starts its own stage processes): ``python omni_run.py CKPT YAML SPEC_JSON OUT_DIR``.
-SPEC_JSON is a list of ``{"key", "text", "max_tokens", "temperature", "top_k", "top_p", "seed"}`` (a missing
-sampling key keeps the deploy profile's); each request runs alone, one after another. Each audio goes to
+SPEC_JSON is a list of ``{"key", "text", "max_tokens", "temperature", "top_k", "top_p", "seed", "ref_codes"}`` (a
+missing sampling key keeps the deploy profile's; ``ref_codes``, aligned codes [T, C], makes the request a voice
+clone, sent as vllm-omni 0.26's speech endpoint sends one: -100 placeholders in the prompt, the delayed rows in
+``additional_information`` without positions); each request runs alone, one after another. Each audio goes to
 ``OUT_DIR/<key>.pt`` (float32 [S]); prints ``RESULT:`` and ``{"results": [{"key", "samples", "outputs"}]}``.
 """
 
@@ -16,7 +18,7 @@ from pathlib import Path
 def main(ckpt: str, yaml_path: str, spec: list[dict], out_dir: Path) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import torch
-    from bench_omni import audio_of, prompt_ids, stage_params
+    from bench_omni import audio_of, stage_params
     from vllm_omni import Omni
 
     omni = Omni(model=ckpt, deploy_config=yaml_path, stage_init_timeout=600)
@@ -28,7 +30,7 @@ def main(ckpt: str, yaml_path: str, spec: list[dict], out_dir: Path) -> dict:
             for key in ("top_k", "top_p"):
                 if key in r:
                     setattr(params[0], key, r[key])
-            outs = list(omni.generate([{"prompt_token_ids": prompt_ids(ckpt, r["text"])}], params, use_tqdm=False))
+            outs = list(omni.generate([omni_prompt(ckpt, r)], params, use_tqdm=False))
             chunks = [a for a in (audio_of(o) for o in outs) if a is not None]
             audio = chunks[-1] if chunks else torch.zeros(0)  # FINAL_ONLY: the last output holds the whole audio
             torch.save(audio, out_dir / f"{r['key']}.pt")
@@ -36,6 +38,26 @@ def main(ckpt: str, yaml_path: str, spec: list[dict], out_dir: Path) -> dict:
     finally:
         omni.close()
     return {"results": results}
+
+
+def omni_prompt(ckpt: str, r: dict) -> dict:
+    """The offline prompt of spec request ``r``: its token ids, and for a voice clone the placeholders and rows."""
+    import torch
+
+    from higgs_talker.config import TalkerConfig
+    from higgs_talker.heads.spans import PLACEHOLDER
+    from higgs_talker.prompt import TalkerTokenizer
+
+    cfg = TalkerConfig.from_pretrained(ckpt)
+    codes = torch.tensor(r["ref_codes"]) if r.get("ref_codes") is not None else None
+    prompt = TalkerTokenizer.from_pretrained(ckpt, cfg).build(r["text"], codes, None, cfg)
+    if prompt.audio_codes is None:
+        return {"prompt_token_ids": prompt.input_ids.tolist()}
+    ids = prompt.input_ids.clone()
+    ids[prompt.audio_positions] = PLACEHOLDER
+    rows = prompt.audio_codes.long()
+    info = {"audio_input_ids": rows, "audio_input_ids_mask": torch.ones(rows.shape[0], dtype=torch.bool)}
+    return {"prompt_token_ids": ids.tolist(), "additional_information": info}
 
 
 if __name__ == "__main__":

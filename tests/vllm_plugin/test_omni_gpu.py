@@ -7,7 +7,8 @@ A small checkpoint (head_dim 64, bf16 talker, EOC pushed down) with the real-lay
 (``benchmarks/omni_checkpoint.py``) runs through ``Omni(model, deploy_config)`` in both of our deploy profiles
 (``omni_run.py`` in its own process), Stage 1 in float32:
 
-- offline, greedy and seeded top-k/top-p requests: the audio equals our direct engine's codes (same GPU, bf16,
+- offline, greedy and seeded top-k/top-p requests and a voice clone (sent as vllm-omni 0.26's speech endpoint
+  sends one: -100 placeholders, rows without positions): the audio equals our direct engine's codes (same GPU, bf16,
   eager) streamed through our codec with vllm-omni's chunking, within float tolerance (TF32 convolutions); where
   the audio parts, the direct engine must have a near tie (bf16: two codes within the measured score error,
   ``_reference_check``) at a frame within the decoder's reach of where it parts;
@@ -37,7 +38,7 @@ from _served import run_served  # noqa: E402
 from bench_omni import deploy_yaml, derived_yaml, start_server, stop_server, talker_env  # noqa: E402
 from omni_checkpoint import write_omni_checkpoint  # noqa: E402
 
-from higgs_talker import HiggsTalker, SamplingParams  # noqa: E402
+from higgs_talker import HiggsTalker, Reference, SamplingParams  # noqa: E402
 from higgs_talker.codec import UPSTREAM_CHUNKING, Codec  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("omni_run.py")
@@ -50,6 +51,8 @@ SPEC = [
      "max_tokens": 40},
     {"key": "deploy", "text": "The deploy sampling, seeded.", "seed": 11, "max_tokens": 45},
     {"key": "short", "text": "Short.", "temperature": 0.0, "max_tokens": 12},
+    {"key": "clone", "text": "A cloned voice says this.", "temperature": 0.0, "max_tokens": 40,
+     "ref_codes": torch.randint(0, 1024, (12, 8), generator=torch.Generator().manual_seed(3)).tolist()},
 ]  # fmt: skip
 PROFILES = ("low_latency", "high_throughput")
 # Stage 0 sized for the small checkpoint; Stage 1 in float32, as our codec decodes
@@ -108,6 +111,12 @@ def codec(ckpt) -> Codec:
     return Codec.from_pretrained(ckpt, device="cuda")  # float32, as Stage 1 runs in STAGES
 
 
+def reference_of(spec: dict) -> Reference | None:
+    """A clone request's voice: its aligned codes [T, C] (vllm-omni gets the same rows, delayed, at -100
+    placeholders: ``omni_run.omni_prompt``)."""
+    return Reference(codes=torch.tensor(spec["ref_codes"])) if spec.get("ref_codes") is not None else None
+
+
 def params_of(spec: dict, solo: HiggsTalker) -> SamplingParams:
     chosen = DEPLOY | {k: spec[k] for k in ("temperature", "top_k", "top_p") if k in spec}
     return SamplingParams(temperature=chosen["temperature"], top_k=chosen["top_k"], top_p=chosen["top_p"],
@@ -121,7 +130,7 @@ def direct(solo: HiggsTalker, codec: Codec, spec: dict) -> tuple[torch.Tensor, t
     next forward, so the row sampled on the step that reaches ``max_tokens`` never reaches Stage 1 (SPEC 4.10;
     seen on the H200: 70 / 40 / 45 / 12 tokens gave 61 / 31 / 36 / 3 frames, the direct engine's 62 / 32 / 37 / 4
     less one). Those requests never end on EOC here (the checkpoint pushes EOC down), so each is cut."""
-    result = solo.generate(spec["text"], params_of(spec, solo))
+    result = solo.generate(spec["text"], params_of(spec, solo), reference=reference_of(spec))
     frames = result.codes
     if len(result.rows) == spec["max_tokens"]:  # cut by max_tokens: its last row is never published
         frames = frames[:-1]
@@ -135,7 +144,7 @@ def direct(solo: HiggsTalker, codec: Codec, spec: dict) -> tuple[torch.Tensor, t
 def near_tie_within_reach(solo: HiggsTalker, spec: dict, rows: torch.Tensor, frame: int) -> bool:
     """Whether the direct engine, teacher-forced on its own rows, ranked two codes within the measured bf16 score
     error at a row whose frame (row - codebook) lies within the decoder's reach of ``frame``."""
-    prompt = solo.build_prompt(spec["text"], None)
+    prompt = solo.build_prompt(spec["text"], reference_of(spec))
     forced = teacher_forced(solo, prompt, params_of(spec, solo), rows)
     best2 = forced["scores"].float().topk(2, dim=-1).values  # [T, C, 2]
     gap = best2[..., 0] - best2[..., 1]
