@@ -1,0 +1,258 @@
+"""Step-timing probe: where a decode step's time goes inside a vLLM / vllm-omni worker that runs the talker.
+
+Installed in every Python process by this folder's ``sitecustomize.py`` when ``HIGGS_STEP_TIMING_DIR`` is set and
+the folder is on ``PYTHONPATH`` (inherited by the processes vLLM and vllm-omni spawn: engine core, Stage-0
+worker). An import hook on ``sys.meta_path`` wraps the entry points of the classes in ``TARGETS`` when their
+module is imported: our talker (``higgs_talker.vllm_plugin.talker``), the text-only bridge that drives it under
+plain vLLM, and vllm-omni's in-tree talker (``bench_omni.py --talkers upstream``). Nothing is imported eagerly; a
+process that never imports those modules only pays one dict lookup per import.
+
+Per step of the worker, wall clock (``time.perf_counter``):
+- ``interval``: from the step's first entry point to the next step's: one turn of the worker's loop, runner and
+  scheduler included. Intervals over ``HIGGS_STEP_TIMING_IDLE_S`` (1 s) are counted as idle gaps, not timed;
+- each entry point's host time (top-level calls only: one called inside another, e.g. ``embed_input_ids`` in
+  ``forward`` or ``set_bridge_requests`` in the bridge's ``update_state``, is its caller's time); ``ours`` is their
+  sum, ``probe`` the probe's own bookkeeping (flushes included), ``remainder = interval - ours - probe``: what
+  vLLM / vllm-omni's runner, scheduler and process hops cost between our calls.
+On CUDA, ``torch.cuda.Event`` pairs recorded without synchronizing (none while a stream captures a graph) and read
+only when a summary is written: ``forward_cuda`` (the device span of our Python ``forward``; a replayed vLLM
+graph runs no Python forward) and ``step_cuda`` (from the step's first entry point to the end of its sampling).
+
+A step opens at an entry point whose rank (``RANKS``: the runners' order within a step) is not above the last
+one the open step saw; it is a real step when ``compute_logits`` ran and it had requests (named by
+``prepare_runner_inputs`` / ``update_decode_step_metadata`` / ``set_bridge_requests``; for a class that names none,
+the rows of ``compute_logits``). Kinds: ``decode`` (one token per request), ``prefill`` (some request more),
+``replayed`` (no Python forward and no token count: a replayed FULL decode graph), ``other`` (dummy, profile and
+capture runs); categories split them by batch size (1, 2-3, 4-7, ...).
+
+Output: ``$HIGGS_STEP_TIMING_DIR/steps_<pid>.json`` (atomically replaced) after the first real step, then when
+``HIGGS_STEP_TIMING_EVERY`` (100) real steps and ``HIGGS_STEP_TIMING_FLUSH_S`` (2 s) have passed since the last
+write, and at exit (atexit and multiprocessing's finalizers; a process killed outright loses the steps since its
+last write, ``"final": false``; ``higgs_step_record`` keeps the steps and writes). ``summarize.py DIR`` prints the
+tables.
+
+Limits: the remainder is not broken down (runner, scheduler, process hops); a replayed graph's inside and the GPU's
+idle time inside an event span are not seen; an entry point that waits for the GPU (``sample`` copies the codes to
+the host) counts the wait as host time; the entry points are assumed to be called from one thread (vLLM's and
+vllm-omni's runners do); the per-step records stay in memory (a few hundred bytes a step) and a write re-summarises
+the categories that changed (on the 2-core CPU machine 83 ms for one category of 20,000 steps: probe time).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import importlib.abc
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from higgs_step_record import Recorder, Step
+
+RUNNER_CONTRACT = (
+    "prepare_runner_inputs", "update_decode_step_metadata", "set_bridge_requests", "embed_input_ids", "forward",
+    "make_omni_output", "compute_logits", "sample", "sample_codes", "postprocess", "post_sample_multimodal_outputs",
+    "on_requests_finished", "on_requests_removed",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Target:
+    cls: str
+    methods: tuple[str, ...]
+    names_requests: bool  # tells which requests a step holds (else the batch is the rows of compute_logits)
+    is_model: bool = True  # count its instances
+
+
+TARGETS = {
+    "higgs_talker.vllm_plugin.talker": Target("HiggsTalkerForConditionalGeneration", RUNNER_CONTRACT, True),
+    "higgs_talker.vllm_plugin.bridge": Target("TextOnlyBridge", ("update_state", "apply"), True, is_model=False),
+    "vllm_omni.model_executor.models.higgs_audio_v3.higgs_audio_v3_talker": Target(
+        "HiggsAudioV3TalkerForConditionalGeneration", RUNNER_CONTRACT, False
+    ),
+}
+# the order of the once-a-step entry points within a step (vllm-omni's AR runner, plain vLLM with the bridge);
+# the others (postprocess per request, make_omni_output, on_requests_*) belong to the step they fall in
+RANKS = {"update_state": 0, "set_bridge_requests": 1, "embed_input_ids": 2, "prepare_runner_inputs": 3,
+         "update_decode_step_metadata": 4, "forward": 5, "compute_logits": 6, "sample": 7, "apply": 7,
+         "sample_codes": 8}  # fmt: skip
+MODEL_END = frozenset(("compute_logits", "sample", "sample_codes", "apply"))  # step_cuda ends after the last of these
+
+_settings: dict[str, Any] = {}
+_recorder: Recorder | None = None  # this process's; None until its first entry point, and again after a fork
+
+
+def install(out_dir: str) -> None:
+    """Put the import hook first on ``sys.meta_path`` (once); summaries go to ``out_dir``."""
+    if any(isinstance(f, _Finder) for f in sys.meta_path):
+        return
+    _settings.update(dir=out_dir, every=int(os.environ.get("HIGGS_STEP_TIMING_EVERY", "100")),
+                     flush_s=float(os.environ.get("HIGGS_STEP_TIMING_FLUSH_S", "2")),
+                     idle_s=float(os.environ.get("HIGGS_STEP_TIMING_IDLE_S", "1")))  # fmt: skip
+    sys.meta_path.insert(0, _Finder())
+    os.register_at_fork(after_in_child=_forget)
+
+
+def _forget() -> None:
+    global _recorder
+    _recorder = None  # a forked child starts its own record (the patched classes stay patched)
+
+
+def _get_recorder() -> Recorder:
+    global _recorder
+    if _recorder is None:
+        import multiprocessing.util
+
+        _recorder = Recorder(_settings["dir"], _settings["every"], _settings["flush_s"], _settings["idle_s"],
+                             _settings.setdefault("classes", []))  # fmt: skip
+        atexit.register(_final_flush)
+        multiprocessing.util.Finalize(None, _final_flush, exitpriority=100)  # a multiprocessing child's exit
+    return _recorder
+
+
+def _final_flush() -> None:
+    if _recorder is not None and _recorder.pid == os.getpid():
+        _recorder.flush(final=True)
+
+
+# ---------------------------------------------------------------------------------------------------- import hook
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds a target module with the finders after it and wraps its loader, which patches the module's class."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in TARGETS:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader, TARGETS[fullname])
+                return spec
+        return None
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader, target: Target) -> None:
+        self.loader, self.target = loader, target
+
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)  # get_source, get_code, is_package ... as the real loader has them
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        patch(getattr(module, self.target.cls), self.target)
+
+
+def patch(cls: type, target: Target) -> None:
+    """Wrap the target's entry points that ``cls`` has (and count instances of a model class)."""
+    for name in target.methods:
+        fn = getattr(cls, name, None)
+        if callable(fn):
+            setattr(cls, name, _timed(name, fn, target.names_requests))
+    if target.is_model:
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def counted_init(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            _get_recorder().instances += 1
+
+        cls.__init__ = counted_init
+    _settings.setdefault("classes", []).append(f"{cls.__module__}:{cls.__qualname__}")
+
+
+def _timed(name: str, fn, names_requests: bool):
+    rank, observe, model_end = RANKS.get(name), OBSERVERS.get(name), name in MODEL_END
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        rec = _recorder or _get_recorder()
+        if rec.depth:  # inside another entry point: its caller's time, but it may say what the step holds
+            if observe is not None:
+                observe(rec.step, names_requests, args, kwargs)
+            return fn(*args, **kwargs)
+        t0 = time.perf_counter()
+        step = rec.enter(rank, t0)
+        if observe is not None:
+            observe(step, names_requests, args, kwargs)
+        if name == "forward":
+            step.forward = True
+            rec.record(step, "forward")
+        rec.depth = 1
+        t1 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            t2 = time.perf_counter()
+            rec.depth = 0
+            step.spent[name] = step.spent.get(name, 0.0) + (t2 - t1)
+            step.calls[name] = step.calls.get(name, 0) + 1
+            if name == "forward":
+                rec.record(step, "forward_end")
+            elif model_end:
+                step.logits |= name == "compute_logits"
+                rec.record(step, "end")
+            step.probe += (t1 - t0) + (time.perf_counter() - t2)
+
+    return wrapper
+
+
+# ---------------------------------------------------------------------------------------------------- observers
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str):
+    """Argument ``name`` of an entry point call, passed by keyword or at ``index`` (``self`` is 0), or None."""
+    return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
+
+
+def _name_requests(step: Step, req_ids) -> None:
+    if req_ids is not None:
+        step.batch, step.named = len(req_ids), True
+
+
+def _runner_inputs(step: Step, names_requests: bool, args: tuple, kwargs: dict) -> None:
+    """vllm-omni's AR runner: the step's request ids and tokens per request (a host array: no sync)."""
+    _name_requests(step, kwargs.get("req_ids"))
+    counts = kwargs.get("num_scheduled_tokens")
+    if counts is not None and not getattr(counts, "is_cuda", False):
+        counts = counts.tolist() if hasattr(counts, "tolist") else list(counts)
+        step.tokens, step.longest = sum(counts), max(counts, default=0)
+
+
+def _decode_metadata(step: Step, names_requests: bool, args: tuple, kwargs: dict) -> None:
+    _name_requests(step, kwargs.get("req_ids"))
+
+
+def _bridge_requests(step: Step, names_requests: bool, args: tuple, kwargs: dict) -> None:
+    _name_requests(step, _arg(args, kwargs, 1, "req_ids"))
+
+
+def _forward(step: Step, names_requests: bool, args: tuple, kwargs: dict) -> None:
+    """The tokens the forward got (padded where vLLM pads for a graph); the runner's counts win."""
+    if step.tokens is None:
+        positions = _arg(args, kwargs, 2, "positions")  # [T], or [3, T] for M-RoPE
+        embeds = kwargs.get("inputs_embeds")  # [T, H]
+        if positions is not None:
+            step.tokens = int(positions.shape[-1])
+        elif embeds is not None:
+            step.tokens = int(embeds.shape[0])
+
+
+def _logits(step: Step, names_requests: bool, args: tuple, kwargs: dict) -> None:
+    if not names_requests and not step.named:
+        hidden = _arg(args, kwargs, 1, "hidden_states")
+        step.batch = int(hidden.shape[0]) if hidden is not None else 0
+
+
+OBSERVERS = {"prepare_runner_inputs": _runner_inputs, "update_decode_step_metadata": _decode_metadata,
+             "set_bridge_requests": _bridge_requests, "forward": _forward, "compute_logits": _logits}  # fmt: skip

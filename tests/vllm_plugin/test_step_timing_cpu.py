@@ -1,0 +1,223 @@
+"""The step-timing probe (``benchmarks/probes/step_timing``) on CPU.
+
+``serve_tiny.py`` in a subprocess with the probe on and vLLM's engine in its own processes
+(``VLLM_ENABLE_V1_MULTIPROCESSING=1``): the summary must come from the process that built the talker, not the one
+that started it, and its steps must account for every generated token. vllm-omni's runner does not run on CPU, so
+its call order (with CUDA events, faked) is driven directly on a stand-in model.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm.config")
+
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+PROBE = Path(__file__).resolve().parents[2] / "benchmarks" / "probes" / "step_timing"
+SCRIPT = Path(__file__).with_name("serve_tiny.py")
+SPEC = [
+    {"key": "a", "text": "Hello there, request one.", "max_tokens": 40},
+    {"key": "b", "text": "Hello there, request number two.", "max_tokens": 40},
+    {"key": "c", "text": "Third.", "temperature": 1.0, "seed": 5, "max_tokens": 24},
+]
+
+
+def probe_env(out: Path, **extra: str) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(PROBE), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "HIGGS_STEP_TIMING_DIR": str(out), **extra}
+
+
+def real(categories: dict) -> dict:
+    return {name: c for name, c in categories.items() if name != "other"}
+
+
+def test_the_engine_process_writes_its_steps(tiny_dir, tmp_path):
+    out = tmp_path / "steps"
+    env = probe_env(out, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1",
+                    HIGGS_STEP_TIMING_EVERY="10", HIGGS_STEP_TIMING_FLUSH_S="0")  # fmt: skip
+    cmd = [sys.executable, str(SCRIPT), str(tiny_dir), json.dumps(SPEC)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    stdout, stderr = proc.communicate(timeout=300)
+    lines = [x for x in stdout.splitlines() if x.startswith("RESULT:")]
+    assert proc.returncode == 0 and lines, stderr[-4000:]
+    tokens = [len(r["token_ids"]) for r in json.loads(lines[0][len("RESULT:") :])["results"]]
+
+    files = list(out.glob("steps_*.json"))
+    assert len(files) == 1, files  # one process ran the talker
+    data = json.loads(files[0].read_text())
+    assert data["pid"] != proc.pid  # vLLM's engine process, not the script's
+    assert data["instances"] == 1 and data["final"]
+    assert "higgs_talker.vllm_plugin.talker:HiggsTalkerForConditionalGeneration" in data["classes"]
+    cats = real(data["categories"])
+    assert sum(c["rows"] for c in cats.values()) == sum(tokens)  # one sampled row per generated token
+    decode = {name: c for name, c in cats.items() if name.startswith("decode")}
+    decode_steps = sum(c["steps"] for c in decode.values())
+    assert max(tokens) - len(SPEC) <= decode_steps <= sum(tokens) - len(SPEC), (decode_steps, tokens)
+    for name, c in decode.items():
+        assert c["tokens"] == c["rows"], name  # one token per request
+        assert c["python_forward_steps"] == c["steps"]  # enforce_eager: every forward is Python
+        for method in ("update_state", "forward", "compute_logits", "apply"):
+            assert c["methods"][method]["calls"] == c["steps"], (name, method)
+        assert all(m["mean_us"] > 0 for m in c["methods"].values()), name
+        if c["interval_us"]["n"]:
+            assert c["remainder_us"]["min"] >= 0, name  # every step's interval holds its method times
+            assert 0 < c["ours_us"]["p50"] < c["interval_us"]["p50"], name
+            assert c["probe_us"]["p50"] < 0.1 * c["interval_us"]["p50"], name
+
+    table = subprocess.run([sys.executable, str(PROBE / "summarize.py"), str(out)], capture_output=True, text=True)
+    assert table.returncode == 0 and "| decode b=" in table.stdout, table.stderr
+
+
+class FakeEvent:
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.t = None
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return (end.t - self.t) * 1e3
+
+
+class FakeCuda:
+    Event = FakeEvent
+    capturing = False
+
+    @classmethod
+    def is_current_stream_capturing(cls) -> bool:
+        return cls.capturing
+
+    @staticmethod
+    def synchronize() -> None:
+        pass
+
+
+class StandIn:
+    """The Stage-0 runner contract's entry points, each doing a little (sample calls sample_codes, as ours)."""
+
+    def prepare_runner_inputs(self, *, input_ids, positions, req_ids=None, num_scheduled_tokens=None, **_):
+        return input_ids, positions
+
+    def update_decode_step_metadata(self, *, input_ids=None, positions=None, req_ids=None, **_):
+        pass
+
+    def forward(self, input_ids, positions, **_):
+        time.sleep(0.0005)
+        return self.embed_input_ids(input_ids)
+
+    def embed_input_ids(self, input_ids, **_):
+        return input_ids.float()
+
+    def make_omni_output(self, model_outputs, **_):
+        return model_outputs
+
+    def compute_logits(self, hidden_states, sampling_metadata=None):
+        return hidden_states
+
+    def sample(self, logits, sampling_metadata):
+        return self.sample_codes()
+
+    def sample_codes(self):
+        time.sleep(0.0002)
+
+    def postprocess(self, hidden_states, **_):
+        return {}
+
+    def on_requests_finished(self, finished_req_ids):
+        pass
+
+
+def omni_step(model: StandIn, counts: list[int], replayed: bool = False) -> None:
+    """One step in vllm-omni's AR runner's order (``replayed``: a FULL graph replay, no Python forward)."""
+    ids, positions, req_ids = torch.zeros(sum(counts), dtype=torch.long), torch.arange(sum(counts)), []
+    req_ids = [f"r{i}" for i in range(len(counts))]
+    model.prepare_runner_inputs(input_ids=ids, positions=positions, req_ids=req_ids,
+                                num_scheduled_tokens=np.array(counts, dtype=np.int32))  # fmt: skip
+    model.update_decode_step_metadata(input_ids=ids, positions=positions, req_ids=req_ids)
+    hidden = ids.float() if replayed else model.forward(ids, positions)
+    model.make_omni_output(hidden)
+    model.sample(model.compute_logits(hidden[: len(counts)]), None)
+    for _ in counts:
+        model.postprocess(hidden)
+
+
+@pytest.fixture
+def probe(tmp_path, monkeypatch):
+    """A fresh copy of the probe module with its settings, writing to tmp_path (no import hook installed)."""
+    monkeypatch.syspath_prepend(str(PROBE))  # for its record module, higgs_step_record
+    name = "higgs_step_timing_under_test"
+    spec = importlib.util.spec_from_file_location(name, PROBE / "higgs_step_timing.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    module._settings.update(dir=str(tmp_path), every=1, flush_s=0.0, idle_s=0.05)
+    yield module
+    module._recorder = None  # its exit hooks find nothing to write
+
+
+def test_the_omni_runner_order_with_cuda_events(probe, tmp_path):
+    class Model(StandIn):
+        pass
+
+    probe.patch(Model, probe.Target("Model", probe.RUNNER_CONTRACT, names_requests=True))
+    model = Model()
+    probe._get_recorder().cuda = SimpleNamespace(cuda=FakeCuda)
+    FakeCuda.capturing = True  # a dummy run captured into a graph: no events, no requests
+    model.update_decode_step_metadata(input_ids=None, positions=None, req_ids=[])
+    model.forward(torch.zeros(4, dtype=torch.long), torch.arange(4))
+    FakeCuda.capturing = False
+    omni_step(model, [5, 3])
+    for i in range(6):
+        omni_step(model, [1, 1], replayed=i % 2 == 1)
+    time.sleep(0.06)  # past idle_s: the last decode step's interval is an idle gap
+    model.on_requests_finished({"r1"})
+    omni_step(model, [1])
+    omni_step(model, [1])
+    probe._recorder.flush(final=True)
+
+    data = json.loads((tmp_path / f"steps_{os.getpid()}.json").read_text())
+    cats = data["categories"]
+    assert set(cats) == {"other", "prefill b=2-3", "decode b=2-3", "decode b=1"}
+    assert data["instances"] == 1 and data["real_steps"] == 9 and data["idle_gaps"] == 1
+    prefill, decode, single = cats["prefill b=2-3"], cats["decode b=2-3"], cats["decode b=1"]
+    assert (prefill["steps"], prefill["rows"], prefill["tokens"]) == (1, 2, 8)
+    assert (decode["steps"], decode["rows"], decode["python_forward_steps"]) == (6, 12, 3)
+    assert decode["interval_us"]["n"] == 5 and single["interval_us"]["n"] == 1  # the last step has no next
+    assert decode["forward_cuda_us"]["n"] == 3 and decode["step_cuda_us"]["n"] == 6
+    assert cats["other"]["forward_cuda_us"]["n"] == 0  # captured: no events
+    assert decode["step_cuda_us"]["p50"] > 0 and decode["forward_cuda_us"]["min"] >= 500
+    methods = decode["methods"]
+    assert "embed_input_ids" not in methods and "sample_codes" not in methods  # nested: their callers' time
+    assert methods["postprocess"]["calls"] == 12 and methods["forward"]["calls"] == 3
+    assert "on_requests_finished" in single["methods"] or "on_requests_finished" in decode["methods"]
+    assert sum(m["mean_us"] for m in methods.values()) == pytest.approx(decode["ours_us"]["mean"], abs=1)
+    assert decode["remainder_us"]["min"] >= 0
+
+
+def test_sitecustomize_installs_the_probe_and_runs_the_one_it_hides(tmp_path):
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "sitecustomize.py").write_text("import os\nos.environ['HIDDEN_SITECUSTOMIZE_RAN'] = '1'\n")
+    code = ("import os, sys\nprint(os.environ.get('HIDDEN_SITECUSTOMIZE_RAN'), "
+            "any(type(f).__name__ == '_Finder' for f in sys.meta_path), 'torch' in sys.modules)")  # fmt: skip
+    for on, want in ((True, "1 True False"), (False, "1 False False")):
+        env = probe_env(tmp_path / "steps")
+        env["PYTHONPATH"] += os.pathsep + str(hidden)
+        if not on:
+            env.pop("HIGGS_STEP_TIMING_DIR")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+        assert out.stdout.strip() == want, out.stderr
