@@ -7,10 +7,15 @@ Voice clone + text:   ``[<|tts|>, <|ref_text|>] + enc(ref_text) + [<|ref_audio|>
 ``R = T + C - 1`` placeholders carry the reference codes ``[T, C]`` with the delay pattern applied; each
 placeholder id is ``<|tts|>`` (a valid id that can never look like ``<|audio|>``) and its embedding is replaced
 by the fused codebook embedding of its row at prefill. The prompt always ends with ``<|audio|>``.
+
+Because the placeholder ids are the same for every voice, a prefix cache keyed on token ids alone would hand one
+voice's K/V to another: the direct engine's cache keys each block on the rows in it too
+(``kv_cache.prefix_hashes``), and ``Prompt.vllm_prompt`` gives vLLM a ``cache_salt`` naming the rows.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +60,31 @@ class Prompt:
 
     def __len__(self) -> int:
         return int(self.input_ids.numel())
+
+    def reference_digest(self) -> str | None:
+        """32 hex chars (blake2b-128) naming the reference rows [R, C] and their positions [R], or None for a prompt
+        without reference rows. Stable across processes, machines and releases of torch: it hashes the shape and
+        the values as little-endian int64 (never Python's ``hash()``), so equal rows at equal positions give equal
+        digests and any changed code or position another one."""
+        codes, positions = self.audio_codes, self.audio_positions
+        if codes is None or codes.shape[0] == 0:
+            return None
+        h = hashlib.blake2b(digest_size=16, person=b"higgs-ref-rows1")
+        for t in (torch.tensor(codes.shape), positions, codes):
+            h.update(t.detach().to("cpu", torch.int64).contiguous().numpy().astype("<i8").tobytes())
+        return h.hexdigest()
+
+    def vllm_prompt(self) -> dict:
+        """The prompt as vLLM takes it (a ``vllm.inputs.TokensPrompt``): ``{"prompt_token_ids": [T ints]}``, plus
+        ``"cache_salt": reference_digest()`` when reference rows replace placeholder embeddings. vLLM's prefix cache
+        hashes token ids and the salt only, and the placeholders' ids do not depend on the voice: without the salt
+        a clone would reuse the K/V of an earlier voice of the same length. The salt names the rows, not the text,
+        so requests with the same voice still share their reference blocks, and plain prompts keep sharing."""
+        out: dict = {"prompt_token_ids": self.input_ids.tolist()}
+        salt = self.reference_digest()
+        if salt is not None:
+            out["cache_salt"] = salt
+        return out
 
 
 def validate_prompt(prompt: Prompt, cfg: TalkerConfig) -> None:

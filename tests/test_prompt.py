@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from higgs_talker.prompt import TalkerTokenizer, check_reference_codes
+from higgs_talker.prompt import Prompt, TalkerTokenizer, check_reference_codes
 from higgs_talker.tiny import tiny_config
 
 BOC, EOC, N = 1024, 1025, 8
@@ -85,6 +85,39 @@ def test_voice_clone_layout_with_ref_text(tok):
     assert ids == [sp.tts, sp.ref_text, *ref_enc, sp.ref_audio] + [sp.tts] * 10 + [sp.text, *enc, sp.audio]
     assert prompt.audio_positions.tolist() == list(range(start, start + 10))
     assert prompt.audio_codes.tolist() == delayed(codes)
+
+
+def test_vllm_prompt_salts_a_clone_by_its_reference_rows(tok):
+    """vLLM's prefix cache hashes token ids and ``cache_salt`` only, and two voices of one length give the same ids:
+    the salt names the rows and their positions (not the text), and a plain prompt has none."""
+    codes = ref_codes(4, seed=1)
+    changed = codes.clone()
+    changed[2, 5] = (changed[2, 5] + 1) % 1024
+    a = tok.build("Same words.", codes, cfg=CFG)
+    b = tok.build("Same words.", changed, cfg=CFG)
+    assert torch.equal(a.input_ids, b.input_ids)  # the ids alone cannot tell the voices apart
+    salt = a.vllm_prompt()["cache_salt"]
+    assert a.vllm_prompt() == {"prompt_token_ids": a.input_ids.tolist(), "cache_salt": salt}
+    assert re.fullmatch(r"[0-9a-f]{32}", salt)
+    assert tok.build("Same words.", codes.clone(), cfg=CFG).vllm_prompt()["cache_salt"] == salt
+    assert tok.build("Other words here.", codes, cfg=CFG).reference_digest() == salt  # same voice: blocks shared
+    assert b.reference_digest() != salt  # one code changed
+    assert tok.build("Same words.", codes, "Ref words", CFG).reference_digest() != salt  # the rows moved
+    plain = tok.build("Same words.")
+    assert plain.reference_digest() is None
+    assert plain.vllm_prompt() == {"prompt_token_ids": plain.input_ids.tolist()}
+
+
+def test_reference_digest_is_stable():
+    """A fixed value (int64 little-endian bytes through blake2b, never Python's hash()), whatever the codes' dtype:
+    another process, machine or release names the same rows the same way."""
+    rows = [[1, 2], [3, 1025]]
+    for dtype in (torch.int64, torch.int32):
+        prompt = Prompt(torch.arange(6), torch.tensor(rows, dtype=dtype), torch.tensor([2, 3]))
+        assert prompt.reference_digest() == "0e666ccbc5883131ab8bf07bac9e5a2f"
+    assert Prompt(
+        torch.arange(6), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    ).vllm_prompt() == {"prompt_token_ids": list(range(6))}  # no rows replace an embedding: the ids name the prompt
 
 
 def test_reference_codes_accept_lists_numpy_and_int32(tok):

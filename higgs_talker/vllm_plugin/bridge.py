@@ -30,9 +30,9 @@ REFERENCE = "higgs_reference"  # {"rows": delayed reference rows [R, C], "positi
 
 
 def request_args(key: str, prompt=None) -> dict:
-    """``SamplingParams.extra_args`` for a bridge request: its key, and a voice-clone prompt's reference rows
-    (``prompt``: a ``higgs_talker.prompt.Prompt`` built with a reference), which replace the placeholders'
-    embeddings at prefill as vllm-omni's runner does."""
+    """``SamplingParams.extra_args`` for a bridge request: its key, and a voice-clone ``Prompt``'s reference rows,
+    which replace the placeholders' embeddings at prefill as vllm-omni's runner does. Send ``prompt.vllm_prompt()``
+    with them: its ``cache_salt`` keeps vLLM's prefix cache from giving one voice another's K/V."""
     args: dict = {REQUEST_KEY: key}
     if prompt is not None and prompt.audio_codes is not None:
         args[REFERENCE] = {"rows": prompt.audio_codes.tolist(), "positions": prompt.audio_positions.tolist()}

@@ -41,7 +41,8 @@ def main(ckpt: str, yaml_path: str, spec: list[dict], out_dir: Path) -> dict:
 
 
 def omni_prompt(ckpt: str, r: dict) -> dict:
-    """The offline prompt of spec request ``r``: its token ids, and for a voice clone the placeholders and rows."""
+    """The offline prompt of spec request ``r``: its token ids, and for a voice clone the placeholders, the rows
+    and their ``cache_salt`` (``Prompt.vllm_prompt``: the -100 ids alone would let one voice hit another's blocks)."""
     import torch
 
     from higgs_talker.config import TalkerConfig
@@ -52,12 +53,12 @@ def omni_prompt(ckpt: str, r: dict) -> dict:
     codes = torch.tensor(r["ref_codes"]) if r.get("ref_codes") is not None else None
     prompt = TalkerTokenizer.from_pretrained(ckpt, cfg).build(r["text"], codes, None, cfg)
     if prompt.audio_codes is None:
-        return {"prompt_token_ids": prompt.input_ids.tolist()}
+        return prompt.vllm_prompt()
     ids = prompt.input_ids.clone()
     ids[prompt.audio_positions] = PLACEHOLDER
     rows = prompt.audio_codes.long()
     info = {"audio_input_ids": rows, "audio_input_ids_mask": torch.ones(rows.shape[0], dtype=torch.bool)}
-    return {"prompt_token_ids": ids.tolist(), "additional_information": info}
+    return prompt.vllm_prompt() | {"prompt_token_ids": ids.tolist(), "additional_information": info}
 
 
 if __name__ == "__main__":

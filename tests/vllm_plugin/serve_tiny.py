@@ -2,9 +2,12 @@
 
 Run as a script (the CPU backend spawns workers):
 ``python serve_tiny.py CKPT_DIR SPEC_JSON [MAX_BATCHED [LLM_KWARGS_JSON]]``. SPEC_JSON is a list of requests
-``{"key", "text", "temperature", "top_k", "top_p", "seed", "max_tokens"}``; LLM_KWARGS_JSON overrides the
+``{"key", "text", "temperature", "top_k", "top_p", "seed", "max_tokens"}`` (optional: ``reference`` ``{"seed",
+"frames", "text"}`` makes it a voice clone; ``wave``, 0 by default: the requests of wave n + 1 start once those
+of wave n have finished, so that they can hit their prefix-cache blocks); LLM_KWARGS_JSON overrides the
 ``vllm.LLM`` arguments (the GPU suite: dtype, attention backend, graph mode).
-Prints one JSON line ``{"results": [...], "arch_class": ..., "loaded": ...}`` prefixed with ``RESULT:``.
+Prints one JSON line ``{"results": [...], "arch_class": ..., "loaded": ...}`` prefixed with ``RESULT:``; each
+result carries vLLM's ``num_cached_tokens`` (the prompt tokens its prefix cache supplied).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ def reference_codes(spec: dict):
 
 def build_requests(tok, cfg, spec: list[dict]) -> tuple[list[dict], list]:
     """vLLM prompts and sampling parameters for the spec's requests (a voice clone: random reference codes
-    from its seed, as the tests rebuild them)."""
+    from its seed, as the tests rebuild them; its prompt carries the rows' ``cache_salt``)."""
     import vllm
 
     from higgs_talker.vllm_plugin.bridge import request_args
@@ -38,7 +41,7 @@ def build_requests(tok, cfg, spec: list[dict]) -> tuple[list[dict], list]:
         codes = reference_codes(r)
         if codes is not None:
             prompt = tok.build(r["text"], codes, r["reference"].get("text"), cfg)
-        prompts.append({"prompt_token_ids": prompt.input_ids.tolist()})
+        prompts.append(prompt.vllm_prompt())
         params.append(
             vllm.SamplingParams(
                 temperature=r.get("temperature", 0.0),
@@ -113,7 +116,12 @@ def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512, llm_kwa
     prompts, params = build_requests(tok, cfg, spec)
     scores_path = os.environ.get("HIGGS_RECORD_SCORES")
     recorded = record_scores(talker_for(llm.llm_engine.vllm_config)) if scores_path else None
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs: list = [None] * len(spec)
+    for wave in sorted({r.get("wave", 0) for r in spec}):
+        batch = [i for i, r in enumerate(spec) if r.get("wave", 0) == wave]
+        done = llm.generate([prompts[i] for i in batch], [params[i] for i in batch], use_tqdm=False)
+        for i, out in zip(batch, done, strict=True):
+            outputs[i] = out
     if recorded is not None:
         import torch
 
@@ -130,6 +138,7 @@ def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512, llm_kwa
                 "key": r["key"],
                 "token_ids": list(out.outputs[0].token_ids),
                 "finish_reason": out.outputs[0].finish_reason,
+                "num_cached_tokens": out.num_cached_tokens,
                 "rows": got.tolist() if got is not None else None,
             }
         )

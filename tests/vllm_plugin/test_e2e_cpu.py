@@ -29,6 +29,8 @@ from _served import run_served, spec_params, spec_reference  # noqa: E402
 from higgs_talker import HiggsTalker  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("serve_tiny.py")
+VOICE_A = {"seed": 11, "frames": 140, "text": "Reference"}
+VOICE_B = {"seed": 12, "frames": 140, "text": "Reference"}
 # Seeds 1 and 3 make the tiny model sample EOC early (65 and 22 rows), so the EOS path runs too. The seeded
 # prompts come first so that only greedy prompts are ever split by chunked prefill: vLLM 0.30's CPU runner
 # cannot rewind a seeded request's CPU generator after a partial prefill ("CPU Generator does not use
@@ -49,6 +51,13 @@ SPEC = [
     {"key": "greedy-long", "text": "Hello there, this prompt is long enough to be chunked.", "max_tokens": 40},
     {"key": "clone", "text": "Say it like me.", "max_tokens": 30,
      "reference": {"seed": 4, "frames": 5, "text": "Some reference words"}},
+    # Two voices of one length with one text, and the first voice again with other words, once it has finished
+    # (wave 1): 147 placeholder rows, so that vLLM's prefix cache (on by default; 128-token blocks on CPU) holds
+    # a full block of the first voice's reference when the others start. Only the prompts' cache_salt tells the
+    # voices apart there (SPEC 3.1: their placeholder ids are the same).
+    {"key": "voice-a", "text": "Same words.", "max_tokens": 20, "reference": VOICE_A},
+    {"key": "voice-b", "text": "Same words.", "max_tokens": 20, "reference": VOICE_B, "wave": 1},
+    {"key": "voice-a-again", "text": "Other words, same voice.", "max_tokens": 20, "reference": VOICE_A, "wave": 1},
 ]  # fmt: skip
 BUDGET = 64  # tokens per step: the first step ends part-way through greedy-long's prompt
 
@@ -127,6 +136,15 @@ def test_codes_match_the_direct_engine(served, tiny_dir, index):
     else:
         assert got["finish_reason"] == "length"
         assert got["token_ids"] == [audio] * want.num_rows
+
+
+def test_prefix_cache_shares_a_voice_only_with_itself(served):
+    """voice-b started after voice-a had finished, with the same token ids for 147 positions: vLLM's prefix cache
+    gave it nothing (the salts differ), while voice-a-again reused voice-a's first block (the same salt). Their
+    codes equal the direct engine's for each alone (test_codes_match_the_direct_engine)."""
+    cached = {r["key"]: r["num_cached_tokens"] for r in served["results"]}
+    assert cached["voice-b"] == 0, cached
+    assert cached["voice-a-again"] >= 128, cached
 
 
 def test_pure_audio_steps_skipped_the_text_head(served):
