@@ -7,9 +7,11 @@ checkpoint writer ran there.
 Talkers: ``ours`` (this project's plugin installed: vllm-omni's Higgs architectures resolve to our talker) with
 our packaged profiles (``higgs_talker/vllm_plugin/deploy``); ``upstream`` (``VLLM_PLUGINS=vllm_omni_register_models``
 in its processes, so only vllm-omni's own plugin loads) with vllm-omni's own YAMLs. Profiles: ``low_latency``,
-``high_throughput``. Each (talker, profile, path) runs in its own process (a fresh CUDA context; ``Omni`` and
-``vllm-omni serve`` start their own stage processes), on one checkpoint: ``omni_checkpoint.py``'s (4B shape, random
-bf16 weights, EOC suppressed, the real-layout random codec). Lengths are forced (``max_tokens = min_tokens`` =
+``high_throughput``, and two derived from each talker's low-latency YAML (``DERIVED``): ``full_decode_64`` (FULL
+decode graphs up to 64 streams) and ``full_decode_64_no_prefix_cache`` (the same, prefix caching off). Each
+(talker, profile, path) runs in its own process (a fresh CUDA context; ``Omni`` and ``vllm-omni serve`` start their
+own stage processes), on one checkpoint: ``omni_checkpoint.py``'s (4B shape, random bf16 weights, EOC suppressed,
+the real-layout random codec). Lengths are forced (``max_tokens = min_tokens`` =
 the rows of ``--audio-s`` seconds), sampling is the profiles' (temperature 1.0, top_p 0.95, top_k 50), seeded.
 
 Paths (the ``path`` of a row):
@@ -46,7 +48,20 @@ from pathlib import Path
 from typing import Any
 
 TALKERS = ("ours", "upstream")
-PROFILES = ("low_latency", "high_throughput")
+PROFILES = ("low_latency", "high_throughput", "full_decode_64", "full_decode_64_no_prefix_cache")
+# Profiles measured beside the two packaged ones (issue #28): each talker's low-latency YAML (vLLM's FULL decode
+# graphs) with 64 streams and graphs up to 64, prefix caching as it is or off
+FULL_64 = {
+    "max_num_seqs": 64,
+    "compilation_config": {
+        "cudagraph_mode": "FULL_DECODE_ONLY",
+        "cudagraph_num_of_warmups": 1,
+        "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 24, 32, 48, 64],
+    },
+}
+DERIVED = {"full_decode_64": ("low_latency", {0: FULL_64, 1: {"max_num_seqs": 64}}),
+           "full_decode_64_no_prefix_cache": ("low_latency", {0: FULL_64 | {"enable_prefix_caching": False},
+                                                              1: {"max_num_seqs": 64}})}  # fmt: skip
 PATHS = ("offline", "http", "direct")
 LEVELS = (1, 4, 16, 64)
 SAMPLE_RATE = 24000
@@ -72,6 +87,15 @@ def deploy_yaml(talker: str, profile: str) -> Path:
 
         return Path(vllm_omni.__file__).parent / "deploy" / UPSTREAM_YAML[profile]
     raise ValueError(f"unknown talker {talker!r}; choose from {TALKERS}")
+
+
+def profile_yaml(talker: str, profile: str, out_dir: Path) -> Path:
+    """The YAML ``talker`` runs ``profile`` with: a packaged one (``deploy_yaml``), or one of ``DERIVED`` written to
+    ``out_dir``."""
+    if profile not in DERIVED:
+        return deploy_yaml(talker, profile)
+    base, overrides = DERIVED[profile]
+    return derived_yaml(deploy_yaml(talker, base), Path(out_dir) / f"{talker}_{profile}.yaml", overrides)
 
 
 def talker_env(talker: str) -> dict[str, str]:
@@ -405,7 +429,7 @@ def main(argv: list[str] | None = None):
         if deadline is not None and time.perf_counter() >= deadline:
             writer.add({"talker": talker, "profile": profile, "path": path, "status": "skipped", "error": "--budget-s"})
             continue
-        yaml_path = "" if path == "direct" else str(deploy_yaml(talker, profile))
+        yaml_path = "" if path == "direct" else str(profile_yaml(talker, profile, writer.dir))
         cmd = [sys.executable, __file__, "--worker", "--talkers", talker, "--profiles", profile, "--paths", path,
                "--model", args.model, "--yaml", yaml_path, "--out-dir", str(writer.dir), "--frames", str(frames),
                "--levels", ",".join(map(str, args.levels)), "--seed", str(args.seed),

@@ -139,15 +139,25 @@ def test_vllm_omnis_chunked_hand_over_gives_our_upstream_chunking_audio(code2wav
     assert torch.equal(torch.cat(theirs), torch.cat(ours))
 
 
-@pytest.mark.parametrize("profile", ["low_latency", "high_throughput"])
+@pytest.mark.parametrize(
+    "profile", ["low_latency", "high_throughput", "full_decode_64", "full_decode_64_no_prefix_cache"]
+)
 @pytest.mark.parametrize("talker", ["ours", "upstream"])
 def test_bench_omnis_deploy_yamls_and_their_test_variants_parse(talker, profile, tmp_path):
-    """bench_omni's YAML of each talker and profile, and the test suite's variant of it (stage keys replaced),
+    """bench_omni's YAML of each talker and profile (the packaged ones, and those derived from the low-latency
+    one: 64 streams, FULL decode graphs up to 64), and the test suite's variant of it (stage keys replaced),
     through vllm-omni's own loader."""
-    from bench_omni import deploy_yaml, derived_yaml
+    from bench_omni import derived_yaml, profile_yaml
     from vllm_omni.config.stage_config import load_deploy_config
 
-    base = deploy_yaml(talker, profile)
+    base = profile_yaml(talker, profile, tmp_path)
+    if profile.startswith("full_decode_64"):
+        stage0 = next(s for s in load_deploy_config(base).stages if s.stage_id == 0)
+        graphs = stage0.compilation_config
+        assert stage0.max_num_seqs == 64 and not stage0.enforce_eager and graphs["cudagraph_mode"] == "FULL_DECODE_ONLY"
+        assert max(graphs["cudagraph_capture_sizes"]) == 64
+        caching = (stage0.engine_extras or {}).get("enable_prefix_caching")
+        assert caching is not None and bool(caching) == (profile == "full_decode_64"), caching
     derived = derived_yaml(base, tmp_path / "derived.yaml", {0: {"max_model_len": 1024}, 1: {"dtype": "float32"}})
     for path in (base, derived):
         cfg = load_deploy_config(path)
