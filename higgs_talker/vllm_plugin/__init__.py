@@ -48,6 +48,9 @@ def register() -> tuple[str, ...]:
     if importlib.util.find_spec("vllm") is not None:
         from vllm.model_executor.models import ModelRegistry
 
+        from .compat import log_through_vllm
+
+        log_through_vllm()
         for arch in ARCHITECTURES:
             ModelRegistry.register_model(arch, TALKER_CLASS)
         touched.append("vllm.ModelRegistry")
@@ -56,12 +59,7 @@ def register() -> tuple[str, ...]:
     if register_hf_config():
         touched.append("transformers.AutoConfig")
     if _touched is None:
-        logger.info(
-            "higgs_talker vLLM plugin: %s -> %s (registries: %s)",
-            ", ".join(ARCHITECTURES),
-            TALKER_CLASS,
-            ", ".join(touched) or "none",
-        )
+        logger.info("higgs_talker vLLM plugin: %s -> %s (%s)", ", ".join(ARCHITECTURES), TALKER_CLASS, touched)
     _touched = tuple(touched) if _touched is None else tuple(dict.fromkeys(_touched + tuple(touched)))
     return _touched
 

@@ -67,11 +67,8 @@ class TextOnlyBridge(LogitsProcessor):
         model = talker_for(self.vllm_config)
         resume: set[str] = set()
         if batch_update is not None:
-            finished = []
-            for index in batch_update.removed:
-                row = self.rows.pop(index, None)
-                if row is not None:
-                    finished.append(row.key)
+            gone = (self.rows.pop(index, None) for index in batch_update.removed)
+            finished = [row.key for row in gone if row is not None]
             for index, params, _prompt, output in batch_update.added:
                 old = self.rows.get(index)
                 if old is not None:
@@ -79,8 +76,7 @@ class TextOnlyBridge(LogitsProcessor):
                 extra = params.extra_args or {}
                 key = str(extra.get(REQUEST_KEY) or f"vllm-bridge-{next(self._ids)}")
                 min_rows = int(getattr(params, "min_tokens", 0) or 0)
-                ref = extra.get(REFERENCE)
-                info = None
+                ref, info = extra.get(REFERENCE), None
                 if isinstance(ref, dict):  # in the keys of vllm-omni's info; heads.spans.reference_rows reads both
                     info = {"audio_input_ids": ref.get("rows"), "audio_placeholder_positions": ref.get("positions")}
                 self.rows[index] = _Row(

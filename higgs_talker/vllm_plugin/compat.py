@@ -27,6 +27,15 @@ def warn_once(key: str, message: str, *args: Any) -> None:
         logger.warning(message, *args)
 
 
+def log_through_vllm() -> None:
+    """Our log lines (the graph decision, warnings) in vLLM's log: the package logger takes the handlers and level
+    of vLLM's, unless it or the root logger has handlers (an application that set up its own logging)."""
+    ours, host = logging.getLogger("higgs_talker"), logging.getLogger("vllm")
+    if host.handlers and not ours.handlers and not logging.getLogger().handlers:
+        ours.handlers, ours.propagate = list(host.handlers), False
+        ours.setLevel(host.getEffectiveLevel())
+
+
 def version_tuple(text: str) -> tuple[int, int]:
     """'0.26.0', '0.30.0+cpu', '0.27.1rc2' -> (major, minor)."""
     major, minor = text.split("+")[0].split(".")[:2]
@@ -43,8 +52,8 @@ def check_supported() -> None:
             continue
         try:
             supported = SUPPORTED[0] <= version_tuple(text) <= SUPPORTED[1]
-        except (ValueError, IndexError):
-            supported = False  # unparseable: said the same way
+        except (ValueError, IndexError):  # unparseable: said the same way
+            supported = False
         if not supported:
             warn_once(f"version-{name}", "%s %s is outside the versions this plugin supports (%d.%d - %d.%d)",
                       name, text, *SUPPORTED[0], *SUPPORTED[1])  # fmt: skip
@@ -65,11 +74,8 @@ def first_attn_metadata(ctx: Any) -> Any:
     """The attention metadata of the step (per-layer dicts hold one object per layer; all describe the same
     batch). None for micro-batched steps (a list) or steps without attention."""
     meta = getattr(ctx, "attn_metadata", None)
-    if isinstance(meta, dict):
-        meta = next(iter(meta.values()), None)
-    if isinstance(meta, list):
-        return None
-    return meta
+    meta = next(iter(meta.values()), None) if isinstance(meta, dict) else meta
+    return None if isinstance(meta, list) else meta
 
 
 def runner_infos(kwargs: dict) -> list | None:
@@ -107,10 +113,8 @@ def max_num_seqs(vllm_config: Any, default: int = 64) -> int:
 def backbone_config(vllm_config: Any, text_config: Any) -> Any:
     """A shallow copy of the vLLM config whose model config describes only the Qwen3 backbone (both
     ``hf_config`` and ``hf_text_config``: 0.26's Qwen2 layers read the latter)."""
-    out = copy.copy(vllm_config)
-    model_config = copy.copy(vllm_config.model_config)
-    model_config.hf_config = text_config
-    model_config.hf_text_config = text_config
+    out, model_config = copy.copy(vllm_config), copy.copy(vllm_config.model_config)
+    model_config.hf_config = model_config.hf_text_config = text_config
     out.model_config = model_config
     return out
 

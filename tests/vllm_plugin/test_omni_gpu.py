@@ -69,19 +69,21 @@ def ckpt(tmp_path_factory) -> Path:
 
 
 _OFFLINE: dict[str, dict[str, torch.Tensor]] = {}
+_LOGS: dict[str, str] = {}
 
 
 def offline_audio(ckpt: Path, profile: str, tmp: Path) -> dict[str, torch.Tensor]:
-    """Every SPEC request's audio from ``Omni`` with our ``profile`` (one run per profile per session)."""
+    """Every SPEC request's audio from ``Omni`` with our ``profile`` (one run per profile per session); its log
+    goes to ``_LOGS[profile]``."""
     if profile not in _OFFLINE:
         yaml_path = derived_yaml(deploy_yaml("ours", profile), tmp / f"{profile}.yaml", STAGES)
         out = tmp / profile
         out.mkdir()
-        log_dir = os.environ.get("HIGGS_VLLM_LOG_DIR")
-        log = Path(log_dir, f"omni_{profile}.log") if log_dir else None
+        log = Path(os.environ.get("HIGGS_VLLM_LOG_DIR") or tmp, f"omni_{profile}.log")
         cmd = [sys.executable, str(SCRIPT), str(ckpt), str(yaml_path), json.dumps(SPEC), str(out)]
         result = run_served(cmd, talker_env("ours"), timeout=900, log=log)
         _OFFLINE[profile] = {r["key"]: torch.load(out / f"{r['key']}.pt") for r in result["results"]}
+        _LOGS[profile] = log.read_text(errors="replace")
     return _OFFLINE[profile]
 
 
@@ -167,6 +169,18 @@ def assert_same_audio(got: torch.Tensor, want: torch.Tensor, what: str, solo=Non
         f"{what}: the audio parts from the direct engine's at frame {frame} (max |diff| "
         f"{float((got - want).abs().max()):.3g}, peak {float(want.abs().max()):.3g}) with no near tie there"
     )
+
+
+def test_the_adapter_takes_the_graph_path_its_profile_calls_for(offline):
+    """Stage 0's log (our lines reach it through vLLM's handlers): under the low-latency profile vLLM captures FULL
+    decode graphs and our local MLP graphs stay off; under the high-throughput one (enforce_eager) they are on and
+    every bucket captured."""
+    profile, _ = offline
+    log = _LOGS[profile]
+    want = {"low_latency": "local MLP graphs off: vLLM captures CUDA graphs",
+            "high_throughput": "local MLP graphs on: vLLM enforce_eager=True"}[profile]  # fmt: skip
+    assert want in log, [x for x in log.splitlines() if "higgs" in x.lower()][:20]
+    assert "capture failed" not in log
 
 
 @pytest.mark.parametrize("index", range(len(SPEC)), ids=[s["key"] for s in SPEC])

@@ -98,3 +98,31 @@ import higgs_talker, higgs_talker.vllm_plugin, higgs_talker.vllm_plugin.deploy
 print("JSON:" + json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("vllm", "vllm_omni"))))
 """
     assert _run(code) == []
+
+
+@pytest.mark.parametrize("app_logging", [False, True], ids=["vllm-logging", "app-logging"])
+def test_our_log_lines_reach_vllms_log_unless_the_application_set_up_logging(app_logging):
+    """Inside vLLM (whose logger has its own handlers and does not propagate) our INFO lines, such as the adapter's
+    graph decision, come out through vLLM's handlers; an application that configured the root logger keeps ours
+    propagating to it, untouched."""
+    setup = "logging.basicConfig(level=logging.INFO, format='ROOT %(message)s')" if app_logging else ""
+    code = f"""
+import json, logging
+{setup}
+import vllm.config  # sets up vLLM's logger
+from higgs_talker.vllm_plugin import register
+register()
+logging.getLogger("higgs_talker.vllm_plugin.talker").info("adapter says hello")
+ours = logging.getLogger("higgs_talker")
+print("JSON:" + json.dumps({{"handlers": len(ours.handlers), "propagate": ours.propagate}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    said = [x for x in (out.stdout + out.stderr).splitlines() if "adapter says hello" in x]
+    state = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("JSON:"))[5:])
+    assert len(said) == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    if app_logging:
+        assert said[0].startswith("ROOT ") and state == {"handlers": 0, "propagate": True}
+    else:
+        assert said[0].startswith("INFO "), said  # vLLM's format: level, time, [file:line], message
+        assert state["handlers"] >= 1 and state["propagate"] is False
