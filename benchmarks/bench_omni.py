@@ -35,6 +35,7 @@ Per level: TTFA and RTF (wall / audio seconds) p50/p90, audio seconds per wall s
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -183,11 +184,16 @@ def offline_outputs(omni, prompts: list, params: list, streams: bool):
 def prompt_ids(ckpt: str, text: str) -> list[int]:
     """Our prompt for ``text`` (equal to vllm-omni's ``HiggsAudioV3TokenizerAdapter.build_prompt``; checked on CPU
     by tests/vllm_plugin/test_omni_checkpoint.py)."""
+    return _tokenizer(ckpt).build(text).input_ids.tolist()
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(ckpt: str):
+    """The checkpoint's tokenizer, loaded once (a 4B checkpoint's takes a while)."""
     from higgs_talker.config import TalkerConfig
     from higgs_talker.prompt import TalkerTokenizer
 
-    cfg = TalkerConfig.from_pretrained(ckpt)
-    return TalkerTokenizer.from_pretrained(ckpt, cfg).build(text).input_ids.tolist()
+    return TalkerTokenizer.from_pretrained(ckpt, TalkerConfig.from_pretrained(ckpt))
 
 
 def free_port() -> int:
@@ -270,11 +276,13 @@ def run_offline(args: argparse.Namespace, base: dict) -> None:
     try:
         for level in args.levels:
             todo, records, streamed = jobs(max(2 * level, 8), args.seed + 1000 * level), [], False
+            for j in todo:  # tokenized before the clock starts
+                j["prompt"] = {"prompt_token_ids": prompt_ids(args.model, j["text"])}
             wall0 = time.perf_counter()
             for start in range(0, len(todo), level):
                 wave = todo[start : start + level]
                 params = stage_params(omni, None, wave[0]["seed"], rows, stream=True)
-                prompts = [{"prompt_token_ids": prompt_ids(args.model, j["text"])} for j in wave]
+                prompts = [j["prompt"] for j in wave]
                 sent, first, audio, done = time.perf_counter(), {}, {}, {}
                 for out in offline_outputs(omni, prompts, params, streams):
                     now, rid, wav = time.perf_counter(), out.request_id, audio_of(out)
