@@ -2,7 +2,7 @@
 ``PYTHONPATH`` and ``HIGGS_STEP_TIMING_DIR`` set: Python imports ``sitecustomize`` at start-up, and the processes
 vLLM / vllm-omni spawn inherit both variables. Without the variable it installs nothing.
 
-    PYTHONPATH=benchmarks/probes/step_timing:$PYTHONPATH HIGGS_STEP_TIMING_DIR=$OUT/steps python ...
+    PYTHONPATH=$PWD/benchmarks/probes/step_timing:$PYTHONPATH HIGGS_STEP_TIMING_DIR=$OUT/steps python ...
     python benchmarks/probes/step_timing/summarize.py $OUT/steps
 
 Being first on the path, this module hides any other ``sitecustomize`` (Debian's system Python has one, a
