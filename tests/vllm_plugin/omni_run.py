@@ -1,11 +1,15 @@
 """Run spec requests through vllm-omni's offline ``Omni`` (both stages) and save each request's audio.
 
-Run as a script (``Omni`` starts its own stage processes): ``python omni_run.py CKPT YAML SPEC_JSON OUT_DIR``.
+Run as a script (``Omni`` starts its own stage processes): ``python omni_run.py CKPT YAML SPEC_JSON OUT_DIR
+[BATCH_JSON]``.
 SPEC_JSON is a list of ``{"key", "text", "max_tokens", "temperature", "top_k", "top_p", "seed", "ref_codes"}`` (a
 missing sampling key keeps the deploy profile's; ``ref_codes``, aligned codes [T, C], makes the request a voice
 clone, sent as vllm-omni 0.26's speech endpoint sends one: -100 placeholders in the prompt, the delayed rows in
 ``additional_information`` without positions); each request runs alone, one after another. Each audio goes to
 ``OUT_DIR/<key>.pt`` (float32 [S]); prints ``RESULT:`` and ``{"results": [{"key", "samples", "outputs"}]}``.
+BATCH_JSON ``{"keys": [...], "max_tokens": N}`` then sends those requests in one call, greedy with one length
+(one sampling for all: the offline API takes one per stage), so Stage 0 batches them; their audio goes to
+``OUT_DIR/batched_<key>.pt`` and their result rows carry ``"batched": true``.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import sys
 from pathlib import Path
 
 
-def main(ckpt: str, yaml_path: str, spec: list[dict], out_dir: Path) -> dict:
+def main(ckpt: str, yaml_path: str, spec: list[dict], out_dir: Path, batch: dict | None = None) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import torch
     from bench_omni import audio_of, stage_params
@@ -35,6 +39,17 @@ def main(ckpt: str, yaml_path: str, spec: list[dict], out_dir: Path) -> dict:
             audio = chunks[-1] if chunks else torch.zeros(0)  # FINAL_ONLY: the last output holds the whole audio
             torch.save(audio, out_dir / f"{r['key']}.pt")
             results.append({"key": r["key"], "samples": int(audio.numel()), "outputs": len(outs)})
+        if batch:
+            together = [r for r in spec if r["key"] in batch["keys"]]
+            params = stage_params(omni, 0.0, None, None, stream=False)
+            params[0].max_tokens = batch["max_tokens"]
+            outs = list(omni.generate([omni_prompt(ckpt, r) for r in together], params, use_tqdm=False))
+            for i, r in enumerate(together):  # request ids are "<prompt index>_<uuid>"
+                mine = [o for o in outs if str(o.request_id).split("_")[0] == str(i)]
+                chunks = [a for a in (audio_of(o) for o in mine) if a is not None]
+                audio = chunks[-1] if chunks else torch.zeros(0)
+                torch.save(audio, out_dir / f"batched_{r['key']}.pt")
+                results.append({"key": r["key"], "batched": True, "samples": int(audio.numel()), "outputs": len(mine)})
     finally:
         omni.close()
     return {"results": results}
@@ -62,5 +77,6 @@ def omni_prompt(ckpt: str, r: dict) -> dict:
 
 
 if __name__ == "__main__":
-    out = main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), Path(sys.argv[4]))
+    batch = json.loads(sys.argv[5]) if len(sys.argv) > 5 else None
+    out = main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), Path(sys.argv[4]), batch)
     print("RESULT:" + json.dumps(out))

@@ -11,7 +11,9 @@ A small checkpoint (head_dim 64, bf16 talker, EOC pushed down) with the real-lay
   sends one: -100 placeholders, rows without positions): the audio equals our direct engine's codes (same GPU, bf16,
   eager) streamed through our codec with vllm-omni's chunking, within float tolerance (TF32 convolutions); where
   the audio parts, the direct engine must have a near tie (bf16: two codes within the measured score error,
-  ``_reference_check``) at a frame within the decoder's reach of where it parts;
+  ``_reference_check``) at a frame within the decoder's reach of where it parts; three of them again in one call,
+  decoded as one Stage-0 batch, each against the direct engine alone; Stage 0's log names the graph path its
+  profile calls for;
 - ``vllm-omni serve`` (low-latency profile): the ``openai`` client's ``audio.speech.create`` (its ``voice`` sent as
   null through ``extra_body``: vllm-omni refuses a voice nobody uploaded) and httpx streaming (PCM and WAV) give
   the offline audio of the same seed; a client that leaves mid-stream does not block the next request; bad
@@ -54,6 +56,9 @@ SPEC = [
     {"key": "clone", "text": "A cloned voice says this.", "temperature": 0.0, "max_tokens": 40,
      "ref_codes": torch.randint(0, 1024, (12, 8), generator=torch.Generator().manual_seed(3)).tolist()},
 ]  # fmt: skip
+# sent together in one call (greedy, one length: the offline API takes one sampling per stage), so Stage 0 decodes
+# them as one batch: prompts of different lengths, a voice clone among them
+BATCH = {"keys": ["greedy", "short", "clone"], "max_tokens": 40}
 PROFILES = ("low_latency", "high_throughput")
 # Stage 0 sized for the small checkpoint; Stage 1 in float32, as our codec decodes
 STAGES = {0: {"gpu_memory_utilization": 0.3, "max_model_len": 1024, "max_num_batched_tokens": 1024,
@@ -80,9 +85,11 @@ def offline_audio(ckpt: Path, profile: str, tmp: Path) -> dict[str, torch.Tensor
         out = tmp / profile
         out.mkdir()
         log = Path(os.environ.get("HIGGS_VLLM_LOG_DIR") or tmp, f"omni_{profile}.log")
-        cmd = [sys.executable, str(SCRIPT), str(ckpt), str(yaml_path), json.dumps(SPEC), str(out)]
+        cmd = [sys.executable, str(SCRIPT), str(ckpt), str(yaml_path), json.dumps(SPEC), str(out), json.dumps(BATCH)]
         result = run_served(cmd, talker_env("ours"), timeout=900, log=log)
-        _OFFLINE[profile] = {r["key"]: torch.load(out / f"{r['key']}.pt") for r in result["results"]}
+        _OFFLINE[profile] = {("batched_" if r.get("batched") else "") + r["key"]:
+                             torch.load(out / f"{'batched_' if r.get('batched') else ''}{r['key']}.pt")
+                             for r in result["results"]}  # fmt: skip
         _LOGS[profile] = log.read_text(errors="replace")
     return _OFFLINE[profile]
 
@@ -194,6 +201,17 @@ def test_offline_audio_equals_the_direct_engine_through_our_codec(offline, solo,
         torch.save({"omni": audio[spec["key"]], "direct": want, "direct_rows": rows},
                    Path(log_dir, f"omni_audio_{profile}_{spec['key']}.pt"))  # fmt: skip
     assert_same_audio(audio[spec["key"]], want, f"{profile} {spec['key']}", solo, spec, rows)
+
+
+@pytest.mark.parametrize("key", BATCH["keys"])
+def test_requests_batched_in_stage_0_each_get_their_own_audio(offline, solo, codec, key):
+    """The BATCH requests, decoded side by side in one Stage-0 batch (slots, feedback, each request's published
+    row), each give the audio the direct engine gives that request alone (greedy, the batch's length)."""
+    profile, audio = offline
+    spec = next(s for s in SPEC if s["key"] == key) | {"temperature": 0.0, "max_tokens": BATCH["max_tokens"]}
+    spec.pop("seed", None)
+    rows, want = direct(solo, codec, spec)
+    assert_same_audio(audio[f"batched_{key}"], want, f"{profile} batched {key}", solo, spec, rows)
 
 
 # ---------------------------------------------------------------------------------------------------------
