@@ -1,7 +1,9 @@
-"""The talker in vllm-omni's own two-stage pipeline on a GPU (H200: vLLM 0.26 / vllm-omni 0.26). NOT YET RUN ON A
-GPU: written on a CPU-only machine, where ``vllm_omni.Omni`` does not import; what it relies on there ran on CPU
-(tests/vllm_plugin/test_omni_checkpoint.py: vllm-omni's code2wav loads the checkpoint's codec and decodes like
-ours, and its async-chunk hand-over of our rows gives our ``UPSTREAM_CHUNKING`` stream bit for bit).
+"""The talker in vllm-omni's own two-stage pipeline on a GPU (H200: vLLM 0.26 / vllm-omni 0.26). Written on a
+CPU-only machine, where ``vllm_omni.Omni`` does not run; on the H200 only its low-latency ``Omni`` run has
+finished so far (2026-12-03, twice: audio for every request; ``benchmarks/results/h200_20261203c``), no
+comparison yet. What it relies on ran on CPU (tests/vllm_plugin/test_omni_checkpoint.py: vllm-omni's code2wav
+loads the checkpoint's codec and decodes like ours, and its async-chunk hand-over of our rows gives our
+``UPSTREAM_CHUNKING`` stream bit for bit).
 
 A small checkpoint (head_dim 64, bf16 talker, EOC pushed down) with the real-layout random codec
 (``benchmarks/omni_checkpoint.py``) runs through ``Omni(model, deploy_config)`` in both of our deploy profiles
