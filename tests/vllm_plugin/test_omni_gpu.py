@@ -1,7 +1,8 @@
 """The talker in vllm-omni's own two-stage pipeline on a GPU (H200: vLLM 0.26 / vllm-omni 0.26). Written on a
 CPU-only machine, where ``vllm_omni.Omni`` does not run; on the H200 only its low-latency ``Omni`` run has
-finished so far (2026-12-03, twice: audio for every request; ``benchmarks/results/h200_20261203c``), no
-comparison yet. What it relies on ran on CPU (tests/vllm_plugin/test_omni_checkpoint.py: vllm-omni's code2wav
+finished so far (2026-12-03, twice: audio for every request; ``benchmarks/results/h200_20261203{b,c}``); its
+comparisons failed the first time on the last frame a ``max_tokens`` cut drops (expected since) and did not
+finish the second time. What it relies on ran on CPU (tests/vllm_plugin/test_omni_checkpoint.py: vllm-omni's code2wav
 loads the checkpoint's codec and decodes like ours, and its async-chunk hand-over of our rows gives our
 ``UPSTREAM_CHUNKING`` stream bit for bit).
 
