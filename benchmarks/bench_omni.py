@@ -8,7 +8,8 @@ Talkers: ``ours`` (this project's plugin installed: vllm-omni's Higgs architectu
 our packaged profiles (``higgs_talker/vllm_plugin/deploy``); ``upstream`` (``VLLM_PLUGINS=vllm_omni_register_models``
 in its processes, so only vllm-omni's own plugin loads) with vllm-omni's own YAMLs. Profiles: ``low_latency``,
 ``high_throughput``, and two derived from each talker's low-latency YAML (``DERIVED``): ``full_decode_64`` (FULL
-decode graphs up to 64 streams) and ``full_decode_64_no_prefix_cache`` (the same, prefix caching off). Each
+decode graphs up to 64 streams), ``full_decode_64_no_prefix_cache`` (the same, prefix caching off) and
+``low_latency_async`` (vLLM's async scheduling asked for). Each
 (talker, profile, path) runs in its own process (a fresh CUDA context; ``Omni`` and ``vllm-omni serve`` start their
 own stage processes), on one checkpoint: ``omni_checkpoint.py``'s (4B shape, random bf16 weights, EOC suppressed,
 the real-layout random codec). Lengths are forced (``max_tokens = min_tokens`` =
@@ -49,9 +50,10 @@ from pathlib import Path
 from typing import Any
 
 TALKERS = ("ours", "upstream")
-PROFILES = ("low_latency", "high_throughput", "full_decode_64", "full_decode_64_no_prefix_cache")
+PROFILES = ("low_latency", "high_throughput", "full_decode_64", "full_decode_64_no_prefix_cache", "low_latency_async")
 # Profiles measured beside the two packaged ones (issue #28): each talker's low-latency YAML (vLLM's FULL decode
-# graphs) with 64 streams and graphs up to 64, prefix caching as it is or off
+# graphs) with 64 streams and graphs up to 64, prefix caching as it is or off; and with vLLM's async scheduling
+# asked for (vLLM turns it off, with a warning, where the stage's scheduler cannot do it)
 FULL_64 = {
     "max_num_seqs": 64,
     "compilation_config": {
@@ -62,7 +64,8 @@ FULL_64 = {
 }
 DERIVED = {"full_decode_64": ("low_latency", {0: FULL_64, 1: {"max_num_seqs": 64}}),
            "full_decode_64_no_prefix_cache": ("low_latency", {0: FULL_64 | {"enable_prefix_caching": False},
-                                                              1: {"max_num_seqs": 64}})}  # fmt: skip
+                                                              1: {"max_num_seqs": 64}}),
+           "low_latency_async": ("low_latency", {0: {"async_scheduling": True}})}  # fmt: skip
 PATHS = ("offline", "http", "direct")
 LEVELS = (1, 4, 16, 64)
 SAMPLE_RATE = 24000

@@ -20,6 +20,7 @@ pytest.importorskip("vllm.config")
 pytest.importorskip("vllm_omni")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from bench_omni import PROFILES  # noqa: E402
 from omni_checkpoint import CODEC_SHARD, write_omni_checkpoint  # noqa: E402
 
 from higgs_talker import HiggsTalker, SamplingParams  # noqa: E402
@@ -139,9 +140,7 @@ def test_vllm_omnis_chunked_hand_over_gives_our_upstream_chunking_audio(code2wav
     assert torch.equal(torch.cat(theirs), torch.cat(ours))
 
 
-@pytest.mark.parametrize(
-    "profile", ["low_latency", "high_throughput", "full_decode_64", "full_decode_64_no_prefix_cache"]
-)
+@pytest.mark.parametrize("profile", PROFILES)
 @pytest.mark.parametrize("talker", ["ours", "upstream"])
 def test_bench_omnis_deploy_yamls_and_their_test_variants_parse(talker, profile, tmp_path):
     """bench_omni's YAML of each talker and profile (the packaged ones, and those derived from the low-latency
@@ -158,6 +157,9 @@ def test_bench_omnis_deploy_yamls_and_their_test_variants_parse(talker, profile,
         assert max(graphs["cudagraph_capture_sizes"]) == 64
         caching = (stage0.engine_extras or {}).get("enable_prefix_caching")
         assert caching is not None and bool(caching) == (profile == "full_decode_64"), caching
+    if profile == "low_latency_async":
+        stage0 = next(s for s in load_deploy_config(base).stages if s.stage_id == 0)
+        assert stage0.async_scheduling is True and not stage0.enforce_eager
     derived = derived_yaml(base, tmp_path / "derived.yaml", {0: {"max_model_len": 1024}, 1: {"dtype": "float32"}})
     for path in (base, derived):
         cfg = load_deploy_config(path)
