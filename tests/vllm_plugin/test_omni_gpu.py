@@ -15,8 +15,9 @@ A small checkpoint (head_dim 64, bf16 talker, EOC pushed down) with the real-lay
   eager) streamed through our codec with vllm-omni's chunking, within float tolerance (TF32 convolutions); where
   the audio parts, the direct engine must have a near tie (bf16: two codes within the measured score error,
   ``_reference_check``) at a frame within the decoder's reach of where it parts; three of them again in one call,
-  decoded as one Stage-0 batch, each against the direct engine alone; Stage 0's log names the graph path its
-  profile calls for;
+  decoded as one Stage-0 batch, each against the direct engine alone; the same audio against a direct engine
+  with one projection 5% off must fail the comparison (its mutation test); Stage 0's log names the graph path
+  its profile calls for;
 - ``vllm-omni serve`` (low-latency profile): the ``openai`` client's ``audio.speech.create`` (its ``voice`` sent as
   null through ``extra_body``: vllm-omni refuses a voice nobody uploaded) and httpx streaming (PCM and WAV) give
   the offline audio of the same seed; a client that leaves mid-stream does not block the next request; bad
@@ -38,7 +39,7 @@ pytest.importorskip("vllm.config")
 pytest.importorskip("vllm_omni")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from _reference_check import score_bound, teacher_forced  # noqa: E402
+from _reference_check import broken_checkpoint, score_bound, teacher_forced  # noqa: E402
 from _served import run_served  # noqa: E402
 from bench_omni import deploy_yaml, derived_yaml, start_server, stop_server, talker_env  # noqa: E402
 from omni_checkpoint import write_omni_checkpoint  # noqa: E402
@@ -102,12 +103,8 @@ def offline(request, ckpt, tmp_path_factory) -> tuple[str, dict[str, torch.Tenso
     return request.param, offline_audio(ckpt, request.param, tmp_path_factory.mktemp("run"))
 
 
-@pytest.fixture(scope="module")
-def solo(ckpt) -> HiggsTalker:
-    """Our direct engine on the same GPU, one request at a time, eager (its sampler can be teacher-forced), on
-    torch SDPA and torch kernels: FlashInfer is made unimportable while it is built. The FlashInfer here is
-    vLLM's (0.6.14), whose JIT compiled our engine's kernels for over a minute on the H200 (2026-12-03) before the
-    first comparison; a reference needs none of them (bf16 either way, near ties judged by ``score_bound``)."""
+def sdpa_talker(ckpt: Path) -> HiggsTalker:
+    """Our direct engine on the GPU, eager, one request at a time, on torch SDPA and torch kernels (see ``solo``)."""
     from higgs_talker.attention import SdpaAttention
 
     with pytest.MonkeyPatch.context() as mp:
@@ -116,6 +113,15 @@ def solo(ckpt) -> HiggsTalker:
                                              max_num_seqs=1, max_model_len=512, codec=False)  # fmt: skip
     assert isinstance(talker.engine.runner.attn, SdpaAttention), type(talker.engine.runner.attn)
     return talker
+
+
+@pytest.fixture(scope="module")
+def solo(ckpt) -> HiggsTalker:
+    """Our direct engine on the same GPU, one request at a time, eager (its sampler can be teacher-forced), on
+    torch SDPA and torch kernels: FlashInfer is made unimportable while it is built. The FlashInfer here is
+    vLLM's (0.6.14), whose JIT compiled our engine's kernels for over a minute on the H200 (2026-12-03) before the
+    first comparison; a reference needs none of them (bf16 either way, near ties judged by ``score_bound``)."""
+    return sdpa_talker(ckpt)
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +210,23 @@ def test_offline_audio_equals_the_direct_engine_through_our_codec(offline, solo,
         torch.save({"omni": audio[spec["key"]], "direct": want, "direct_rows": rows},
                    Path(log_dir, f"omni_audio_{profile}_{spec['key']}.pt"))  # fmt: skip
     assert_same_audio(audio[spec["key"]], want, f"{profile} {spec['key']}", solo, spec, rows)
+
+
+def test_the_offline_comparison_fails_against_a_model_off_by_5_percent(offline, codec, ckpt, tmp_path_factory):
+    """The mutation test of the comparison above: the same Omni audio against a direct engine whose checkpoint has
+    one layer's o_proj scaled by 1.05 must fail it for at least one request (else the near-tie allowance would hide
+    a broken model)."""
+    profile, audio = offline
+    broken = sdpa_talker(broken_checkpoint(ckpt, tmp_path_factory.mktemp("broken") / "ckpt", "o_proj", 1, 1.05))
+    caught = []
+    for spec in SPEC:
+        rows, want = direct(broken, codec, spec)
+        try:
+            assert_same_audio(audio[spec["key"]], want, f"{profile} {spec['key']}", broken, spec, rows)
+        except AssertionError as exc:
+            caught.append(f"{spec['key']}: {str(exc).splitlines()[0][:160]}")
+    print(f"\n[omni mutation] {profile}: {len(caught)} of {len(SPEC)} requests caught: {caught}")
+    assert caught, f"{profile}: o_proj x 1.05 in one layer passed every comparison"
 
 
 @pytest.mark.parametrize("key", BATCH["keys"])
