@@ -170,6 +170,8 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         infos = compat.runner_infos(kwargs)
         embeds, refed = self.buffers.embed_codes(embeds, self.multimodal_embedding, self.slots, step, infos)
         self.stats["bridge_recomputed_rows"] += refed
+        if refed:
+            logger.info("higgs talker: %d rows fed again to requests recomputed after a preemption", refed)
         pure_decode = step is not None and embeds.shape[0] == step.num_reqs
         hidden = self.local_mlp.forward(positions, embeds, pure_decode)
         if hidden is None:

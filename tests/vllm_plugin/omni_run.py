@@ -9,7 +9,8 @@ clone, sent as vllm-omni 0.26's speech endpoint sends one: -100 placeholders in 
 ``OUT_DIR/<key>.pt`` (float32 [S]); prints ``RESULT:`` and ``{"results": [{"key", "samples", "outputs"}]}``.
 BATCH_JSON ``{"keys": [...], "max_tokens": N}`` then sends those requests in one call, greedy with one length
 (one sampling for all: the offline API takes one per stage), so Stage 0 batches them; their audio goes to
-``OUT_DIR/batched_<key>.pt`` and their result rows carry ``"batched": true``.
+``OUT_DIR/batched_<key>.pt`` and their result rows carry ``"batched": true``; with ``"alone": false`` in it the
+requests are not also run one by one.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def main(ckpt: str, yaml_path: str, spec: list[dict], out_dir: Path, batch: dict
     omni = Omni(model=ckpt, deploy_config=yaml_path, stage_init_timeout=600)
     results = []
     try:
-        for r in spec:
+        for r in spec if (batch or {}).get("alone", True) else []:
             params = stage_params(omni, r.get("temperature"), r.get("seed"), None, stream=False)
             params[0].max_tokens = r["max_tokens"]
             for key in ("top_k", "top_p"):

@@ -17,7 +17,8 @@ A small checkpoint (head_dim 64, bf16 talker, EOC pushed down) with the real-lay
   ``_reference_check``) at a frame within the decoder's reach of where it parts; three of them again in one call,
   decoded as one Stage-0 batch, each against the direct engine alone; the same audio against a direct engine
   with one projection 5% off must fail the comparison (its mutation test); Stage 0's log names the graph path
-  its profile calls for;
+  its profile calls for; a batch on too few KV blocks (vLLM preempts and recomputes requests) still gives each
+  request its own audio;
 - ``vllm-omni serve`` (low-latency profile): the ``openai`` client's ``audio.speech.create`` (its ``voice`` sent as
   null through ``extra_body``: vllm-omni refuses a voice nobody uploaded) and httpx streaming (PCM and WAV) give
   the offline audio of the same seed; a client that leaves mid-stream does not block the next request; bad
@@ -63,6 +64,9 @@ SPEC = [
 # sent together in one call (greedy, one length: the offline API takes one sampling per stage), so Stage 0 decodes
 # them as one batch: prompts of different lengths, a voice clone among them
 BATCH = {"keys": ["greedy", "short", "clone"], "max_tokens": 40}
+# a Stage-0 KV cache too small for this batch (blocks of 16 tokens: about two of the three requests at full
+# length), so vLLM preempts requests and recomputes them, and the adapter feeds their rows again (it logs that)
+SMALL_KV = {"keys": ["greedy", "topkp", "deploy"], "max_tokens": 120, "alone": False, "blocks": 20}
 PROFILES = ("low_latency", "high_throughput")
 # Stage 0 sized for the small checkpoint; Stage 1 in float32, as our codec decodes
 STAGES = {0: {"gpu_memory_utilization": 0.3, "max_model_len": 1024, "max_num_batched_tokens": 1024,
@@ -81,21 +85,24 @@ _OFFLINE: dict[str, dict[str, torch.Tensor]] = {}
 _LOGS: dict[str, str] = {}
 
 
-def offline_audio(ckpt: Path, profile: str, tmp: Path) -> dict[str, torch.Tensor]:
-    """Every SPEC request's audio from ``Omni`` with our ``profile`` (one run per profile per session); its log
-    goes to ``_LOGS[profile]``."""
-    if profile not in _OFFLINE:
-        yaml_path = derived_yaml(deploy_yaml("ours", profile), tmp / f"{profile}.yaml", STAGES)
-        out = tmp / profile
+def offline_audio(ckpt: Path, profile: str, tmp: Path, small_kv: bool = False) -> dict[str, torch.Tensor]:
+    """Every SPEC request's audio from ``Omni`` with our ``profile``, alone and BATCH's batched (``small_kv``:
+    SMALL_KV's batch only, on its few KV blocks); one run per variant per session, its log in ``_LOGS``."""
+    name = profile + ("_small_kv" if small_kv else "")
+    if name not in _OFFLINE:
+        stages = STAGES | {0: STAGES[0] | {"num_gpu_blocks_override": SMALL_KV["blocks"]}} if small_kv else STAGES
+        yaml_path = derived_yaml(deploy_yaml("ours", profile), tmp / f"{name}.yaml", stages)
+        out = tmp / name
         out.mkdir()
-        log = Path(os.environ.get("HIGGS_VLLM_LOG_DIR") or tmp, f"omni_{profile}.log")
-        cmd = [sys.executable, str(SCRIPT), str(ckpt), str(yaml_path), json.dumps(SPEC), str(out), json.dumps(BATCH)]
+        log = Path(os.environ.get("HIGGS_VLLM_LOG_DIR") or tmp, f"omni_{name}.log")
+        batch = SMALL_KV if small_kv else BATCH
+        cmd = [sys.executable, str(SCRIPT), str(ckpt), str(yaml_path), json.dumps(SPEC), str(out), json.dumps(batch)]
         result = run_served(cmd, talker_env("ours"), timeout=900, log=log)
-        _OFFLINE[profile] = {("batched_" if r.get("batched") else "") + r["key"]:
-                             torch.load(out / f"{'batched_' if r.get('batched') else ''}{r['key']}.pt")
-                             for r in result["results"]}  # fmt: skip
-        _LOGS[profile] = log.read_text(errors="replace")
-    return _OFFLINE[profile]
+        _OFFLINE[name] = {("batched_" if r.get("batched") else "") + r["key"]:
+                          torch.load(out / f"{'batched_' if r.get('batched') else ''}{r['key']}.pt")
+                          for r in result["results"]}  # fmt: skip
+        _LOGS[name] = log.read_text(errors="replace")
+    return _OFFLINE[name]
 
 
 @pytest.fixture(scope="module", params=PROFILES)
@@ -238,6 +245,20 @@ def test_requests_batched_in_stage_0_each_get_their_own_audio(offline, solo, cod
     spec.pop("seed", None)
     rows, want = direct(solo, codec, spec)
     assert_same_audio(audio[f"batched_{key}"], want, f"{profile} batched {key}", solo, spec, rows)
+
+
+def test_requests_preempted_for_kv_blocks_each_get_their_own_audio(ckpt, solo, codec, tmp_path_factory):
+    """Low-latency profile, Stage 0 on SMALL_KV's few KV blocks: vLLM preempts requests of the batch and recomputes
+    them from their prompt and generated tokens; the adapter feeds the recomputed positions their rows again, so
+    each request's audio is still the direct engine's for that request alone (greedy, the batch's length)."""
+    audio = offline_audio(ckpt, "low_latency", tmp_path_factory.mktemp("small_kv"), small_kv=True)
+    log = _LOGS["low_latency_small_kv"]
+    assert "recomputed after a preemption" in log, "no request was preempted: the KV cache was not small enough"
+    for key in SMALL_KV["keys"]:
+        spec = next(s for s in SPEC if s["key"] == key) | {"temperature": 0.0, "max_tokens": SMALL_KV["max_tokens"]}
+        spec.pop("seed", None)
+        rows, want = direct(solo, codec, spec)
+        assert_same_audio(audio[f"batched_{key}"], want, f"small KV {key}", solo, spec, rows)
 
 
 # ---------------------------------------------------------------------------------------------------------
