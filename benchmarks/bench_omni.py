@@ -187,16 +187,17 @@ def offline_outputs(omni, prompts: list, params: list, streams: bool):
 def prompt_ids(ckpt: str, text: str) -> list[int]:
     """Our prompt for ``text`` (equal to vllm-omni's ``HiggsAudioV3TokenizerAdapter.build_prompt``; checked on CPU
     by tests/vllm_plugin/test_omni_checkpoint.py)."""
-    return _tokenizer(ckpt).build(text).input_ids.tolist()
+    return checkpoint_tokenizer(ckpt)[1].build(text).input_ids.tolist()
 
 
 @functools.lru_cache(maxsize=4)
-def _tokenizer(ckpt: str):
-    """The checkpoint's tokenizer, loaded once (a 4B checkpoint's takes a while)."""
+def checkpoint_tokenizer(ckpt: str):
+    """(config, tokenizer) of a checkpoint, loaded once (a 4B checkpoint's tokenizer takes a while)."""
     from higgs_talker.config import TalkerConfig
     from higgs_talker.prompt import TalkerTokenizer
 
-    return TalkerTokenizer.from_pretrained(ckpt, TalkerConfig.from_pretrained(ckpt))
+    cfg = TalkerConfig.from_pretrained(ckpt)
+    return cfg, TalkerTokenizer.from_pretrained(ckpt, cfg)
 
 
 def free_port() -> int:

@@ -60,14 +60,13 @@ def omni_prompt(ckpt: str, r: dict) -> dict:
     """The offline prompt of spec request ``r``: its token ids, and for a voice clone the placeholders, the rows
     and their ``cache_salt`` (``Prompt.vllm_prompt``: the -100 ids alone would let one voice hit another's blocks)."""
     import torch
+    from bench_omni import checkpoint_tokenizer
 
-    from higgs_talker.config import TalkerConfig
     from higgs_talker.heads.spans import PLACEHOLDER
-    from higgs_talker.prompt import TalkerTokenizer
 
-    cfg = TalkerConfig.from_pretrained(ckpt)
+    cfg, tokenizer = checkpoint_tokenizer(ckpt)
     codes = torch.tensor(r["ref_codes"]) if r.get("ref_codes") is not None else None
-    prompt = TalkerTokenizer.from_pretrained(ckpt, cfg).build(r["text"], codes, None, cfg)
+    prompt = tokenizer.build(r["text"], codes, None, cfg)
     if prompt.audio_codes is None:
         return prompt.vllm_prompt()
     ids = prompt.input_ids.clone()

@@ -37,10 +37,9 @@ def build_requests(tok, cfg, spec: list[dict]) -> tuple[list[dict], list]:
 
     prompts, params = [], []
     for r in spec:
-        prompt = tok.build(r["text"])
         codes = reference_codes(r)
-        if codes is not None:
-            prompt = tok.build(r["text"], codes, r["reference"].get("text"), cfg)
+        ref_text = None if codes is None else r["reference"].get("text")
+        prompt = tok.build(r["text"], codes, ref_text, cfg)
         prompts.append(prompt.vllm_prompt())
         params.append(
             vllm.SamplingParams(

@@ -98,9 +98,8 @@ def offline_audio(ckpt: Path, profile: str, tmp: Path, small_kv: bool = False) -
         batch = SMALL_KV if small_kv else BATCH
         cmd = [sys.executable, str(SCRIPT), str(ckpt), str(yaml_path), json.dumps(SPEC), str(out), json.dumps(batch)]
         result = run_served(cmd, talker_env("ours"), timeout=900, log=log)
-        _OFFLINE[name] = {("batched_" if r.get("batched") else "") + r["key"]:
-                          torch.load(out / f"{'batched_' if r.get('batched') else ''}{r['key']}.pt")
-                          for r in result["results"]}  # fmt: skip
+        saved = [("batched_" if r.get("batched") else "") + r["key"] for r in result["results"]]
+        _OFFLINE[name] = {key: torch.load(out / f"{key}.pt") for key in saved}
         _LOGS[name] = log.read_text(errors="replace")
     return _OFFLINE[name]
 
@@ -236,13 +235,19 @@ def test_the_offline_comparison_fails_against_a_model_off_by_5_percent(offline, 
     assert caught, f"{profile}: o_proj x 1.05 in one layer passed every comparison"
 
 
+def greedy_spec(key: str, max_tokens: int) -> dict:
+    """SPEC's request ``key`` as a batch sends it: greedy, unseeded, ``max_tokens`` long."""
+    spec = next(s for s in SPEC if s["key"] == key) | {"temperature": 0.0, "max_tokens": max_tokens}
+    spec.pop("seed", None)
+    return spec
+
+
 @pytest.mark.parametrize("key", BATCH["keys"])
 def test_requests_batched_in_stage_0_each_get_their_own_audio(offline, solo, codec, key):
     """The BATCH requests, decoded side by side in one Stage-0 batch (slots, feedback, each request's published
     row), each give the audio the direct engine gives that request alone (greedy, the batch's length)."""
     profile, audio = offline
-    spec = next(s for s in SPEC if s["key"] == key) | {"temperature": 0.0, "max_tokens": BATCH["max_tokens"]}
-    spec.pop("seed", None)
+    spec = greedy_spec(key, BATCH["max_tokens"])
     rows, want = direct(solo, codec, spec)
     assert_same_audio(audio[f"batched_{key}"], want, f"{profile} batched {key}", solo, spec, rows)
 
@@ -255,8 +260,7 @@ def test_requests_preempted_for_kv_blocks_each_get_their_own_audio(ckpt, solo, c
     log = _LOGS["low_latency_small_kv"]
     assert "recomputed after a preemption" in log, "no request was preempted: the KV cache was not small enough"
     for key in SMALL_KV["keys"]:
-        spec = next(s for s in SPEC if s["key"] == key) | {"temperature": 0.0, "max_tokens": SMALL_KV["max_tokens"]}
-        spec.pop("seed", None)
+        spec = greedy_spec(key, SMALL_KV["max_tokens"])
         rows, want = direct(solo, codec, spec)
         assert_same_audio(audio[f"batched_{key}"], want, f"small KV {key}", solo, spec, rows)
 
