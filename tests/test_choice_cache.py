@@ -15,6 +15,7 @@ import copy
 import json
 import logging
 import os
+import shutil
 import sys
 import threading
 import types
@@ -512,3 +513,20 @@ def test_check_decode_kernels_keeps_the_kernels_that_pass(tiny_dir) -> None:
     assert {(r["bucket"], r["context"]) for r in rows} == {(1, 40), (1, 256), (2, 40), (2, 256)}  # capped at 256
     assert all(r["ok"] == (r["bucket"] == 1) for r in rows)
     assert all(r["rel_err"] < 1e-5 for r in rows if r["bucket"] == 1)
+
+
+def test_the_source_digest_follows_measured_files_only(tmp_path: Path) -> None:
+    root = tmp_path / "higgs_talker"
+    shutil.copytree(cc.PACKAGE_ROOT, root, ignore=shutil.ignore_patterns("__pycache__"))
+    base = cc.source_digest(root)
+    assert base == cc.source_digest(cc.PACKAGE_ROOT)
+    for unmeasured in ("serve/app.py", "vllm_plugin/talker.py", "cli.py"):
+        edited = tmp_path / f"copy-{unmeasured.replace('/', '-')}"
+        shutil.copytree(root, edited)
+        (edited / unmeasured).write_text((edited / unmeasured).read_text() + "\n# edit\n")
+        assert cc.source_digest(edited) == base, unmeasured
+    for measured in ("model.py", "heads/triton_kernels.py", "cuda_graphs/runner.py"):
+        edited = tmp_path / f"copy-{measured.replace('/', '-')}"
+        shutil.copytree(root, edited)
+        (edited / measured).write_text((edited / measured).read_text() + "\n# edit\n")
+        assert cc.source_digest(edited) != base, measured

@@ -8,8 +8,8 @@ timings): ``{"row_linears": {linear: tile}, "bucket_kernels": {bucket: kernel}, 
 each present where warm-up had that choice to make.
 
 The key is everything that could change an answer: the GPU (name, compute capability, SM count), the versions of
-torch, CUDA, triton, FlashInfer and higgs_talker (with a digest of its sources, so an edited kernel is measured
-again), and what the graph runner adds (model shape, dtype, engine sizes, buckets, options). The file name is a
+torch, CUDA, triton, FlashInfer and higgs_talker (with a digest of the sources a measurement runs, so an edited
+kernel is measured again; the server, the vLLM plugin, the codec and the API's text handling are left out of it), and what the graph runner adds (model shape, dtype, engine sizes, buckets, options). The file name is a
 hash of the key's canonical JSON; the file holds the whole key, so a collision reads as a miss.
 
 A cached choice is still checked before use, as a measured one is (``GraphRunner.warm_up``); only the timing is
@@ -92,12 +92,21 @@ def _version(module: str, distribution: str) -> str | None:
         return None
 
 
-@lru_cache(maxsize=1)
-def source_digest() -> str:
-    """16 hex digits over every ``.py`` file of the package (path and bytes): changes with any edit."""
-    root = Path(__file__).resolve().parent.parent
+# sources that no warm-up measurement runs: an edit there keeps the cached choices
+UNMEASURED = ("serve/", "vllm_plugin/", "codec/", "api.py", "cli.py", "splitting.py", "audio.py", "results.py")
+
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+@lru_cache(maxsize=2)
+def source_digest(root: Path = PACKAGE_ROOT) -> str:
+    """16 hex digits over the ``.py`` files under ``root`` (path and bytes) except ``UNMEASURED``: changes with any
+    edit of a file that a warm-up measurement runs."""
     h = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).as_posix().startswith(UNMEASURED):
+            continue
         h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
