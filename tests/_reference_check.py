@@ -30,7 +30,7 @@ from torch import Tensor
 
 import higgs_talker.heads.slots as slots_module
 from higgs_talker import HiggsTalker, SamplingParams
-from higgs_talker.heads.sampling import race_scores, top_k_top_p_filter
+from higgs_talker.heads.sampling import is_greedy, race_scores, top_k_top_p_filter
 
 
 @dataclass(frozen=True)
@@ -326,7 +326,10 @@ class ScoreCheck:
         x = scaled[: len(rows)].float().cpu()
         assert x.shape == want["scaled"].shape, (what, tuple(x.shape), tuple(want["scaled"].shape))
         m, v = x.shape[0] * x.shape[1], x.shape[2]
-        kept = top_k_top_p_filter(x.reshape(m, v), torch.full((m,), params.top_k), torch.full((m,), params.top_p))
+        if is_greedy(torch.tensor([params.temperature]))[0]:  # greedy ranks the masked logits: no filter
+            kept = x
+        else:
+            kept = top_k_top_p_filter(x.reshape(m, v), torch.full((m,), params.top_k), torch.full((m,), params.top_p))
         got = {"scaled": x, "scores": kept.reshape(x.shape)}  # finite where the run's filter kept the code
         assert_codes_near_best(want, rows, 2 * self.bound.code, what, got, params)
         self._add(*score_errors(got, want), what)

@@ -9,8 +9,9 @@ each present where warm-up had that choice to make.
 
 The key is everything that could change an answer: the GPU (name, compute capability, SM count), the versions of
 torch, CUDA, triton, FlashInfer and higgs_talker (with a digest of the sources a measurement runs, so an edited
-kernel is measured again; the server, the vLLM plugin, the codec and the API's text handling are left out of it), and what the graph runner adds (model shape, dtype, engine sizes, buckets, options). The file name is a
-hash of the key's canonical JSON; the file holds the whole key, so a collision reads as a miss.
+kernel is measured again; the server, the vLLM plugin, the codec and the API's text handling are left out of it),
+and what the graph runner adds (model shape, dtype, engine sizes, buckets, options). The file name is a hash of the
+key's canonical JSON; the file holds the whole key, so a collision reads as a miss.
 
 A cached choice is still checked before use, as a measured one is (``GraphRunner.warm_up``); only the timing is
 skipped. ``load`` never raises: a file it cannot read or parse gives one warning and a miss, and the start

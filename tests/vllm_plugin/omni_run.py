@@ -6,7 +6,8 @@ SPEC_JSON is a list of ``{"key", "text", "max_tokens", "temperature", "top_k", "
 missing sampling key keeps the deploy profile's; ``ref_codes``, aligned codes [T, C], makes the request a voice
 clone, sent as vllm-omni 0.26's speech endpoint sends one: -100 placeholders in the prompt, the delayed rows in
 ``additional_information`` without positions); each request runs alone, one after another. Each audio goes to
-``OUT_DIR/<key>.pt`` (float32 [S]); prints ``RESULT:`` and ``{"results": [{"key", "samples", "outputs"}]}``.
+``OUT_DIR/<key>.pt`` (float32 [S]); prints ``RESULT:`` and ``{"results": [{"key", "samples", "outputs",
+"request_id"}]}``.
 BATCH_JSON ``{"keys": [...], "max_tokens": N}`` then sends those requests in one call, greedy with one length
 (one sampling for all: the offline API takes one per stage), so Stage 0 batches them; their audio goes to
 ``OUT_DIR/batched_<key>.pt`` and their result rows carry ``"batched": true``; with ``"alone": false`` in it the
@@ -39,7 +40,8 @@ def main(ckpt: str, yaml_path: str, spec: list[dict], out_dir: Path, batch: dict
             chunks = [a for a in (audio_of(o) for o in outs) if a is not None]
             audio = chunks[-1] if chunks else torch.zeros(0)  # FINAL_ONLY: the last output holds the whole audio
             torch.save(audio, out_dir / f"{r['key']}.pt")
-            results.append({"key": r["key"], "samples": int(audio.numel()), "outputs": len(outs)})
+            results.append({"key": r["key"], "samples": int(audio.numel()), "outputs": len(outs),
+                            "request_id": request_id(outs)})  # fmt: skip
         if batch:
             together = [r for r in spec if r["key"] in batch["keys"]]
             params = stage_params(omni, 0.0, None, None, stream=False)
@@ -50,10 +52,19 @@ def main(ckpt: str, yaml_path: str, spec: list[dict], out_dir: Path, batch: dict
                 chunks = [a for a in (audio_of(o) for o in mine) if a is not None]
                 audio = chunks[-1] if chunks else torch.zeros(0)
                 torch.save(audio, out_dir / f"batched_{r['key']}.pt")
-                results.append({"key": r["key"], "batched": True, "samples": int(audio.numel()), "outputs": len(mine)})
+                results.append({"key": r["key"], "batched": True, "samples": int(audio.numel()), "outputs": len(mine),
+                                "request_id": request_id(mine)})  # fmt: skip
     finally:
         omni.close()
     return {"results": results}
+
+
+def request_id(outputs: list) -> str | None:
+    """The one request id of a request's outputs (the Stage-0 score probe files its record under it)."""
+    ids = {str(o.request_id) for o in outputs}
+    if len(ids) > 1:
+        raise RuntimeError(f"one request's outputs carry several request ids: {sorted(ids)}")
+    return ids.pop() if ids else None
 
 
 def omni_prompt(ckpt: str, r: dict) -> dict:

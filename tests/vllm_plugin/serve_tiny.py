@@ -15,6 +15,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).with_name("score_probe")))
+from higgs_score_probe import as_record, record_scores  # noqa: E402
 
 
 def reference_codes(spec: dict):
@@ -55,40 +59,13 @@ def build_requests(tok, cfg, spec: list[dict]) -> tuple[list[dict], list]:
     return prompts, params
 
 
-def record_scores(adapter) -> dict[str, dict]:
-    """Keep what the adapter's sampler ranks at every row it publishes, by request: the masked logits / T (/ 1 for
-    greedy), [C, V] float32 per row, as ``_reference_check.teacher_forced`` gives them for the reference (its
-    ``scaled``). Rows a step samples but does not publish (a partial prefill's, the forced EOS step's after a
-    request's last row) are dropped. Needs the engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
-    returns {request key: {row: [C, V]}}, filled as vLLM runs."""
-    import torch
-
-    import higgs_talker.heads.slots as slots_module
-
+def in_process(adapter):
     if adapter is None:
-        raise RuntimeError("HIGGS_RECORD_SCORES needs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
-    recorded: dict[str, dict] = {}
-    pending: list = []  # this step's (row, scaled [C, V]) per request, kept once the step says what it published
-    real_codes, real_sample = slots_module.sample_codes, adapter.sample_codes
-
-    def ranking(logits, temperature, top_k, top_p, seeds, steps, **shortcuts):
-        t = torch.where(temperature > 0, temperature.float(), torch.ones_like(temperature.float()))
-        scaled = (logits.float() / t[:, None, None]).cpu()
-        pending[:] = [(int(steps[i]), scaled[i]) for i in range(scaled.shape[0])]
-        return real_codes(logits, temperature, top_k, top_p, seeds, steps, **shortcuts)
-
-    def sampling(*args, **kwargs):
-        pending.clear()
-        step = adapter.step
-        published = real_sample(*args, **kwargs)
-        if step is not None and len(pending) == step.num_reqs:
-            for key, row, (t, scaled) in zip(step.req_ids, published, pending, strict=False):
-                if row is not None:
-                    recorded.setdefault(key, {})[t] = scaled
-        return published
-
-    slots_module.sample_codes, adapter.sample_codes = ranking, sampling
-    return recorded
+        raise RuntimeError(
+            "HIGGS_RECORD_SCORES needs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); for worker "
+            "processes put score_probe/ on PYTHONPATH and set HIGGS_SCORE_PROBE_DIR"
+        )
+    return adapter
 
 
 def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512, llm_kwargs: dict | None = None) -> dict:
@@ -113,8 +90,8 @@ def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512, llm_kwa
         **(kwargs | (llm_kwargs or {})),
     )
     prompts, params = build_requests(tok, cfg, spec)
-    scores_path = os.environ.get("HIGGS_RECORD_SCORES")
-    recorded = record_scores(talker_for(llm.llm_engine.vllm_config)) if scores_path else None
+    scores_path = os.environ.get("HIGGS_RECORD_SCORES")  # the engine in this process (workers: score_probe/)
+    recorded = record_scores(in_process(talker_for(llm.llm_engine.vllm_config))) if scores_path else None
     outputs: list = [None] * len(spec)
     for wave in sorted({r.get("wave", 0) for r in spec}):
         batch = [i for i, r in enumerate(spec) if r.get("wave", 0) == wave]
@@ -124,8 +101,7 @@ def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512, llm_kwa
     if recorded is not None:
         import torch
 
-        torch.save({key: torch.stack([steps[t] for t in sorted(steps)]) for key, steps in recorded.items()},
-                   scores_path)  # fmt: skip
+        torch.save({key: as_record(key, steps)["scaled"] for key, steps in recorded.items()}, scores_path)
     if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":  # the adapter lives in this process: findable
         assert talker_for(llm.llm_engine.vllm_config) is not None, "no talker adapter for this engine's config"
     rows = request_rows(llm, [r["key"] for r in spec])  # from every worker (tensor parallel: they must agree)

@@ -28,7 +28,11 @@ from _served import run_served, spec_params, spec_reference  # noqa: E402
 
 from higgs_talker import HiggsTalker  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).with_name("score_probe")))
+import higgs_score_probe  # noqa: E402
+
 SCRIPT = Path(__file__).with_name("serve_tiny.py")
+PROBE = Path(__file__).with_name("score_probe")
 VOICE_A = {"seed": 11, "frames": 140, "text": "Reference"}
 VOICE_B = {"seed": 12, "frames": 140, "text": "Reference"}
 # Seeds 1 and 3 make the tiny model sample EOC early (65 and 22 rows), so the EOS path runs too. The seeded
@@ -64,12 +68,25 @@ BUDGET = 64  # tokens per step: the first step ends part-way through greedy-long
 
 @pytest.fixture(scope="module")
 def served(tiny_dir, tmp_path_factory):
-    scores = tmp_path_factory.mktemp("scores") / "scores.pt"  # what vLLM's sampler ranked (serve_tiny records it)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "HIGGS_RECORD_SCORES": str(scores)}  # fmt: skip
+    """SPEC served with vLLM's engine core in its own process, where the score probe (score_probe/, through its
+    sitecustomize) records what vLLM's sampler ranked, as it does inside vllm-omni's Stage-0 worker on the GPU."""
+    scores = tmp_path_factory.mktemp("scores")
+    path = os.pathsep.join(x for x in (str(PROBE), os.environ.get("PYTHONPATH")) if x)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+           "HIGGS_SCORE_PROBE_DIR": str(scores), "PYTHONPATH": path}  # fmt: skip
     # the step budget forces chunked prefill of the long prompt next to decoding requests
     out = run_served([sys.executable, str(SCRIPT), str(tiny_dir), json.dumps(SPEC), str(BUDGET)], env)
-    return out | {"scores": torch.load(scores)}
+    return out | {"records": higgs_score_probe.load(scores)}
+
+
+def test_the_score_probe_recorded_every_row_in_the_engine_process(served):
+    records = served["records"]
+    assert sorted(records) == sorted(s["key"] for s in SPEC)
+    for got in served["results"]:
+        record = records[got["key"]]
+        assert record["rows"].tolist() == got["rows"], got["key"]
+        assert record["scaled"].shape[:2] == (len(got["rows"]), 8)
+        assert record["scaled"].isfinite().any(dim=-1).all(), "a recorded row ranked no code"
 
 
 # float32 on both sides (vLLM's CPU kernels, our torch ones, hidden 64, 3 layers): their scores differ by summation
@@ -85,7 +102,7 @@ def test_vllms_own_scores_equal_the_float32_engines(served, tiny_dir):
     check = ScoreCheck(talker, FP32_BOUND)
     for spec, got in zip(SPEC, served["results"], strict=True):
         rows = torch.tensor(got["rows"], dtype=torch.long)
-        scaled = served["scores"][spec["key"]]
+        scaled = served["records"][spec["key"]]["scaled"]
         prompt = talker.build_prompt(spec["text"], spec_reference(spec))
         check.check_scores(prompt, spec_params(spec, talker), rows, scaled, spec["key"])
     assert 0 < check.worst_row <= FP32_BOUND.row

@@ -1,0 +1,167 @@
+"""What our talker's sampler ranked inside vLLM / vllm-omni, kept for the score checks of the plugin's suites
+(``_reference_check.ScoreCheck.check_scores``: a run's own scores against the float32 reference, row by row).
+
+``record_scores(adapter)`` wraps one adapter (``HiggsTalkerForConditionalGeneration``) in the process it lives in:
+at every row a request publishes it keeps the masked logits / T (/ 1 for greedy), [C, V] float32, as
+``teacher_forced`` gives them for the reference (its ``scaled``), and the row itself. Rows a step samples but does
+not publish (a partial prefill's, the forced EOS step's after a request's last row) are dropped.
+
+``install(directory)`` does it for every adapter a process builds, for processes this test cannot reach into
+(vllm-omni's Stage-0 worker, vLLM's engine core): an import hook wraps the adapter class's ``__init__`` when
+``higgs_talker.vllm_plugin.talker`` is imported. Each request's record goes to ``directory/<pid>_<request id>.pt``
+(``{"req_id", "rows" [T, C] int64, "scaled" [T, C, V] float32}``) when the runner says it finished or left the
+batch, and again at the process's exit (atexit and multiprocessing's finalizers). This folder's
+``sitecustomize.py`` calls it in every Python process started with the folder on ``PYTHONPATH`` and
+``HIGGS_SCORE_PROBE_DIR`` set. ``load(directory)`` reads the files back: ``{request id: record}``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import os
+import re
+import sys
+from pathlib import Path
+
+TARGET_MODULE, TARGET_CLASS = "higgs_talker.vllm_plugin.talker", "HiggsTalkerForConditionalGeneration"
+
+
+def record_scores(adapter) -> dict[str, dict[int, tuple]]:
+    """Wrap ``adapter``'s sampling; returns ``{request id: {row index: (scaled [C, V], row [C])}}``, filled as the
+    runner samples."""
+    import torch
+
+    import higgs_talker.heads.slots as slots_module
+
+    recorded: dict[str, dict[int, tuple]] = {}
+    pending: list = []  # this step's (row index, scaled [C, V]) per request, kept once the step says what it published
+    real_codes, real_sample = slots_module.sample_codes, adapter.sample_codes
+
+    def ranking(logits, temperature, top_k, top_p, seeds, steps, **shortcuts):
+        t = torch.where(temperature > 0, temperature.float(), torch.ones_like(temperature.float()))
+        scaled = (logits.float() / t[:, None, None]).cpu()
+        pending[:] = [(int(steps[i]), scaled[i]) for i in range(scaled.shape[0])]
+        return real_codes(logits, temperature, top_k, top_p, seeds, steps, **shortcuts)
+
+    def sampling(*args, **kwargs):
+        pending.clear()
+        step = adapter.step
+        published = real_sample(*args, **kwargs)
+        if step is not None and len(pending) == step.num_reqs:
+            for key, row, (t, scaled) in zip(step.req_ids, published, pending, strict=False):
+                if row is not None:
+                    recorded.setdefault(key, {})[t] = (scaled, row.reshape(-1).long().cpu())
+        return published
+
+    slots_module.sample_codes, adapter.sample_codes = ranking, sampling
+    return recorded
+
+
+def as_record(req_id: str, steps: dict[int, tuple]) -> dict:
+    """One request's recorded steps as tensors (its rows must run 0..T-1 without a gap)."""
+    import torch
+
+    order = sorted(steps)
+    if order != list(range(len(order))):
+        raise ValueError(f"request {req_id}: recorded rows {order[:5]}... do not run from 0 without a gap")
+    return {"req_id": req_id, "rows": torch.stack([steps[t][1] for t in order]),
+            "scaled": torch.stack([steps[t][0] for t in order])}  # fmt: skip
+
+
+class Recording:
+    """``record_scores`` on one adapter, its requests written to ``directory`` as they leave and at exit."""
+
+    def __init__(self, adapter, directory: str | os.PathLike) -> None:
+        import multiprocessing.util
+
+        self.directory, self.pid = Path(directory), os.getpid()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.recorded = record_scores(adapter)
+        for name in ("on_requests_finished", "on_requests_removed"):
+            real = getattr(adapter, name)
+            setattr(adapter, name, functools.partial(self._leaving, real))
+        multiprocessing.util.Finalize(self, self.write, exitpriority=100)  # a multiprocessing child's exit
+        import atexit
+
+        atexit.register(self.write)
+
+    def _leaving(self, real, req_ids, *args, **kwargs):
+        out = real(req_ids, *args, **kwargs)
+        self.write([r for r in req_ids if r in self.recorded])
+        return out
+
+    def write(self, req_ids=None) -> None:
+        """Write the requests' records (all by default), each file replaced whole."""
+        import torch
+
+        if os.getpid() != self.pid:  # a forked child inherits the object, not the adapter
+            return
+        for req_id in list(self.recorded) if req_ids is None else req_ids:
+            path = self.directory / f"{self.pid}_{re.sub(r'[^A-Za-z0-9_.-]', '_', req_id)}.pt"
+            tmp = path.with_suffix(".tmp")
+            torch.save(as_record(req_id, self.recorded[req_id]), tmp)
+            os.replace(tmp, path)
+
+
+def load(directory: str | os.PathLike) -> dict[str, dict]:
+    """The records under ``directory`` by request id (a request written by two processes: ValueError)."""
+    import torch
+
+    out: dict[str, dict] = {}
+    for path in sorted(Path(directory).glob("*.pt")):
+        record = torch.load(path)
+        if record["req_id"] in out:
+            raise ValueError(f"request {record['req_id']} was recorded by two processes ({path.name})")
+        out[record["req_id"]] = record
+    return out
+
+
+def install(directory: str) -> None:
+    """Record every adapter this process builds (once per process)."""
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder(directory))
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds the adapter's module with the finders after it and wraps its loader."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != TARGET_MODULE:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _Loader(spec.loader, self.directory)
+                return spec
+        return None
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, loader, directory: str) -> None:
+        self.loader, self.directory = loader, directory
+
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        cls = getattr(module, TARGET_CLASS)
+        init, directory = cls.__init__, self.directory
+
+        @functools.wraps(init)  # vLLM reads the signature (``vllm_config``) through ``__wrapped__``
+        def __init__(adapter, *args, **kwargs):
+            init(adapter, *args, **kwargs)
+            adapter._score_recording = Recording(adapter, directory)
+
+        cls.__init__ = __init__
