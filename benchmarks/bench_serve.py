@@ -23,6 +23,7 @@ asked for.
     python benchmarks/bench_serve.py --out $OUT                      # H200: 4B shape, levels 1,4,16,64
     python benchmarks/bench_serve.py --chunking both --levels 1,16   # exact vs vllm-omni's chunk cuts
     python benchmarks/bench_serve.py --device cpu --tiny             # smoke test, seconds
+    python benchmarks/bench_serve.py --paths frames,direct --levels 16,64   # the engine's frames vs + the codec
 """
 
 from __future__ import annotations
@@ -111,12 +112,16 @@ def make_jobs(n: int, args: argparse.Namespace, seed: int, frame_rate: int, samp
     return jobs
 
 
-def run_direct(talker, jobs: list[dict], concurrency: int, chunking, part_chars: int) -> tuple[list[dict], float]:
-    """The same closed loop through ``HiggsTalker.stream_audio`` from C threads (the server's path, minus HTTP)."""
+def run_direct(
+    talker, jobs: list[dict], concurrency: int, chunking, part_chars: int, codec: bool = True
+) -> tuple[list[dict], float]:
+    """The same closed loop through ``HiggsTalker.stream_audio`` from C threads (the server's path, minus HTTP);
+    ``codec=False``: through ``HiggsTalker.stream``, frames only (the ``frames`` path: what the engine and its
+    streaming deliver with no decoding; TTFA is the first frame, audio seconds are frames / frame rate)."""
     from higgs_talker import SamplingParams
 
     queue, records, errors, lock = deque(jobs), [], [], threading.Lock()
-    rate = talker.cfg.sample_rate
+    rate = talker.cfg.sample_rate if codec else talker.cfg.frame_rate
 
     def worker() -> None:
         try:
@@ -127,10 +132,14 @@ def run_direct(talker, jobs: list[dict], concurrency: int, chunking, part_chars:
                     job = queue.popleft()
                 params = SamplingParams(**job["sampling"], seed=job["seed"], max_frames=job["frames"])
                 t0, first, samples = time.perf_counter(), None, 0
-                for chunk in talker.stream_audio(job["text"], params, chunking=chunking, split=part_chars):
+                if codec:
+                    chunks = talker.stream_audio(job["text"], params, chunking=chunking, split=part_chars)
+                else:
+                    chunks = (f.reshape(1, -1) for f in talker.stream(job["text"], params, split=part_chars))
+                for chunk in chunks:
                     if first is None and chunk.numel():
                         first = time.perf_counter()
-                    samples += chunk.numel()
+                    samples += chunk.shape[0] if not codec else chunk.numel()
                 rec = _record(job, t0, first, time.perf_counter(), samples / rate)
                 with lock:
                     records.append(rec)
@@ -222,7 +231,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--graph-mode", default=None, help="default: auto on CUDA, eager on CPU")
     p.add_argument("--model", default=None, help="checkpoint directory with its codec (default: random weights)")
     p.add_argument("--tiny", action="store_true", help="the tiny shape (CPU smoke test)")
-    p.add_argument("--paths", type=strs_arg, default=["direct", "http"], help="direct,http (default both)")
+    p.add_argument("--paths", type=strs_arg, default=["direct", "http"],
+                   help="direct,http (default both); frames: the direct engine with no codec")  # fmt: skip
     p.add_argument("--chunking", choices=("exact", "upstream", "both"), default="exact")
     add_sampling_option(p, "level")
     p.add_argument("--levels", type=ints_arg, default=None, help="concurrency levels (default 1,4,16,64)")
@@ -232,6 +242,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--part-chars", type=int, default=300)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--budget-s", type=float, default=480.0, help="skip the remaining levels after this")
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="sys.setswitchinterval for this process (Python's default is 5 ms): how long a thread that "
+                   "wants the GIL may wait for one that holds it")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output directory (default benchmarks/results)")
     args = p.parse_args(argv)
@@ -243,9 +256,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.levels = args.levels or [1, 4, 16, 64]
     args.audio_s = args.audio_s or [5.0, 20.0]
     args.prompt_chars = args.prompt_chars or [30, 200]
-    bad = [x for x in args.paths if x not in ("direct", "http")]
+    bad = [x for x in args.paths if x not in ("direct", "http", "frames")]
     if bad:
-        p.error(f"--paths: unknown {bad}; use direct and/or http")
+        p.error(f"--paths: unknown {bad}; use direct, http and/or frames")
     return args
 
 
@@ -262,6 +275,8 @@ def main(argv: Sequence[str] | None = None):
     from higgs_talker.serve.serving import CHUNKINGS, ServeConfig, SpeechServing
 
     args = parse_args(argv)
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
     device = resolve_device(args.device)
     t_start = time.perf_counter()
     meta = environment(device, "bench_serve.py", argv)
@@ -272,7 +287,7 @@ def main(argv: Sequence[str] | None = None):
         "headline_sampling": args.sampling[0], "audio_s": args.audio_s,
         "prompt_chars": args.prompt_chars, "targets": TARGETS,
         "ttfa": "request sent -> first audio byte (HTTP, streamed pcm); direct: call -> first stream_audio chunk",
-        "rtf": "request wall time / audio seconds",
+        "rtf": "request wall time / audio seconds", "switch_interval_s": sys.getswitchinterval(),
     }  # fmt: skip
     writer = ResultFile(args.out, "serve", meta)
     log(f"writing {writer.path}")
@@ -302,8 +317,9 @@ def main(argv: Sequence[str] | None = None):
                         writer.add(row | {"status": "skipped", "error": "time budget"})
                         continue
                     try:
-                        if path == "direct":
-                            records, wall = run_direct(talker, jobs, c, CHUNKINGS[name], args.part_chars)
+                        if path in ("direct", "frames"):
+                            records, wall = run_direct(talker, jobs, c, CHUNKINGS[name], args.part_chars,
+                                                       codec=path == "direct")  # fmt: skip
                         else:
                             records, wall = run_http(url, jobs, c, talker.cfg.sample_rate)
                         row |= summarize(records, wall)

@@ -536,6 +536,27 @@ def test_bench_serve_smoke(tmp_path: Path, monkeypatch) -> None:
     assert set(data["targets_met"]) == set(bench_serve.TARGETS)
 
 
+def test_bench_serve_frames_path_counts_the_engines_frames(tmp_path: Path, monkeypatch) -> None:
+    """The ``frames`` path (the direct engine with no codec) reports the frames asked for as audio seconds, with
+    the switch interval it was given."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_serve
+
+    before = sys.getswitchinterval()
+    try:
+        argv = ["--device", "cpu", "--tiny", "--paths", "frames", "--levels", "1", "--sampling", "greedy",
+                "--switch-interval-ms", "1", "--out", str(tmp_path)]  # fmt: skip
+        data = json.loads(Path(bench_serve.main(argv).path).read_text())
+    finally:
+        sys.setswitchinterval(before)
+    assert data["meta"]["switch_interval_s"] == 0.001
+    (row,) = data["rows"]
+    assert row["path"] == "frames" and row["status"] == "ok", row
+    for r in data["requests"]:
+        assert r["audio_s"] == r["frames"] / 25, r  # EOC suppressed: every request runs to the frames asked for
+
+
 def test_the_servers_connections_send_without_nagles_delay(solo) -> None:
     """Each connection the server accepts has TCP_NODELAY: asyncio sets it only where the listening socket's proto
     says TCP. With Nagle on, a streamed body's first chunk waited for the client's delayed ACK of the headers (40 ms
