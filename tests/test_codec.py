@@ -22,6 +22,8 @@ import math
 import shutil
 import subprocess
 import sys
+import threading
+import time
 import types
 from pathlib import Path
 
@@ -482,6 +484,111 @@ def test_finished_stream_refuses_frames(codec) -> None:
     assert decoder.finish().shape == (3 * HOP,) and decoder.finish() is None
     with pytest.raises(ValueError, match="finished"):
         decoder.push(random_codes(1))
+
+
+def _gated_decoder(codec: Codec, monkeypatch) -> tuple[threading.Event, list[int]]:
+    """Hold the codec's first decode until the returned event is set; record each decode's batch size."""
+    gate, sizes, real = threading.Event(), [], codec.model.decode
+
+    def decode(codes):
+        sizes.append(codes.shape[0])
+        if len(sizes) == 1:
+            assert gate.wait(30), "the test never opened the gate"
+        return real(codes)
+
+    monkeypatch.setattr(codec.model, "decode", decode)
+    return gate, sizes
+
+
+def _wait_for_queue(codec: Codec, n: int) -> None:
+    for _ in range(3000):
+        with codec.windows._cond:
+            if len(codec.windows._queue) >= n:
+                return
+        time.sleep(0.001)
+    raise AssertionError(f"{n} windows never queued")
+
+
+def test_windows_queued_during_a_decode_are_decoded_together(codec, tensors, monkeypatch) -> None:
+    """Streams whose windows arrive while another stream decodes share the next decode (one batch), and each
+    gets what its window decodes to alone; streams of another window length decode beside them, not padded."""
+    windows = [(random_codes(n, seed=20 + i), 3, 2) for i, n in enumerate([30, 30, 30, 30, 17])]
+    alone = [codec.decode(c)[3 * HOP : (c.shape[0] - 2) * HOP] for c, _, _ in windows]
+    gate, sizes = _gated_decoder(codec, monkeypatch)
+    got: dict[int, torch.Tensor] = {}
+
+    def run(i: int) -> None:
+        got[i] = codec.windows.decode(*windows[i])
+
+    first = threading.Thread(target=run, args=(0,))
+    first.start()
+    while not sizes:
+        time.sleep(0.001)
+    rest = [threading.Thread(target=run, args=(i,)) for i in range(1, 5)]
+    for t in rest:
+        t.start()
+    _wait_for_queue(codec, 4)
+    gate.set()
+    for t in [first, *rest]:
+        t.join(30)
+    assert sorted(sizes) == [1, 1, 3], sizes  # the first alone, then the 30-frame three together, the 17 alone
+    tol = 2 * decode_tolerance(tensors, torch.float32)
+    for i, want in enumerate(alone):
+        assert got[i].shape == want.shape and rel_err(got[i], want) <= tol, i
+
+
+def test_a_failed_batch_raises_in_each_of_its_streams_and_the_next_decodes(codec, monkeypatch) -> None:
+    gate, sizes = _gated_decoder(codec, monkeypatch)
+    real = codec.model.decode
+
+    def failing(codes):
+        if len(sizes) == 1 and codes.shape[0] == 2:  # the second decode: the batch of two
+            sizes.append(2)
+            raise RuntimeError("out of memory (simulated)")
+        return real(codes)
+
+    monkeypatch.setattr(codec.model, "decode", failing)
+    errors: dict[int, BaseException] = {}
+
+    def run(i: int) -> None:
+        try:
+            codec.windows.decode(random_codes(12, seed=i), 0, 0)
+        except RuntimeError as exc:
+            errors[i] = exc
+
+    first = threading.Thread(target=run, args=(0,))
+    first.start()
+    while not sizes:
+        time.sleep(0.001)
+    rest = [threading.Thread(target=run, args=(i,)) for i in (1, 2)]
+    for t in rest:
+        t.start()
+    _wait_for_queue(codec, 2)
+    gate.set()
+    for t in [first, *rest]:
+        t.join(30)
+    assert sorted(errors) == [1, 2] and all("simulated" in str(e) for e in errors.values()), errors
+    assert codec.windows.decode(random_codes(12, seed=9), 0, 0).shape == (12 * HOP,)  # the batcher still works
+
+
+def test_concurrent_streams_each_equal_their_one_shot_audio(codec, tensors) -> None:
+    """Eight streams pushing frames from eight threads at once (their windows batched as they meet): each
+    stream's chunks equal its own one-shot decode."""
+    codes = [random_codes(40 + 3 * i, seed=30 + i) for i in range(8)]
+    out: dict[int, torch.Tensor] = {}
+
+    def run(i: int) -> None:
+        out[i] = torch.cat(stream(codec, codes[i], None))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    tol = 2 * decode_tolerance(tensors, torch.float32)
+    for i in range(8):
+        whole = codec.decode(codes[i])
+        assert out[i].shape == whole.shape and rel_err(out[i], whole) <= tol, i
 
 
 # ---------------------------------------------------------------------------------------------------------

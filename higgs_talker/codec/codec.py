@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from torch import Tensor
 from .config import CodecSpec, build_config, spec_of
 from .model import CodecModel, decoder_reach, unused_shapes
 from .resample import resample
+from .streaming import WindowBatcher
 from .weights import assemble, expected_shapes, find_source, load_model
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class Codec:
         self.model, self.device, self.dtype = model, device, dtype
         self.spec: CodecSpec = model.spec
         self.context_frames: tuple[int, int] = decoder_reach(model.acoustic_decoder, self.spec.hop_length)
+        self.windows = WindowBatcher(self)  # the streams' decodes, batched while one runs
 
     # ------------------------------------------------------------------------------------------ building
 
@@ -126,9 +128,24 @@ class Codec:
 
     def decode_window(self, codes: Tensor, trim_front: int, trim_back: int) -> Tensor:
         """Decode checked codes [T, Q] and drop ``trim_front`` / ``trim_back`` frames' samples at the ends."""
-        wav = self.decode(codes)
-        hop = self.hop_length
-        return wav[trim_front * hop : wav.shape[0] - trim_back * hop]
+        return self.decode_windows([(codes, trim_front, trim_back)])[0]
+
+    @torch.inference_mode()
+    def decode_windows(self, windows: Sequence[tuple[Tensor, int, int]]) -> list[Tensor]:
+        """Several ``decode_window`` calls at once: the windows (checked codes [T, Q], trim_front, trim_back) of one
+        length T decode as one batch [B, Q, T] (the decoder treats each batch row alone); one result per window."""
+        hop, out = self.hop_length, [torch.zeros(0, dtype=torch.float32, device=self.device)] * len(windows)
+        by_length: dict[int, list[int]] = {}
+        for i, (codes, _, _) in enumerate(windows):
+            if codes.shape[0]:
+                by_length.setdefault(codes.shape[0], []).append(i)
+        for rows in by_length.values():
+            codes = torch.stack([windows[i][0] for i in rows]).to(self.device).transpose(1, 2)  # [B, Q, T]
+            wav = self.model.decode(codes).reshape(len(rows), -1).float()  # [B, T * hop]
+            for i, samples in zip(rows, wav, strict=True):
+                _, front, back = windows[i]
+                out[i] = samples[front * hop : samples.shape[0] - back * hop]
+        return out
 
     def check_codes(self, codes: Tensor | np.ndarray) -> Tensor:
         """Codes as an int64 CPU or device tensor [T, Q]; ``TypeError`` / ``ValueError`` naming what is wrong."""

@@ -14,11 +14,15 @@ profiles hold back 4 frames, so the last ~6 frames of each of their chunks are d
 their future context and differ from the one-shot audio (by up to 39-47 % of peak with random weights,
 SPEC_codec 4.4); ``UPSTREAM_CHUNKING`` reproduces that schedule. Each holdback frame costs 40 ms before
 the first chunk: the default waits for 11 frames, upstream's for 5.
+
+Many streams of one codec share its decodes (``WindowBatcher``): windows queued while a decode runs are decoded
+together in the next one, so a chunk's samples can differ by float rounding from the same window decoded alone.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -122,9 +126,69 @@ class StreamingDecoder:
         if window is None:
             return None
         codes = self._codes[window.start - self._offset : window.end - self._offset]
-        chunk = self.codec.decode_window(codes, window.emit_start - window.start, window.end - window.emit_end)
+        chunk = self.codec.windows.decode(codes, window.emit_start - window.start, window.end - window.emit_end)
         self.emitted = window.emit_end
         keep = max(0, self.emitted - self.rule.left_context_frames)  # the next window starts at or after this
         self._codes = self._codes[keep - self._offset :]
         self._offset = keep
         return chunk
+
+
+@dataclass(eq=False)
+class _Pending:
+    codes: Tensor
+    trim_front: int
+    trim_back: int
+    result: Tensor | None = None
+    error: BaseException | None = None
+    done: bool = field(default=False)
+
+
+class WindowBatcher:
+    """One codec's streamed decodes, from any number of threads, batched while one runs (group commit).
+
+    A stream that has a window to decode queues it; if no decode is running it takes every queued window and
+    decodes them together (``Codec.decode_windows``: one batch per window length), else it waits, and when the
+    running decode ends the first waiter with a window still queued takes the queue in turn. One stream alone
+    decodes at once, as without the batcher; many streams share each decode instead of queueing one decode
+    each on the device and the interpreter (streamed audio under load was bound by one decode per chunk). A
+    decode that raises raises in every stream whose window it held; the next decode starts afresh.
+    """
+
+    def __init__(self, codec) -> None:
+        self.codec = codec
+        self._cond = threading.Condition()
+        self._queue: list[_Pending] = []
+        self._running = False
+        self.batches = self.windows = 0  # decodes run and windows decoded (windows / batches: the batching)
+
+    def decode(self, codes: Tensor, trim_front: int, trim_back: int) -> Tensor:
+        """``Codec.decode_window(codes, trim_front, trim_back)``, decoded with whatever else is queued."""
+        mine = _Pending(codes, trim_front, trim_back)
+        with self._cond:
+            self._queue.append(mine)
+            while not mine.done and self._running:
+                self._cond.wait()
+            if not mine.done:  # nothing running and this window still queued: decode the queue
+                self._running, batch, self._queue = True, self._queue, []
+        if not mine.done:
+            self._run(batch)
+        if mine.error is not None:
+            raise mine.error
+        return mine.result
+
+    def _run(self, batch: list[_Pending]) -> None:
+        try:
+            results = self.codec.decode_windows([(p.codes, p.trim_front, p.trim_back) for p in batch])
+            for p, result in zip(batch, results, strict=True):
+                p.result = result
+        except BaseException as exc:  # noqa: BLE001 - each stream of the batch raises it
+            for p in batch:
+                p.error = exc
+        finally:
+            with self._cond:
+                for p in batch:
+                    p.done = True
+                self._running = False
+                self.batches, self.windows = self.batches + 1, self.windows + len(batch)
+                self._cond.notify_all()
