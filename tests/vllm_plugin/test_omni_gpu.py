@@ -20,6 +20,8 @@ Stage-0 worker through its ``sitecustomize``) records what Stage 0's sampler ran
   the reference of a checkpoint with one projection 5% off must fail for every request (the mutation test); three
   requests again in one call, decoded as one Stage-0 batch, and a batch on too few KV blocks (vLLM preempts and
   recomputes requests), each held to the same checks; Stage 0's log names the graph path its profile calls for;
+  the 4B shape (random bf16 weights), two requests in the low-latency profile, held to the same checks with the
+  bounds measured at that depth, and one layer's o_proj x 1.25 in the reference as their mutation test;
 - ``vllm-omni serve`` (low-latency profile): the ``openai`` client's ``audio.speech.create`` (its ``voice`` sent as
   null through ``extra_body``: vllm-omni refuses a voice nobody uploaded) and httpx streaming (PCM and WAV) give
   the offline audio of the same seed; a client that leaves mid-stream does not block the next request; bad
@@ -42,7 +44,9 @@ pytest.importorskip("vllm_omni")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from _reference_check import (  # noqa: E402
+    ScoreBound,
     ScoreCheck,
+    break_projection,
     broken_checkpoint,
     float32_reference,
     score_bound,
@@ -98,20 +102,24 @@ _RECORDS: dict[str, dict[str, dict]] = {}
 _LOGS: dict[str, str] = {}
 
 
-def offline_audio(ckpt: Path, profile: str, tmp: Path, small_kv: bool = False) -> dict[str, torch.Tensor]:
-    """Every SPEC request's audio from ``Omni`` with our ``profile``, alone and BATCH's batched (``small_kv``:
-    SMALL_KV's batch only, on its few KV blocks); one run per variant per session. Its log goes to ``_LOGS``, and
-    what Stage 0's sampler ranked at every row of each request (the score probe, inside the Stage-0 worker) to
-    ``_RECORDS``: ``{"rows" [T, C], "scaled" [T, C, V]}`` by the same keys as the audio."""
-    name = profile + ("_small_kv" if small_kv else "")
+def offline_audio(
+    ckpt: Path, profile: str, tmp: Path, small_kv: bool = False, spec: list[dict] | None = None, tag: str = ""
+) -> dict[str, torch.Tensor]:
+    """Every request's audio from ``Omni`` with our ``profile``: ``spec`` (default SPEC) alone and BATCH's batched
+    (``small_kv``: SMALL_KV's batch only, on its few KV blocks; a ``spec`` of its own: no batch); one run per
+    variant (``tag`` names the checkpoint's) per session. Its log goes to ``_LOGS``, and what Stage 0's sampler
+    ranked at every row of each request (the score probe, inside the Stage-0 worker) to ``_RECORDS``: ``{"rows"
+    [T, C], "scaled" [T, C, V]}`` by the same keys as the audio."""
+    name = tag + profile + ("_small_kv" if small_kv else "")
     if name not in _OFFLINE:
         stages = STAGES | {0: STAGES[0] | {"num_gpu_blocks_override": SMALL_KV["blocks"]}} if small_kv else STAGES
         yaml_path = derived_yaml(deploy_yaml("ours", profile), tmp / f"{name}.yaml", stages)
         out, scores = tmp / name, tmp / f"{name}_scores"
         out.mkdir()
         log = Path(os.environ.get("HIGGS_VLLM_LOG_DIR") or tmp, f"omni_{name}.log")
-        batch = SMALL_KV if small_kv else BATCH
-        cmd = [sys.executable, str(SCRIPT), str(ckpt), str(yaml_path), json.dumps(SPEC), str(out), json.dumps(batch)]
+        batch = SMALL_KV if small_kv else BATCH if spec is None else None
+        cmd = [sys.executable, str(SCRIPT), str(ckpt), str(yaml_path), json.dumps(spec or SPEC), str(out)]
+        cmd += [json.dumps(batch)] if batch else []
         path = os.pathsep.join(x for x in (str(PROBE), os.environ.get("PYTHONPATH")) if x)
         env = talker_env("ours") | {"HIGGS_SCORE_PROBE_DIR": str(scores), "PYTHONPATH": path}
         result = run_served(cmd, env, timeout=900, log=log)
@@ -319,6 +327,45 @@ def test_requests_preempted_for_kv_blocks_each_match_the_reference_and_the_direc
         spec, name = greedy_spec(key, SMALL_KV["max_tokens"]), f"batched_{key}"
         record = _RECORDS["low_latency_small_kv"][name]
         check_stage_0(record, spec, solo, reference, codec, audio[name], check, f"small KV {name}")
+
+
+# the 4B shape: two requests, greedy and the deploy sampling, low-latency profile
+SPEC_4B = [
+    {"key": "greedy", "text": "Hello there, this prompt is long enough for a few chunks.", "max_tokens": 48,
+     "temperature": 0.0},
+    {"key": "deploy", "text": "The deploy sampling, seeded.", "seed": 11, "max_tokens": 48},
+]  # fmt: skip
+
+
+def test_4b_offline_requests_match_the_float32_reference_and_the_direct_engine(tmp_path_factory):
+    """The 4B shape (random bf16 weights, 36 layers) through ``Omni``'s low-latency profile: ``check_stage_0`` for
+    each request, with the bounds measured at this shape (``SCORE_BOUNDS``: on the H200 correct kernels gave worst
+    row 0.0323, overall 0.0271); and, as this comparison's mutation test, the same scores against the reference
+    with layer 17's o_proj x 1.25 (which test_gpu's 4B check saw at 0.061 / 0.056) must exceed the overall bound
+    (at this depth a 5% change in one layer stays within the rounding of 36 bf16 layers)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    ckpt = write_omni_checkpoint(tmp_path_factory.mktemp("omni4b") / "ckpt", shape="4b")
+    audio = offline_audio(ckpt, "low_latency", tmp_path_factory.mktemp("run4b"), spec=SPEC_4B, tag="4b_")
+    records = _RECORDS["4b_low_latency"]
+    solo = sdpa_talker(ckpt)
+    reference, codec = float32_reference(solo), Codec.from_pretrained(ckpt, device="cuda")
+    bound, unbounded = score_bound(solo), ScoreBound(row=float("inf"), overall=float("inf"), code=float("inf"))
+    check = ScoreCheck(reference, bound)
+    for spec in SPEC_4B:
+        check_stage_0(
+            records[spec["key"]], spec, solo, reference, codec, audio[spec["key"]], check, f"4B {spec['key']}"
+        )
+    broken = ScoreCheck(break_projection(reference, "o_proj", 17, 1.25), unbounded)
+    for spec in SPEC_4B:
+        prompt, params = solo.build_prompt(spec["text"], reference_of(spec)), params_of(spec, solo)
+        record = records[spec["key"]]
+        broken.check_scores(prompt, params, record["rows"].long(), record["scaled"], spec["key"])
+    print(
+        f"\n[omni 4B scores] worst row {check.worst_row:.4f}, overall {check.overall:.4f}; o_proj x 1.25: "
+        f"worst row {broken.worst_row:.4f}, overall {broken.overall:.4f} ({bound})"
+    )
+    assert broken.overall > bound.overall, "one layer's o_proj x 1.25 stayed within the 4B bounds"
 
 
 # ---------------------------------------------------------------------------------------------------------
