@@ -177,14 +177,27 @@ class WindowBatcher:
             raise mine.error
         return mine.result
 
+    def _alone(self, p: _Pending) -> Tensor | None:
+        try:
+            return self.codec.decode_windows([(p.codes, p.trim_front, p.trim_back)])[0]
+        except Exception as exc:  # noqa: BLE001 - this window's stream raises it
+            p.error = exc
+            return None
+
     def _run(self, batch: list[_Pending]) -> None:
         try:
-            results = self.codec.decode_windows([(p.codes, p.trim_front, p.trim_back) for p in batch])
+            try:
+                results = self.codec.decode_windows([(p.codes, p.trim_front, p.trim_back) for p in batch])
+            except Exception:  # noqa: BLE001 - decoded again one by one: only a window that fails alone fails
+                if len(batch) == 1:
+                    raise
+                results = [self._alone(p) for p in batch]
             for p, result in zip(batch, results, strict=True):
                 p.result = result
-        except BaseException as exc:  # noqa: BLE001 - each stream of the batch raises it
+        except BaseException as exc:  # noqa: BLE001 - Ctrl-C or the lone window's error, raised in its stream(s)
             for p in batch:
-                p.error = exc
+                if p.result is None and p.error is None:
+                    p.error = exc
         finally:
             with self._cond:
                 for p in batch:
