@@ -26,7 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # Runs in the child: wrap the stage functions, then the CLI. argv: tiny dir, stage, then the CLI's arguments.
 CHILD = textwrap.dedent(
     """
-    import atexit, sys, time
+    import atexit, signal, sys, time
+    # a shell without job control starts background jobs with SIGINT ignored, and Python then installs no
+    # KeyboardInterrupt handler (pytest run as such a job saw every case exit 0); start as from a terminal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import torch
     import higgs_talker.checkpoint, higgs_talker.codec.codec, higgs_talker.engine, higgs_talker.results
     from higgs_talker import cli
