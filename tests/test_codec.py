@@ -500,13 +500,26 @@ def _gated_decoder(codec: Codec, monkeypatch) -> tuple[threading.Event, list[int
     return gate, sizes
 
 
-def _wait_for_queue(codec: Codec, n: int) -> None:
+def _first_then_queued(codec: Codec, gate: threading.Event, sizes: list[int], run, ids: list[int]) -> None:
+    """``run(ids[0])`` on a thread until its decode is held at ``gate``, then ``run`` of the rest on threads until
+    their windows are queued behind it; then open the gate and wait for all."""
+    first = threading.Thread(target=run, args=(ids[0],))
+    first.start()
+    while not sizes:
+        time.sleep(0.001)
+    rest = [threading.Thread(target=run, args=(i,)) for i in ids[1:]]
+    for t in rest:
+        t.start()
     for _ in range(3000):
         with codec.windows._cond:
-            if len(codec.windows._queue) >= n:
-                return
+            if len(codec.windows._queue) >= len(rest):
+                break
         time.sleep(0.001)
-    raise AssertionError(f"{n} windows never queued")
+    else:
+        raise AssertionError(f"{len(rest)} windows never queued")
+    gate.set()
+    for t in [first, *rest]:
+        t.join(30)
 
 
 def test_windows_queued_during_a_decode_are_decoded_together(codec, tensors, monkeypatch) -> None:
@@ -520,17 +533,7 @@ def test_windows_queued_during_a_decode_are_decoded_together(codec, tensors, mon
     def run(i: int) -> None:
         got[i] = codec.windows.decode(*windows[i])
 
-    first = threading.Thread(target=run, args=(0,))
-    first.start()
-    while not sizes:
-        time.sleep(0.001)
-    rest = [threading.Thread(target=run, args=(i,)) for i in range(1, 5)]
-    for t in rest:
-        t.start()
-    _wait_for_queue(codec, 4)
-    gate.set()
-    for t in [first, *rest]:
-        t.join(30)
+    _first_then_queued(codec, gate, sizes, run, [0, 1, 2, 3, 4])
     assert sorted(sizes) == [1, 1, 3], sizes  # the first alone, then the 30-frame three together, the 17 alone
     tol = 2 * decode_tolerance(tensors, torch.float32)
     for i, want in enumerate(alone):
@@ -560,17 +563,7 @@ def test_a_failed_batch_is_decoded_again_window_by_window_and_only_the_bad_windo
         except RuntimeError as exc:
             errors[i] = exc
 
-    first = threading.Thread(target=run, args=(0,))
-    first.start()
-    while not sizes:
-        time.sleep(0.001)
-    rest = [threading.Thread(target=run, args=(i,)) for i in (1, 2)]
-    for t in rest:
-        t.start()
-    _wait_for_queue(codec, 2)
-    gate.set()
-    for t in [first, *rest]:
-        t.join(30)
+    _first_then_queued(codec, gate, sizes, run, [0, 1, 2])
     assert list(errors) == [2] and "simulated" in str(errors[2]), errors
     assert sorted(got) == [0, 1]
     assert torch.equal(got[1], codec.decode(windows[1]))  # decoded alone on the retry: the lone decode exactly

@@ -126,14 +126,11 @@ class Codec:
         wav = self.model.decode(codes.to(self.device).t()[None])  # [1, 1, T * hop]
         return wav.reshape(-1).float()
 
-    def decode_window(self, codes: Tensor, trim_front: int, trim_back: int) -> Tensor:
-        """Decode checked codes [T, Q] and drop ``trim_front`` / ``trim_back`` frames' samples at the ends."""
-        return self.decode_windows([(codes, trim_front, trim_back)])[0]
-
     @torch.inference_mode()
     def decode_windows(self, windows: Sequence[tuple[Tensor, int, int]]) -> list[Tensor]:
-        """Several ``decode_window`` calls at once: the windows (checked codes [T, Q], trim_front, trim_back) of one
-        length T decode as one batch [B, Q, T] (the decoder treats each batch row alone); one result per window."""
+        """Decode windows (checked codes [T, Q], trim_front, trim_back), each without the samples of its first
+        ``trim_front`` and last ``trim_back`` frames; the windows of one length T decode as one batch [B, Q, T]
+        (the decoder treats each batch row alone). One waveform per window."""
         hop, out = self.hop_length, [torch.zeros(0, dtype=torch.float32, device=self.device)] * len(windows)
         by_length: dict[int, list[int]] = {}
         for i, (codes, _, _) in enumerate(windows):

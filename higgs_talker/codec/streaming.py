@@ -22,7 +22,7 @@ together in the next one, so a chunk's samples can differ by float rounding from
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -136,12 +136,10 @@ class StreamingDecoder:
 
 @dataclass(eq=False)
 class _Pending:
-    codes: Tensor
-    trim_front: int
-    trim_back: int
+    window: tuple[Tensor, int, int]  # codes [T, Q], trim_front, trim_back
     result: Tensor | None = None
     error: BaseException | None = None
-    done: bool = field(default=False)
+    done: bool = False
 
 
 class WindowBatcher:
@@ -151,8 +149,9 @@ class WindowBatcher:
     decodes them together (``Codec.decode_windows``: one batch per window length), else it waits, and when the
     running decode ends the first waiter with a window still queued takes the queue in turn. One stream alone
     decodes at once, as without the batcher; many streams share each decode instead of queueing one decode
-    each on the device and the interpreter (streamed audio under load was bound by one decode per chunk). A
-    decode that raises raises in every stream whose window it held; the next decode starts afresh.
+    each on the device and the interpreter (streamed audio under load was bound by one decode per chunk). A batch
+    whose decode raises is decoded again window by window, so only a window that fails alone raises, in its own
+    stream; the next decode starts afresh.
     """
 
     def __init__(self, codec) -> None:
@@ -160,11 +159,10 @@ class WindowBatcher:
         self._cond = threading.Condition()
         self._queue: list[_Pending] = []
         self._running = False
-        self.batches = self.windows = 0  # decodes run and windows decoded (windows / batches: the batching)
 
     def decode(self, codes: Tensor, trim_front: int, trim_back: int) -> Tensor:
-        """``Codec.decode_window(codes, trim_front, trim_back)``, decoded with whatever else is queued."""
-        mine = _Pending(codes, trim_front, trim_back)
+        """``Codec.decode_windows([(codes, trim_front, trim_back)])[0]``, decoded with whatever else is queued."""
+        mine = _Pending((codes, trim_front, trim_back))
         with self._cond:
             self._queue.append(mine)
             while not mine.done and self._running:
@@ -179,7 +177,7 @@ class WindowBatcher:
 
     def _alone(self, p: _Pending) -> Tensor | None:
         try:
-            return self.codec.decode_windows([(p.codes, p.trim_front, p.trim_back)])[0]
+            return self.codec.decode_windows([p.window])[0]
         except Exception as exc:  # noqa: BLE001 - this window's stream raises it
             p.error = exc
             return None
@@ -187,7 +185,7 @@ class WindowBatcher:
     def _run(self, batch: list[_Pending]) -> None:
         try:
             try:
-                results = self.codec.decode_windows([(p.codes, p.trim_front, p.trim_back) for p in batch])
+                results = self.codec.decode_windows([p.window for p in batch])
             except Exception:  # noqa: BLE001 - decoded again one by one: only a window that fails alone fails
                 if len(batch) == 1:
                     raise
@@ -203,5 +201,4 @@ class WindowBatcher:
                 for p in batch:
                     p.done = True
                 self._running = False
-                self.batches, self.windows = self.batches + 1, self.windows + len(batch)
                 self._cond.notify_all()
