@@ -317,11 +317,13 @@ class ScoreCheck:
         assert_codes_near_best(want, rows, 2 * self.bound.code, what, got, params)
         self._add(*score_errors(got, want), what)
 
-    def check_scores(self, prompt, params: SamplingParams, rows: Tensor, scaled: Tensor, what: str = "run") -> None:
+    def check_scores(
+        self, prompt, params: SamplingParams, rows: Tensor, scaled: Tensor, what: str = "run"
+    ) -> dict[str, Tensor]:
         """A run whose own scores were kept as it ran (``scaled`` [>= T, C, V]: what its sampler ranked at each
         row, masked logits / T; vLLM's, recorded by ``serve_tiny.py``), against the reference teacher-forced on
         its rows [T, C]: the same bounds as ``check``, on the run's computation itself rather than on our kernels
-        re-run on its rows."""
+        re-run on its rows. Returns the reference's ``teacher_forced`` record of those rows."""
         want = teacher_forced(self.reference, prompt, params, rows)
         x = scaled[: len(rows)].float().cpu()
         assert x.shape == want["scaled"].shape, (what, tuple(x.shape), tuple(want["scaled"].shape))
@@ -333,6 +335,7 @@ class ScoreCheck:
         got = {"scaled": x, "scores": kept.reshape(x.shape)}  # finite where the run's filter kept the code
         assert_codes_near_best(want, rows, 2 * self.bound.code, what, got, params)
         self._add(*score_errors(got, want), what)
+        return want
 
     def _add(self, diff: Tensor, norm: Tensor, what: str) -> None:
         per_row = (diff / norm.clamp(min=1e-300)).sqrt()

@@ -32,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).with_name("score_probe")))
 import higgs_score_probe  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("serve_tiny.py")
-PROBE = Path(__file__).with_name("score_probe")
 VOICE_A = {"seed": 11, "frames": 140, "text": "Reference"}
 VOICE_B = {"seed": 12, "frames": 140, "text": "Reference"}
 # Seeds 1 and 3 make the tiny model sample EOC early (65 and 22 rows), so the EOS path runs too. The seeded
@@ -71,9 +70,8 @@ def served(tiny_dir, tmp_path_factory):
     """SPEC served with vLLM's engine core in its own process, where the score probe (score_probe/, through its
     sitecustomize) records what vLLM's sampler ranked, as it does inside vllm-omni's Stage-0 worker on the GPU."""
     scores = tmp_path_factory.mktemp("scores")
-    path = os.pathsep.join(x for x in (str(PROBE), os.environ.get("PYTHONPATH")) if x)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-           "HIGGS_SCORE_PROBE_DIR": str(scores), "PYTHONPATH": path}  # fmt: skip
+           **higgs_score_probe.probe_env(scores)}  # fmt: skip
     # the step budget forces chunked prefill of the long prompt next to decoding requests
     out = run_served([sys.executable, str(SCRIPT), str(tiny_dir), json.dumps(SPEC), str(BUDGET)], env)
     return out | {"records": higgs_score_probe.load(scores)}

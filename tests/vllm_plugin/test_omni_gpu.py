@@ -50,7 +50,6 @@ from _reference_check import (  # noqa: E402
     broken_checkpoint,
     float32_reference,
     score_bound,
-    teacher_forced,
 )
 from _served import run_served  # noqa: E402
 from bench_omni import deploy_yaml, derived_yaml, start_server, stop_server, talker_env  # noqa: E402
@@ -60,8 +59,7 @@ from higgs_talker import HiggsTalker, Reference, SamplingParams  # noqa: E402
 from higgs_talker.codec import UPSTREAM_CHUNKING, Codec  # noqa: E402
 from higgs_talker.heads.delay import codec_frames  # noqa: E402
 
-PROBE = Path(__file__).with_name("score_probe")
-sys.path.insert(0, str(PROBE))
+sys.path.insert(0, str(Path(__file__).with_name("score_probe")))
 import higgs_score_probe  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("omni_run.py")
@@ -120,8 +118,7 @@ def offline_audio(
         batch = SMALL_KV if small_kv else BATCH if spec is None else None
         cmd = [sys.executable, str(SCRIPT), str(ckpt), str(yaml_path), json.dumps(spec or SPEC), str(out)]
         cmd += [json.dumps(batch)] if batch else []
-        path = os.pathsep.join(x for x in (str(PROBE), os.environ.get("PYTHONPATH")) if x)
-        env = talker_env("ours") | {"HIGGS_SCORE_PROBE_DIR": str(scores), "PYTHONPATH": path}
+        env = talker_env("ours") | higgs_score_probe.probe_env(scores)
         result = run_served(cmd, env, timeout=900, log=log)
         records = higgs_score_probe.load(scores)
         saved = [(("batched_" if r.get("batched") else "") + r["key"], r["request_id"]) for r in result["results"]]
@@ -239,9 +236,8 @@ def check_stage_0(record: dict, spec: dict, solo, reference, codec, audio, check
     tie); (3) the Omni audio against our codec's decode of those rows (Stage 1 and the hand-over, exactly)."""
     rows, params = record["rows"].long(), params_of(spec, solo)
     prompt = solo.build_prompt(spec["text"], reference_of(spec))
-    check.check_scores(prompt, params, rows, record["scaled"], what)
+    forced = check.check_scores(prompt, params, rows, record["scaled"], what)
     want = solo.generate(spec["text"], params, reference=reference_of(spec)).rows.long().cpu()
-    forced = teacher_forced(reference, prompt, params, rows)
     assert_rows_match_up_to_a_near_tie(rows, want, forced, check.bound, what)
     expected = decoded(codec, rows, spec["max_tokens"], solo.cfg.num_real_codes)
     assert_same_audio(audio, expected, what)

@@ -25,6 +25,14 @@ import sys
 from pathlib import Path
 
 TARGET_MODULE, TARGET_CLASS = "higgs_talker.vllm_plugin.talker", "HiggsTalkerForConditionalGeneration"
+FOLDER = Path(__file__).resolve().parent
+
+
+def probe_env(directory: str | os.PathLike) -> dict[str, str]:
+    """The variables that load the probe into every Python process a command starts (this folder first on
+    ``PYTHONPATH``), recording to ``directory``."""
+    path = os.pathsep.join(x for x in (str(FOLDER), os.environ.get("PYTHONPATH")) if x)
+    return {"HIGGS_SCORE_PROBE_DIR": str(directory), "PYTHONPATH": path}
 
 
 def record_scores(adapter) -> dict[str, dict[int, tuple]]:
