@@ -135,11 +135,11 @@ def run_direct(
                 if codec:
                     chunks = talker.stream_audio(job["text"], params, chunking=chunking, split=part_chars)
                 else:
-                    chunks = (f.reshape(1, -1) for f in talker.stream(job["text"], params, split=part_chars))
+                    chunks = talker.stream(job["text"], params, split=part_chars)  # one frame [C] at a time
                 for chunk in chunks:
                     if first is None and chunk.numel():
                         first = time.perf_counter()
-                    samples += chunk.shape[0] if not codec else chunk.numel()
+                    samples += chunk.numel() if codec else 1
                 rec = _record(job, t0, first, time.perf_counter(), samples / rate)
                 with lock:
                     records.append(rec)

@@ -93,11 +93,9 @@ def _version(module: str, distribution: str) -> str | None:
         return None
 
 
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 # sources that no warm-up measurement runs: an edit there keeps the cached choices
 UNMEASURED = ("serve/", "vllm_plugin/", "codec/", "api.py", "cli.py", "splitting.py", "audio.py", "results.py")
-
-
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 
 @lru_cache(maxsize=2)
@@ -106,9 +104,9 @@ def source_digest(root: Path = PACKAGE_ROOT) -> str:
     edit of a file that a warm-up measurement runs."""
     h = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
-        if path.relative_to(root).as_posix().startswith(UNMEASURED):
-            continue
-        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+        name = path.relative_to(root).as_posix()
+        if not name.startswith(UNMEASURED):
+            h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
 

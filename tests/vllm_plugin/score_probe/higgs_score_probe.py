@@ -17,8 +17,10 @@ batch, and again at the process's exit (atexit and multiprocessing's finalizers)
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.abc
+import multiprocessing.util
 import os
 import re
 import sys
@@ -81,8 +83,6 @@ class Recording:
     """``record_scores`` on one adapter, its requests written to ``directory`` as they leave and at exit."""
 
     def __init__(self, adapter, directory: str | os.PathLike) -> None:
-        import multiprocessing.util
-
         self.directory, self.pid = Path(directory), os.getpid()
         self.directory.mkdir(parents=True, exist_ok=True)
         self.recorded = record_scores(adapter)
@@ -90,8 +90,6 @@ class Recording:
             real = getattr(adapter, name)
             setattr(adapter, name, functools.partial(self._leaving, real))
         multiprocessing.util.Finalize(self, self.write, exitpriority=100)  # a multiprocessing child's exit
-        import atexit
-
         atexit.register(self.write)
 
     def _leaving(self, real, req_ids, *args, **kwargs):
