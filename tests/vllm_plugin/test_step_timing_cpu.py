@@ -44,8 +44,11 @@ def real(categories: dict) -> dict:
 
 def test_the_engine_process_writes_its_steps(tiny_dir, tmp_path):
     out = tmp_path / "steps"
+    # vLLM kills an engine process still tearing down after VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s), before
+    # the probe's exit hook writes; a busy CI machine took longer once ("final": false)
     env = probe_env(out, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1",
-                    HIGGS_STEP_TIMING_EVERY="10", HIGGS_STEP_TIMING_FLUSH_S="0")  # fmt: skip
+                    HIGGS_STEP_TIMING_EVERY="10", HIGGS_STEP_TIMING_FLUSH_S="0",
+                    VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="120")  # fmt: skip
     cmd = [sys.executable, str(SCRIPT), str(tiny_dir), json.dumps(SPEC)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     stdout, stderr = proc.communicate(timeout=300)
