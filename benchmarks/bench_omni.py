@@ -374,6 +374,15 @@ def run_direct(args: argparse.Namespace, base: dict) -> None:
         print("RESULT:" + json.dumps(rows_out), flush=True)
 
 
+def worker_limit(limit: float, deadline: float | None, left: int) -> float:
+    """Seconds the next worker may run: its own limit, and under ``--budget-s`` an equal share of what is left among
+    the ``left`` configurations still to run (the first no longer starves the rest: a worker that ends early
+    leaves its unused share to those after it)."""
+    if deadline is None:
+        return limit
+    return min(limit, max((deadline - time.perf_counter()) / left, 1.0))
+
+
 def worker(args: argparse.Namespace) -> None:
     base = {"talker": args.talkers[0], "profile": args.profiles[0], "path": args.paths[0], "sampling": "deploy"}
     {"offline": run_offline, "http": run_http, "direct": run_direct}[args.paths[0]](args, base)
@@ -397,8 +406,9 @@ def main(argv: list[str] | None = None):
     p.add_argument("--smoke", action="store_true", help="small shape, levels 1,2, 1 s of audio (still a GPU run)")
     p.add_argument("--worker-timeout", type=int, default=900, help="s per worker process, start-up included")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="end the run after this many seconds: a worker still running is stopped and keeps the "
-                        "levels it finished; configurations not started are recorded as skipped")  # fmt: skip
+                   help="end the run after this many seconds, each configuration (talker x profile x path) getting "
+                        "an equal share of what is left when it starts: a worker over its share is stopped and keeps "
+                        "the levels it finished; configurations not started are recorded as skipped")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -436,7 +446,7 @@ def main(argv: list[str] | None = None):
     if "direct" in args.paths:
         configs.append(("ours", "direct", "direct"))
     deadline = None if args.budget_s is None else time.perf_counter() + args.budget_s
-    for talker, profile, path in configs:
+    for index, (talker, profile, path) in enumerate(configs):
         name = f"{talker}_{profile}_{path}"
         if deadline is not None and time.perf_counter() >= deadline:
             writer.add({"talker": talker, "profile": profile, "path": path, "status": "skipped", "error": "--budget-s"})
@@ -455,9 +465,7 @@ def main(argv: list[str] | None = None):
                 # its own session: a timed-out worker is ended with the stage processes it started
                 proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=talker_env(talker),
                                         start_new_session=True)  # fmt: skip
-                limit = args.worker_timeout + 60 * len(args.levels) * 5
-                if deadline is not None:
-                    limit = min(limit, max(deadline - time.perf_counter(), 1.0))
+                limit = worker_limit(args.worker_timeout + 60 * len(args.levels) * 5, deadline, len(configs) - index)
                 code = proc.wait(timeout=limit)
                 error = f"worker exited with status {code}" if code else None
             except subprocess.TimeoutExpired as exc:

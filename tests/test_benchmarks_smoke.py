@@ -357,3 +357,16 @@ def test_omni_budget_records_what_it_did_not_start(bench, tmp_path: Path, tiny_d
     want = {(t, pr, pa) for t in mod.TALKERS for pr in mod.PROFILES for pa in ("offline", "http")}
     assert configs == want | {("ours", "direct", "direct")}
     assert {r["status"] for r in data["rows"]} == {"skipped"}
+
+
+def test_omni_budget_is_shared_among_the_configurations_left(bench, monkeypatch) -> None:
+    """Each worker gets an equal share of the budget left when it starts (vllm-omni's first talker used 274 s of a
+    400 s budget on the H200 and the second was stopped before its first figure), within its own limit."""
+    import bench_omni
+
+    monkeypatch.setattr(bench_omni.time, "perf_counter", lambda: 100.0)
+    assert bench_omni.worker_limit(900.0, None, 3) == 900.0  # no budget: the worker's own limit
+    assert bench_omni.worker_limit(900.0, 400.0, 2) == 150.0  # 300 s left, two configurations
+    assert bench_omni.worker_limit(900.0, 400.0, 1) == 300.0  # the last takes all that is left
+    assert bench_omni.worker_limit(120.0, 400.0, 1) == 120.0
+    assert bench_omni.worker_limit(900.0, 90.0, 2) == 1.0  # spent: at least a second, then skipped rows
