@@ -167,6 +167,11 @@ class TalkerConfig:
         encoder_type = audio.get("encoder_type", "discrete")
         if encoder_type != "discrete":
             raise ValueError(f"audio_encoder_config.encoder_type is {encoder_type!r}; only 'discrete' is supported")
+        if _opt(audio, "use_delay_pattern", True) is not True:
+            raise ValueError(
+                f"audio_encoder_config.use_delay_pattern is {audio['use_delay_pattern']!r}; only checkpoints trained "
+                "with the delay pattern (true) are supported"
+            )
         # audio_encoder_config is authoritative where it names a field (SPEC 1.1); null counts as absent.
         num_codebooks = _opt(audio, "num_codebooks", _opt(raw, "num_codebooks", DEFAULT_NUM_CODEBOOKS))
         codebook_size = _opt(audio, "vocab_size", _opt(raw, "codebook_size", DEFAULT_CODEBOOK_SIZE))
@@ -263,6 +268,14 @@ def _text_config_from_dict(raw: dict[str, Any]) -> TextConfig:
     if rope_type not in ("default", None):
         raise ValueError(f"text_config rope_type {rope_type!r} is not supported (only 'default')")
     theta = _opt(raw, "rope_theta", _opt(rope, "rope_theta", DEFAULT_ROPE_THETA))
+    rope_key = "rope_parameters" if _opt(raw, "rope_parameters", None) else "rope_scaling"
+    nested = _opt(rope, "rope_theta", None)
+    if _opt(raw, "rope_theta", None) is not None and nested is not None and nested != theta:
+        raise ValueError(
+            f"text_config.rope_theta ({theta!r}) and text_config.{rope_key}.rope_theta ({nested!r}) differ: "
+            "transformers (and vLLM) take the nested one; give RoPE theta once, or the same value in both"
+        )
+    _check_unsupported_features(raw, rope, rope_key)
     return TextConfig(
         vocab_size=_int(raw["vocab_size"], "text_config.vocab_size"),
         hidden_size=hidden,
@@ -279,6 +292,43 @@ def _text_config_from_dict(raw: dict[str, Any]) -> TextConfig:
         tie_word_embeddings=_bool(_opt(raw, "tie_word_embeddings", True), "text_config.tie_word_embeddings"),
         attention_bias=_bool(_opt(raw, "attention_bias", False), "text_config.attention_bias"),
     )
+
+
+def _check_unsupported_features(raw: dict[str, Any], rope: dict[str, Any], rope_key: str) -> None:
+    """Refuse Qwen3 settings that transformers (and vLLM) honour but this runtime does not implement, instead of
+    silently computing another model: a non-SiLU MLP, sliding-window layers, partial RoPE."""
+    act = _opt(raw, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"text_config.hidden_act is {act!r}; only 'silu' (Qwen3's gated SiLU MLP) is supported")
+    for where, value in (
+        ("", _opt(raw, "partial_rotary_factor", 1.0)),
+        (f"{rope_key}.", rope.get("partial_rotary_factor")),
+    ):
+        if value is not None and value != 1:
+            raise ValueError(
+                f"text_config.{where}partial_rotary_factor is {value!r}; only full-head RoPE (1.0) is supported"
+            )
+    layer_types = _opt(raw, "layer_types", None)
+    if layer_types is not None:  # given explicitly, transformers uses it as is
+        if not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types):
+            raise ValueError(
+                f"text_config.layer_types must list only 'full_attention' layers (sliding-window attention is not "
+                f"supported), got {layer_types!r}"
+            )
+        return
+    # else transformers' Qwen3Config makes layer i sliding when use_sliding_window is true, sliding_window is set
+    # (4096 when absent) and i >= max_window_layers (28 when absent)
+    use = _opt(raw, "use_sliding_window", False)
+    if use is not False:
+        _bool(use, "text_config.use_sliding_window")
+        window = raw.get("sliding_window", 4096)
+        first = _opt(raw, "max_window_layers", 28)
+        layers = raw.get("num_hidden_layers")
+        if window is not None and isinstance(first, int) and isinstance(layers, int) and first < layers:
+            raise ValueError(
+                f"text_config.use_sliding_window is true (sliding_window {window}, layers {first}..{layers - 1}); "
+                "sliding-window attention is not supported"
+            )
 
 
 _TEXT_INT_FIELDS = (
