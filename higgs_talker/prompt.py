@@ -233,6 +233,12 @@ def _check_text(text: str, name: str, specials: tuple[str, ...]) -> str:
         raise ValueError(f"{name} must be a string, got {type(text).__name__}")
     if not text.strip():
         raise ValueError(f"{name} is empty or whitespace only: {text!r}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate (JSON "\ud800"): the tokenizer raised a TypeError
+        raise ValueError(
+            f"{name} holds {text[exc.start]!r} at index {exc.start}, which is not valid Unicode text"
+        ) from None
     for s in specials:
         if s in text:
             raise ValueError(f"{name} contains the special token {s!r}, which would break the prompt layout")

@@ -372,6 +372,8 @@ BAD = [
     ({"input": "Hi.", "foo": 1}, 400, "foo"),
     ({"input": "Hi.", "model": "tts-1"}, 404, "model"),
     ({"input": "Hi.", "voice": "alloy"}, 400, "voice"),
+    ({"input": "Hi.", "voice": 5}, 400, "voice"),  # not "voice.str", a member of the union
+    ({"input": "Hi.", "voice": {"name": "x"}}, 400, "voice"),
     ({"input": "Hi.", "speed": 1.5}, 400, "speed"),
     ({"input": "Hi.", "instructions": "whisper"}, 400, "instructions"),
     ({"input": "Hi.", "response_format": "mp3"}, 400, "response_format"),
@@ -415,9 +417,22 @@ def test_bad_bodies(served) -> None:
 
     check_error(httpx.post(url + "/v1/audio/speech", content=chunked(), headers=headers), 413, "body")
     check_error(httpx.get(url + "/v1/nothing"), 404, None)
+    # a lone surrogate is valid JSON but not text; it reached the tokenizer, whose TypeError was a 500 in plain text
+    surrogate = httpx.post(url + "/v1/audio/speech", content=b'{"input": "Hi \\ud800 there."}', headers=headers)
+    assert "not valid Unicode" in check_error(surrogate, 400, "input")["message"]
     ok = speech(url, input="Still fine.", seed=1, max_new_tokens=20)
     assert ok.status_code == 200
     wait_until_idle(serving)
+
+
+def test_an_unexpected_exception_is_a_json_500(served, monkeypatch) -> None:
+    serving, url = served
+
+    def broken():
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(serving, "voice_list", broken)
+    assert "a bug" in check_error(httpx.get(url + "/v1/audio/voices"), 500, None)["message"]
 
 
 def test_a_failing_request_leaves_the_others_alone(served, solo, monkeypatch) -> None:
@@ -517,6 +532,7 @@ def test_the_cli_server_stops_cleanly_mid_stream(tiny_dir: Path, sig) -> None:
         out = "".join(lines)
         assert rc == (0 if sig == signal.SIGINT else -signal.SIGTERM), out
         assert "Finished server process" in out
+        assert "Traceback" not in out and "ERROR" not in out, out  # a cut stream is no error
         if sig == signal.SIGINT:
             assert "server stopped" in out
     finally:

@@ -11,6 +11,7 @@ refusal, a body-size limit, and uvicorn with a shutdown that cancels the running
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import socket
 from typing import Annotated
@@ -24,7 +25,7 @@ from starlette.exceptions import HTTPException
 from .. import __version__
 from .encoding import MEDIA_TYPES
 from .protocol import APIError, ErrorResponse, ModelList, SpeechRequest, VoiceCard, VoiceList
-from .serving import ClientGone, SpeechServing
+from .serving import ClientGone, SpeechServing, StreamCut
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ def build_app(serving: SpeechServing) -> FastAPI:
     app = FastAPI(title="higgs-talker", version=__version__, responses=_ERRORS)
     app.state.serving = serving
     app.add_middleware(BodyLimit, max_bytes=serving.config.max_body_bytes)
+    app.add_middleware(CutStreams)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -48,7 +50,12 @@ def build_app(serving: SpeechServing) -> FastAPI:
             return _error(APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}", "body"))
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = ".".join(loc) or "body"
-        return _error(APIError(400, f"{param}: {first.get('msg', 'invalid value')}", param))
+        message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")  # a validator's own words
+        return _error(APIError(400, f"{param}: {message}", param))
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:  # a bug: still the one JSON shape
+        return _error(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -105,6 +112,34 @@ async def _disconnect(request: Request) -> None:
     """Returns once the client has closed the connection (the body has been read by then)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+_cut = contextvars.ContextVar("higgs_talker_stream_cut", default=False)
+
+
+class CutStreams:
+    """Ends a streamed response that raised ``StreamCut`` (a failure, timeout or shutdown after its first byte) by
+    returning without its last chunk: uvicorn then closes the connection and the client sees an incomplete body.
+    One log line says why; uvicorn's own error line for it is dropped (``_QuietCuts``), and no traceback is logged,
+    since nothing is wrong with the server."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except StreamCut as exc:
+            logger.info("%s", exc)
+            _cut.set(True)  # seen by _QuietCuts: uvicorn logs in this request's task, right after this returns
+
+
+class _QuietCuts(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_cut.get() and record.msg == "ASGI callable returned without completing response.")
+
+
+_quiet_cuts = _QuietCuts()
 
 
 class BodyLimit:
@@ -176,6 +211,7 @@ def make_server(
         lifespan="off",
         access_log=log_level == "debug",
     )
+    logging.getLogger("uvicorn.error").addFilter(_quiet_cuts)  # after uvicorn.Config set its logging up; once
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP named, not 0: asyncio turns Nagle off (TCP_NODELAY) only on connections of a socket whose proto
     # says TCP, and with Nagle on, a streamed body's first chunk waited for the client's delayed ACK of the

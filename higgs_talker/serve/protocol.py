@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_SEED = 2**63 - 1
 
@@ -43,6 +43,14 @@ class SpeechRequest(BaseModel):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
+
+    @field_validator("voice", mode="before")
+    @classmethod
+    def _voice_shape(cls, value):
+        """One error naming ``voice`` for any other shape (not one per member of the union, as ``voice.str``)."""
+        if value is None or isinstance(value, str) or (isinstance(value, dict) and isinstance(value.get("id"), str)):
+            return value
+        raise ValueError('voice must be a voice name or an object {"id": name}')
 
 
 class ErrorInfo(BaseModel):

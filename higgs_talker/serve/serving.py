@@ -282,7 +282,7 @@ class SpeechServing:
                 else:  # failed after its first byte: no status code left to send
                     err = _failure(job, kind, value)
                     if job.mode != "sse":
-                        raise RuntimeError(f"{job.id} failed mid-stream: {err.message}")  # the connection is cut
+                        raise StreamCut(f"cut mid-stream: {err.message}")  # the app closes the connection
                     yield sse_event(SpeechError(error=ErrorInfo(**err.body().error.model_dump())))
                 item = await anext(items, None)
         finally:
@@ -388,6 +388,11 @@ async def _until_gone(aw: Awaitable, watch: Callable[[], Awaitable[object]]):
         if not work.done():
             work.cancel()
             await asyncio.wait({work})  # let it unwind (its iterator closes) before anyone touches that again
+
+
+class StreamCut(Exception):
+    """A streamed body that has to end cut off (its status code is sent already): ``app.CutStreams`` logs one line
+    and closes the connection without the body's last chunk, so the client sees it incomplete, not a traceback."""
 
 
 class ClientGone(Exception):
