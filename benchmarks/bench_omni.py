@@ -20,7 +20,7 @@ Paths (the ``path`` of a row):
   a batch; waves of C over max(2C, 8) requests), outputs read as they come (``py_generator``) with Stage 1 asked
   for deltas: ``ttfa`` is submit -> the request's first audio, or its finish where the offline API did not stream
   (the row's ``offline_streamed`` says which);
-- ``http``: ``vllm-omni serve`` on a free port, a closed loop of C clients (httpx, ``stream: true``, PCM);
+- ``http``: ``vllm-omni serve`` on a free port, a closed loop of C clients (httpx, ``stream_format: audio``, PCM);
   ``ttfa`` is sent -> first audio byte;
 - ``direct``: our engine (``HiggsTalker.stream_audio`` with vllm-omni's chunking, C threads, the same sampling,
   seeded), once.
@@ -320,8 +320,9 @@ async def _http_level(url: str, todo: list[dict], level: int, rows: int) -> tupl
         async def worker() -> None:
             while queue:
                 job = queue.pop(0)
-                body = {"input": job["text"], "response_format": "pcm", "stream": True, "seed": job["seed"],
-                        "max_new_tokens": rows}  # fmt: skip
+                # stream_format "audio": raw PCM (vllm-omni 0.26-0.30 answer a bare "stream": true with SSE events)
+                body = {"input": job["text"], "response_format": "pcm", "stream": True, "stream_format": "audio",
+                        "seed": job["seed"], "max_new_tokens": rows}  # fmt: skip
                 t0, first, end, size = await stream_speech(client, body)
                 seconds = size / 2 / SAMPLE_RATE
                 records.append({"ttfa_ms": (first - t0) * 1e3 if first else None, "audio_s": seconds,

@@ -190,7 +190,9 @@ def test_streamed_bytes_arrive_chunk_by_chunk(served, solo) -> None:
     _, url = served
     text, params = "Streaming as frames complete.", SamplingParams(seed=5, temperature=0.0, max_frames=80)
     want = expected_pcm(solo, text, params)
-    body = {"input": text, "seed": 5, "temperature": 0.0, "max_new_tokens": 80, "response_format": "wav"}
+    # stream_format "audio" with stream true: how a vllm-omni client asks for the raw bytes
+    body = {"input": text, "seed": 5, "temperature": 0.0, "max_new_tokens": 80, "response_format": "wav",
+            "stream": True, "stream_format": "audio"}  # fmt: skip
     with httpx.stream("POST", url + "/v1/audio/speech", json=body, timeout=TIMEOUT) as response:
         assert response.status_code == 200 and response.headers["content-type"] == "audio/wav"
         chunks = list(response.iter_raw())
@@ -202,12 +204,13 @@ def test_streamed_bytes_arrive_chunk_by_chunk(served, solo) -> None:
     assert wav_data(data) == want
 
 
-def test_sse_events(served, solo) -> None:
+@pytest.mark.parametrize("select", [{"stream_format": "sse"}, {"stream": True}], ids=["stream_format", "stream"])
+def test_sse_events(served, solo, select) -> None:
+    """OpenAI's ``stream_format: sse``, and vllm-omni's ``stream: true`` without a stream_format (events there)."""
     _, url = served
     text, params = "Events, please.", SamplingParams(seed=9, temperature=0.0, max_frames=50)
     want = expected_pcm(solo, text, params)
-    body = {"input": text, "seed": 9, "temperature": 0.0, "max_new_tokens": 50, "stream_format": "sse",
-            "response_format": "pcm"}  # fmt: skip
+    body = {"input": text, "seed": 9, "temperature": 0.0, "max_new_tokens": 50, "response_format": "pcm", **select}
     with httpx.stream("POST", url + "/v1/audio/speech", json=body, timeout=TIMEOUT) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]

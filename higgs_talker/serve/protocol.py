@@ -35,7 +35,11 @@ class SpeechRequest(BaseModel):
     stream_format: Literal["audio", "sse"] | None = Field(
         None, description="audio: the bytes as they are made; sse: speech.audio.delta / speech.audio.done events"
     )
-    stream: bool | None = Field(None, description="false: the whole file at once (exact WAV sizes); default: streamed")
+    stream: bool | None = Field(
+        None,
+        description="vllm-omni's switch: false, the whole file at once (exact WAV sizes); true without stream_format, "
+        "events (sse); default: the bytes streamed",
+    )
     ref_audio: str | None = Field(None, description="a reference recording as a data: URL (base64 WAV), 1-30 s")
     ref_text: str | None = Field(None, description="what ref_audio says")
     max_new_tokens: int | None = Field(None, ge=1, description="most audio frames (25 a second) of each part")

@@ -178,7 +178,9 @@ class SpeechServing:
         reference = await self._reference(req)
         params = self._sampling(req)
         prepared = await self._prepare(req.input, reference, params)
-        mode = "sse" if req.stream_format == "sse" else "file" if req.stream is False else "audio"
+        # vllm-omni's rule where no stream_format is given: ``stream: true`` selects events, ``false`` the file
+        sse = req.stream_format == "sse" or (req.stream is True and req.stream_format is None)
+        mode = "sse" if sse else "file" if req.stream is False else "audio"
         return SpeechJob(id=f"speech-{next(_ids)}", prepared=prepared, format=req.response_format, mode=mode)
 
     async def _prepare(

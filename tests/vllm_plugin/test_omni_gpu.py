@@ -381,10 +381,12 @@ def server(ckpt, tmp_path_factory):
         stop_server(proc)
 
 
-def _body(spec: dict, fmt: str) -> dict:
-    # the speech API takes no temperature: Stage 0 samples with the profile's defaults, seeded
-    return {"input": spec["text"], "response_format": fmt, "stream": True, "seed": spec["seed"],
-            "max_new_tokens": spec["max_tokens"]}  # fmt: skip
+def _body(spec: dict, fmt: str, streamed: bool = True) -> dict:
+    """A speech request (no temperature: Stage 0 samples with the profile's defaults, seeded): streamed as raw
+    bytes (``stream_format: audio``; vllm-omni 0.26-0.30 answer a bare ``stream: true`` with SSE events), or the
+    whole file (``stream: false``)."""
+    body = {"input": spec["text"], "response_format": fmt, "seed": spec["seed"], "max_new_tokens": spec["max_tokens"]}
+    return body | ({"stream": True, "stream_format": "audio"} if streamed else {"stream": False})
 
 
 def _pcm(data: bytes) -> torch.Tensor:
@@ -440,7 +442,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(server):
         assert r.status_code == 200
         next(r.iter_raw())  # the first audio, then the connection closes
     spec = next(s for s in SPEC if s["key"] == "deploy")
-    r = httpx.post(server["url"] + "/v1/audio/speech", json=_body(spec, "pcm") | {"stream": False}, timeout=120)
+    r = httpx.post(server["url"] + "/v1/audio/speech", json=_body(spec, "pcm", streamed=False), timeout=120)
     assert r.status_code == 200, r.text[:500]
     assert_pcm_matches(_pcm(r.content), server["offline"]["deploy"], "after a disconnect")
 
