@@ -139,7 +139,7 @@ def _build_parser() -> argparse.ArgumentParser:
     # serve: the OpenAI-compatible speech server (higgs_talker/serve; needs the 'serve' extra)
     from .serve.options import add_arguments as add_serve_arguments
 
-    add_serve_arguments(sub.add_parser("serve", help="an OpenAI-compatible speech server: POST /v1/audio/speech"))
+    add_serve_arguments(add_command("serve", help="an OpenAI-compatible speech server: POST /v1/audio/speech"))
     return p
 
 

@@ -133,10 +133,22 @@ def test_min_seconds_holds_the_end_back(capsys, gen, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("argv", [["-v", "deploy-config", "default"], ["deploy-config", "default", "-v"],
-                                  ["generate", "Hi.", "--verbose"], ["warmup", "-v"], ["demo", "-v"]])  # fmt: skip
+                                  ["generate", "Hi.", "--verbose"], ["warmup", "-v"], ["demo", "-v"],
+                                  ["serve", "-v"], ["-v", "serve"]])  # fmt: skip
 def test_verbose_before_or_after_the_command(argv: list[str]) -> None:
     assert cli._build_parser().parse_args(argv).verbose is True
     assert cli._build_parser().parse_args([a for a in argv if a not in ("-v", "--verbose")]).verbose is False
+
+
+@pytest.mark.parametrize("missing", [["fastapi"], ["uvicorn"], ["python_multipart", "multipart"]])
+def test_serve_without_the_serve_extra_names_the_missing_package(capsys, monkeypatch, missing: list[str]) -> None:
+    """One line and status 2 before any model is loaded, for each package of the extra (python-multipart used to
+    pass this check and fail later, with FastAPI's traceback, once the model had loaded)."""
+    for name in missing:
+        monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules: importing it raises ImportError
+    rc, _, err = run(capsys, "serve", "--port", "0")
+    package = "python-multipart" if "multipart" in missing else missing[0]
+    assert_one_line_error(rc, err, f"({package} is missing)", "pip install -e '.[serve]'")
 
 
 def test_huge_max_seconds_names_the_flag(capsys, gen) -> None:

@@ -59,13 +59,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load the model, then serve until Ctrl-C or SIGTERM; returns the exit status."""
+    install = "pip install -e '.[serve]' in the higgs_talker checkout"  # the package is not on PyPI
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:
-        raise ValueError(
-            f"the server needs the 'serve' extra ({exc.name} is missing): pip install 'higgs-talker[serve]'"
-        ) from None
+        raise ValueError(f"the server needs the 'serve' extra ({exc.name} is missing): {install}") from None
+    try:  # voice uploads (multipart forms): FastAPI refuses to build the app without it, after the model loaded
+        import python_multipart  # noqa: F401
+    except ImportError:
+        try:
+            import multipart.multipart  # noqa: F401  (python-multipart before 0.0.13)
+        except ImportError:
+            raise ValueError(f"the server needs the 'serve' extra (python-multipart is missing): {install}") from None
     import torch
 
     from ..api import HiggsTalker
