@@ -361,6 +361,10 @@ def test_a_voice_uploaded_then_used(served, solo, client, tmp_path) -> None:
     inline = speech(url, input=text, seed=4, max_new_tokens=40, response_format="pcm", ref_text="Hello there.",
                     ref_audio="data:audio/wav;base64," + base64.b64encode(wav).decode())  # fmt: skip
     assert inline.status_code == 200 and inline.content == want  # the same voice given inline, vllm-omni's way
+    for encoded in (base64.encodebytes(wav).decode(), base64.urlsafe_b64encode(wav).decode()):  # line breaks, -_
+        again = speech(url, input=text, seed=4, max_new_tokens=40, response_format="pcm", ref_text="Hello there.",
+                       ref_audio="data:audio/wav;base64," + encoded)  # fmt: skip
+        assert again.status_code == 200 and again.content == want, again.text[:300]
     assert speech(url, input=text, voice={"id": "me"}, seed=4, max_new_tokens=40, response_format="pcm").content == want
     assert httpx.delete(url + "/v1/audio/voices/me").status_code == 200
     check_error(httpx.delete(url + "/v1/audio/voices/me"), 404, "name")
@@ -391,6 +395,11 @@ BAD = [
     ({"input": "Hi.", "max_new_tokens": 0}, 400, "max_new_tokens"),
     ({"input": "Hi.", "max_new_tokens": 5000}, 400, "max_new_tokens"),
     ({"input": "Hi.", "max_new_tokens": "many"}, 400, "max_new_tokens"),
+    ({"input": "Hi.", "max_new_tokens": "10"}, 400, "max_new_tokens"),  # strict types, as OpenAI's schema
+    ({"input": "Hi.", "seed": 7.0}, 400, "seed"),
+    ({"input": "Hi.", "stream": "yes"}, 400, "stream"),
+    ({"input": "Hi.", "speed": True}, 400, "speed"),
+    ({"input": 5}, 400, "input"),
     ({"input": "Hi.", "ref_text": "Hello."}, 400, "ref_text"),
     ({"input": "Hi.", "ref_audio": "http://example.invalid/a.wav"}, 400, "ref_audio"),
     ({"input": "Hi.", "ref_audio": "data:audio/wav;base64,@@@"}, 400, "ref_audio"),
@@ -403,6 +412,15 @@ BAD = [
 @pytest.mark.parametrize(("body", "status", "param"), BAD, ids=[f"{p}-{i}" for i, (_, _, p) in enumerate(BAD)])
 def test_bad_requests_get_a_json_error_naming_the_field(served, body, status, param) -> None:
     check_error(speech(served[1], **body), status, param)
+
+
+def test_null_is_the_default_and_an_integer_is_a_number(served) -> None:
+    """``null`` for a field is its default (as vllm-omni types them: optional), and ``"speed": 1`` is 1.0."""
+    _, url = served
+    body = {"input": "Hi.", "seed": 1, "max_new_tokens": 6, "temperature": 0}
+    got = speech(url, **body, speed=None, response_format=None, stream=False)
+    assert got.status_code == 200 and got.headers["content-type"] == "audio/wav", got.text[:300]
+    assert speech(url, **body, speed=1, response_format="wav", stream=False).content == got.content
 
 
 def test_bad_bodies(served) -> None:

@@ -22,9 +22,10 @@ class VoiceId(BaseModel):
 
 
 class SpeechRequest(BaseModel):
-    """``POST /v1/audio/speech``."""
+    """``POST /v1/audio/speech``. Strict types, as OpenAI's schema gives them: ``"stream": "yes"``, ``"seed": "7"``
+    or ``"speed": true`` are refused, not converted (an integer is still a number); ``null`` is the default."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     input: str = Field(description="the text to speak")
     model: str | None = Field(None, description="the served model's name (GET /v1/models); None: that one")
@@ -47,6 +48,11 @@ class SpeechRequest(BaseModel):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
+
+    @field_validator("response_format", "speed", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value, info):
+        return cls.model_fields[info.field_name].default if value is None else value
 
     @field_validator("voice", mode="before")
     @classmethod

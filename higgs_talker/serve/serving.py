@@ -401,6 +401,9 @@ class ClientGone(Exception):
     """The client closed its connection before the response started."""
 
 
+_URL_SAFE = str.maketrans("-_", "+/")
+
+
 def _data_url_bytes(url: str) -> bytes:
     """The bytes of a ``data:[<type>][;base64],<data>`` URL (base64 only)."""
     if not url.startswith("data:") or "," not in url:
@@ -408,7 +411,7 @@ def _data_url_bytes(url: str) -> bytes:
     head, data = url[5:].split(",", 1)
     if not head.endswith(";base64"):
         raise APIError(400, "ref_audio must be base64 encoded (data:audio/wav;base64,...)", "ref_audio")
-    try:
-        return base64.b64decode(data, validate=True)
+    try:  # line breaks (base64 without -w0, encodebytes) and the URL-safe alphabet are base64 all the same
+        return base64.b64decode("".join(data.split()).translate(_URL_SAFE), validate=True)
     except (binascii.Error, ValueError):
         raise APIError(400, "ref_audio holds invalid base64", "ref_audio") from None
