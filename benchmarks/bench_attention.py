@@ -655,7 +655,7 @@ def main(argv: Sequence[str] | None = None) -> ResultFile:
             ctx.flashinfer_error = f"flashinfer unavailable: {error_text(exc)}"
     else:
         ctx.flashinfer_error = "FlashInfer needs a CUDA device"
-    writer = ResultFile(args.out, "attention", meta)
+    writer = ResultFile(args.out, "attention", meta, smoke=args.tiny)
     log(f"copy ceiling {bw['tb_per_s']:.2f} TB/s; writing {writer.path}")
     items = build_grid(args)
     for n, it in enumerate(items):

@@ -194,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> ResultFile:
     meta = environment(device, "bench_codec.py", argv)
     meta |= {"codec": "tiny" if args.tiny else "4b", "threads": torch.get_num_threads(), "seconds": args.seconds,
              "ref_seconds": args.ref_seconds, "repeats": args.repeats}  # fmt: skip
-    writer = ResultFile(args.out, "codec", meta)
+    writer = ResultFile(args.out, "codec", meta, smoke=args.tiny)
     log(f"writing {writer.path}")
     t0 = time.perf_counter()
     for name in args.dtypes:

@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> ResultFile:
     opts = {"model": args.model, "device": args.device, "dtype": args.dtype, "graph_mode": args.graph_mode,
             "text": TEXT, "engine": engine}  # fmt: skip
     meta = environment(device, "bench_coldstart.py", argv) | {"model": args.model, "work_dir": str(work)}
-    writer = ResultFile(args.out, "coldstart", meta)
+    writer = ResultFile(args.out, "coldstart", meta, smoke=args.tiny)
 
     def add(row: dict) -> None:
         writer.add(row)

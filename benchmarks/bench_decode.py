@@ -766,7 +766,7 @@ def main(argv: Sequence[str] | None = None) -> ResultFile:
         "peers": "transformers Qwen3ForCausalLM, our weights, the codebook table as lm_head: each step feeds back "
         "the argmax of the last position's logits (greedy; no sampler, no delay pattern, no frame state)",
     }
-    writer = ResultFile(args.out, "decode", meta)
+    writer = ResultFile(args.out, "decode", meta, smoke=args.tiny)
     log(f"copy ceiling {bw['tb_per_s']:.2f} TB/s; writing {writer.path}")
     deadline = t_start + args.budget_s - (0 if args.no_peers else PEER_RESERVE_S)
     todo = variants(args)

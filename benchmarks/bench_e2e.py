@@ -285,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> ResultFile:
         "ttfp": "submitted -> N delayed rows exist (first aligned frame complete)",
         "rtf": "(finished - submitted) / audio seconds; rtf_engine: (own prefill + decode) / audio seconds",
     }
-    writer = ResultFile(args.out, "e2e", meta)
+    writer = ResultFile(args.out, "e2e", meta, smoke=args.tiny)
     log(f"writing {writer.path}")
     deadline = t_start + args.budget_s
     choice = {"off": (False,), "on": (True,), "both": (False, True)}

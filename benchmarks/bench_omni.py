@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None):
         "rtf": "request wall time / audio seconds",
         "upstream": f"VLLM_PLUGINS={UPSTREAM_ONLY['VLLM_PLUGINS']} with vllm-omni's own deploy YAMLs",
     }  # fmt: skip
-    writer = ResultFile(args.out, "omni", meta)
+    writer = ResultFile(args.out, "omni", meta, smoke=args.smoke)
     log(f"writing {writer.path}")
     configs = [(t, pr, pa) for t in args.talkers for pr in args.profiles for pa in args.paths if pa != "direct"]
     if "direct" in args.paths:

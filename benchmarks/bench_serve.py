@@ -289,7 +289,7 @@ def main(argv: Sequence[str] | None = None):
         "ttfa": "request sent -> first audio byte (HTTP, streamed pcm); direct: call -> first stream_audio chunk",
         "rtf": "request wall time / audio seconds", "switch_interval_s": sys.getswitchinterval(),
     }  # fmt: skip
-    writer = ResultFile(args.out, "serve", meta)
+    writer = ResultFile(args.out, "serve", meta, smoke=args.tiny)
     log(f"writing {writer.path}")
     t0 = time.perf_counter()
     talker = build_talker(args)

@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> ResultFile | None:
         "progress": "TTFP and RTF from vLLM's per-step outputs (one token = one row); rows checked afterwards",
         "samplings": {s: SAMPLINGS[s] for s in args.sampling}, "headline_sampling": args.sampling[0],
     }  # fmt: skip
-    writer = ResultFile(args.out, "vllm_multigpu" if max(args.tp) * max(args.dp) > 1 else "vllm", meta)
+    writer = ResultFile(args.out, "vllm_multigpu" if max(args.tp) * max(args.dp) > 1 else "vllm", meta, smoke=args.cpu)
     stats = {}
     configs = [(p_, r_, t_, d_) for p_ in args.profiles for r_ in args.trtllm for t_ in args.tp for d_ in args.dp]
     for profile, route, tp, dp in configs:

@@ -15,6 +15,7 @@ import platform
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -273,11 +274,23 @@ def error_text(exc: BaseException) -> str:
 # output
 
 
-class ResultFile:
-    """A JSON file ``{"meta": ..., "rows": [...], ...}`` rewritten (atomically) after every change."""
+SMOKE_DIR = Path(tempfile.gettempdir()) / "higgs_talker_smoke"
 
-    def __init__(self, out_dir: str | Path | None, prefix: str, meta: dict[str, Any], name: str | None = None) -> None:
-        self.dir = Path(out_dir) if out_dir else RESULTS_DIR
+
+class ResultFile:
+    """A JSON file ``{"meta": ..., "rows": [...], ...}`` rewritten (atomically) after every change: in ``out_dir``,
+    else ``results/``, or for a smoke run (``smoke``: a tiny shape, nothing to keep) a temporary folder, so that it
+    neither lands beside the committed results nor becomes the newest file ``plot.py`` finds."""
+
+    def __init__(
+        self,
+        out_dir: str | Path | None,
+        prefix: str,
+        meta: dict[str, Any],
+        name: str | None = None,
+        smoke: bool = False,
+    ) -> None:
+        self.dir = Path(out_dir) if out_dir else SMOKE_DIR if smoke else RESULTS_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / (name or f"{prefix}_{now_stamp()}.json")
         self.data: dict[str, Any] = {"meta": meta, "rows": []}

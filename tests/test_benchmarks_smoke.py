@@ -370,3 +370,14 @@ def test_omni_budget_is_shared_among_the_configurations_left(bench, monkeypatch)
     assert bench_omni.worker_limit(900.0, 400.0, 1) == 300.0  # the last takes all that is left
     assert bench_omni.worker_limit(120.0, 400.0, 1) == 120.0
     assert bench_omni.worker_limit(900.0, 90.0, 2) == 1.0  # spent: at least a second, then skipped rows
+
+
+def test_a_smoke_run_without_out_writes_to_a_temporary_folder(bench, monkeypatch, tmp_path: Path) -> None:
+    """A ``--tiny`` / ``--cpu`` / ``--smoke`` run given no ``--out`` stays out of ``results/`` (where it became the
+    newest file of its kind for ``plot.py``); a real run without ``--out`` still writes there."""
+    common = bench("common")
+    monkeypatch.setattr(common, "SMOKE_DIR", tmp_path / "smoke")
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path / "results")
+    assert common.ResultFile(None, "decode", {}, smoke=True).path.parent == tmp_path / "smoke"
+    assert common.ResultFile(None, "decode", {}).path.parent == tmp_path / "results"
+    assert common.ResultFile(tmp_path / "mine", "decode", {}, smoke=True).path.parent == tmp_path / "mine"
