@@ -134,6 +134,7 @@ class HiggsTalker:
         path = _checkpoint_dir(path)
         register_hf_config()
         cfg = TalkerConfig.from_pretrained(path)
+        engine_config.model_len(cfg)  # a max_model_len over the checkpoint's positions fails before loading
         tokenizer = TalkerTokenizer.from_pretrained(path, cfg)
         header = checkpoint.check_checkpoint(path, cfg)  # config against the weights, before any allocation
         check_fits_device(cfg, device, dtype)
@@ -183,6 +184,7 @@ class HiggsTalker:
         engine_config = _engine_config(engine_options)
         if not isinstance(cfg, TalkerConfig):
             raise TypeError(f"cfg must be a TalkerConfig, got {type(cfg).__name__}")
+        engine_config.model_len(cfg)
         check_fits_device(cfg, device, dtype)  # before allocating: a huge config fails here, naming its size
         model = _empty_model(cfg, device, dtype, fuse_qk_rope, row_gemv)
         g = torch.Generator(device=device).manual_seed(seed)

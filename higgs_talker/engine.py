@@ -73,8 +73,7 @@ class Engine:
         self.config = ec = config or EngineConfig()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        limit = cfg.text.max_position_embeddings
-        self.max_model_len = min(ec.max_model_len or limit, limit)
+        self.max_model_len = ec.model_len(cfg)
         per_seq = -(-self.max_model_len // ec.block_size)
         num_blocks = ec.num_blocks or self._budget_blocks(ec.max_num_seqs * per_seq, per_seq)
         self.runner = ModelRunner(

@@ -194,7 +194,7 @@ def warmup(
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev, dt, mode = _resolve_runtime(device, dtype, graph_mode)
-    _engine_config(engine_options)  # a bad option fails here, before anything is read
+    engine_config = _engine_config(engine_options)  # a bad option fails here, before anything is read
     params = SamplingParams(seed=0, max_frames=frames)
     caches = cache_dirs()
     before = count_all(caches)
@@ -204,6 +204,7 @@ def warmup(
         path = _checkpoint_dir(checkpoint)
         register_hf_config()
         cfg = TalkerConfig.from_pretrained(path)
+        engine_config.model_len(cfg)
         TalkerTokenizer.from_pretrained(path, cfg)
         check_checkpoint(path, cfg)
         check_fits_device(cfg, dev, dt)

@@ -122,6 +122,17 @@ class EngineConfig:
         if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f <= 0.95:
             raise ValueError(f"kv_memory_fraction must lie in (0, 0.95], got {f!r}")
 
+    def model_len(self, cfg: TalkerConfig) -> int:
+        """The longest sequence (prompt and rows) the engine serves: ``max_model_len``, at most the checkpoint's
+        positions (a longer one is refused, naming both, as vLLM does, rather than cut down unsaid)."""
+        limit = cfg.text.max_position_embeddings
+        if self.max_model_len is not None and self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is over the checkpoint's text_config.max_position_embeddings "
+                f"({limit})"
+            )
+        return self.max_model_len or limit
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, cfg: TalkerConfig, *, num_blocks: int, max_model_len: int) -> None:

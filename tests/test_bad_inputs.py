@@ -405,6 +405,12 @@ LOADER_CASES = [
     pytest.param(
         nothing, ValueError, E("prefill_buckets must be a sequence of integers > 0, got 64"), id="api-prefill-int"
     ),
+    pytest.param(  # was cut down to the positions unsaid; vLLM refuses it too
+        nothing,
+        ValueError,
+        E("max_model_len=4097 is over the checkpoint's text_config.max_position_embeddings"),
+        id="api-max-model-len-over-positions",
+    ),
 ]
 API_KWARGS = {
     "api-graph-mode": dict(graph_mode="bogus"),
@@ -419,6 +425,7 @@ API_KWARGS = {
     "api-buckets": dict(buckets=[1, 2.5]),
     "api-prefill-buckets": dict(prefill_buckets=(16, 0)),
     "api-prefill-int": dict(prefill_buckets=64),
+    "api-max-model-len-over-positions": dict(max_model_len=4097),
 }
 
 

@@ -466,9 +466,18 @@ def test_warmup_cache_dir_points_every_cache_there(capsys, tiny_dir: Path, tmp_p
         (["--device", "cpu", "--dtype", "int8"], "unknown dtype 'int8'"),
         (["--device", "cpu", "--max-model-len", "0"], "max_model_len must be an integer > 0, got 0"),
         (["--device", "cpu", "--max-model-len", "x"], "argument --max-model-len: invalid int value: 'x'"),
+        (["--device", "cpu", "--max-model-len", "5000"], "max_model_len=5000 is over the checkpoint's"),
         (["--device", "tpu"], "unknown device 'tpu'"),
     ],
-    ids=["graph-mode-on-cpu", "graph-mode-unknown", "dtype", "max-model-len-0", "max-model-len-x", "device"],
+    ids=[
+        "graph-mode-on-cpu",
+        "graph-mode-unknown",
+        "dtype",
+        "max-model-len-0",
+        "max-model-len-x",
+        "max-model-len-over-positions",
+        "device",
+    ],  # fmt: skip
 )
 def test_warmup_mistakes_are_one_line(capsys, tiny_dir: Path, kernel_env, flags, needle) -> None:
     rc, _, err = run(capsys, "warmup", str(tiny_dir), *flags)
