@@ -438,6 +438,9 @@ def test_bad_bodies(served) -> None:
 
     check_error(httpx.post(url + "/v1/audio/speech", content=chunked(), headers=headers), 413, "body")
     check_error(httpx.get(url + "/v1/nothing"), 404, None)
+    for kind in ("application/x-www-form-urlencoded", "text/plain"):  # curl -d without -H: a form type
+        form = httpx.post(url + "/v1/audio/speech", content=b'{"input": "Hi."}', headers={"content-type": kind})
+        assert f"Content-Type: application/json (got {kind})" in check_error(form, 400, "body")["message"]
     # a lone surrogate is valid JSON but not text; it reached the tokenizer, whose TypeError was a 500 in plain text
     surrogate = httpx.post(url + "/v1/audio/speech", content=b'{"input": "Hi \\ud800 there."}', headers=headers)
     assert "not valid Unicode" in check_error(surrogate, 400, "input")["message"]
