@@ -137,16 +137,17 @@ class HiggsTalker:
         engine_config.model_len(cfg)  # a max_model_len over the checkpoint's positions fails before loading
         tokenizer = TalkerTokenizer.from_pretrained(path, cfg)
         header = checkpoint.check_checkpoint(path, cfg)  # config against the weights, before any allocation
+        loader = None
+        if codec and (audio_tokenizer is not None or has_bundled_codec(path)):
+            loader = CodecLoader(path, device, codec_dtype, tokenizer_path=audio_tokenizer, talker=cfg)
+            loader.check_fit()  # from the codec's config: one that does not fit the talker fails before loading
         check_fits_device(cfg, device, dtype)
         model = _empty_model(cfg, device, dtype, fuse_qk_rope, row_gemv)
         checkpoint.load_into(model, checkpoint.iter_tensors(path, cfg, device, dtype, header=header), cfg)
         model.eval().requires_grad_(False)
         logger.info("loaded %s on %s (%s, kernels=%s, fused QK-norm/RoPE: %s)", path, device, dtype, model.kernels.name,
                     model.kernels.fuse_qk_rope)  # fmt: skip
-        loader = None
-        if codec and (audio_tokenizer is not None or has_bundled_codec(path)):
-            loader = CodecLoader(path, device, codec_dtype, tokenizer_path=audio_tokenizer, talker=cfg)
-        elif codec:
+        if loader is None and codec:
             logger.info("%s bundles no codec: results carry codes only", path)
         return cls(
             model, cfg, tokenizer, engine_config, graph_mode=mode, decode_kernel=decode_kernel, buckets=buckets,

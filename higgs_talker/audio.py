@@ -143,6 +143,17 @@ class CodecLoader:
         self._lock = threading.Lock()
         self.cache = ReferenceCache(cache_size)
 
+    def check_fit(self) -> None:
+        """Check, from their configs alone (no weights read), that the codecs fit the talker: a codec that does not
+        fails when the talker loads rather than at its first audio."""
+        from .codec.config import spec_of
+        from .codec.weights import find_source
+
+        for path in dict.fromkeys(p for p in (self.path, self.tokenizer_path) if p is not None):
+            source = find_source(path)
+            if source is not None:
+                self._check_fits(spec_of(source.config), path)
+
     def decoder(self):
         """The codec that decodes (``higgs_talker.codec.Codec``)."""
         with self._lock:
@@ -166,7 +177,7 @@ class CodecLoader:
                     self._decoder = self._encoder
             return self._encoder
 
-    def _check_fits(self, codec, source: Path):
+    def _check_fits(self, codec, source: Path):  # a Codec, or the CodecSpec of one not yet loaded
         cfg = self.talker
         if cfg is None:
             return codec

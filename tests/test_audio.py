@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from test_codec import decode_tolerance
 
 from higgs_talker.api import HiggsTalker, Reference
-from higgs_talker.audio import ReferenceCache, read_wav, write_wav
+from higgs_talker.audio import CodecLoader, ReferenceCache, read_wav, write_wav
 from higgs_talker.checkpoint import CODEC_PREFIX
 from higgs_talker.cli import main
 from higgs_talker.codec import CODEC_CONFIG_FILE, TINY_CODEC, AudioChunking, Codec, build_config, config_to_dict
@@ -288,7 +288,8 @@ def test_audio_tokenizer_directory_encodes_references(tiny_dir: Path, tmp_path: 
 
 
 def test_codec_that_does_not_fit_the_talker(tiny_dir: Path, tmp_path: Path) -> None:
-    """A 16-quantizer codec (transformers 5.14+'s default bandwidths) beside an 8-codebook talker."""
+    """A 16-quantizer codec (transformers 5.14+'s default bandwidths) beside an 8-codebook talker: refused by the
+    load, from the codec's config; a loader made without that check refuses it when the codec loads."""
     wide = dict(TINY_CODEC, target_bandwidths=[0.5, 1, 1.5, 2, 4])
     path = tmp_path / "ckpt"
     path.mkdir()
@@ -299,10 +300,13 @@ def test_codec_that_does_not_fit_the_talker(tiny_dir: Path, tmp_path: Path) -> N
     codec = {CODEC_PREFIX + k: v for k, v in random_codec_tensors(build_config(wide)).items()}
     save_file(talker_tensors | codec, str(path / "model.safetensors"))
     (path / CODEC_CONFIG_FILE).write_text(json.dumps(config_to_dict(build_config(wide))))
-    t = HiggsTalker.from_pretrained(path, **SMALL)
-    r = t.generate("Hi.", PARAMS)
-    with pytest.raises(ValueError, match=r"does not fit the talker: codes per frame 16 \(talker: 8\)"):
-        _ = r.audio
+    misfit = r"does not fit the talker: codes per frame 16 \(talker: 8\)"
+    with pytest.raises(ValueError, match=misfit):
+        HiggsTalker.from_pretrained(path, **SMALL)
+    t = HiggsTalker.from_pretrained(path, codec=False, **SMALL)
+    loader = CodecLoader(path, torch.device("cpu"), talker=t.cfg)
+    with pytest.raises(ValueError, match=misfit):
+        loader.decoder()
 
 
 def test_reference_cache_is_lru() -> None:

@@ -793,3 +793,24 @@ def test_checkpoint_path_that_is_a_file_is_refused(tiny_dir: Path, model_tracker
     with pytest.raises(ValueError, match=E(f"checkpoint {str(tiny_dir / 'config.json')!r} is a file")):
         HiggsTalker.from_pretrained(tiny_dir / "config.json", **SMALL)
     assert not model_tracker
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [(dict(num_codebooks=4), "codes per frame 8 (talker: 4)"),
+     (dict(codebook_size=2050, boc_id=2048, eoc_id=2049), "codebook size 1024 (talker: 2048)")],
+    ids=["codebooks", "codebook-size"],
+)  # fmt: skip
+def test_a_bundled_codec_that_does_not_fit_fails_the_load(tmp_path: Path, model_tracker, overrides, match) -> None:
+    """A talker whose codebooks the bundled codec cannot decode is refused before its weights load (it loaded and
+    generated codes, and failed only at its first ``result.audio``); ``codec=False`` still loads it."""
+    from higgs_talker.tiny import tiny_config
+
+    ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config(**overrides), codec=True)
+    with pytest.raises(ValueError, match=E(f"does not fit the talker: {match}")):
+        HiggsTalker.from_pretrained(ckpt, **SMALL)
+    assert not model_tracker
+    talker = HiggsTalker.from_pretrained(ckpt, codec=False, **SMALL)
+    assert talker.generate("Hi.", SamplingParams(seed=1, max_frames=8)).codes.shape[1] == overrides.get(
+        "num_codebooks", 8
+    )
