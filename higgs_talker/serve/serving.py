@@ -192,7 +192,11 @@ class SpeechServing:
         try:
             return await asyncio.to_thread(self.talker.prepare, text, params, reference, split=split)
         except ValueError as exc:
-            raise APIError(400, str(exc), "ref_text" if "reference_text" in str(exc) else "input") from None
+            param = "ref_text" if "reference_text" in str(exc) else "input"
+            message = str(exc)
+            if param == "input" and message.startswith("text "):  # the API's name for what this request calls input
+                message = "input " + message.removeprefix("text ")
+            raise APIError(400, message, param) from None
 
     async def _reference(self, req: SpeechRequest) -> Reference | None:
         name = req.voice.id if req.voice is not None and not isinstance(req.voice, str) else req.voice
