@@ -288,7 +288,7 @@ class SpeechServing:
                 else:  # failed after its first byte: no status code left to send
                     err = _failure(job, kind, value)
                     if job.mode != "sse":
-                        raise StreamCut(f"cut mid-stream: {err.message}")  # the app closes the connection
+                        raise StreamCut(f"{job.id} cut mid-stream: {err.message}")  # the app closes the connection
                     yield sse_event(SpeechError(error=ErrorInfo(**err.body().error.model_dump())))
                 item = await anext(items, None)
         finally:
