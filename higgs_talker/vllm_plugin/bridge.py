@@ -9,11 +9,19 @@ finite. A removal may be a finish or a preemption (vLLM does not say): the slot'
 and a request that comes back with generated tokens resumes from it. A request's key is
 ``extra_args["higgs_request_key"]`` (``request_args`` builds the extra_args), its rows are read with
 ``request_rows``. Use: ``vllm.LLM(..., logits_processors=[TEXT_ONLY_BRIDGE])``.
+
+What the bridge cannot honour is refused when a request is added (``validate_params``: vLLM's per-request check,
+an HTTP 400 under ``vllm serve``): ``n > 1`` (the copies would share one key, so one decode-state slot),
+structured outputs and ``allowed_token_ids`` (they mask the forced ``<|audio|>`` / EOS token: the text tokens
+became garbage and the request never stopped at its stream's end). A key already live in the batch is given a
+unique suffix (warned): two live requests on one key shared one slot and corrupted each other's codes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +32,8 @@ from ..heads.slots import merge_rows
 from . import ROWS_EXTENSION
 from .compat import collective_rpc_every_engine, warn_once
 from .talker import talker_for
+
+logger = logging.getLogger(__name__)
 
 REQUEST_KEY = "higgs_request_key"
 REFERENCE = "higgs_reference"  # {"rows": delayed reference rows [R, C], "positions": their prompt positions [R]}
@@ -60,6 +70,22 @@ class TextOnlyBridge(LogitsProcessor):
         self.batch_size = 0
         self.armed = False
 
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        """vLLM's per-request check (when a request is added): ValueError naming what the bridge cannot honour."""
+        problems = []
+        if (sampling_params.n or 1) > 1:
+            problems.append(
+                f"n={sampling_params.n}: the copies would share the request's key and decode-state slot; send n "
+                f"requests with distinct extra_args[{REQUEST_KEY!r}] (bridge.request_args) instead"
+            )
+        if getattr(sampling_params, "structured_outputs", None) or getattr(sampling_params, "guided_decoding", None):
+            problems.append("structured outputs: the talker's text token is forced (<|audio|>, then EOS)")
+        if sampling_params.allowed_token_ids:
+            problems.append("allowed_token_ids: the talker's text token is forced (<|audio|>, then EOS)")
+        if problems:
+            raise ValueError("the Higgs talker's text-only bridge does not support " + "; ".join(problems))
+
     def is_argmax_invariant(self) -> bool:
         return False  # it decides the codes of every row, greedy or not
 
@@ -67,6 +93,7 @@ class TextOnlyBridge(LogitsProcessor):
         model = talker_for(self.vllm_config)
         resume: set[str] = set()
         if batch_update is not None:
+            new: list[_Row] = []  # added by this update
             gone = (self.rows.pop(index, None) for index in batch_update.removed)
             finished = [row.key for row in gone if row is not None]
             for index, params, _prompt, output in batch_update.added:
@@ -74,6 +101,13 @@ class TextOnlyBridge(LogitsProcessor):
                 if old is not None:
                     finished.append(old.key)
                 extra = params.extra_args or {}
+                if not extra.get(REQUEST_KEY):
+                    warn_once(
+                        "bridge-no-key",
+                        "TextOnlyBridge: a request without extra_args[%r] (bridge.request_args): its codes are kept "
+                        "under an internal key (vllm-bridge-N)",
+                        REQUEST_KEY,
+                    )
                 key = str(extra.get(REQUEST_KEY) or f"vllm-bridge-{next(self._ids)}")
                 min_rows = int(getattr(params, "min_tokens", 0) or 0)
                 ref, info = extra.get(REFERENCE), None
@@ -82,6 +116,7 @@ class TextOnlyBridge(LogitsProcessor):
                 self.rows[index] = _Row(
                     key, float(params.temperature), int(params.top_k), float(params.top_p), params.seed, min_rows, info
                 )
+                new.append(self.rows[index])
                 if output:  # generated tokens already: a preempted request comes back
                     resume.add(key)
             if model is not None and batch_update.moved:
@@ -96,6 +131,8 @@ class TextOnlyBridge(LogitsProcessor):
                     else:  # vLLM condensed a live row into a removed one's place and reports that removal
                         finished.append(rb.key)  # only through this move (vLLM 0.26 does)
             self.batch_size = batch_update.batch_size
+            if new:
+                self._unique_keys(new)
             if model is not None and finished:
                 model.on_requests_removed(finished)
         self.armed = False
@@ -110,6 +147,20 @@ class TextOnlyBridge(LogitsProcessor):
         refs = [r.reference or {} for r in batch]
         model.set_bridge_requests([r.key for r in batch], seeds, min_rows, refs, resume)
         self.armed = True
+
+    def _unique_keys(self, new: list[_Row]) -> None:
+        """Give a request added with a key that another live request holds a unique one (warned): the model keys
+        decode-state slots by it, and two requests on one slot corrupt each other's codes."""
+        fresh = {id(r) for r in new}
+        seen = {r.key for r in self.rows.values() if id(r) not in fresh}
+        for index in sorted(self.rows):
+            row = self.rows[index]
+            if id(row) in fresh and row.key in seen:
+                unique = f"{row.key}#{next(self._ids)}"
+                logger.warning("TextOnlyBridge: request key %r is already live in the batch; this request's codes "
+                               "are kept under %r", row.key, unique)  # fmt: skip
+                row = self.rows[index] = dataclasses.replace(row, key=unique)
+            seen.add(row.key)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         model = talker_for(self.vllm_config)

@@ -188,3 +188,57 @@ def test_bridge_codes_follow_the_core_greedy_rule(monkeypatch, temperature):
     plugin = codes(talker.params, [SlotInit(i, s) for i, s in enumerate(seeds)])
     assert torch.equal(plugin, engine)
     assert bool((engine[:, 0] != 0).any()) == (temperature > 0)
+
+
+# ----------------------------------------------------------------------- what a request may ask of the bridge
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"n": 2, "temperature": 1.0}, "n=2"),
+        ({"allowed_token_ids": [5]}, "allowed_token_ids"),
+        ({"structured_outputs": "regex"}, "structured outputs"),
+    ],
+)
+def test_what_the_bridge_cannot_honour_is_refused_when_the_request_is_added(kwargs, match):
+    """vLLM runs a logits processor's ``validate_params`` on each request as it is added (a 400 under ``vllm
+    serve``, that request only). n > 1 copies shared one key and so one decode-state slot (their rows interleaved
+    under it); structured outputs and allowed_token_ids masked the forced <|audio|>/EOS token (garbage text
+    tokens, no stop at the stream's end; a grammar ended the request with finish_reason 'error')."""
+    from vllm.v1.sample.logits_processor import validate_logits_processors_parameters
+
+    from higgs_talker.vllm_plugin import TEXT_ONLY_BRIDGE
+
+    try:  # what vLLM turns the processor's ValueError into (0.30; no subclass of ValueError)
+        from vllm.exceptions import VLLMValidationError as refused
+    except ImportError:
+        refused = ValueError
+
+    if kwargs.get("structured_outputs") == "regex":
+        from vllm.sampling_params import StructuredOutputsParams
+
+        kwargs = {"structured_outputs": StructuredOutputsParams(regex="a+")}
+    params = SamplingParams(max_tokens=4, extra_args={REQUEST_KEY: "k"}, **kwargs)
+    with pytest.raises(refused, match=match):
+        validate_logits_processors_parameters([TEXT_ONLY_BRIDGE], params)
+    honoured = dict(temperature=1.0, seed=1, logprobs=2, prompt_logprobs=1, min_tokens=2, repetition_penalty=1.5)
+    plain = SamplingParams(max_tokens=4, extra_args={REQUEST_KEY: "k"}, **honoured)
+    validate_logits_processors_parameters([TEXT_ONLY_BRIDGE], plain)  # what it honours passes
+
+
+def test_a_key_already_live_in_the_batch_gets_a_unique_one(bridge, caplog):
+    """Two live requests on one key shared one decode-state slot: both streams advanced it, their rows
+    interleaved under the key (seeds 3 and 4 served together: 44 rows, both cut at 23 tokens; alone 22 and 100).
+    A request added with a live key now gets a unique one, named in a warning; a key reused after its request
+    left is kept."""
+    b, talker = bridge
+    b.update_state(BatchUpdate(2, [], [added(0, "a"), added(1, "a")], []))
+    first, second = talker.batches[-1]
+    assert first == "a" and second.startswith("a#")
+    assert second in caplog.text
+    b.update_state(BatchUpdate(3, [], [added(2, "a")], []))  # joins later, "a" still live
+    third = talker.batches[-1][2]
+    assert third.startswith("a#") and len(set(talker.batches[-1])) == 3
+    b.update_state(BatchUpdate(1, [1, 2], [added(0, "a")], []))  # the first left; a new "a" takes its place
+    assert talker.removed == [second, third, "a"] and talker.batches[-1] == ["a"]
