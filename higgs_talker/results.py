@@ -19,10 +19,12 @@ from .heads.delay import revert_delay_pattern
 
 @contextmanager
 def _replacing(path: Path) -> Iterator[Path]:
-    """A new temporary file beside ``path`` (same suffix) that replaces ``path`` when the block completes and is
-    removed if it fails or is interrupted: ``path`` is never left half-written. A symlink is written through."""
+    """A new temporary file beside ``path`` (its suffix in lower case) that replaces ``path`` when the block
+    completes and is removed if it fails or is interrupted: ``path`` is never left half-written. A symlink is
+    written through. (Lower case: ``np.save`` appends ``.npy`` to a name that does not end in ``.npy`` exactly,
+    so ``codes.NPY`` would have been written to a file beside the temporary one, and an empty file renamed.)"""
     target = Path(os.path.realpath(path))
-    tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.partial{target.suffix}")
+    tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.partial{target.suffix.lower()}")
     try:
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # O_EXCL: never someone else's file
     except OSError as exc:  # name the file the caller asked for, not our temporary one

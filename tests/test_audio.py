@@ -152,6 +152,20 @@ def test_save_wav(talker: HiggsTalker, tmp_path: Path) -> None:
     assert r.save(tmp_path / "HELLO.WAV").read_bytes() == path.read_bytes()  # the suffix in any case
 
 
+@pytest.mark.parametrize("name", ["codes.NPY", "codes.Npy", "codes.SafeTensors"])
+def test_save_codes_with_an_upper_case_suffix(talker: HiggsTalker, tmp_path: Path, name: str) -> None:
+    """The suffix counts in any case: np.save appends '.npy' to a name not ending in '.npy' exactly, which wrote
+    the codes beside the temporary file and renamed an empty file to codes.NPY (the CLI said 'wrote')."""
+    r = talker.generate("Hello there.", PARAMS)
+    path = r.save(tmp_path / name)
+    assert [p.name for p in tmp_path.iterdir()] == [name]  # nothing left beside it
+    if name.lower().endswith(".npy"):
+        assert np.array_equal(np.load(path), r.codes.numpy())
+    else:
+        saved = load_file(str(path))
+        assert torch.equal(saved["codes"], r.codes) and torch.equal(saved["rows"], r.rows)
+
+
 def test_save_replaces_the_file_whole_or_not_at_all(talker: HiggsTalker, tmp_path: Path, monkeypatch) -> None:
     """save writes a temporary file beside the target and renames it: a write that fails (or a Ctrl-C) leaves
     the old file as it was and no temporary file behind; a new file gets the umask's permissions."""
