@@ -269,6 +269,8 @@ class HiggsTalker:
         texts = [text] if single else list(text)
         if not texts:
             raise ValueError("no text to generate")
+        if progress is not None and not callable(progress):
+            raise TypeError(f"progress must be a callable (rows so far) or None, got {type(progress).__name__}")
         params = self._params(sampling, len(texts), max_frames)
         prepared = [self._prepare(t, p, reference, split) for t, p in zip(texts, params, strict=True)]
         jobs = [(i, part) for i, p in enumerate(prepared) for part in p.parts]  # all checked before any is queued
@@ -394,7 +396,9 @@ class HiggsTalker:
         the same from outside: it is checked before each frame is decoded (frames come one engine step apart), and
         once it is set the requests are cancelled and freed and ``GenerationCancelled`` is raised.
         """
-        decoder = self.codec.stream(chunking)
+        if cancel is not None and not callable(getattr(cancel, "is_set", None)):
+            raise TypeError(f"cancel must be a threading.Event (or None), got {type(cancel).__name__}: {cancel!r:.80}")
+        decoder = self.codec.stream(chunking)  # a bad chunking fails here, before anything is queued
         frames = self.stream(text, sampling, reference, max_frames, split=split)
         try:
             for n, frame in enumerate(frames):

@@ -814,3 +814,26 @@ def test_a_bundled_codec_that_does_not_fit_fails_the_load(tmp_path: Path, model_
     assert talker.generate("Hi.", SamplingParams(seed=1, max_frames=8)).codes.shape[1] == overrides.get(
         "num_codebooks", 8
     )
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [(lambda t: t.generate("Hello there.", PROBE, progress=5), "progress must be a callable"),
+     (lambda t: next(t.stream_audio("Hello there.", PROBE, cancel=True)), "cancel must be a threading.Event"),
+     (lambda t: next(t.stream_audio("Hello there.", PROBE, cancel="stop")), "cancel must be a threading.Event"),
+     (lambda t: next(t.stream_audio("Hello there.", PROBE, chunking=25)), "chunking must be an AudioChunking")],
+    ids=["progress", "cancel-bool", "cancel-str", "chunking-int"],
+)  # fmt: skip
+def test_bad_callbacks_are_refused_before_anything_is_queued(
+    own_talker: HiggsTalker, probe_rows, monkeypatch, call, match
+) -> None:
+    """A progress that is not callable, a cancel without is_set() or a chunking that is no AudioChunking was an
+    AttributeError / "'int' object is not callable" from inside the loop, after the request had been queued."""
+    queued = []
+    add = own_talker.engine.add_request
+    monkeypatch.setattr(own_talker.engine, "add_request", lambda *a, **k: queued.append(a) or add(*a, **k))
+    with pytest.raises(TypeError, match=match):
+        call(own_talker)
+    assert not queued
+    monkeypatch.undo()
+    assert_still_generates(own_talker, probe_rows)

@@ -96,6 +96,10 @@ class StreamingDecoder:
     """
 
     def __init__(self, codec, chunking: AudioChunking | None = None) -> None:
+        if chunking is not None and not isinstance(chunking, AudioChunking):
+            raise TypeError(
+                f"chunking must be an AudioChunking or None, got {type(chunking).__name__}: {chunking!r:.60}"
+            )
         self.codec = codec
         self.rule = (chunking or AudioChunking()).resolved(codec.context_frames)
         before, after = codec.context_frames
