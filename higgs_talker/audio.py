@@ -57,6 +57,8 @@ def read_wav(path: str | Path) -> tuple[np.ndarray, int]:
     else is a ``ValueError`` naming the file. (Other containers: decode them yourself and pass the samples.)
     """
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"audio file {str(path)!r} is a directory; give a WAV file")
     if not path.is_file():
         raise FileNotFoundError(f"audio file {str(path)!r} does not exist")
     if path.stat().st_size > MAX_WAV_BYTES:

@@ -125,6 +125,16 @@ def test_read_wav_refuses_what_it_cannot_read(tmp_path: Path, content: bytes, ma
     assert "bad.wav" in str(info.value)
 
 
+def test_read_wav_names_a_directory_as_one(tmp_path: Path) -> None:
+    """A directory given as the recording (Reference(audio=some_dir)) was reported as a file that 'does not
+    exist'."""
+    (tmp_path / "voice.wav").mkdir()
+    with pytest.raises(IsADirectoryError, match=re.escape(f"{str(tmp_path / 'voice.wav')!r} is a directory")):
+        read_wav(tmp_path / "voice.wav")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_wav(tmp_path / "missing.wav")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # results carry audio
 
