@@ -20,8 +20,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
 from . import __version__
 
 OUT_FORMATS = (".wav", ".npy", ".safetensors")  # what GenerationResult.save writes
@@ -223,6 +221,8 @@ def _read_reference(path: Path, text: str | None):
         if f.read(6) != b"\x93NUMPY":
             raise ValueError(f"--reference {str(path)!r} is not a .npy file (no NumPy header)")
     try:
+        import numpy as np
+
         return Reference(np.load(path, allow_pickle=False), text)
     except (ValueError, EOFError) as exc:  # truncated, or an object array (never unpickled)
         raise ValueError(f"--reference {str(path)!r} holds no readable array of codes: {exc}") from None
@@ -373,7 +373,18 @@ def _deploy_config(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (0, or 2 after a one-line error on stderr)."""
+    """Run the CLI; returns the exit status (0, 2 after a one-line error on stderr, 130 after Ctrl-C)."""
+    restore = _interrupt_once()  # first: Ctrl-C while the parser or torch is still importing is one line too
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # the API has cancelled the requests and let the engine's thread finish its step
+        print("higgs-talker: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        restore()
+
+
+def _run(argv: list[str] | None) -> int:
     try:
         args = _build_parser().parse_args(argv)
     except _UsageError as exc:
@@ -383,7 +394,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     handlers = {"generate": _generate, "demo": _demo, "warmup": _warmup, "deploy-config": _deploy_config}
     handlers["serve"] = _serve
-    restore = _interrupt_once()
     try:
         return handlers[args.command](args)
     except (ValueError, TypeError, OSError) as exc:  # OSError: unreadable / unwritable paths, missing files
@@ -392,11 +402,6 @@ def main(argv: list[str] | None = None) -> int:
         if not _is_out_of_memory(exc):
             raise  # a bug: keep the traceback
         return _fail(f"out of memory: {exc} (a smaller model, or fewer / shorter sequences, needs less)")
-    except KeyboardInterrupt:  # the API has cancelled the requests and let the engine's thread finish its step
-        print("higgs-talker: interrupted", file=sys.stderr)
-        return 130
-    finally:
-        restore()
 
 
 def _interrupt_once():

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import types
@@ -509,3 +510,28 @@ def test_warmup_cache_dir_after_flashinfer_was_imported(capsys, tiny_dir, tmp_pa
 def test_warmup_on_cuda_without_cuda(capsys, tiny_dir: Path, kernel_env) -> None:
     rc, _, err = run(capsys, "warmup", str(tiny_dir), "--device", "cuda")
     assert_one_line_error(rc, err, "CUDA is not available")
+
+
+def test_the_cli_starts_without_torch_and_the_package_names_resolve() -> None:
+    """``higgs_talker.cli`` imports torch only when a command needs it (the package's names load on first use), so
+    its Ctrl-C handler is in place for the second torch takes to import: a Ctrl-C there was a traceback. Every name
+    in ``__all__`` still resolves, and ``from higgs_talker import *`` gives them."""
+    code = (
+        "import sys, higgs_talker, higgs_talker.cli\n"
+        "higgs_talker.cli._build_parser()\n"
+        "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'imported at start'\n"
+        "ns = {}\n"
+        "exec('from higgs_talker import *', ns)\n"
+        "assert sorted(k for k in ns if not k.startswith('__')) == sorted(higgs_talker.__all__)\n"
+        "assert ns['HiggsTalker'].__module__ == 'higgs_talker.api'\n"
+        "assert set(higgs_talker.__all__) <= set(dir(higgs_talker))\n"
+        "try:\n"
+        "    higgs_talker.nothing\n"
+        "except AttributeError as exc:\n"
+        "    assert 'nothing' in str(exc)\n"
+        "else:\n"
+        "    raise AssertionError('no AttributeError')\n"
+    )
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
