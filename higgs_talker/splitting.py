@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 
 DEFAULT_PART_CHARS = 300  # about 20 s of English speech: a prompt of a few hundred tokens and ~500 frames
 SLACK_SECONDS = 2.0
@@ -58,6 +59,9 @@ def _pieces(text: str, pattern: re.Pattern) -> list[str]:
     return out
 
 
+ZWJ = "\u200d"  # zero-width joiner
+
+
 def _fit(piece: str, max_chars: int) -> list[str]:
     """A piece cut into runs of at most ``max_chars`` (whitespace at their ends not counted): at clauses, then at
     spaces, then anywhere."""
@@ -67,7 +71,36 @@ def _fit(piece: str, max_chars: int) -> list[str]:
         parts = _pieces(piece, pattern)
         if len(parts) > 1:
             return _pack([run for p in parts for run in _fit(p, max_chars)], max_chars)
-    return [piece[i : i + max_chars] for i in range(0, len(piece), max_chars)]
+    return _hard_cuts(piece, max_chars)
+
+
+def _hard_cuts(piece: str, max_chars: int) -> list[str]:
+    """A run with no space or mark cut every ``max_chars`` characters, each cut moved back so that it does not fall
+    inside a character a reader sees as one (a letter and its combining accents, an emoji sequence joined by
+    U+200D, a variation selector or skin tone); a cluster longer than ``max_chars`` is cut where it must be."""
+    runs, start = [], 0
+    while len(piece) - start > max_chars:
+        end = start + max_chars
+        while end > start + 1 and _inside_cluster(piece, end):
+            end -= 1
+        if end == start + 1 and _inside_cluster(piece, end):
+            end = start + max_chars
+        runs.append(piece[start:end])
+        start = end
+    return [*runs, piece[start:]]
+
+
+def _inside_cluster(text: str, k: int) -> bool:
+    """Whether cutting ``text`` before index ``k`` splits what is displayed as one character."""
+    after, before = text[k], text[k - 1]
+    return (
+        unicodedata.category(after).startswith("M")  # a combining mark belongs to what precedes it
+        or after == ZWJ
+        or before == ZWJ
+        or "\ufe00" <= after <= "\ufe0f"  # variation selectors
+        or "\U0001f3fb" <= after <= "\U0001f3ff"  # skin tones
+        or "\U000e0020" <= after <= "\U000e007f"  # emoji tag sequences
+    )
 
 
 def _pack(pieces: list[str], max_chars: int) -> list[str]:

@@ -183,3 +183,18 @@ def test_split_refuses_bad_values(talker: HiggsTalker, bad) -> None:
         talker.generate("Hello.", split=bad)
     with pytest.raises(ValueError, match="empty"):
         talker.generate("   ", split=True)
+
+
+@pytest.mark.parametrize(
+    "cluster",
+    ["\U0001f468\u200d\U0001f469\u200d\U0001f467\u200d\U0001f466", "e\u0301", "\u2764\ufe0f", "\U0001f44d\U0001f3fd"],
+    ids=["zwj-family", "combining-accent", "variation-selector", "skin-tone"],
+)
+def test_a_run_without_spaces_is_cut_between_clusters(cluster: str) -> None:
+    """A run with nowhere to cut is cut every max_chars characters, but never inside what a reader sees as one
+    character (a family emoji was cut after a zero-width joiner, leaving one part ending in U+200D)."""
+    text = cluster * 120
+    for max_chars in (10, 33, 100):
+        parts = split_text(text, max_chars)
+        assert "".join(parts) == text and all(len(p) <= max_chars for p in parts)
+        assert all(len(p) % len(cluster) == 0 for p in parts), [len(p) for p in parts]  # whole clusters only
