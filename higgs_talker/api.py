@@ -260,7 +260,8 @@ class HiggsTalker:
         ``split`` (long input): True, or the most characters a part may hold (True: ``DEFAULT_PART_CHARS``),
         cuts each text at sentence ends into parts that are generated together, with the same voice and seed (a
         drawn one when the sampling has none), each capped at ``splitting.frame_budget`` frames of its text; the
-        result joins their codes and rows in order (``result.parts`` holds each part's own result).
+        result joins their codes and rows in order (``result.parts`` holds each part's own result). With ``split``,
+        ``min_frames`` and ``max_frames`` hold for each part, not for the joined result.
         Raises ``GenerationError`` (with the cause) if a step fails one of these requests.
         """
         single = isinstance(text, str)
