@@ -30,6 +30,7 @@ reduction order (the cached K/V were computed in another batch).
 from __future__ import annotations
 
 import itertools
+import numbers
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -112,8 +113,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is None and name in ("num_blocks", "max_model_len"):
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
                 raise ValueError(f"{name} must be an integer > 0, got {value!r}")
+            object.__setattr__(self, name, int(value))  # a numpy integer as a plain int
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
         if not isinstance(self.prefix_caching, bool):
