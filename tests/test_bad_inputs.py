@@ -844,5 +844,5 @@ def test_engine_options_take_numpy_integers(tiny_dir: Path) -> None:
     talker = HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=np.int64(2), max_model_len=np.int32(128))
     assert talker.engine.config.max_num_seqs == 2 and type(talker.engine.config.max_num_seqs) is int
     assert talker.engine.max_model_len == 128
-    with pytest.raises(ValueError, match=E("max_num_seqs must be an integer > 0, got np.float64(2.0)")):
+    with pytest.raises(ValueError, match="max_num_seqs must be an integer > 0, got .*2.0"):
         EngineConfig(max_num_seqs=np.float64(2))
