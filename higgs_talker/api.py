@@ -451,12 +451,14 @@ class HiggsTalker:
         else:
             raise ValueError(f"split must be True, False or the most characters a part holds (>= 1), got {split!r}")
         texts = split_text(text, max_chars) if isinstance(text, str) else []
-        if len(texts) <= 1 and not (isinstance(text, str) and text.strip()):
-            texts = [text]  # empty or not a string: build_prompt says what is wrong with it
+        if len(texts) <= 1:
+            # One part: the text as given (vllm-omni's speech endpoint tokenizes its input verbatim, leading and
+            # trailing whitespace included); empty or not a string: build_prompt says what is wrong with it
+            texts = [text]
         seed = resolve_seed(params.seed)  # one seed for every part
         out = []
         for t in texts:
-            cap = min(params.max_frames, frame_budget(t, self.cfg.frame_rate) if isinstance(t, str) else 1)
+            cap = min(params.max_frames, frame_budget(t.strip(), self.cfg.frame_rate) if isinstance(t, str) else 1)
             out.append((t, replace(params, seed=seed, max_frames=cap, min_frames=min(params.min_frames, cap))))
         return out
 
