@@ -8,6 +8,7 @@ request on a talker of its own: exactly, or, where batching moved a code, throug
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import json
@@ -369,6 +370,18 @@ def test_a_voice_uploaded_then_used(served, solo, client, tmp_path) -> None:
     assert httpx.delete(url + "/v1/audio/voices/me").status_code == 200
     check_error(httpx.delete(url + "/v1/audio/voices/me"), 404, "name")
     check_error(speech(url, input=text, voice="me"), 400, "voice")
+
+
+def test_an_uploaded_voices_ref_text_is_stripped_as_upstream_does(solo, tmp_path) -> None:
+    """vllm-omni's upload_voice keeps ``ref_text.strip() or None`` (serving_speech.py:873-875), so its voice-clone
+    prompt holds the stripped words, and a blank ref_text is a voice without one (it was a 400 here)."""
+    serving = SpeechServing(solo, CONFIG)
+    recording = solo.generate("Hello there, this is me.", SamplingParams(seed=3, temperature=0.0), max_frames=30)
+    wav = write_wav(tmp_path / "me.wav", recording.audio, 24000).read_bytes()
+    padded = asyncio.run(serving.add_voice("padded", wav, "  Hello there.\n"))
+    assert padded.ref_text == serving.voices.get("padded").reference.text == "Hello there."
+    blank = asyncio.run(serving.add_voice("blank", wav, " \n "))
+    assert blank.ref_text is None and serving.voices.get("blank").reference.text is None
 
 
 BAD = [

@@ -126,7 +126,8 @@ class SpeechServing:
         """Encode an uploaded WAV recording once and keep its codes under ``name``."""
         check_voice_name(name)
         codes = await asyncio.to_thread(self._encode, audio, "audio")
-        reference = Reference(codes=codes, text=ref_text or None)
+        # as vllm-omni's upload_voice keeps it: stripped, and a blank one is none (its serving_speech.py:873-875)
+        reference = Reference(codes=codes, text=(ref_text or "").strip() or None)
         await self._prepare("Hello.", reference)  # the reference text's checks (special tokens, length)
         return self.voices.add(name, codes, reference.text).card(self.frame_rate)
 
