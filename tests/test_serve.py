@@ -39,6 +39,8 @@ CONFIG = ServeConfig(
     model_name="tiny", max_input_chars=6000, max_body_bytes=1 << 20, max_new_tokens=2048, part_chars=PART_CHARS
 )
 TIMEOUT = httpx.Timeout(60.0)
+# what a request that names no sampling gets (the deploy profiles', as vllm-omni's endpoint)
+SERVED = dict(temperature=CONFIG.temperature, top_p=CONFIG.top_p, top_k=CONFIG.top_k)
 
 
 @contextlib.contextmanager
@@ -169,7 +171,7 @@ def test_listings(served) -> None:
 
 def test_openai_client_gets_the_audio_of_the_api(served, solo, client) -> None:
     serving, _ = served
-    text, params = "Hello from the openai client.", SamplingParams(seed=11, max_frames=40)
+    text, params = "Hello from the openai client.", SamplingParams(**SERVED, seed=11, max_frames=40)
     want = expected_pcm(solo, text, params)
     got = client.audio.speech.create(model="tiny", voice="default", input=text, response_format="wav",
                                      extra_body={"seed": 11, "max_new_tokens": 40})  # fmt: skip
@@ -184,6 +186,21 @@ def test_openai_client_gets_the_audio_of_the_api(served, solo, client) -> None:
     samples, _ = decode_wav(whole.content)
     assert samples.shape[1] == len(want) // 2  # the exact header's sizes
     wait_until_idle(serving)
+
+
+def test_a_request_without_sampling_gets_the_deploy_profiles(served, solo) -> None:
+    """No temperature / top_p / top_k: the deploy profiles' 1.0 / 0.95 / 50, as vllm-omni's speech endpoint
+    samples (its deploy YAMLs); each field a request gives overrides its own."""
+    _, url = served
+    assert SERVED == {"temperature": 1.0, "top_p": 0.95, "top_k": 50}
+    text = "Sampled as deployed."
+    deployed = expected_pcm(solo, text, SamplingParams(**SERVED, seed=13, max_frames=30))
+    unfiltered = expected_pcm(solo, text, SamplingParams(seed=13, max_frames=30))
+    assert deployed != unfiltered  # the filter changes this request's draws: the check can tell them apart
+    body = {"input": text, "seed": 13, "max_new_tokens": 30, "response_format": "pcm", "stream": False}
+    assert speech(url, **body).content == deployed
+    assert speech(url, **body, top_p=1.0, top_k=-1).content == unfiltered
+    assert speech(url, **body, extra_params={"top_p": 1.0, "top_k": -1}).content == unfiltered  # vllm-omni's way
 
 
 def test_streamed_bytes_arrive_chunk_by_chunk(served, solo) -> None:
@@ -265,7 +282,7 @@ def test_eight_concurrent_clients_get_their_own_audio(served, solo, monkeypatch)
             data = answer.content
         data = wav_data(data) if body["response_format"] == "wav" else data
         params = SamplingParams(seed=body["seed"], temperature=body["temperature"], top_k=body["top_k"],
-                                max_frames=body["max_new_tokens"])  # fmt: skip
+                                top_p=CONFIG.top_p, max_frames=body["max_new_tokens"])  # fmt: skip
         prompt = solo.build_prompt(text)
         rows = finished[tuple(prompt.input_ids.tolist())]
         assert_same_pcm(data, pcm_of_codes(solo, codec_frames(rows, solo.cfg.num_real_codes)), f"client {i}")
@@ -317,7 +334,7 @@ def test_long_input_is_split_and_streamed_as_one_audio(served, solo, monkeypatch
     monkeypatch.setattr(serving.talker.tokenizer, "build", lambda t, *a: built.append(t) or real_build(t, *a))
     response = speech(url, input=LONG_TEXT, seed=21, response_format="pcm", max_new_tokens=30)
     assert response.status_code == 200, response.text
-    assert response.content == expected_pcm(solo, LONG_TEXT, SamplingParams(seed=21, max_frames=30))
+    assert response.content == expected_pcm(solo, LONG_TEXT, SamplingParams(**SERVED, seed=21, max_frames=30))
     assert len(caps) == len(_parts(LONG_TEXT)) > 30
     assert built == _parts(LONG_TEXT)  # once each, in order
     assert {s.seed for s in caps} == {21} and all(s.max_frames <= 30 for s in caps)
@@ -354,7 +371,7 @@ def test_a_voice_uploaded_then_used(served, solo, client, tmp_path) -> None:
 
     samples, rate = decode_wav(wav)
     voice = Reference(codes=solo.codec_loader.reference_codes(samples, rate), text="Hello there.")
-    text, params = "Say it like me.", SamplingParams(seed=4, max_frames=40)
+    text, params = "Say it like me.", SamplingParams(**SERVED, seed=4, max_frames=40)
     want = expected_pcm(solo, text, params, voice)
     got = client.audio.speech.create(model="tiny", voice="me", input=text, response_format="pcm",
                                      extra_body={"seed": 4, "max_new_tokens": 40})  # fmt: skip
@@ -367,6 +384,12 @@ def test_a_voice_uploaded_then_used(served, solo, client, tmp_path) -> None:
                        ref_audio="data:audio/wav;base64," + encoded)  # fmt: skip
         assert again.status_code == 200 and again.content == want, again.text[:300]
     assert speech(url, input=text, voice={"id": "me"}, seed=4, max_new_tokens=40, response_format="pcm").content == want
+    # names match in any case, as vllm-omni lower-cases them: one voice, and "Default" is the model's own
+    assert speech(url, input=text, voice="ME", seed=4, max_new_tokens=40, response_format="pcm").content == want
+    check_error(httpx.post(url + "/v1/audio/voices", files=files, data={"name": "Me"}), 409, "name")
+    check_error(httpx.post(url + "/v1/audio/voices", files=files, data={"name": "DEFAULT"}), 400, "name")
+    own = speech(url, input=text, seed=4, max_new_tokens=40, response_format="pcm").content
+    assert speech(url, input=text, voice="Default", seed=4, max_new_tokens=40, response_format="pcm").content == own
     assert httpx.delete(url + "/v1/audio/voices/me").status_code == 200
     check_error(httpx.delete(url + "/v1/audio/voices/me"), 404, "name")
     check_error(speech(url, input=text, voice="me"), 400, "voice")
@@ -413,6 +436,10 @@ BAD = [
     ({"input": "Hi.", "stream": "yes"}, 400, "stream"),
     ({"input": "Hi.", "speed": True}, 400, "speed"),
     ({"input": 5}, 400, "input"),
+    ({"input": "Hi.", "extra_params": {"foo": 1}}, 400, "extra_params.foo"),
+    ({"input": "Hi.", "extra_params": {"temperature": "hot"}}, 400, "temperature"),
+    ({"input": "Hi.", "temperature": 0.5, "extra_params": {"temperature": 0.7}}, 400, "temperature"),
+    ({"input": "Hi.", "extra_params": [1]}, 400, "extra_params"),
     ({"input": "Hi.", "ref_text": "Hello."}, 400, "ref_text"),
     ({"input": "Hi.", "ref_audio": "http://example.invalid/a.wav"}, 400, "ref_audio"),
     ({"input": "Hi.", "ref_audio": "data:audio/wav;base64,@@@"}, 400, "ref_audio"),
@@ -493,7 +520,7 @@ def test_a_failing_request_leaves_the_others_alone(served, solo, monkeypatch) ->
         return failing()
 
     monkeypatch.setattr(talker, "stream", stream)
-    text, params = "An innocent request.", SamplingParams(seed=8, max_frames=60)
+    text, params = "An innocent request.", SamplingParams(**SERVED, seed=8, max_frames=60)
     want = expected_pcm(solo, text, params)
     results = {}
 

@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="cancel a request still running after S seconds (default 600)",
     )
     p.add_argument("--max-voices", type=int, default=64, metavar="N", help="most uploaded voices kept (default 64)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling of requests that give none (default 1.0)")
+    p.add_argument("--top-p", type=float, default=0.95, help="... their top_p (default 0.95, the deploy profiles')")
+    p.add_argument("--top-k", type=int, default=50, help="... their top_k (default 50; -1: off)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
         part_chars=args.part_chars,
         chunking=args.chunking,
         max_voices=args.max_voices,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
     )
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     options = {"max_num_seqs": args.max_num_seqs, "prefix_caching": args.prefix_caching}

@@ -7,7 +7,7 @@ by name. Every error is ``ErrorResponse``: ``{"error": {"message", "type", "para
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -48,6 +48,9 @@ class SpeechRequest(BaseModel):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
+    extra_params: dict[str, Any] | None = Field(
+        None, description="vllm-omni's way to give temperature, top_p and top_k (only those keys here)"
+    )
 
     @field_validator("response_format", "speed", mode="before")
     @classmethod

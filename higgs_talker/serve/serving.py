@@ -63,6 +63,11 @@ class ServeConfig:
     part_chars: int = DEFAULT_PART_CHARS  # long input is spoken in parts of at most this many characters
     chunking: str = "exact"  # streamed audio cuts: exact (equal to one-shot audio) or upstream (earlier first audio)
     max_voices: int = 64
+    # the sampling of a request that names none: the deploy profiles', with which vllm-omni's speech endpoint
+    # samples Stage 0 (its deploy YAMLs); a request's temperature / top_p / top_k override each
+    temperature: float = 1.0
+    top_p: float = 0.95
+    top_k: int = 50
 
     def __post_init__(self) -> None:
         for name in ("max_input_chars", "max_body_bytes", "max_new_tokens", "part_chars", "max_voices"):
@@ -75,6 +80,7 @@ class ServeConfig:
             raise ValueError(f"chunking must be one of {', '.join(CHUNKINGS)}, got {self.chunking!r}")
         if not self.model_name:
             raise ValueError("model_name must not be empty")
+        SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)  # ValueError naming it
 
 
 @dataclass(frozen=True)
@@ -201,7 +207,7 @@ class SpeechServing:
 
     async def _reference(self, req: SpeechRequest) -> Reference | None:
         name = req.voice.id if req.voice is not None and not isinstance(req.voice, str) else req.voice
-        named = name not in (None, "", DEFAULT_VOICE)
+        named = name not in (None, "") and name.lower() != DEFAULT_VOICE  # names match in any case
         if req.ref_audio is not None:
             if named:
                 raise APIError(400, f"give either voice {name!r} or ref_audio, not both", "voice")
@@ -224,16 +230,25 @@ class SpeechServing:
         return voice.reference
 
     def _sampling(self, req: SpeechRequest) -> SamplingParams:
-        cfg, given = self.config, {}
+        cfg = self.config
+        given = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
         if req.max_new_tokens is not None and req.max_new_tokens > cfg.max_new_tokens:
             raise APIError(
                 400,
                 f"max_new_tokens {req.max_new_tokens} is above this server's limit of {cfg.max_new_tokens} frames",
                 "max_new_tokens",
             )
+        extra = req.extra_params or {}
+        for key in extra:
+            if key not in _EXTRA_SAMPLING:
+                raise APIError(400, f"extra_params.{key} is not understood here; it takes {', '.join(_EXTRA_SAMPLING)}",
+                               f"extra_params.{key}")  # fmt: skip
         for name in ("temperature", "top_k", "top_p", "seed"):
-            if getattr(req, name) is not None:
-                given[name] = getattr(req, name)
+            value, other = getattr(req, name), extra.get(name)
+            if value is not None and other is not None and value != other:
+                raise APIError(400, f"{name} {value!r} and extra_params.{name} {other!r} differ; give it once", name)
+            if value is not None or other is not None:
+                given[name] = value if value is not None else other
         try:
             return SamplingParams(**given, max_frames=req.max_new_tokens or cfg.max_new_tokens)
         except ValueError as exc:
@@ -371,6 +386,9 @@ class SpeechServing:
         with self._lock:
             for cancel in self._active:
                 cancel.set()
+
+
+_EXTRA_SAMPLING = ("temperature", "top_p", "top_k")  # what vllm-omni's endpoint reads from extra_params
 
 
 def _failure(job: SpeechJob, kind: str, value) -> APIError:

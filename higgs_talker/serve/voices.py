@@ -36,13 +36,15 @@ class Voice:
 def check_voice_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise APIError(400, f"voice name {name!r:.80} must be 1-64 letters, digits, '_', '.' or '-'", "name")
-    if name == DEFAULT_VOICE:
+    if name.lower() == DEFAULT_VOICE:
         raise APIError(400, f"voice name {name!r} is the model's own voice; choose another name", "name")
     return name
 
 
 class VoiceStore:
-    """Named voices (thread-safe), at most ``max_voices``; a name is taken until it is deleted."""
+    """Named voices (thread-safe), at most ``max_voices``; a name is taken until it is deleted. Names match in any
+    case (``Alice`` and ``alice`` are one voice, as vllm-omni lower-cases them); a voice keeps the case it was
+    uploaded with."""
 
     def __init__(self, max_voices: int = 64) -> None:
         self.max_voices = max_voices
@@ -52,22 +54,22 @@ class VoiceStore:
     def add(self, name: str, codes: Tensor, text: str | None) -> Voice:
         voice = Voice(check_voice_name(name), Reference(codes=codes, text=text), int(time.time()))
         with self._lock:
-            if name in self._voices:
+            if name.lower() in self._voices:
                 raise APIError(
                     409, f"a voice named {name!r} exists; delete it first (DELETE /v1/audio/voices/{name})", "name"
                 )
             if len(self._voices) >= self.max_voices:
                 raise APIError(400, f"the server holds {self.max_voices} voices, its most; delete one first", "name")
-            self._voices[name] = voice
+            self._voices[name.lower()] = voice
         return voice
 
     def get(self, name: str) -> Voice | None:
         with self._lock:
-            return self._voices.get(name)
+            return self._voices.get(name.lower())
 
     def remove(self, name: str) -> bool:
         with self._lock:
-            return self._voices.pop(name, None) is not None
+            return self._voices.pop(name.lower(), None) is not None
 
     def all(self) -> list[Voice]:
         with self._lock:
