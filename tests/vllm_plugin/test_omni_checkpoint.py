@@ -166,3 +166,24 @@ def test_bench_omnis_deploy_yamls_and_their_test_variants_parse(talker, profile,
         assert sorted(s.stage_id for s in cfg.stages) == [0, 1] and cfg.async_chunk is True
     text = derived.read_text()
     assert "max_model_len: 1024" in text and "dtype: float32" in text and "base_config" not in text
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["Hello world.", "  Hello world.\n", "\n\nPara one.\n\nPara two.\n", "Grüße, 世界! 🎉", "a", "Hi 42 times."],
+    ids=["plain", "spaces-newline", "paragraphs", "unicode", "one-letter", "digits"],
+)
+def test_the_speech_servers_prompt_equals_vllm_omnis(tiny_dir, talker, text):
+    """What ``higgs-talker serve`` prompts for a speech request equals vllm-omni's prompt builder's for its input,
+    whitespace included (vllm-omni's endpoint tokenizes the input as given; ours stripped it once)."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+    from vllm_omni.model_executor.models.higgs_audio_v3.higgs_audio_v3_tokenizer import HiggsAudioV3TokenizerAdapter
+
+    from higgs_talker.serve.protocol import SpeechRequest
+    from higgs_talker.serve.serving import SpeechServing
+
+    upstream = HiggsAudioV3TokenizerAdapter(AutoTokenizer.from_pretrained(str(tiny_dir)))
+    job = asyncio.run(SpeechServing(talker).prepare(SpeechRequest(input=text)))
+    assert [part.prompt.input_ids.tolist() for part in job.prepared.parts] == [list(upstream.build_prompt(text))]
