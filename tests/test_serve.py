@@ -31,6 +31,7 @@ from higgs_talker.audio import decode_wav, pcm16, write_wav
 from higgs_talker.heads.delay import codec_frames
 from higgs_talker.results import GenerationError
 from higgs_talker.serve.app import make_server
+from higgs_talker.serve.protocol import SpeechRequest
 from higgs_talker.serve.serving import ServeConfig, SpeechServing
 from higgs_talker.splitting import frame_budget
 
@@ -678,3 +679,18 @@ def test_the_servers_connections_send_without_nagles_delay(solo) -> None:
     finally:
         sock.close()
     assert seen and seen[0] != 0, f"TCP_NODELAY on the accepted connection: {seen}"
+
+
+def test_part_chars_0_speaks_one_prompt_as_vllm_omni_does(solo) -> None:
+    """``--part-chars 0``: no split and no cap from the text (vllm-omni's endpoint speaks one prompt of any length,
+    up to the token cap); the default splits the same text and caps each part."""
+    text = " ".join(f"Sentence {i} is here." for i in range(30))  # 600 characters
+    whole = asyncio.run(SpeechServing(solo, ServeConfig(model_name="tiny", part_chars=0)).prepare(
+        SpeechRequest(input=text, max_new_tokens=700)))  # fmt: skip
+    assert len(whole.prepared.parts) == 1
+    assert whole.prepared.parts[0].prompt.input_ids.tolist() == solo.build_prompt(text).input_ids.tolist()
+    assert whole.prepared.parts[0].sampling.max_frames == 700
+    split = asyncio.run(SpeechServing(solo, CONFIG).prepare(SpeechRequest(input=text, max_new_tokens=700)))
+    assert len(split.prepared.parts) > 1 and all(p.sampling.max_frames < 700 for p in split.prepared.parts)
+    with pytest.raises(ValueError, match="part_chars must be an integer >= 0, got -1"):
+        ServeConfig(part_chars=-1)

@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_PART_CHARS,
         metavar="N",
-        help=f"long input is spoken in parts of at most N characters (default {DEFAULT_PART_CHARS})",
+        help=f"long input is spoken in parts of at most N characters, each capped from its text (default "
+        f"{DEFAULT_PART_CHARS}); 0: one prompt of any length, as vllm-omni's endpoint",
     )
     p.add_argument(
         "--max-new-tokens",

@@ -60,7 +60,9 @@ class ServeConfig:
     max_body_bytes: int = 16 << 20  # request bodies (JSON with ref_audio, voice uploads): 413 beyond
     request_timeout_s: float = 600.0  # a request still running after this is cancelled (408 before its first byte)
     max_new_tokens: int = 2048  # the largest max_new_tokens (audio frames of one part) a request may ask for
-    part_chars: int = DEFAULT_PART_CHARS  # long input is spoken in parts of at most this many characters
+    # long input is spoken in parts of at most this many characters, each capped from its text; 0: one prompt of
+    # any length, capped only by max_new_tokens (vllm-omni's endpoint)
+    part_chars: int = DEFAULT_PART_CHARS
     chunking: str = "exact"  # streamed audio cuts: exact (equal to one-shot audio) or upstream (earlier first audio)
     max_voices: int = 64
     # the sampling of a request that names none: the deploy profiles', with which vllm-omni's speech endpoint
@@ -71,9 +73,9 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_input_chars", "max_body_bytes", "max_new_tokens", "part_chars", "max_voices"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            value, least = getattr(self, name), 0 if name == "part_chars" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s!r}")
         if self.chunking not in CHUNKINGS:
@@ -195,7 +197,7 @@ class SpeechServing:
     ) -> PreparedText:
         """``text`` split into parts of at most ``part_chars`` and their prompts built, once (in a thread: a long
         input takes a while to tokenize); the worker queues these prompts as they are."""
-        split = self.config.part_chars
+        split = self.config.part_chars or False  # 0: one prompt, as given
         try:
             return await asyncio.to_thread(self.talker.prepare, text, params, reference, split=split)
         except ValueError as exc:
