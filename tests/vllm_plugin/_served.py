@@ -49,9 +49,10 @@ def spec_params(spec: dict, talker: HiggsTalker) -> SamplingParams:
                           max_frames=spec["max_tokens"] - talker.cfg.num_codebooks)  # fmt: skip
 
 
-def spec_reference(spec: dict) -> Reference | None:
-    """The voice-clone reference of a spec request: the codes serve_tiny drew for it, and its text."""
-    codes = reference_codes(spec)
+def spec_reference(spec: dict, cfg) -> Reference | None:
+    """The voice-clone reference of a spec request on a checkpoint of config ``cfg``: the codes serve_tiny drew
+    for it, and its text."""
+    codes = reference_codes(spec, cfg)
     return None if codes is None else Reference(codes=codes, text=spec["reference"]["text"])
 
 

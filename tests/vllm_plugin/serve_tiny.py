@@ -21,15 +21,17 @@ sys.path.insert(0, str(Path(__file__).with_name("score_probe")))
 from higgs_score_probe import as_record, record_scores  # noqa: E402
 
 
-def reference_codes(spec: dict):
-    """The voice-clone reference codes [F, 8] of a spec request (random, from its ``reference`` seed), or None:
-    the one draw both this script and the tests that rebuild its requests use."""
+def reference_codes(spec: dict, cfg):
+    """The voice-clone reference codes [F, C] of a spec request for checkpoint config ``cfg`` (random real codes
+    from its ``reference`` seed), or None: the one draw both this script and the tests that rebuild its requests
+    use (on the tiny checkpoint, [F, 8] in [0, 1024))."""
     import torch
 
     ref = spec.get("reference")
     if ref is None:
         return None
-    return torch.randint(0, 1024, (ref["frames"], 8), generator=torch.Generator().manual_seed(ref["seed"]))
+    shape, gen = (ref["frames"], cfg.num_codebooks), torch.Generator().manual_seed(ref["seed"])
+    return torch.randint(0, cfg.num_real_codes, shape, generator=gen)
 
 
 def build_requests(tok, cfg, spec: list[dict]) -> tuple[list[dict], list]:
@@ -41,7 +43,7 @@ def build_requests(tok, cfg, spec: list[dict]) -> tuple[list[dict], list]:
 
     prompts, params = [], []
     for r in spec:
-        codes = reference_codes(r)
+        codes = reference_codes(r, cfg)
         ref_text = None if codes is None else r["reference"].get("text")
         prompt = tok.build(r["text"], codes, ref_text, cfg)
         prompts.append(prompt.vllm_prompt())

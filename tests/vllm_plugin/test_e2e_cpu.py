@@ -101,7 +101,7 @@ def test_vllms_own_scores_equal_the_float32_engines(served, tiny_dir):
     for spec, got in zip(SPEC, served["results"], strict=True):
         rows = torch.tensor(got["rows"], dtype=torch.long)
         scaled = served["records"][spec["key"]]["scaled"]
-        prompt = talker.build_prompt(spec["text"], spec_reference(spec))
+        prompt = talker.build_prompt(spec["text"], spec_reference(spec, talker.cfg))
         check.check_scores(prompt, spec_params(spec, talker), rows, scaled, spec["key"])
     assert 0 < check.worst_row <= FP32_BOUND.row
 
@@ -123,7 +123,7 @@ def test_the_score_check_fails_a_vllm_model_off_by_5_percent(served_broken, tiny
     talker = HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=2, max_model_len=1024)
     for spec, got in zip(served_broken["spec"], served_broken["results"], strict=True):
         rows, scaled = torch.tensor(got["rows"], dtype=torch.long), served_broken["scores"][spec["key"]]
-        prompt, params = talker.build_prompt(spec["text"], spec_reference(spec)), spec_params(spec, talker)
+        prompt, params = talker.build_prompt(spec["text"], spec_reference(spec, talker.cfg)), spec_params(spec, talker)
         with pytest.raises(AssertionError, match="from the float32 reference|far from the reference"):
             ScoreCheck(talker, FP32_BOUND).check_scores(prompt, params, rows, scaled, spec["key"])
 
@@ -140,7 +140,7 @@ def test_our_class_serves_and_loads_every_parameter(served):
 def test_codes_match_the_direct_engine(served, tiny_dir, index):
     spec, got = SPEC[index], served["results"][index]
     talker = HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=2, max_model_len=1024)
-    want = talker.generate(spec["text"], spec_params(spec, talker), reference=spec_reference(spec))
+    want = talker.generate(spec["text"], spec_params(spec, talker), reference=spec_reference(spec, talker.cfg))
     rows = torch.tensor(got["rows"], dtype=torch.long)
     assert rows.shape == want.rows.shape
     assert torch.equal(rows, want.rows)

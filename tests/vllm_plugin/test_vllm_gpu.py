@@ -150,7 +150,8 @@ def test_codes_match_the_direct_engine_or_split_at_a_near_tie(served, checkpoint
         pytest.skip(f"the {served['checkpoint']} case has {len(specs)} requests")
     spec, got = specs[index], served["results"][index]
     solo = solo_for(checkpoints, served["checkpoint"])
-    params, reference = spec_params(spec, solo), spec_reference(spec)  # the same cap for the run and its re-run
+    # the same cap for the run and its re-run
+    params, reference = spec_params(spec, solo), spec_reference(spec, solo.cfg)
     prompt = solo.build_prompt(spec["text"], reference)
     want = solo.generate(spec["text"], params, reference=reference).rows
     rows = torch.tensor(got["rows"], dtype=torch.long)
