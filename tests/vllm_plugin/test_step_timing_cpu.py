@@ -172,6 +172,7 @@ def omni_step(model: StandIn, counts: list[int], replayed: bool = False) -> None
 def probe(tmp_path, monkeypatch):
     """A fresh copy of the probe module with its settings, writing to tmp_path (no import hook installed)."""
     monkeypatch.syspath_prepend(str(PROBE))  # for its record module, higgs_step_record
+    monkeypatch.syspath_prepend(str(PROBE.parent))  # and after_import, which the probes share
     name = "higgs_step_timing_under_test"
     spec = importlib.util.spec_from_file_location(name, PROBE / "higgs_step_timing.py")
     module = importlib.util.module_from_spec(spec)
@@ -226,7 +227,8 @@ def test_sitecustomize_installs_the_probe_and_runs_the_one_it_hides(tmp_path):
     hidden.mkdir()
     (hidden / "sitecustomize.py").write_text("import os\nos.environ['HIDDEN_SITECUSTOMIZE_RAN'] = '1'\n")
     code = ("import os, sys\nprint(os.environ.get('HIDDEN_SITECUSTOMIZE_RAN'), "
-            "any(type(f).__name__ == '_Finder' for f in sys.meta_path), 'torch' in sys.modules)")  # fmt: skip
+            "any(getattr(f, 'owner', None) == 'step_timing' for f in sys.meta_path), "
+            "'torch' in sys.modules)")  # fmt: skip
     for on, want in ((True, "1 True False"), (False, "1 False False")):
         env = probe_env(tmp_path / "steps")
         env["PYTHONPATH"] += os.pathsep + str(hidden)

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import importlib.abc
 import os
 import sys
 import time
@@ -52,6 +51,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from higgs_step_record import Recorder, Step
+
+_PROBES = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _PROBES not in sys.path:
+    sys.path.append(_PROBES)  # benchmarks/probes: after_import, which the probes share
+import after_import  # noqa: E402
 
 RUNNER_CONTRACT = (
     "prepare_runner_inputs", "update_decode_step_metadata", "set_bridge_requests", "embed_input_ids", "forward",
@@ -88,12 +92,12 @@ _recorder: Recorder | None = None  # this process's; None until its first entry 
 
 def install(out_dir: str) -> None:
     """Put the import hook first on ``sys.meta_path`` (once); summaries go to ``out_dir``."""
-    if any(isinstance(f, _Finder) for f in sys.meta_path):
+    hooks = {name: functools.partial(_patch_module, target=target) for name, target in TARGETS.items()}
+    if not after_import.install("step_timing", hooks):
         return
     _settings.update(dir=out_dir, every=int(os.environ.get("HIGGS_STEP_TIMING_EVERY", "100")),
                      flush_s=float(os.environ.get("HIGGS_STEP_TIMING_FLUSH_S", "2")),
                      idle_s=float(os.environ.get("HIGGS_STEP_TIMING_IDLE_S", "1")))  # fmt: skip
-    sys.meta_path.insert(0, _Finder())
     os.register_at_fork(after_in_child=_forget)
 
 
@@ -122,37 +126,8 @@ def _final_flush() -> None:
 # ---------------------------------------------------------------------------------------------------- import hook
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    """Finds a target module with the finders after it and wraps its loader, which patches the module's class."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in TARGETS:
-            return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec = find(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _PatchingLoader(spec.loader, TARGETS[fullname])
-                return spec
-        return None
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader, target: Target) -> None:
-        self.loader, self.target = loader, target
-
-    def __getattr__(self, name: str):
-        return getattr(self.loader, name)  # get_source, get_code, is_package ... as the real loader has them
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self.loader.exec_module(module)
-        patch(getattr(module, self.target.cls), self.target)
+def _patch_module(module, target: Target) -> None:
+    patch(getattr(module, target.cls), target)
 
 
 def patch(cls: type, target: Target) -> None:

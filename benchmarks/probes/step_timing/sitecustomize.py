@@ -11,26 +11,16 @@ virtual environment may): that one is found on the rest of ``sys.path`` and run 
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import os
 import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _run_hidden_sitecustomize() -> None:
-    """Run the ``sitecustomize`` that this one hides on ``sys.path``, if there is one."""
-    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
-    if spec is None or spec.loader is None or os.path.abspath(spec.origin or "") == os.path.abspath(__file__):
-        return
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-
+_PROBES = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _PROBES not in sys.path:
+    sys.path.append(_PROBES)  # benchmarks/probes: after_import, which the probes share
+import after_import  # noqa: E402
 
 if os.environ.get("HIGGS_STEP_TIMING_DIR"):
     import higgs_step_timing
 
     higgs_step_timing.install(os.environ["HIGGS_STEP_TIMING_DIR"])
-_run_hidden_sitecustomize()
+after_import.run_hidden_sitecustomize(__file__)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import importlib.abc
 import multiprocessing.util
 import os
 import re
@@ -28,6 +27,10 @@ from pathlib import Path
 
 TARGET_MODULE, TARGET_CLASS = "higgs_talker.vllm_plugin.talker", "HiggsTalkerForConditionalGeneration"
 FOLDER = Path(__file__).resolve().parent
+_PROBES = str(FOLDER.parents[2] / "benchmarks" / "probes")
+if _PROBES not in sys.path:
+    sys.path.append(_PROBES)  # after_import, which the probes share
+import after_import  # noqa: E402
 
 
 def probe_env(directory: str | os.PathLike) -> dict[str, str]:
@@ -125,49 +128,17 @@ def load(directory: str | os.PathLike) -> dict[str, dict]:
 
 def install(directory: str) -> None:
     """Record every adapter this process builds (once per process)."""
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder(directory))
+    after_import.install("score_probe", {TARGET_MODULE: functools.partial(_record_every_adapter, directory=directory)})
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    """Finds the adapter's module with the finders after it and wraps its loader."""
+def _record_every_adapter(module, directory: str) -> None:
+    """Wrap the adapter class's ``__init__``: each adapter records to ``directory``."""
+    cls = getattr(module, TARGET_CLASS)
+    init = cls.__init__
 
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
+    @functools.wraps(init)  # vLLM reads the signature (``vllm_config``) through ``__wrapped__``
+    def __init__(adapter, *args, **kwargs):
+        init(adapter, *args, **kwargs)
+        adapter._score_recording = Recording(adapter, directory)
 
-    def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET_MODULE:
-            return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec = find(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(spec.loader, self.directory)
-                return spec
-        return None
-
-
-class _Loader(importlib.abc.Loader):
-    def __init__(self, loader, directory: str) -> None:
-        self.loader, self.directory = loader, directory
-
-    def __getattr__(self, name: str):
-        return getattr(self.loader, name)
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self.loader.exec_module(module)
-        cls = getattr(module, TARGET_CLASS)
-        init, directory = cls.__init__, self.directory
-
-        @functools.wraps(init)  # vLLM reads the signature (``vllm_config``) through ``__wrapped__``
-        def __init__(adapter, *args, **kwargs):
-            init(adapter, *args, **kwargs)
-            adapter._score_recording = Recording(adapter, directory)
-
-        cls.__init__ = __init__
+    cls.__init__ = __init__
