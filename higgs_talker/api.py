@@ -131,17 +131,11 @@ class HiggsTalker:
         _check_buckets(buckets, prefill_buckets)
         open_choice_cache(choice_cache)  # a bad option fails here, before anything is loaded
         engine_config = _engine_config(engine_options)
-        path = _checkpoint_dir(path)
-        register_hf_config()
-        cfg = TalkerConfig.from_pretrained(path)
-        engine_config.model_len(cfg)  # a max_model_len over the checkpoint's positions fails before loading
-        tokenizer = TalkerTokenizer.from_pretrained(path, cfg)
-        header = checkpoint.check_checkpoint(path, cfg)  # config against the weights, before any allocation
+        path, cfg, tokenizer, header = _checked_checkpoint(path, engine_config, device, dtype)
         loader = None
         if codec and (audio_tokenizer is not None or has_bundled_codec(path)):
             loader = CodecLoader(path, device, codec_dtype, tokenizer_path=audio_tokenizer, talker=cfg)
             loader.check_fit()  # from the codec's config: one that does not fit the talker fails before loading
-        check_fits_device(cfg, device, dtype)
         model = _empty_model(cfg, device, dtype, fuse_qk_rope, row_gemv)
         checkpoint.load_into(model, checkpoint.iter_tensors(path, cfg, device, dtype, header=header), cfg)
         model.eval().requires_grad_(False)
@@ -573,6 +567,20 @@ def _checkpoint_dir(path: str | Path) -> Path:
     if not path.is_dir():
         raise ValueError(f"checkpoint {str(path)!r} is a file; give the checkpoint directory (config.json, weights)")
     return path
+
+
+def _checked_checkpoint(path, engine_config: EngineConfig, device: torch.device, dtype: torch.dtype):
+    """A checkpoint directory checked as far as it can be before anything is allocated: its config (and
+    ``max_model_len`` against it), its tokenizer, the weights' header against the config, and the memory the model
+    needs on ``device``. Returns (directory, config, tokenizer, header)."""
+    path = _checkpoint_dir(path)
+    register_hf_config()
+    cfg = TalkerConfig.from_pretrained(path)
+    engine_config.model_len(cfg)
+    tokenizer = TalkerTokenizer.from_pretrained(path, cfg)
+    header = checkpoint.check_checkpoint(path, cfg)
+    check_fits_device(cfg, device, dtype)
+    return path, cfg, tokenizer, header
 
 
 def _engine_config(options: dict) -> EngineConfig:

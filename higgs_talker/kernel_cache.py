@@ -31,12 +31,9 @@ from pathlib import Path
 
 import torch
 
-from .api import HiggsTalker, _checkpoint_dir, _engine_config, _resolve_runtime
-from .checkpoint import check_checkpoint
-from .config import TalkerConfig, check_fits_device, register_hf_config
+from .api import HiggsTalker, _checked_checkpoint, _engine_config, _resolve_runtime
 from .cuda_graphs.choice_cache import CHOICE_CACHE_VAR, default_choice_dir
 from .heads.sampling import SamplingParams
-from .prompt import TalkerTokenizer
 
 FLASHINFER_BASE_VAR = "FLASHINFER_WORKSPACE_BASE"  # read by flashinfer/jit/env.py at import
 TVM_FFI_VAR = "TVM_FFI_CACHE_DIR"
@@ -201,13 +198,7 @@ def warmup(
     start = time.perf_counter()
     common = dict(checkpoint=str(checkpoint), device=str(dev), dtype=str(dt).removeprefix("torch."))
     if dev.type != "cuda":
-        path = _checkpoint_dir(checkpoint)
-        register_hf_config()
-        cfg = TalkerConfig.from_pretrained(path)
-        engine_config.model_len(cfg)
-        TalkerTokenizer.from_pretrained(path, cfg)
-        check_checkpoint(path, cfg)
-        check_fits_device(cfg, dev, dt)
+        _checked_checkpoint(checkpoint, engine_config, dev, dt)
         return WarmupReport(**common, graph_mode=mode.value, compiled=False, kernels="torch",
                             load_s=time.perf_counter() - start)  # fmt: skip
     talker = HiggsTalker.from_pretrained(checkpoint, dev, dt, graph_mode=graph_mode, codec=False,
