@@ -219,7 +219,9 @@ def start_server(ckpt: str, yaml_path: Path, env: dict[str, str], log_path: Path
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"vllm-omni serve exited with {proc.returncode}; see {log_path}")
+            sink.close()
+            raise RuntimeError(f"vllm-omni serve exited with {proc.returncode}; the end of {log_path}:\n"
+                               + log_tail(log_path))  # fmt: skip
         try:
             if httpx.get(url + "/health", timeout=5).status_code == 200:
                 return proc, url
@@ -228,6 +230,13 @@ def start_server(ckpt: str, yaml_path: Path, env: dict[str, str], log_path: Path
         time.sleep(2)
     stop_server(proc)
     raise TimeoutError(f"vllm-omni serve did not answer /health in {timeout} s; see {log_path}")
+
+
+def log_tail(path: Path, lines: int = 12) -> str:
+    """The last lines of a log that are not vLLM's INFO / DEBUG chatter (a failed start's cause, usually)."""
+    kept = [ln for ln in path.read_text(encoding="utf-8", errors="replace").splitlines()
+            if " INFO " not in ln and " DEBUG " not in ln]  # fmt: skip
+    return "\n".join(kept[-lines:])
 
 
 def stop_server(proc) -> None:
