@@ -22,11 +22,19 @@ ARCHITECTURES = (
 )
 # The text-only bridge for plain vLLM: pass ``logits_processors=[TEXT_ONLY_BRIDGE]`` to ``vllm.LLM``.
 TEXT_ONLY_BRIDGE = "higgs_talker.vllm_plugin.bridge:TextOnlyBridge"
-# vLLM worker extension: ``vllm.LLM(..., worker_extension_cls=ROWS_EXTENSION)`` lets ``bridge.request_rows`` ask
-# worker processes (multiprocessing, tensor parallel) for code rows by method name.
+# ``vllm.LLM(..., worker_extension_cls=ROWS_EXTENSION)``: ``bridge.request_rows`` asks workers by method name
 ROWS_EXTENSION = "higgs_talker.vllm_plugin.bridge.RowsWorkerExtension"
 
 _touched: tuple[str, ...] | None = None
+
+
+def _log_through_vllm() -> None:
+    """Our log lines (the graph decision, warnings) in vLLM's log: the package logger takes the handlers and level
+    of vLLM's, unless it or the root logger has handlers (an application that set up its own logging)."""
+    ours, host = logging.getLogger("higgs_talker"), logging.getLogger("vllm")
+    if host.handlers and not ours.handlers and not logging.getLogger().handlers:
+        ours.handlers, ours.propagate = list(host.handlers), False
+        ours.setLevel(host.getEffectiveLevel())
 
 
 def register() -> tuple[str, ...]:
@@ -48,9 +56,7 @@ def register() -> tuple[str, ...]:
     if importlib.util.find_spec("vllm") is not None:
         from vllm.model_executor.models import ModelRegistry
 
-        from .compat import log_through_vllm
-
-        log_through_vllm()
+        _log_through_vllm()
         for arch in ARCHITECTURES:
             ModelRegistry.register_model(arch, TALKER_CLASS)
         touched.append("vllm.ModelRegistry")

@@ -2,19 +2,11 @@
 
 vLLM's sampler never tells the model whose row is whose; a logits processor hears every batch change
 (``update_state``: added with its ``SamplingParams``, removed, moved) before the forward and sees the logits
-(``apply``) before sampling. The bridge turns those into the runner's calls: request keys in batch order with
-seeds, minimum lengths (vLLM's ``min_tokens``) and voice-clone rows (``set_bridge_requests``), the step's codes
-(``sample_codes``), and removals. The text token is vLLM's own sample of logits where only the forced token is
-finite. A removal may be a finish or a preemption (vLLM does not say): the slot's state is kept (the last 256)
-and a request that comes back with generated tokens resumes from it. A request's key is
-``extra_args["higgs_request_key"]`` (``request_args`` builds the extra_args), its rows are read with
-``request_rows``. Use: ``vllm.LLM(..., logits_processors=[TEXT_ONLY_BRIDGE])``.
-
-What the bridge cannot honour is refused when a request is added (``validate_params``: vLLM's per-request check,
-an HTTP 400 under ``vllm serve``): ``n > 1`` (the copies would share one key, so one decode-state slot),
-structured outputs and ``allowed_token_ids`` (they mask the forced ``<|audio|>`` / EOS token: the text tokens
-became garbage and the request never stopped at its stream's end). A key already live in the batch is given a
-unique suffix (warned): two live requests on one key shared one slot and corrupted each other's codes.
+(``apply``) before sampling, which the bridge turns into the runner's calls. The text token is vLLM's own sample
+of logits where only the forced token is finite. A removal may be a finish or a preemption (vLLM does not say):
+the slot's state is kept (the last 256) and a request that comes back with generated tokens resumes from it.
+Requests are keyed by the ``extra_args`` of ``request_args``; ``request_rows`` reads their rows. Use:
+``vllm.LLM(..., logits_processors=[TEXT_ONLY_BRIDGE])``.
 """
 
 from __future__ import annotations
@@ -22,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from dataclasses import dataclass
 
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
@@ -49,7 +40,7 @@ def request_args(key: str, prompt=None) -> dict:
     return args
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Row:
     key: str
     temperature: float
@@ -65,14 +56,14 @@ class TextOnlyBridge(LogitsProcessor):
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         self.vllm_config = vllm_config
-        self.device = device
         self.rows: dict[int, _Row] = {}  # batch index -> request
         self.batch_size = 0
         self.armed = False
 
     @classmethod
     def validate_params(cls, sampling_params) -> None:
-        """vLLM's per-request check (when a request is added): ValueError naming what the bridge cannot honour."""
+        """vLLM's per-request check (when a request is added; an HTTP 400 under ``vllm serve``): ValueError naming
+        what the bridge cannot honour. Masks on the forced token left garbage text and a request that never ended."""
         problems = []
         if (sampling_params.n or 1) > 1:
             problems.append(

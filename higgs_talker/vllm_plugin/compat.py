@@ -27,15 +27,6 @@ def warn_once(key: str, message: str, *args: Any) -> None:
         logger.warning(message, *args)
 
 
-def log_through_vllm() -> None:
-    """Our log lines (the graph decision, warnings) in vLLM's log: the package logger takes the handlers and level
-    of vLLM's, unless it or the root logger has handlers (an application that set up its own logging)."""
-    ours, host = logging.getLogger("higgs_talker"), logging.getLogger("vllm")
-    if host.handlers and not ours.handlers and not logging.getLogger().handlers:
-        ours.handlers, ours.propagate = list(host.handlers), False
-        ours.setLevel(host.getEffectiveLevel())
-
-
 def version_tuple(text: str) -> tuple[int, int]:
     """'0.26.0', '0.30.0+cpu', '0.27.1rc2' -> (major, minor)."""
     major, minor = text.split("+")[0].split(".")[:2]
@@ -57,10 +48,6 @@ def check_supported() -> None:
         if not supported:
             warn_once(f"version-{name}", "%s %s is outside the versions this plugin supports (%d.%d - %d.%d)",
                       name, text, *SUPPORTED[0], *SUPPORTED[1])  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------------------
-# the forward context
 
 
 def forward_context() -> Any:
@@ -85,8 +72,7 @@ def runner_infos(kwargs: dict) -> list | None:
 
 def step_query_start_loc(num_reqs: int, positions: Tensor) -> Tensor | None:
     """The step's token span per request, ``qsl [num_reqs + 1]`` int64 on the positions' device, or None: the
-    backend's ``query_start_loc``, else ``heads.spans.decodes_first_qsl`` over FlashInfer's counts and, where its
-    prefill path has them, the prefills' ``cum_seq_lens_q`` (FlashInfer's metadata has no ``query_start_loc``)."""
+    backend's ``query_start_loc``, else ``decodes_first_qsl`` over FlashInfer's counts and ``cum_seq_lens_q``."""
     meta = first_attn_metadata(forward_context())
     qsl = getattr(meta, "query_start_loc", None)
     if isinstance(qsl, Tensor) and qsl.shape[0] >= num_reqs + 1:
@@ -95,10 +81,6 @@ def step_query_start_loc(num_reqs: int, positions: Tensor) -> Tensor | None:
     counts = getattr(meta, "num_decodes", None), getattr(meta, "num_prefills", None)
     cum = getattr(getattr(meta, "prefill", None), "cum_seq_lens_q", None)
     return decodes_first_qsl(num_reqs, positions[:n_tokens], *counts, cum if isinstance(cum, Tensor) else None)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# config and samplers
 
 
 def capture_sizes(vllm_config: Any) -> list[int]:
@@ -135,10 +117,9 @@ def sampler_output(token_ids: Tensor):
 
 
 async def collective_rpc_every_engine(engine: Any, method: str, args: tuple = ()) -> list[list]:
-    """``method`` on every worker of every engine behind a ``vllm.v1.engine.async_llm.AsyncLLM``: one list of
-    worker answers per engine. ``AsyncLLM.collective_rpc`` asks only the first engine; under data parallelism
-    (independent engine processes for a dense model, 0.26 and 0.30 alike) each engine's client identity is in
-    ``engine_core.core_engines``, and the client's utility call takes the engine to ask."""
+    """``method`` on every worker of every engine behind an ``AsyncLLM``: one list of worker answers per engine.
+    ``AsyncLLM.collective_rpc`` asks only the first engine; under data parallelism (0.26 and 0.30 alike) each
+    engine's client identity is in ``engine_core.core_engines``, and the client's utility call takes the one to ask."""
     import asyncio
 
     client = engine.engine_core

@@ -13,10 +13,7 @@ PROFILES = {
 
 
 def deploy_config_path(name: str) -> Path:
-    """Path of a profile's YAML: ``high-throughput``, ``low-latency`` or ``default`` (underscores also accepted).
-
-    Raises ValueError for an unknown name and FileNotFoundError if the packaged file is missing.
-    """
+    """Path of a profile's YAML: ``high-throughput``, ``low-latency`` or ``default`` (underscores also accepted)."""
     key = str(name).strip().lower().replace("_", "-")
     if key not in PROFILES:
         raise ValueError(f"unknown deploy profile {name!r}; choose one of {', '.join(PROFILES)}")

@@ -2,9 +2,10 @@
 
 vLLM owns attention, KV cache, batching and its graphs; ``heads/`` owns everything audio (codebook embedding and
 head, decode-state slots, ``SpanStep``) and ``checkpoint.WeightRouter`` the weight names. The class implements
-vllm-omni's Stage-0 runner contract (SPEC 6: ``update_decode_step_metadata``, ``forward``, ``compute_logits``,
-``sample``, ``postprocess`` / ``make_omni_output`` with owned [1, C] ``codes.audio`` rows, ``on_requests_finished``);
-under plain vLLM ``bridge.TextOnlyBridge`` plays the runner, finding this instance with ``talker_for``.
+vllm-omni's Stage-0 runner contract (SPEC 6), in its order: per-step metadata (``update_decode_step_metadata``),
+``forward``, ``compute_logits``, ``sample``, publishing owned [1, C] ``codes.audio`` rows (``postprocess`` /
+``make_omni_output``), ``on_requests_finished``, weights; under plain vLLM ``bridge.TextOnlyBridge`` plays the
+runner, finding this instance with ``talker_for``.
 """
 
 from __future__ import annotations
@@ -103,11 +104,8 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
                                       forward_context=compat.forward_context)  # fmt: skip
         _TALKERS[getattr(vllm_config, "instance_id", "") or ""] = weakref.ref(self)
 
-    # ------------------------------------------------------------------ per-step metadata
-
     def prepare_runner_inputs(self, *, input_ids: Tensor, positions: Tensor, req_ids=None, **_: Any):
-        """vllm-omni's AR runner (0.26 and 0.30) names the step's requests here, before its forward; the inputs
-        go back unchanged."""
+        """vllm-omni's AR runner (0.26, 0.30) names the step's requests here, before its forward; inputs unchanged."""
         self._runner_req_ids = None if req_ids is None else list(req_ids)
         return input_ids, positions
 
@@ -124,9 +122,8 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         self._lay_out(SpanStep(list(req_ids)), input_ids, positions, omni_query_start_loc)
 
     def set_bridge_requests(self, req_ids, seeds, min_rows=None, references=None, resume=None) -> None:
-        """The text-only bridge's view of the batch, before a real step. The feedback buffers are written for a
-        pure decode step (token i = request i): a replayed FULL decode graph reads them without our forward;
-        an eager forward rewrites them for the step's real layout."""
+        """The text-only bridge's batch, before a real step. Its feedback is written for a pure decode step (token i =
+        request i), which a replayed FULL decode graph reads; an eager forward rewrites it for the real layout."""
         self.step = step = SpanStep(list(req_ids), references)
         slots, _ = self.slots.sync(step.req_ids, seeds, min_rows, resume)
         self.buffers.write_decode_feedback(self.slots, step.req_ids, slots)
@@ -140,11 +137,8 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         self.slots.release(finished_req_ids)
 
     def on_requests_removed(self, req_ids) -> None:
-        """The bridge's requests that left vLLM's batch: finished, or preempted (vLLM does not say which), so
-        their slots' state is kept for a resume."""
+        """The bridge's requests that left vLLM's batch, finished or preempted (vLLM does not say): kept to resume."""
         self.slots.release(req_ids, keep=True)
-
-    # ------------------------------------------------------------------ forward
 
     def embed_input_ids(self, input_ids: Tensor, **_: Any) -> Tensor:
         """Text embedding (placeholder ids < 0 embed as 0 and are replaced later)."""
@@ -178,13 +172,14 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
             hidden = self.model(None, positions, intermediate_tensors, inputs_embeds=embeds)
         return hidden
 
-    # ------------------------------------------------------------------ logits and sampling
-
     def compute_logits(self, hidden_states: Tensor, sampling_metadata: Any = None) -> Tensor | None:
         """hidden [B, H] -> text logits [B, V]; audio-mode rows keep only their forced token."""
-        if self.step is not None and not self.step.laid_out:
-            self._replayed_bridge_step(hidden_states.shape[0])
         step = self.step
+        if step is not None and not step.laid_out and hidden_states.shape[0] == step.num_reqs:
+            # the bridge armed a step but our forward did not run: vLLM replayed a FULL decode graph (one token per
+            # request, in batch order), whose captured copies refreshed the token buffers
+            self.stats["bridge_replayed_steps"] += 1
+            self._lay_out(step, *self.buffers.decode_layout(step.num_reqs))
         if step is None or not step.laid_out or self.specials is None or hidden_states.shape[0] != step.num_reqs:
             self.step = None  # left to vLLM's sampler (sample() says None); no later forward may use it
             return self.logits_processor(self.lm_head, hidden_states)
@@ -192,15 +187,6 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         logits, skipped = step.text_logits(self.slots, hidden_states, self.specials, head, self.cfg.text.vocab_size)
         self.stats["text_head_skipped" if skipped else "text_head_full"] += 1
         return logits
-
-    def _replayed_bridge_step(self, num_rows: int) -> None:
-        """The bridge armed a step but our forward did not run: vLLM replayed a FULL decode graph (one token per
-        request, in batch order), whose captured copies refreshed the token buffers."""
-        if num_rows != self.step.num_reqs:
-            self.step = None
-            return
-        self.stats["bridge_replayed_steps"] += 1
-        self._lay_out(self.step, *self.buffers.decode_layout(num_rows))
 
     def sample(self, logits: Tensor, sampling_metadata: Any):
         """The vllm-omni model sampler: forced text tokens and this step's codes (None: use vLLM's sampler)."""
@@ -226,8 +212,6 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         self.stats["sample_steps"] += 1
         self.step, self.sampled = None, step  # consumed: a dummy run before the next step's metadata sees none
         return step.sample(self.slots, self.modality_head, (temperature, top_k, top_p))
-
-    # ------------------------------------------------------------------ publishing codes.audio
 
     def postprocess(self, hidden_states: Tensor, multimodal_outputs: Any = None, **_: Any) -> dict:
         """vllm-omni, after sampling, per request it passes on: its owned row, named by its slice of the output."""
@@ -259,8 +243,6 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         """Every row [R, C] int32 a request produced (bridge: also the last 256 finished); None if unknown."""
         return self.slots.rows_for(req_id)
 
-    # ------------------------------------------------------------------ weights
-
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """Checkpoint-named tensors -> parameters through vLLM's weight loaders (packed q/k/v and gate/up, tensor
         parallel shards); the names and checks are ``checkpoint.WeightRouter``'s. Returns the names loaded."""
@@ -272,20 +254,12 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
             else:
                 loader(param, tensor, _QKV_SHARDS[target.shard] if ".qkv_proj." in target.param else target.shard)
         loaded = router.finish()
-        self.specials = _resolve_specials(self.vllm_config, self.cfg)
+        from ..prompt import TalkerTokenizer
+
+        mc = self.vllm_config.model_config
+        path = getattr(mc, "tokenizer", None) or mc.model
+        path = path if Path(str(path)).exists() else mc.model
+        self.specials = TalkerTokenizer.from_pretrained(path, self.cfg).specials
         self.local_mlp.capture(self.cfg.text.hidden_size, self.multimodal_embedding.weight)
         self.loaded_weight_names = frozenset(loaded)
         return loaded
-
-
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _resolve_specials(vllm_config: VllmConfig, cfg: TalkerConfig) -> SpecialTokens:
-    from ..prompt import TalkerTokenizer
-
-    mc = vllm_config.model_config
-    path = getattr(mc, "tokenizer", None) or mc.model
-    if not Path(str(path)).exists():
-        path = mc.model
-    return TalkerTokenizer.from_pretrained(path, cfg).specials
