@@ -120,7 +120,17 @@ def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512, llm_kwa
             }
         )
     reports = llm.collective_rpc("higgs_adapter_report")  # one per worker; rank 0's is reported
+    shut_down(llm)
     return {"results": results, "ranks": len(reports), **reports[0]}
+
+
+def shut_down(llm) -> None:
+    """Stop vLLM's engine processes now, giving them ``SERVE_TINY_SHUTDOWN_S`` (5 s by default) to end. Left to
+    interpreter exit, vLLM's client SIGKILLs the engine process and its workers 5 s after asking them to stop, and a
+    worker still tearing down then never runs its exit hooks (the step-timing probe's final write). With a longer
+    timeout, set ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` (the engine process's wait for its workers) below it."""
+    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":  # in-process engines end with the interpreter
+        llm.llm_engine.engine_core.shutdown(timeout=float(os.environ.get("SERVE_TINY_SHUTDOWN_S", "5")))
 
 
 if __name__ == "__main__":

@@ -28,10 +28,11 @@ capture runs); categories split them by batch size (1, 2-3, 4-7, ...).
 Output: ``$HIGGS_STEP_TIMING_DIR/steps_<pid>.json`` (atomically replaced) after the first real step, then when
 ``HIGGS_STEP_TIMING_EVERY`` (100) real steps and ``HIGGS_STEP_TIMING_FLUSH_S`` (2 s) have passed since the last
 write, and at exit (atexit and multiprocessing's finalizers; a process killed outright loses the steps since its
-last write, ``"final": false``; ``higgs_step_record`` keeps the steps and writes). vLLM kills an engine process
-still tearing down 5 s after its SIGTERM; the worker that runs the talker then ends on its own and writes its
-final summary later, possibly after the command that started vLLM has returned. ``summarize.py DIR`` prints the
-tables.
+last write, ``"final": false``; ``higgs_step_record`` keeps the steps and writes). Left to interpreter exit,
+vLLM's client SIGKILLs its engine process and the workers under it (the talker's) 5 s after asking them to stop:
+a worker slower to end loses its final write. To keep it, shut the engine down explicitly with a longer timeout
+(``llm.llm_engine.engine_core.shutdown(timeout=...)``) and raise ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` below it,
+as ``tests/vllm_plugin/serve_tiny.py`` does. ``summarize.py DIR`` prints the tables.
 
 Limits: the remainder is not broken down (runner, scheduler, process hops); a replayed graph's inside and the GPU's
 idle time inside an event span are not seen; an entry point that waits for the GPU (``sample`` copies the codes to
