@@ -1,8 +1,9 @@
 """Kernels built ahead of time: ``warmup()`` builds every kernel a checkpoint needs, and reports where they live.
 
 On CUDA, FlashInfer JIT-compiles each kernel the first time it is used (paged prefill, native paged decode,
-XQA, RMSNorm, RoPE, SiLU-and-mul) and keeps the shared library in its cache directory; a fresh H200 spent 212 s
-before its first timed decode step (96 s of it inside graph warm-up). ``warmup`` does what a server's start
+XQA, RMSNorm, RoPE, SiLU-and-mul) and keeps the shared library in its cache directory; on the H200 (4B shape) a
+warm-up into an empty cache took 215 s, a start on the cache it filled 21.8 s
+(benchmarks/results/coldstart_20261201-143503.json). ``warmup`` does what a server's start
 does (load the talker, which measures the decode kernels and captures the CUDA graphs), then runs one short
 generation (a prefill and a few decode steps), so every kernel the engine launches for that checkpoint's shapes
 and dtype is built once. Later processes that see the same cache directory load the libraries from disk.

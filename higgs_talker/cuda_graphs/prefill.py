@@ -2,7 +2,8 @@
 delay masks, sampling, state update) captured as one CUDA graph per bucket.
 
 A prefill runs once per request, but eagerly its ~10 launches a layer cost the host several times what the GPU needs
-for a short prompt (H200, 4B: a 32-token prefill took 24 ms on the host for 3.3 ms of kernels), and it comes before
+for a short prompt (H200, 4B: a 32-token prefill took 18.8 ms on the host for 3.2 ms of kernels; replayed 4.5 ms:
+benchmarks/results/h200_20261202/profile_prefill_20261202-0018.log), and it comes before
 the first frame. The padding rule is ``StepBatch.padded_prefill``: a bucket has a fixed token count and a fixed
 request count (as many as it could hold, plus the padding request). The token embedding runs eagerly before the
 replay (how many audio rows a prompt has varies) into the graph's static ``embeds``; the integer inputs are views of
