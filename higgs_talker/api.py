@@ -298,6 +298,7 @@ class HiggsTalker:
         reference: Reference | None = None,
         max_frames: int | None = None,
         split: bool | int = False,
+        cancel: threading.Event | None = None,
     ) -> Iterator[Tensor]:
         """Yield aligned frames [C] int64 as soon as each is final; together they equal ``generate().codes``.
 
@@ -306,15 +307,22 @@ class HiggsTalker:
         ``generate``: the parts' frames follow each other; the next part is queued when one starts, so it is
         generated alongside and its frames are ready when the previous part ends. ``text`` may be a
         ``PreparedText`` (``prepare``), given alone: it carries its sampling, voice, parts and prompts.
+        ``cancel``: an event another thread may set (a client that left); it is checked before each frame and
+        after every engine step, so a request still queued behind others is freed too (it makes no frame), and
+        once it is set the requests are cancelled and freed and ``GenerationCancelled`` is raised.
         """
+        _check_cancel_event(cancel)
         parts = self._prepared(text, sampling, reference, max_frames, split).parts  # all checked before any is queued
         live: list[_Live] = []
         interrupted = True  # until the stream ends on its own: closed early, an error, Ctrl-C
+        sent = 0  # frames yielded, over the parts
         try:
             for k in range(len(parts)):
                 for j in range(len(live), min(k + 2, len(parts))):  # this part and the one after it
                     live.append(self._submit(parts[j].prompt, parts[j].sampling))
-                yield from self._frames(live[k])
+                for frame in self._frames(live[k], cancel, sent):
+                    yield frame
+                    sent += 1
                 self._forget([live[k].rid], live[k].ticket)
             interrupted = False
         finally:
@@ -327,19 +335,22 @@ class HiggsTalker:
         self._driver.wait_for(lv.ticket)
         return lv
 
-    def _frames(self, lv: _Live) -> Iterator[Tensor]:
-        """The aligned frames of one submitted request as they become final (see ``stream``)."""
+    def _frames(self, lv: _Live, cancel: threading.Event | None = None, sent: int = 0) -> Iterator[Tensor]:
+        """The aligned frames of one submitted request as they become final (see ``stream``); ``sent``: frames the
+        stream yielded before this request's (for the cancel message)."""
         req, ticket = lv.req, lv.ticket
-        ticket.per_step = True  # the driver wakes this caller after every step from now on
+        ticket.per_step = True  # the driver wakes this caller after every step from now on, queued or not
         n, emitted = self.cfg.num_codebooks, 0
         while True:
             done = ticket.done  # read before the rows: every row of a done request is published by then
             while len(req.rows) >= emitted + n + 1:
+                _raise_if_cancelled(cancel, sent + emitted)
                 yield self._frame(req, emitted)
                 emitted += 1
             if done:
                 break
             ticket.wait()
+            _raise_if_cancelled(cancel, sent + emitted)
         _raise_if_failed(req)
         final = codec_frames(torch.stack(req.rows).long(), self.cfg.num_real_codes) if req.rows else None
         while final is not None and emitted < final.shape[0]:  # only the single-frame case is left here
@@ -388,17 +399,15 @@ class HiggsTalker:
 
         Closing the iterator early cancels the request (and a part queued ahead) and frees its decode slot and KV
         blocks before ``close()`` returns. ``cancel``, an event another thread may set (a client that left), does
-        the same from outside: it is checked before each frame is decoded (frames come one engine step apart), and
-        once it is set the requests are cancelled and freed and ``GenerationCancelled`` is raised.
+        the same from outside, as for ``stream``: checked before each frame is decoded and after every engine step
+        (a request queued behind others makes no frame), and once it is set the requests are cancelled and freed and
+        ``GenerationCancelled`` is raised.
         """
-        if cancel is not None and not callable(getattr(cancel, "is_set", None)):
-            raise TypeError(f"cancel must be a threading.Event (or None), got {type(cancel).__name__}: {cancel!r:.80}")
+        _check_cancel_event(cancel)
         decoder = self.codec.stream(chunking)  # a bad chunking fails here, before anything is queued
-        frames = self.stream(text, sampling, reference, max_frames, split=split)
+        frames = self.stream(text, sampling, reference, max_frames, split=split, cancel=cancel)
         try:
-            for n, frame in enumerate(frames):
-                if cancel is not None and cancel.is_set():
-                    raise GenerationCancelled(f"cancelled after {n} frames")
+            for frame in frames:
                 chunk = decoder.push(frame)
                 if chunk is not None:
                     yield chunk.cpu()
@@ -552,6 +561,16 @@ class _Live:
     rid: str
     req: Request
     ticket: Ticket
+
+
+def _check_cancel_event(cancel) -> None:
+    if cancel is not None and not callable(getattr(cancel, "is_set", None)):
+        raise TypeError(f"cancel must be a threading.Event (or None), got {type(cancel).__name__}: {cancel!r:.80}")
+
+
+def _raise_if_cancelled(cancel: threading.Event | None, frames: int) -> None:
+    if cancel is not None and cancel.is_set():
+        raise GenerationCancelled(f"cancelled after {frames} frames")
 
 
 def _raise_if_failed(req: Request) -> None:

@@ -187,6 +187,42 @@ def test_stream_audio_closed_or_cancelled_frees_its_requests_at_once(talker: Hig
     assert torch.equal(with_event, torch.cat(list(talker.stream_audio("Hello there.", short))))
 
 
+@pytest.mark.parametrize("audio", [False, True], ids=["stream", "stream_audio"])
+def test_a_cancelled_request_still_queued_behind_others_is_freed_at_once(tiny_dir, audio: bool) -> None:
+    """Every decode slot taken: the cancelled request waits in the queue and makes no frame, yet it is dropped at
+    the next engine step (a server's client that gave up costs no slot and no prefill later); the running one goes
+    on to the same codes as alone."""
+    talker = remember_idle(HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=1, max_model_len=1024))
+    greedy = SamplingParams(seed=3, temperature=0.0, min_frames=60, max_frames=60)
+    alone = torch.stack(list(talker.stream("Hold the only slot.", greedy)))
+    holder = talker.stream("Hold the only slot.", greedy)
+    held = [next(holder)]  # running: the one slot is taken
+    cancel, errors = threading.Event(), []
+
+    def queued() -> None:
+        frames = (talker.stream_audio if audio else talker.stream)("Wait in line.", greedy, cancel=cancel)
+        try:
+            next(frames)
+        except GenerationCancelled as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=queued)
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while len(talker.engine.scheduler.waiting) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(talker.engine.scheduler.waiting) == 1, "the second request should wait for the slot"
+    cancel.set()
+    held.append(next(holder))  # one more engine step
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and len(errors) == 1 and "cancelled after 0 frames" in str(errors[0])
+    assert not talker.engine.scheduler.waiting and len(talker.engine.requests) == 1  # only the holder is left
+    held.extend(holder)
+    assert torch.equal(torch.stack(held), alone)
+    wait_for_the_step_in_flight(talker)
+    assert_idle(talker)
+
+
 @pytest.mark.parametrize("bad", [0, -3, 1.5, "yes"])
 def test_split_refuses_bad_values(talker: HiggsTalker, bad) -> None:
     with pytest.raises(ValueError, match="split must be"):
