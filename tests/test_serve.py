@@ -126,7 +126,9 @@ def wav_data(body: bytes) -> bytes:
 def check_error(response: httpx.Response, status: int, param: str | None) -> dict:
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    assert set(error) == {"message", "type", "param", "code"}
+    # OpenAI's code: a string naming the error, or null; never the status (a number breaks typed clients)
+    assert error["code"] is None or isinstance(error["code"], str), error
     assert error["param"] == param, error
     assert error["message"]
     return error
@@ -455,6 +457,18 @@ def test_bad_requests_get_a_json_error_naming_the_field(served, body, status, pa
     check_error(speech(served[1], **body), status, param)
 
 
+def test_error_codes_are_openais_strings(client) -> None:
+    """OpenAI's ``error.code`` is a string naming the error, or null; the HTTP status is the response's. A number
+    there breaks typed clients: OpenAI's Java SDK raises on reading it, so the server's message was lost."""
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.audio.speech.create(model="tts-1", voice="default", input="Hi.")
+    assert exc.value.body["code"] == "model_not_found" and exc.value.param == "model"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.audio.speech.create(model="tiny", voice="alloy", input="Hi.")
+    assert exc.value.body["code"] is None and exc.value.param == "voice"
+    assert exc.value.type == "invalid_request_error"
+
+
 def test_null_is_the_default_and_an_integer_is_a_number(served) -> None:
     """``null`` for a field is its default (as vllm-omni types them: optional), and ``"speed": 1`` is 1.0."""
     _, url = served
@@ -558,7 +572,7 @@ def test_a_request_past_its_timeout_is_cancelled(served) -> None:
         with httpx.stream("POST", url + "/v1/audio/speech", json=body | {"stream_format": "sse"}) as response:
             if response.status_code == 200:  # the first event came within the time: it ends with an error event
                 events = [json.loads(x[6:]) for x in response.iter_lines() if x.startswith("data: ")]
-                assert events[-1]["type"] == "error" and events[-1]["error"]["code"] == 408
+                assert events[-1]["type"] == "error" and events[-1]["error"]["type"] == "timeout_error"
             else:  # a slow machine: the time ran out before the first byte
                 response.read()
                 check_error(response, 408, "timeout")

@@ -2,7 +2,8 @@
 
 ``SpeechRequest`` takes OpenAI's ``/v1/audio/speech`` fields and the ones vllm-omni's Higgs endpoint adds
 (``ref_audio``, ``ref_text``, ``max_new_tokens``, ``seed``, sampling, ``stream``), and refuses any other field
-by name. Every error is ``ErrorResponse``: ``{"error": {"message", "type", "param", "code"}}``.
+by name. Every error is ``ErrorResponse``: ``{"error": {"message", "type", "param", "code"}}``, ``code`` a string
+or null as OpenAI's (the status is the response's).
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ class ErrorInfo(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: int
+    # OpenAI's: a string naming the error, or null; not the HTTP status (vLLM's int breaks typed clients, such as
+    # OpenAI's Java SDK, which raises on reading a number there and so loses the message)
+    code: str | None = None
 
 
 class ErrorResponse(BaseModel):
@@ -128,15 +131,18 @@ class ModelList(BaseModel):
 
 
 class APIError(Exception):
-    """A request the server refuses: ``status`` with ``ErrorResponse`` naming ``param`` (the field at fault)."""
+    """A request the server refuses: ``status`` with ``ErrorResponse`` naming ``param`` (the field at fault) and,
+    where OpenAI has one, its ``code``."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, type: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> ErrorResponse:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.status))
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
 
 
 _ERROR_TYPES = {404: "not_found_error", 408: "timeout_error", 409: "conflict_error", 413: "request_too_large"}

@@ -159,7 +159,10 @@ class SpeechServing:
         cfg = self.config
         if req.model is not None and req.model != cfg.model_name:
             raise APIError(
-                404, f"model {req.model!r} is not served here; this server serves {cfg.model_name!r}", "model"
+                404,
+                f"model {req.model!r} is not served here; this server serves {cfg.model_name!r}",
+                "model",
+                code="model_not_found",  # OpenAI's code for it
             )
         if len(req.input) > cfg.max_input_chars:
             raise APIError(
