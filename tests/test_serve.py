@@ -420,6 +420,7 @@ BAD = [
     ({"input": "Hi.", "voice": "alloy"}, 400, "voice"),
     ({"input": "Hi.", "voice": 5}, 400, "voice"),  # not "voice.str", a member of the union
     ({"input": "Hi.", "voice": {"name": "x"}}, 400, "voice"),
+    ({"input": "Hi.", "voice": {"id": "default", "name": "x"}}, 400, "voice"),  # was param "voice.str"
     ({"input": "Hi.", "speed": 1.5}, 400, "speed"),
     ({"input": "Hi.", "instructions": "whisper"}, 400, "instructions"),
     ({"input": "Hi.", "response_format": "mp3"}, 400, "response_format"),

@@ -62,7 +62,9 @@ class SpeechRequest(BaseModel):
     @classmethod
     def _voice_shape(cls, value):
         """One error naming ``voice`` for any other shape (not one per member of the union, as ``voice.str``)."""
-        if value is None or isinstance(value, str) or (isinstance(value, dict) and isinstance(value.get("id"), str)):
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, dict) and value.keys() == {"id"} and isinstance(value["id"], str):  # no other key
             return value
         raise ValueError('voice must be a voice name or an object {"id": name}')
 
