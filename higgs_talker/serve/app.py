@@ -51,10 +51,11 @@ def build_app(serving: SpeechServing) -> FastAPI:
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = ".".join(loc) or "body"
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if param == "body" and kind and kind != "application/json" and not kind.endswith("+json"):
-            # FastAPI parses JSON only under a JSON type (or none): curl -d without -H sends a form type
-            return _error(APIError(400, f"the body must be JSON, sent as Content-Type: application/json (got {kind})",
-                                   "body"))  # fmt: skip
+        if param == "body" and kind != "application/json" and not kind.endswith("+json"):
+            # FastAPI parses JSON only under a JSON type: curl -d without -H sends a form type, and
+            # requests.post(data=...) none, which FastAPI >= 0.132 no longer reads as JSON (strict_content_type)
+            return _error(APIError(400, "the body must be JSON, sent as Content-Type: application/json "
+                                   f"({f'got {kind}' if kind else 'none was given'})", "body"))  # fmt: skip
         message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")  # a validator's own words
         return _error(APIError(400, f"{param}: {message}", param))
 
