@@ -172,6 +172,16 @@ def test_listings(served) -> None:
     assert voices["object"] == "list" and voices["data"][0]["name"] == "default"
 
 
+def test_the_openai_client_lists_and_retrieves_the_model(client) -> None:
+    """``client.models.retrieve`` is ``GET /v1/models/{id}``: the served model's card, 404 for another."""
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    card = client.models.retrieve("tiny")
+    assert card.id == "tiny" and card.object == "model" and card.owned_by == "higgs-talker"
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.models.retrieve("tts-1")
+    assert exc.value.body["code"] == "model_not_found" and exc.value.param == "model"
+
+
 def test_openai_client_gets_the_audio_of_the_api(served, solo, client) -> None:
     serving, _ = served
     text, params = "Hello from the openai client.", SamplingParams(**SERVED, seed=11, max_frames=40)

@@ -6,6 +6,7 @@ refusal, a body-size limit, and uvicorn with a shutdown that cancels the running
     POST   /v1/audio/voices        multipart: audio (a WAV file, 1-30 s), name, ref_text -> a voice
     DELETE /v1/audio/voices/{name}
     GET    /v1/models              the served model
+    GET    /v1/models/{model}      its card (404 for another name)
     GET    /health                 200 while the server takes requests
 """
 
@@ -24,7 +25,7 @@ from starlette.exceptions import HTTPException
 
 from .. import __version__
 from .encoding import MEDIA_TYPES
-from .protocol import APIError, ErrorResponse, ModelList, SpeechRequest, VoiceCard, VoiceList
+from .protocol import APIError, ErrorResponse, ModelCard, ModelList, SpeechRequest, VoiceCard, VoiceList
 from .serving import ClientGone, SpeechServing, StreamCut
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,10 @@ def build_app(serving: SpeechServing) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> ModelList:
         return serving.models()
+
+    @app.get("/v1/models/{model:path}")  # :path: a served name may hold a '/' (org/name)
+    async def model(model: str) -> ModelCard:
+        return serving.model(model)
 
     @app.get("/v1/audio/voices")
     async def list_voices() -> VoiceList:

@@ -119,6 +119,13 @@ class SpeechServing:
         )
         return ModelList(data=[card])
 
+    def model(self, name: str) -> ModelCard:
+        """The served model's card by its name (OpenAI's ``GET /v1/models/{model}``, ``client.models.retrieve``)."""
+        if name != self.config.model_name:
+            raise APIError(404, f"model {name!r} is not served here; this server serves {self.config.model_name!r}",
+                           "model", code="model_not_found")  # fmt: skip
+        return self.models().data[0]
+
     def voice_list(self) -> VoiceList:
         default = VoiceCard(name=DEFAULT_VOICE, frames=0, seconds=0.0, created_at=self.created)
         return VoiceList(data=[default, *(v.card(self.frame_rate) for v in self.voices.all())])
