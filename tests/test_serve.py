@@ -582,6 +582,33 @@ def test_a_failing_request_leaves_the_others_alone(served, solo, monkeypatch) ->
     wait_until_idle(serving)
 
 
+@pytest.mark.parametrize("mode", [{}, {"stream_format": "sse"}], ids=["audio", "sse"])
+def test_a_streamed_request_that_fails_before_its_first_byte_gets_a_status(served, monkeypatch, mode) -> None:
+    """Nothing is sent before the first audio, so a failure or a timeout before it is still a status code with the
+    JSON error, as for a whole file (it was a 200 and then a cut body, or an SSE error event)."""
+    serving, url = served
+    real_stream = serving.talker.stream
+
+    def stream(text, *args, **kwargs):
+        frames = real_stream(text, *args, **kwargs)
+
+        def failing():
+            with contextlib.closing(frames):
+                raise GenerationError("injected failure")
+            yield  # a generator, as stream's
+
+        return failing()
+
+    monkeypatch.setattr(serving.talker, "stream", stream)
+    body = {"input": "Fails at once.", "temperature": 0.0, "max_new_tokens": 20, **mode}
+    assert "injected failure" in check_error(speech(url, **body), 500, None)["message"]
+    monkeypatch.undo()
+    impatient = SpeechServing(serving.talker, ServeConfig(model_name="tiny", request_timeout_s=0.001))
+    with running(impatient) as impatient_url:  # no frame comes within 1 ms
+        check_error(speech(impatient_url, **body), 408, "timeout")
+    wait_until_idle(serving)
+
+
 def test_a_request_past_its_timeout_is_cancelled(served) -> None:
     serving, _ = served
     impatient = SpeechServing(serving.talker, ServeConfig(model_name="tiny", request_timeout_s=0.3))

@@ -280,6 +280,8 @@ class SpeechServing:
             if job.mode == "file":
                 return await _until_gone(self._whole(job, items), watch)
             first = await _until_gone(anext(items), watch)
+            if first[0] in ("error", "cancelled"):  # before the first byte: still a status code and a JSON error
+                raise _failure(job, *first)
         except BaseException:
             await items.aclose()
             raise
