@@ -582,6 +582,26 @@ def test_a_failing_request_leaves_the_others_alone(served, solo, monkeypatch) ->
     wait_until_idle(serving)
 
 
+def test_a_prompt_longer_than_max_model_len_is_a_400_before_anything_is_queued(tiny_dir, solo, tmp_path) -> None:
+    """The engine refuses a prompt that leaves no room within max_model_len when it is queued, in the worker: that
+    was a 500 (a 200 and a cut stream before that). The server checks it with the rest of the request: a 400 naming
+    the field at fault (input, or the reference that makes the prompt long), and no upload of a voice too long."""
+    small = SpeechServing(HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=1, max_model_len=128), CONFIG)
+    recording = solo.generate("Hello there, this is me.", SamplingParams(seed=3, temperature=0.0), max_frames=150)
+    wav = write_wav(tmp_path / "me.wav", recording.audio, 24000).read_bytes()
+    inline = "data:audio/wav;base64," + base64.b64encode(wav).decode()
+    with running(small) as url:
+        # 140 characters, one part: 143 prompt tokens; a 6 s reference: 150 frames
+        for body, param in [({"input": "Hi there my friend. " * 7}, "input"), ({"ref_audio": inline}, "ref_audio")]:
+            for mode in ({}, {"stream": False}, {"stream_format": "sse"}):
+                error = check_error(speech(url, **{"input": "Hi.", **body, **mode}), 400, param)
+                assert "max_model_len" in error["message"], error
+        upload = httpx.post(url + "/v1/audio/voices", files={"audio": ("me.wav", wav)}, data={"name": "me"})
+        assert "max_model_len" in check_error(upload, 400, "audio")["message"]
+        assert speech(url, input="Hi.", max_new_tokens=5).status_code == 200  # a prompt that fits
+    assert small.counts == {"finished": 1, "cancelled": 0, "failed": 0}
+
+
 @pytest.mark.parametrize("mode", [{}, {"stream_format": "sse"}], ids=["audio", "sse"])
 def test_a_streamed_request_that_fails_before_its_first_byte_gets_a_status(served, monkeypatch, mode) -> None:
     """Nothing is sent before the first audio, so a failure or a timeout before it is still a status code with the

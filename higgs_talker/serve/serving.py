@@ -143,7 +143,8 @@ class SpeechServing:
         codes = await asyncio.to_thread(self._encode, audio, "audio")
         # as vllm-omni's upload_voice keeps it: stripped, and a blank one is none (its serving_speech.py:873-875)
         reference = Reference(codes=codes, text=(ref_text or "").strip() or None)
-        await self._prepare("Hello.", reference)  # the reference text's checks (special tokens, length)
+        prepared = await self._prepare("Hello.", reference)  # the reference text's checks (special tokens, length)
+        self._check_fits(prepared, "audio")  # else every request with this voice would be refused
         return self.voices.add(name, codes, reference.text).card(self.frame_rate)
 
     def delete_voice(self, name: str) -> None:
@@ -197,6 +198,7 @@ class SpeechServing:
         reference = await self._reference(req)
         params = self._sampling(req)
         prepared = await self._prepare(req.input, reference, params)
+        self._check_fits(prepared, "input" if reference is None else "ref_audio" if req.ref_audio else "voice")
         # vllm-omni's rule where no stream_format is given: ``stream: true`` selects events, ``false`` the file
         sse = req.stream_format == "sse" or (req.stream is True and req.stream_format is None)
         mode = "sse" if sse else "file" if req.stream is False else "audio"
@@ -216,6 +218,16 @@ class SpeechServing:
             if param == "input" and message.startswith("text "):  # the API's name for what this request calls input
                 message = "input " + message.removeprefix("text ")
             raise APIError(400, message, param) from None
+
+    def _check_fits(self, prepared: PreparedText, param: str) -> None:
+        """A prompt that leaves no room for audio within max_model_len: the engine would refuse it when it is
+        queued, in the worker, after the response has been chosen; refused here with the other checks."""
+        longest, limit = max(len(p.prompt) for p in prepared.parts), self.talker.engine.max_model_len
+        if longest + 1 > limit:
+            what = "the prompt" if len(prepared.parts) == 1 else "the prompt of a part"
+            why = "with the reference's codes " if param != "input" else ""
+            raise APIError(400, f"{what} is {longest} tokens {why}and leaves no room for audio within this server's "
+                           f"max_model_len of {limit}", param)  # fmt: skip
 
     async def _reference(self, req: SpeechRequest) -> Reference | None:
         name = req.voice.id if req.voice is not None and not isinstance(req.voice, str) else req.voice
