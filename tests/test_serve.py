@@ -496,6 +496,9 @@ def test_bad_bodies(served) -> None:
     # not UTF-8 (JSON must be): FastAPI's own 400 "There was an error parsing the body" had param null
     latin1 = httpx.post(url + "/v1/audio/speech", content='{"input": "Café."}'.encode("latin-1"), headers=headers)
     assert "not valid JSON" in check_error(latin1, 400, "body")["message"]
+    deep = b'{"input": "Hi.", "extra_params": {"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}"  # json.loads recursion
+    assert "nests too deeply" in check_error(httpx.post(url + "/v1/audio/speech", content=deep, headers=headers), 400,
+                                             "body")["message"]  # fmt: skip
     big = json.dumps({"input": "Hi.", "ref_text": "x" * (1 << 20)}).encode()
     check_error(httpx.post(url + "/v1/audio/speech", content=big, headers=headers), 413, "body")
 

@@ -66,8 +66,11 @@ def build_app(serving: SpeechServing) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing"
-            return _error(APIError(400, f"the body is not valid JSON: it is not UTF-8 text ({exc.__cause__})", "body"))
+        cause = exc.__cause__  # FastAPI's 400 "There was an error parsing the body" says neither what nor where
+        if exc.status_code == 400 and isinstance(cause, UnicodeDecodeError):
+            return _error(APIError(400, f"the body is not valid JSON: it is not UTF-8 text ({cause})", "body"))
+        if exc.status_code == 400 and isinstance(cause, RecursionError):
+            return _error(APIError(400, "the body is not valid JSON here: it nests too deeply", "body"))
         return _error(APIError(exc.status_code, str(exc.detail)))
 
     @app.get("/health")
