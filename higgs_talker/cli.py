@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import signal
 import sys
 import tempfile
@@ -406,17 +407,41 @@ def _run(argv: list[str] | None) -> int:
 
 def _interrupt_once():
     """Make the first Ctrl-C raise KeyboardInterrupt and ignore any later one, so the clean-up it starts
-    (cancel, wait for the engine's step, remove a half-written file) is not cut short. Returns the undo."""
+    (cancel, wait for the engine's step, remove a half-written file) is not cut short. Returns the undo.
+
+    A Ctrl-C during an import is raised once the import is over: raised inside one, it can be swallowed by the C
+    code running it (torch's numpy probe), so the command ran on to the end, or leave a module half-initialised,
+    so it failed later with an unrelated traceback. The signal is sent again every 50 ms until then."""
     previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
     if previous in (None, signal.SIG_IGN):  # not the main thread (no signals there), or Ctrl-C is ignored
         return lambda: None
+    retry: list[threading.Timer] = []
 
     def interrupt(signum, frame):
+        if _importing(frame):
+            retry[:] = [threading.Timer(0.05, os.kill, (os.getpid(), signum))]
+            retry[0].daemon = True
+            retry[0].start()
+            return
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt
 
+    def restore():
+        for timer in retry:
+            timer.cancel()
+        signal.signal(signal.SIGINT, previous)
+
     signal.signal(signal.SIGINT, interrupt)
-    return lambda: signal.signal(signal.SIGINT, previous)
+    return restore
+
+
+def _importing(frame) -> bool:
+    """Whether ``frame`` runs inside an import (the import machinery is somewhere below it)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _is_out_of_memory(exc: RuntimeError) -> bool:

@@ -87,6 +87,24 @@ CHILD = textwrap.dedent(
         wrap(higgs_talker.codec.codec.Codec, "decode", before=hold("codec", 5))
     if stage == "write":  # the WAV is complete under its temporary name, not yet renamed
         wrap(higgs_talker.results, "write_wav", after=hold("write", 5))
+    if stage == "import":  # an import whose body swallows what is raised in it, as torch's C++ numpy probe does
+        import importlib, importlib.abc, importlib.util
+
+        class Swallowing(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+            def find_spec(self, name, path, target=None):
+                return importlib.util.spec_from_loader(name, self) if name == "swallowing" else None
+
+            def create_module(self, spec):
+                return None
+
+            def exec_module(self, module):
+                try:
+                    hold("import", 2)()
+                except BaseException:
+                    pass
+
+        sys.meta_path.insert(0, Swallowing())
+        wrap(higgs_talker.checkpoint, "load_into", before=lambda: importlib.import_module("swallowing"))
     if sys.argv[3] == "api":  # the Python API in a script: an uncaught KeyboardInterrupt ends it
         from higgs_talker import HiggsTalker, SamplingParams
         talker = HiggsTalker.from_pretrained(sys.argv[1])
@@ -141,6 +159,15 @@ def test_ctrl_c_exits_130_with_one_line_and_no_file(tiny_dir: Path, tmp_path: Pa
     assert "terminate called" not in err and "Traceback" not in err, err
     assert (rc, err) == (130, "higgs-talker: interrupted\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither x.wav nor its temporary file
+
+
+def test_ctrl_c_inside_an_import_is_not_lost(tiny_dir: Path, tmp_path: Path) -> None:
+    """A KeyboardInterrupt raised inside an import can be swallowed by the C code running it (torch's numpy probe)
+    or leave a module half-initialised: Ctrl-C early in a run was lost (the command ran to the end, exit 0) or
+    ended in an unrelated traceback ("cannot load module more than once per process"). It waits for the import."""
+    rc, err = interrupt_at("import", tiny_dir, tmp_path, frames=60)
+    assert (rc, err) == (130, "higgs-talker: interrupted\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_a_second_ctrl_c_does_not_cut_the_clean_up_short(tiny_dir: Path, tmp_path: Path) -> None:
