@@ -136,13 +136,14 @@ class GenerationResult:
                 write_wav(tmp, self.audio, self.sample_rate)
             elif kind == ".npy":
                 np.save(tmp, self.codes.numpy())
-            else:
-                from safetensors.torch import save_file
+            else:  # serialized here: save_file writes a temporary file of its own, mode 0600 whatever the umask
+                from safetensors.torch import save
 
-                save_file(
-                    {"codes": self.codes.contiguous(), "rows": self.rows.contiguous()},
-                    str(tmp),
-                    metadata={"text": self.text, "frame_rate": str(self.frame_rate), "seed": str(self.seed)},
+                tmp.write_bytes(
+                    save(
+                        {"codes": self.codes.contiguous(), "rows": self.rows.contiguous()},
+                        metadata={"text": self.text, "frame_rate": str(self.frame_rate), "seed": str(self.seed)},
+                    )
                 )
         return path
 

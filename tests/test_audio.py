@@ -205,6 +205,17 @@ def test_save_replaces_the_file_whole_or_not_at_all(talker: HiggsTalker, tmp_pat
     assert link.is_symlink() and np.array_equal(np.load(path), r.codes.numpy())
 
 
+@pytest.mark.parametrize("name", ["new.wav", "new.npy", "new.safetensors"])
+def test_save_gives_a_new_file_the_umask_permissions(talker: HiggsTalker, tmp_path: Path, name: str) -> None:
+    """safetensors' save_file writes its own temporary file (mode 0600) and renames it: a .safetensors result was
+    readable by its owner only, where .wav and .npy follow the umask."""
+    r = talker.generate("Hello there.", PARAMS)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert (r.save(tmp_path / name).stat().st_mode & 0o777) == 0o666 & ~umask
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+
+
 def test_talker_without_codec(tiny_dir: Path, tmp_path: Path) -> None:
     t = HiggsTalker.from_pretrained(tiny_dir, codec=False, **SMALL)
     r = t.generate("Hello there.", PARAMS)
