@@ -136,7 +136,8 @@ class TalkerTokenizer:
         return cls(tok, resolve_special_tokens(tok, cfg), cfg.text.max_position_embeddings)
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        # verbose=False: past model_max_length transformers warns of "indexing errors"; _finish refuses such prompts
+        return self.tokenizer.encode(text, add_special_tokens=False, verbose=False)
 
     def build(
         self,

@@ -287,6 +287,16 @@ def test_reference_of_the_wrong_shape_after_load(capsys, gen, tmp_path: Path) ->
     assert_one_line_error(rc, err, "[10, 7]")
 
 
+def test_text_too_long_for_the_model_is_one_line(tiny_dir: Path) -> None:
+    """transformers' tokenizer first warned, on a line of its own, that the sequence 'will result in indexing
+    errors' (it does not: the prompt's own check refuses it). In a child process: where transformers' log
+    handler writes depends on what imported it first."""
+    argv = ["generate", "a" * 5000, "--model", str(tiny_dir), "--no-progress"]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-m", "higgs_talker.cli", *argv], capture_output=True, text=True, env=env)
+    assert_one_line_error(done.returncode, done.stderr, "prompt is 5003 tokens", "maximum length is 4096")
+
+
 # ----------------------------------------------------------------------------------------- model and device
 
 
