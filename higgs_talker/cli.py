@@ -187,6 +187,12 @@ def _check_out(path: Path, flag: str = "--out", formats: tuple[str, ...] = OUT_F
     return path
 
 
+def _shown(path: Path) -> str:
+    """``path`` as any UTF-8 stdout can print it: bytes of a name that are not UTF-8 show as \\xNN (printed as they
+    are, the surrogates Python decodes them to made a strict stdout raise after the file was written)."""
+    return str(path).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def _check_wav_dir(path: Path) -> None:
     """``demo --wav-dir``: made if missing and tried for writing, before anything is generated."""
     if path.exists() and not path.is_dir():
@@ -279,7 +285,7 @@ def _generate(args) -> int:
         progress.close()
     if args.out is not None:
         result.save(args.out)
-        print(f"wrote {args.out}")
+        print(f"wrote {_shown(args.out)}")
     print(result.summary())
     if args.out is None:
         print(f"nothing written: --out FILE ({', '.join(OUT_FORMATS)}) keeps the audio or the codes")
@@ -341,11 +347,11 @@ def _demo(args) -> int:
     for r in results:
         print(f"[{r.request_id}] {r.text!r}: {r.summary()}")
     results[0].save(args.out)
-    print(f"wrote {args.out} ({results[0].num_frames} frames x {results[0].codes.shape[1]} codebooks)")
+    print(f"wrote {_shown(args.out)} ({results[0].num_frames} frames x {results[0].codes.shape[1]} codebooks)")
     if results[0].audio is not None:
         for i, r in enumerate(results):
             path = r.save(args.wav_dir / f"higgs_demo_{i}.wav")
-            print(f"wrote {path} ({r.audio_seconds:.2f} s at {r.sample_rate} Hz)")
+            print(f"wrote {_shown(path)} ({r.audio_seconds:.2f} s at {r.sample_rate} Hz)")
     return 0
 
 

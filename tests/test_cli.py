@@ -414,6 +414,16 @@ def test_a_good_run_writes_and_summarises(capsys, gen, tmp_path: Path) -> None:
     assert err == ""
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="file names that are not UTF-8")
+def test_an_out_name_that_is_not_utf8_is_written_and_shown(capsys, gen, tmp_path: Path) -> None:
+    """--out $'\\xfd.npy' (a Latin-1 name) was written, and then printing 'wrote ...' to a strict UTF-8 stdout
+    raised: the CLI said 'error: ... surrogates not allowed' and exit status 2 after writing the file."""
+    out = tmp_path / os.fsdecode(b"\xfd.npy")
+    rc, stdout, err = run(capsys, *gen, "--max-frames", "6", "--out", str(out))
+    assert (rc, err) == (0, "") and out.is_file()
+    assert f"wrote {tmp_path}/\\xfd.npy" in stdout
+
+
 def test_allocator_refusal_is_one_line(capsys, gen, monkeypatch) -> None:
     """A KV cache the machine cannot hold (the engine sizes it from max_position_embeddings on CPU) ends in the
     CPU allocator's RuntimeError; the CLI reports it as one line."""
