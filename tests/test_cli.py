@@ -152,6 +152,21 @@ def test_serve_without_the_serve_extra_names_the_missing_package(capsys, monkeyp
     assert_one_line_error(rc, err, f"({package} is missing)", "pip install -e '.[serve]'")
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [(["--request-timeout", "0"], "--request-timeout must be > 0, got 0.0"),
+     (["--max-new-tokens", "99999999999"], "--max-new-tokens must be at most 2147483647"),
+     (["--max-voices", "0"], "--max-voices must be an integer >= 1, got 0"),
+     (["--top-p", "2"], "--top-p must lie in (0, 1], got 2.0")],
+)  # fmt: skip
+def test_serve_refuses_a_bad_limit_by_its_flag_before_loading(capsys, monkeypatch, flags, message) -> None:
+    """The server's limits are checked before the model loads and named by their flags (a --max-new-tokens no
+    request could be given used to start, then blame every request's max_new_tokens, which the client never sent)."""
+    monkeypatch.setattr("higgs_talker.api.HiggsTalker.from_pretrained", lambda *a, **k: pytest.fail("loaded"))
+    rc, _, err = run(capsys, "serve", "--port", "0", *flags)
+    assert_one_line_error(rc, err, message)
+
+
 def test_huge_max_seconds_names_the_flag(capsys, gen) -> None:
     rc, _, err = run(capsys, *gen, "--max-seconds", "1e12")
     assert_one_line_error(rc, err, "--max-seconds 1e+12", "max_frames must be at most 2147483647")

@@ -405,6 +405,7 @@ def test_a_voice_uploaded_then_used(served, solo, client, tmp_path) -> None:
     assert speech(url, input=text, voice="Default", seed=4, max_new_tokens=40, response_format="pcm").content == own
     assert httpx.delete(url + "/v1/audio/voices/me").status_code == 200
     check_error(httpx.delete(url + "/v1/audio/voices/me"), 404, "name")
+    assert "built-in" in check_error(httpx.delete(url + "/v1/audio/voices/Default"), 400, "name")["message"]
     check_error(speech(url, input=text, voice="me"), 400, "voice")
 
 

@@ -80,25 +80,17 @@ def run(args: argparse.Namespace) -> int:
 
     from ..api import HiggsTalker
     from .app import make_server
-    from .serving import ServeConfig, SpeechServing
+    from .serving import SpeechServing
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must lie in [0, 65535], got {args.port}")
     if not (math.isfinite(args.max_body_mb) and args.max_body_mb > 0):
         raise ValueError(f"--max-body-mb must be a number > 0, got {args.max_body_mb}")
-    config = ServeConfig(
-        model_name=args.served_model_name or (Path(args.model).name if args.model != "tiny" else "tiny"),
-        max_input_chars=args.max_input_chars,
-        max_body_bytes=int(args.max_body_mb * 2**20),
-        request_timeout_s=args.request_timeout,
-        max_new_tokens=args.max_new_tokens,
-        part_chars=args.part_chars,
-        chunking=args.chunking,
-        max_voices=args.max_voices,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-    )
+    try:
+        config = _config(args)
+    except ValueError as exc:  # named by its flag, not by ServeConfig's field
+        field, _, rest = str(exc).partition(" ")
+        raise ValueError(f"{FLAGS.get(field, field)} {rest}") from None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     options = {"max_num_seqs": args.max_num_seqs, "prefix_caching": args.prefix_caching}
     if args.max_model_len is not None:
@@ -122,3 +114,29 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
     print("higgs-talker: server stopped", flush=True)
     return 0
+
+
+# ServeConfig's fields -> the flags that set them (its errors name the field first)
+FLAGS = {"model_name": "--served-model-name", "max_input_chars": "--max-input-chars", "max_body_bytes": "--max-body-mb",
+         "request_timeout_s": "--request-timeout", "max_new_tokens": "--max-new-tokens", "part_chars": "--part-chars",
+         "chunking": "--chunking", "max_voices": "--max-voices", "temperature": "--temperature", "top_p": "--top-p",
+         "top_k": "--top-k"}  # fmt: skip
+
+
+def _config(args: argparse.Namespace):
+    """The ``ServeConfig`` of the flags (ValueError naming a field whose value it refuses)."""
+    from .serving import ServeConfig
+
+    return ServeConfig(
+        model_name=args.served_model_name or (Path(args.model).name if args.model != "tiny" else "tiny"),
+        max_input_chars=args.max_input_chars,
+        max_body_bytes=int(args.max_body_mb * 2**20),
+        request_timeout_s=args.request_timeout,
+        max_new_tokens=args.max_new_tokens,
+        part_chars=args.part_chars,
+        chunking=args.chunking,
+        max_voices=args.max_voices,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+    )

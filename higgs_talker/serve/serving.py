@@ -83,6 +83,10 @@ class ServeConfig:
         if not self.model_name:
             raise ValueError("model_name must not be empty")
         SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)  # ValueError naming it
+        try:  # the cap of every request's frames: one a request could not be given is refused at start
+            SamplingParams(max_frames=self.max_new_tokens)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("max_frames", "max_new_tokens", 1)) from None
 
 
 @dataclass(frozen=True)
@@ -148,6 +152,9 @@ class SpeechServing:
         return self.voices.add(name, codes, reference.text).card(self.frame_rate)
 
     def delete_voice(self, name: str) -> None:
+        if name.lower() == DEFAULT_VOICE:
+            raise APIError(400, f"{name!r} is the built-in voice (no reference); only uploaded voices can be deleted",
+                           "name")  # fmt: skip
         if not self.voices.remove(name):
             raise APIError(404, f"no voice named {name!r}", "name")
 
