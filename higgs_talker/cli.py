@@ -248,18 +248,20 @@ def _load(args):
 
 
 class _Progress:
-    """A one-line progress bar on stderr (rows generated so far)."""
+    """A one-line progress bar on stderr: audio frames so far against ``total`` (``max_frames``). The talker
+    reports delayed rows; frame t is known once row t + C - 1 is (the delay pattern's ramp)."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled, self.start = total, enabled and sys.stderr.isatty(), time.perf_counter()
+    def __init__(self, total: int, num_codebooks: int, enabled: bool) -> None:
+        self.total, self.ramp = total, num_codebooks - 1
+        self.enabled, self.start = enabled and sys.stderr.isatty(), time.perf_counter()
 
     def __call__(self, rows: int) -> None:
         if not self.enabled:
             return
-        width = 30
-        filled = min(width, int(width * rows / max(self.total, 1)))
-        rate = rows / max(time.perf_counter() - self.start, 1e-9)
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {rows} rows, {rate:.0f} rows/s")
+        width, frames = 30, min(max(rows - self.ramp, 0), self.total)
+        filled = min(width, int(width * frames / max(self.total, 1)))
+        rate = frames / max(time.perf_counter() - self.start, 1e-9)
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {frames} frames, {rate:.0f} frames/s")
         sys.stderr.flush()
 
     def close(self) -> None:
@@ -278,7 +280,7 @@ def _generate(args) -> int:
     elif args.reference_text is not None:
         raise ValueError("--reference-text needs --reference")
     talker = _load(args)
-    progress = _Progress(params.max_frames, not args.no_progress)
+    progress = _Progress(params.max_frames, talker.cfg.num_codebooks, not args.no_progress)
     try:
         result = talker.generate(args.text, params, reference=reference, progress=progress)
     finally:

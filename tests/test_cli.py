@@ -8,6 +8,7 @@ loader with one that fails the test.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import shutil
@@ -570,3 +571,18 @@ def test_the_cli_starts_without_torch_and_the_package_names_resolve() -> None:
     env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_progress_bar_counts_frames_against_max_frames(monkeypatch) -> None:
+    """The talker reports delayed rows; the bar shows frames (rows less the delay ramp), full at max_frames."""
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Tty())
+    bar = cli._Progress(60, 8, enabled=True)
+    for rows, frames in ((3, 0), (7, 0), (8, 1), (37, 30), (67, 60), (70, 60)):
+        bar(rows)
+        assert sys.stderr.getvalue().rsplit("\r", 1)[-1].split("] ")[1].startswith(f"{frames} frames"), rows
+    assert sys.stderr.getvalue().rsplit("\r", 1)[-1].startswith("[" + "#" * 30 + "]")
