@@ -294,6 +294,10 @@ def _generate(args) -> int:
     return 0
 
 
+_SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
+                   "max_frames": "--max-frames", "min_frames": "--min-frames"}  # fmt: skip
+
+
 def _sampling(args):
     """The ``SamplingParams`` the flags give; --max-seconds / --min-seconds count at the checkpoint's frame rate."""
     from .heads.sampling import SamplingParams
@@ -322,7 +326,10 @@ def _sampling(args):
         )
     except ValueError as exc:
         given = [flag.split(" (")[0] for _, flag in lengths.values() if "-seconds" in flag]
-        raise ValueError(f"{', '.join(given)}: {exc}" if given else exc) from None
+        if given:
+            raise ValueError(f"{', '.join(given)}: {exc}") from None
+        field, _, rest = str(exc).partition(" ")  # SamplingParams names its field first: say the flag instead
+        raise ValueError(f"{_SAMPLING_FLAGS.get(field, field)} {rest}") from None
     if params.min_frames > params.max_frames:
         raise ValueError(f"{lengths['min'][1]} is more than {lengths['max'][1]}: no audio can be that long")
     return params

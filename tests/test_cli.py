@@ -65,17 +65,17 @@ def gen(tiny_dir: Path) -> list[str]:
 
 def test_temperature_above_float32(capsys, gen, no_load) -> None:
     rc, _, err = run(capsys, *gen, "--temperature", "1e308")
-    assert_one_line_error(rc, err, "temperature must be a finite number", "got 1e+308")
+    assert_one_line_error(rc, err, "--temperature must be a finite number", "got 1e+308")
 
 
 @pytest.mark.parametrize(
     ("flags", "needles"),
     [
-        (["--temperature", "nan"], ["temperature", "got nan"]),
-        (["--top-p", "0"], ["top_p must lie in (0, 1], got 0.0"]),
-        (["--seed", "-1"], ["seed must be None or an integer in [0, 2**63), got -1"]),
-        (["--max-frames", "0"], ["max_frames must be an integer > 0, got 0"]),
-        (["--max-frames", "4294967296"], ["max_frames must be at most 2147483647"]),
+        (["--temperature", "nan"], ["--temperature must be", "got nan"]),
+        (["--top-p", "0"], ["--top-p must lie in (0, 1], got 0.0"]),
+        (["--seed", "-1"], ["--seed must be None or an integer in [0, 2**63), got -1"]),
+        (["--max-frames", "0"], ["--max-frames must be an integer > 0, got 0"]),
+        (["--max-frames", "4294967296"], ["--max-frames must be at most 2147483647"]),
         (["--max-frames", "10", "--min-frames", "11"], ["--min-frames 11 is more than --max-frames 10"]),
         (["--reference-text", "words"], ["--reference-text needs --reference"]),
     ],
