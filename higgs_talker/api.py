@@ -439,9 +439,12 @@ class HiggsTalker:
     def _prepare(
         self, text: str, params: SamplingParams, reference: Reference | None, split: bool | int
     ) -> PreparedText:
-        """``text``'s parts with their sampling and their prompts, every prompt built (and so checked) here."""
-        parts = self._parts(text, params, split)
-        return PreparedText(text, tuple(PreparedPart(t, s, self.build_prompt(t, reference)) for t, s in parts))
+        """``text``'s parts with their sampling and their prompts, every prompt built and checked here (against
+        the engine's max_model_len and KV cache too: ``PromptTooLong``, before anything is queued)."""
+        parts = [PreparedPart(t, s, self.build_prompt(t, reference)) for t, s in self._parts(text, params, split)]
+        for part in parts:
+            self.engine.scheduler.check_fits(part.prompt)
+        return PreparedText(text, tuple(parts))
 
     def _parts(self, text: str, params: SamplingParams, split: bool | int) -> list[tuple[str, SamplingParams]]:
         """(text, sampling) of each part ``text`` is spoken in (one, unchanged, without ``split``)."""

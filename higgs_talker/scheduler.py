@@ -48,6 +48,10 @@ from .kv_cache import BlockAllocator, kv_slot, prefix_hashes, slot_mapping
 from .prompt import Prompt, validate_prompt
 
 
+class PromptTooLong(ValueError):
+    """A prompt that leaves no room to generate within max_model_len or the KV cache."""
+
+
 class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -163,18 +167,25 @@ class Scheduler:
         request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if len(prompt) + 1 > self.max_model_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room within max_model_len={self.max_model_len}")
-        if self.blocks.blocks_for(len(prompt) + 1) > self.blocks.num_blocks:
-            raise ValueError(
-                f"prompt of {len(prompt)} tokens does not fit the KV cache ({self.blocks.num_blocks} blocks)"
-            )
+        self.check_fits(prompt)
         seed = params.resolved_seed()
         max_rows = params.max_frames + self.cfg.num_codebooks
         req = Request(request_id, prompt, params, seed, max_rows, submitted_at=time.perf_counter())
         self.requests[request_id] = req
         self.waiting.append(req)
         return request_id
+
+    def check_fits(self, prompt: Prompt) -> None:
+        """PromptTooLong unless ``prompt`` leaves room for a row within max_model_len and the KV cache (``add``
+        checks it; ``HiggsTalker.prepare`` checks it before anything is queued)."""
+        if len(prompt) + 1 > self.max_model_len:
+            raise PromptTooLong(
+                f"prompt of {len(prompt)} tokens leaves no room within max_model_len={self.max_model_len}"
+            )
+        if self.blocks.blocks_for(len(prompt) + 1) > self.blocks.num_blocks:
+            raise PromptTooLong(
+                f"prompt of {len(prompt)} tokens does not fit the KV cache ({self.blocks.num_blocks} blocks)"
+            )
 
     def cancel(self, request_id: str) -> bool:
         """Stop a request now, freeing its KV blocks and slot. Returns False if it was not live."""

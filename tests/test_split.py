@@ -223,6 +223,19 @@ def test_a_cancelled_request_still_queued_behind_others_is_freed_at_once(tiny_di
     assert_idle(talker)
 
 
+def test_prepare_refuses_a_prompt_that_leaves_no_room_before_anything_is_queued(tiny_dir) -> None:
+    """``prepare`` (the server's check of a request) holds each part's prompt to the engine's max_model_len, the
+    rule the engine applies when it queues it: a part too long is refused there, not later in the worker."""
+    talker = HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=1, max_model_len=64)
+    long = "Hi there my friend. " * 4  # one part of more than 64 prompt tokens
+    with pytest.raises(ValueError, match=r"prompt of \d+ tokens leaves no room within max_model_len=64"):
+        talker.prepare(long)
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        next(talker.stream(long))
+    assert not talker.engine.requests
+    assert len(talker.prepare("Hi.").parts) == 1  # one that fits
+
+
 @pytest.mark.parametrize("bad", [0, -3, 1.5, "yes"])
 def test_split_refuses_bad_values(talker: HiggsTalker, bad) -> None:
     with pytest.raises(ValueError, match="split must be"):

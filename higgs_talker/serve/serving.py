@@ -26,6 +26,7 @@ from ..audio import decode_wav, pcm16
 from ..codec.streaming import UPSTREAM_CHUNKING, AudioChunking
 from ..heads.sampling import SamplingParams
 from ..results import GenerationCancelled, Reference
+from ..scheduler import PromptTooLong
 from ..splitting import DEFAULT_PART_CHARS
 from .encoding import FORMATS, b64, sse_event, wav_header
 from .protocol import (
@@ -147,8 +148,8 @@ class SpeechServing:
         codes = await asyncio.to_thread(self._encode, audio, "audio")
         # as vllm-omni's upload_voice keeps it: stripped, and a blank one is none (its serving_speech.py:873-875)
         reference = Reference(codes=codes, text=(ref_text or "").strip() or None)
-        prepared = await self._prepare("Hello.", reference)  # the reference text's checks (special tokens, length)
-        self._check_fits(prepared, "audio")  # else every request with this voice would be refused
+        # the reference text's checks (special tokens, length), and its codes' fit: else every request would fail
+        await self._prepare("Hello.", reference, too_long="audio")
         return self.voices.add(name, codes, reference.text).card(self.frame_rate)
 
     def delete_voice(self, name: str) -> None:
@@ -204,37 +205,31 @@ class SpeechServing:
             )
         reference = await self._reference(req)
         params = self._sampling(req)
-        prepared = await self._prepare(req.input, reference, params)
-        self._check_fits(prepared, "input" if reference is None else "ref_audio" if req.ref_audio else "voice")
+        too_long = "input" if reference is None else "ref_audio" if req.ref_audio else "voice"
+        prepared = await self._prepare(req.input, reference, params, too_long)
         # vllm-omni's rule where no stream_format is given: ``stream: true`` selects events, ``false`` the file
         sse = req.stream_format == "sse" or (req.stream is True and req.stream_format is None)
         mode = "sse" if sse else "file" if req.stream is False else "audio"
         return SpeechJob(id=f"speech-{next(_ids)}", prepared=prepared, format=req.response_format, mode=mode)
 
     async def _prepare(
-        self, text: str, reference: Reference | None, params: SamplingParams | None = None
+        self, text: str, reference: Reference | None, params: SamplingParams | None = None, too_long: str = "input"
     ) -> PreparedText:
-        """``text`` split into parts of at most ``part_chars`` and their prompts built, once (in a thread: a long
-        input takes a while to tokenize); the worker queues these prompts as they are."""
+        """``text`` split into parts of at most ``part_chars`` and their prompts built and checked, once (in a
+        thread: a long input takes a while to tokenize); the worker queues these prompts as they are. A prompt
+        that leaves no room for audio is a 400 naming ``too_long``, the field that made it long."""
         split = self.config.part_chars or False  # 0: one prompt, as given
         try:
             return await asyncio.to_thread(self.talker.prepare, text, params, reference, split=split)
+        except PromptTooLong as exc:
+            codes = " (the reference's codes count in it)" if too_long != "input" else ""
+            raise APIError(400, f"{exc}{codes}", too_long) from None
         except ValueError as exc:
             param = "ref_text" if "reference_text" in str(exc) else "input"
             message = str(exc)
             if param == "input" and message.startswith("text "):  # the API's name for what this request calls input
                 message = "input " + message.removeprefix("text ")
             raise APIError(400, message, param) from None
-
-    def _check_fits(self, prepared: PreparedText, param: str) -> None:
-        """A prompt that leaves no room for audio within max_model_len: the engine would refuse it when it is
-        queued, in the worker, after the response has been chosen; refused here with the other checks."""
-        longest, limit = max(len(p.prompt) for p in prepared.parts), self.talker.engine.max_model_len
-        if longest + 1 > limit:
-            what = "the prompt" if len(prepared.parts) == 1 else "the prompt of a part"
-            why = "with the reference's codes " if param != "input" else ""
-            raise APIError(400, f"{what} is {longest} tokens {why}and leaves no room for audio within this server's "
-                           f"max_model_len of {limit}", param)  # fmt: skip
 
     async def _reference(self, req: SpeechRequest) -> Reference | None:
         name = req.voice.id if req.voice is not None and not isinstance(req.voice, str) else req.voice
