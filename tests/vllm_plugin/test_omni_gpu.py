@@ -110,7 +110,10 @@ def offline_audio(
     [T, C], "scaled" [T, C, V]}`` by the same keys as the audio."""
     name = tag + profile + ("_small_kv" if small_kv else "")
     if name not in _OFFLINE:
-        stages = STAGES | {0: STAGES[0] | {"num_gpu_blocks_override": SMALL_KV["blocks"]}} if small_kv else STAGES
+        # vLLM refuses to start unless one request of max_model_len fits the KV cache: max_model_len is what the
+        # blocks hold (each request of the batch fits alone; together they do not)
+        small = {"num_gpu_blocks_override": SMALL_KV["blocks"], "max_model_len": SMALL_KV["blocks"] * 16}
+        stages = STAGES | {0: STAGES[0] | small} if small_kv else STAGES
         yaml_path = derived_yaml(deploy_yaml("ours", profile), tmp / f"{name}.yaml", stages)
         out, scores = tmp / name, tmp / f"{name}_scores"
         out.mkdir()
@@ -411,8 +414,9 @@ def test_openai_client_speech_equals_offline(server):
     openai = pytest.importorskip("openai")
     spec = next(s for s in SPEC if s["key"] == "deploy")
     client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused")
+    model = client.models.list().data[0].id  # vllm-omni serves the checkpoint under its path and refuses other names
     response = client.audio.speech.create(
-        model="higgs", voice="alloy", input=spec["text"], response_format="pcm",
+        model=model, voice="alloy", input=spec["text"], response_format="pcm",
         extra_body={"voice": None, "seed": spec["seed"], "max_new_tokens": spec["max_tokens"]},
     )  # fmt: skip
     assert_pcm_matches(_pcm(response.content), server["offline"]["deploy"], "openai pcm")
