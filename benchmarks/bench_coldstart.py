@@ -23,7 +23,9 @@ A child stamps the wall clock at each point against the stamp its parent took ju
 ``import_s`` (interpreter, torch, higgs_talker), ``load_s`` (``from_pretrained``: FlashInfer's import, weights,
 decode-kernel choice and graph capture, and the JIT they trigger; ``graph_warmup_s`` is the part inside the graph
 runner), ``first_step_s`` (the prefill step and the first decode step), ``total_s`` (spawn -> end of that step);
-``choices`` says whether warm-up measured its choices or read them from the choice cache.
+``choices`` says whether warm-up measured its choices or read them from the choice cache; ``phases`` lists each
+INFO record of the load ([seconds from spawn, logger, message]: the weights loaded, the graph policy, each kernel
+choice, the warm-up's end), which splits ``load_s`` into its parts.
 
     python benchmarks/bench_coldstart.py --out $OUT                    # cold, then warm
     python benchmarks/bench_coldstart.py --measured-too --out $OUT     # plus warm kernels, choices measured
@@ -61,6 +63,15 @@ spawned, opts = float(sys.argv[1]), json.loads(sys.argv[2])
 # warm-up's phases, stamped from spawn, on stderr: a case cut by --timeout keeps their tail in its row
 logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                     format=f"%(relativeCreated)9.0f ms +{time.time() - spawned:.2f} s %(name)s: %(message)s")
+phases = []  # [s from spawn, logger, message's first line] of each INFO record: where load_s went
+
+
+class Phases(logging.Handler):
+    def emit(self, record):
+        phases.append([round(record.created - spawned, 3), record.name, record.getMessage().split("\n")[0][:160]])
+
+
+logging.getLogger().addHandler(Phases(logging.INFO))
 import torch
 from higgs_talker import HiggsTalker, SamplingParams
 from higgs_talker.kernel_cache import cache_dirs, count_all, count_modules
@@ -84,7 +95,7 @@ print("RESULT:" + json.dumps({
     "rows": len(engine.requests[rid].rows), "kernels": talker.model.kernels.name,
     "flashinfer_cache": str(cache), "modules_after": count_modules(cache), "caches_after": count_all(cache_dirs()),
     "choices": graphs.choices_source if graphs is not None else "none",
-    "choice_file": None if entry is None else str(entry)}), flush=True)
+    "choice_file": None if entry is None else str(entry), "phases": phases}), flush=True)
 """
 
 TEXT = "The first sentence after a cold start."

@@ -322,6 +322,9 @@ def test_coldstart_smoke(bench, tmp_path: Path) -> None:
     assert run["total_s"] == pytest.approx(run["import_s"] + run["load_s"] + run["first_step_s"])
     assert run["flashinfer_cache"] == str(tmp_path / "work" / "warmup" / ".cache" / "flashinfer")
     assert set(run["caches_before"]) == set(run["caches_after"]) == {"flashinfer", "tvm_ffi", "triton", "choices"}
+    # the load's INFO records, stamped from spawn: the weights are loaded within load_s, after the import
+    loaded = [t for t, name, msg in run["phases"] if name == "higgs_talker.api" and msg.startswith("loaded ")]
+    assert len(loaded) == 1 and run["import_s"] < loaded[0] <= run["import_s"] + run["load_s"], run["phases"]
 
 
 @pytest.mark.parametrize(("release", "live"), [("0.26.0", False), ("0.29.1", False), ("0.30.0", True)])
