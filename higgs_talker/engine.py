@@ -26,11 +26,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
 from .attention import AttentionBackend
 from .config import SpecialTokens, TalkerConfig
 from .heads.sampling import SamplingParams
+from .heads.slots import HostCopy
 from .kv_cache import budget_num_blocks
 from .model import TalkerModel
 from .model_runner import ModelRunner
@@ -40,23 +40,6 @@ from .scheduler import EngineConfig, Request, Scheduler, Status, StepOutput
 logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineConfig", "Request", "Status", "StepOutput"]
-
-
-class _Launched:
-    """A step queued on the device: its rows [B, C + 1] on the host once ``wait()`` returns."""
-
-    def __init__(self, rows: Tensor) -> None:
-        if rows.device.type == "cuda":
-            self.rows = rows.to("cpu", non_blocking=True)  # into pinned memory, behind the step on the stream
-            self.ready: torch.cuda.Event | None = torch.cuda.Event()
-            self.ready.record()
-        else:
-            self.rows, self.ready = rows, None
-
-    def wait(self) -> Tensor:
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.rows
 
 
 class Engine:
@@ -90,7 +73,7 @@ class Engine:
         self.scheduler = Scheduler(ec, cfg, num_blocks=num_blocks, max_model_len=self.max_model_len)
         self.graphs = None  # a cuda_graphs.GraphRunner after warm_up()
         self.async_scheduling = self.device.type == "cuda" if ec.async_scheduling is None else ec.async_scheduling
-        self._ahead: _Launched | None = None  # a decode step on the device whose rows are not published yet
+        self._ahead: HostCopy | None = None  # a decode step on the device whose rows are not published yet
         self.num_steps = 0
         self._lock = threading.RLock()  # the scheduler's state
         self._stepping = threading.Lock()  # one step() at a time (it lets go of _lock while the device works)
@@ -202,12 +185,12 @@ class Engine:
                 self.num_steps += 1
                 return outputs
 
-    def _launch(self, batch) -> _Launched:
+    def _launch(self, batch) -> HostCopy:
         graphs = self.graphs
         rows = self.runner.run(batch) if graphs is None else graphs.run(batch)
-        return _Launched(rows)
+        return HostCopy(rows)
 
-    def _publish(self, launched: _Launched) -> list[StepOutput]:
+    def _publish(self, launched: HostCopy) -> list[StepOutput]:
         """Wait (without the lock) for the oldest unpublished step and publish it; if waiting raises (the device
         failed), every unpublished step's requests fail."""
         try:

@@ -276,7 +276,7 @@ def test_a_device_fault_while_waiting_fails_both_unpublished_steps(talker, monke
     def broken(self):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine_module._Launched, "wait", broken)
+    monkeypatch.setattr(engine_module.HostCopy, "wait", broken)
     with pytest.raises(RuntimeError, match="device lost"):
         engine.step()
     monkeypatch.undo()
@@ -347,7 +347,7 @@ def test_callers_are_not_held_while_a_step_waits_for_the_device(talker, monkeypa
     params = [SamplingParams(seed=40 + i, max_frames=20) for i in range(3)]
     prompts = [talker.build_prompt(t) for t in TEXTS[:3]]
     ids = [engine.add_request(prompts[i], params[i]) for i in range(2)]
-    real_wait = engine_module._Launched.wait
+    real_wait = engine_module.HostCopy.wait
     seen = {}
 
     def wait_with_callers(self):
@@ -364,7 +364,7 @@ def test_callers_are_not_held_while_a_step_waits_for_the_device(talker, monkeypa
             seen["free"] = not t.is_alive()
         return real_wait(self)
 
-    monkeypatch.setattr(engine_module._Launched, "wait", wait_with_callers)
+    monkeypatch.setattr(engine_module.HostCopy, "wait", wait_with_callers)
     published = {}
     while engine.has_unfinished() or "added" not in seen:
         for o in engine.step():

@@ -1027,6 +1027,44 @@ def test_request_slots_follow_ids_and_resume_a_kept_state():
     assert slots.free.num_free == 4 and slots.requests == {}
 
 
+def _results(codes: list[int], valid: list[int]) -> torch.Tensor:
+    """One step's results as ``RequestSlots.record`` reads them: per request a row of ``codes[i]``, then its valid,
+    active and done flags."""
+    rows = torch.tensor(codes)[:, None].expand(-1, N)
+    flags = torch.tensor([[v, 1, 0] for v in valid])
+    return torch.cat([rows, flags], 1).int()
+
+
+def test_request_slots_record_a_step_when_settled_and_ship_each_row_once():
+    """A step's results wait on the way to the host (``record_later``) until something reads the host records:
+    rows, the modes, a kept release. ``ship`` hands each request the rows it produced since its last ship; a
+    request released while its step is on the way loses that step's rows, and a new request that takes its id
+    does not get them."""
+    from higgs_talker.heads.slots import RequestSlots, SlotStore
+
+    slots = RequestSlots(SlotStore(4, N, V, BOC, EOC, torch.device("cpu")), seed=1)
+    slots.sync(["a", "b"])
+    slots.record_later(["a", "b"], _results([1, 2], [1, 1]))
+    assert slots.requests["a"].rows == [] and not slots.requests["b"].active  # on its way
+    assert slots.all_forced(["b"]) and len(slots.requests["a"].rows) == 1  # reading the modes settled it
+    slots.record_later(["a", "b"], _results([3, 4], [1, 0]))
+    slots.record_later(["a", "b"], _results([5, 6], [0, 1]))  # settles the one before
+    assert [r[0].item() for r in slots.requests["a"].rows] == [1, 3]
+    shipped = slots.ship(["b", "a", "x", None])
+    assert [r[:, 0].tolist() for r in shipped[:2]] == [[2, 6], [1, 3]] and shipped[2:] == [None, None]
+    assert slots.ship(["a", "b"]) == [None, None]  # nothing new since
+    slots.record_later(["a", "b"], _results([7, 8], [1, 1]))
+    slots.release(["a"])
+    slots.sync(["a", "b"])  # a new request under a finished one's id
+    assert slots.ship(["a", "b"])[0] is None and slots.rows_for("a").shape == (0, N)
+    assert slots.rows_for("b")[:, 0].tolist() == [2, 6, 8]
+    kept = RequestSlots(SlotStore(4, N, V, BOC, EOC, torch.device("cpu")), keep_finished=4, seed=1)
+    kept.sync(["k"])
+    kept.record_later(["k"], _results([9], [1]))
+    kept.release(["k"], keep=True)
+    assert kept.rows_for("k")[:, 0].tolist() == [9]
+
+
 def test_rows_by_key_and_merge_rows_across_ranks_and_engines():
     """Workers answer ``rows_by_key`` with lists; ``merge_rows`` takes each request's rows from the one engine that
     holds them, and raises for rows on two engines or tensor-parallel ranks that disagree."""
@@ -1068,8 +1106,10 @@ def test_span_step_classifies_rows_opens_streams_and_forces_the_text_token():
     assert m.code_rows.tolist() == [False, True] and m.forced.tolist() == [audio, audio]
     step.hidden = torch.randn(2, 4)
     head = lambda h: torch.randn(h.shape[0], N, V)  # noqa: E731
-    published = step.sample(slots, head, (torch.ones(2), torch.full((2,), V), torch.ones(2)))
-    assert published[0] is None and published[1].shape == (1, N) and published is step.published
+    assert step.sample(slots, head, (torch.ones(2), torch.full((2,), V), torch.ones(2))) is None
+    assert slots.requests["a"].rows == [] and not slots.requests["a"].active  # recorded when settled
+    published = slots.settle()
+    assert published[0] is None and published[1].shape == (1, N) and slots.settle() is None
     assert torch.equal(slots.rows_for("a"), published[1]) and slots.requests["a"].active
     assert slots.store.state.has_codes[step.slots].tolist() == [False, True]
     assert slots.seed_pos[step.slots].tolist() == [-1, 12]  # the stream opened at its tail
@@ -1079,7 +1119,8 @@ def test_span_step_classifies_rows_opens_streams_and_forces_the_text_token():
         assert m.seed.tolist() == [False, False] and m.code_rows.tolist() == [False, due]
     chunk = _span_step(slots, ["t", "a"], [text, audio], [4, 20])  # not due: in its stream, but no frame
     chunk.modes, chunk.hidden = chunk.row_modes(slots, audio, eos), torch.randn(2, 4)
-    assert chunk.sample(slots, head, (torch.ones(2), torch.full((2,), V), torch.ones(2))) == [None, None]
+    chunk.sample(slots, head, (torch.ones(2), torch.full((2,), V), torch.ones(2)))
+    assert slots.settle() == [None, None]
     assert slots.rows_for("a").shape == (1, N) and slots.requests["a"].active
     slots.store.state.done[step.slots[1]] = True  # "a" emitted its terminal row
     m = _span_step(slots, ["t", "a"], [text, audio], [4, 14]).row_modes(slots, audio, eos)
@@ -1094,9 +1135,7 @@ def test_span_step_classifies_rows_opens_streams_and_forces_the_text_token():
 
 def test_span_step_text_logits_skip_the_head_only_when_every_request_is_forced():
     """``text_logits`` classifies the rows, keeps them for sampling, and computes the text head unless the host
-    knows every request is in audio mode; ``published_for`` hands a request its sampled row by where its hidden
-    rows sit in the step's output (vllm-omni's postprocess may leave requests out), and refuses rows that are no
-    request's."""
+    knows every request is in audio mode (the step sampled before is settled first: its rows opened a stream)."""
     from types import SimpleNamespace
 
     from higgs_talker.heads.slots import RequestSlots, SlotStore
@@ -1115,18 +1154,14 @@ def test_span_step_text_logits_skip_the_head_only_when_every_request_is_forced()
     assert not skipped and len(calls) == 1 and step.hidden is hidden and step.modes.audio.tolist() == [False, True]
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [50] and torch.isfinite(logits[0]).all()
     head = lambda h: torch.randn(h.shape[0], N, V)  # noqa: E731
-    published = step.sample(slots, head, (torch.ones(2), torch.full((2,), V), torch.ones(2)))
-    step.output = out = torch.randn(3, 4)  # the forward's output, one token per request and one of padding
-    assert step.published_for(out[1:2]) is published[1] and step.published_for(out[0:1]) is None
-    for not_a_request in (out.clone()[1:2], out[0:2], out[2:3]):  # another tensor, two requests' rows, the padding
-        with pytest.raises(ValueError, match="requests t, a"):
-            step.published_for(not_a_request)
-    assert [r.shape for r in rows_or_empty([None, published[1], torch.zeros(0, N)], N)] == [(0, N), (1, N), (0, N)]
-    audio_only = _span_step(slots, ["a"], [50], [13])  # "a" is in its stream: known forced on the host
+    step.sample(slots, head, (torch.ones(2), torch.full((2,), V), torch.ones(2)))
+    audio_only = _span_step(slots, ["a"], [50], [13])  # "a" is in its stream: known forced on the host once settled
     audio_only.adopt_seeds(slots, {0: 9})  # not new: keeps the seed it sampled with
     assert slots.requests["a"].seed == 5
     logits, skipped = audio_only.text_logits(slots, hidden[:1], specials, text_head, 64)
     assert skipped and len(calls) == 1 and torch.isfinite(logits[0]).nonzero().flatten().tolist() == [50]
+    row = slots.rows_for("a")
+    assert [r.shape for r in rows_or_empty([None, row, torch.zeros(0, N)], N)] == [(0, N), (1, N), (0, N)]
 
 
 def test_span_step_feeds_each_decoding_tail_its_last_frame():

@@ -8,7 +8,8 @@ ever moves; the storage is allocated once and captured CUDA graphs may read it. 
 belongs to no request: padding rows of a graph bucket read and write it.
 
 ``sample_frame`` is the frame step: masked codebook logits -> sampled codes -> emitted row -> state update.
-Shapes: B requests, C codebooks, V codebook entries.
+Shapes: B requests, C codebooks, V codebook entries. ``HostCopy`` brings a step's results to the host behind the
+step on the device stream, so the host can prepare the next step before this one has run.
 """
 
 from __future__ import annotations
@@ -25,6 +26,24 @@ from torch import Tensor
 from . import fused
 from .delay import DelayState, apply_delay_mask, update_state
 from .sampling import resolve_seed, sample_codes
+
+
+class HostCopy:
+    """A device tensor's copy on the host, taken behind the work queued on the stream (into pinned memory, without
+    waiting); ``wait()`` returns it once the device got there. A CPU tensor is its own copy."""
+
+    def __init__(self, value: Tensor) -> None:
+        if value.device.type == "cuda":
+            self.value = value.to("cpu", non_blocking=True)
+            self.ready: torch.cuda.Event | None = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.value, self.ready = value, None
+
+    def wait(self) -> Tensor:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -238,6 +257,7 @@ class HostRequest:
     slot: int
     seed: int
     rows: list[Tensor] = field(default_factory=list)  # each [C] int32 CPU, owned
+    shipped: int = 0  # how many of ``rows`` were handed on (``RequestSlots.ship``)
     active: bool = False  # in an audio stream (mirrors has_codes after the last sample)
     done: bool = False  # terminal row emitted; the next text token is EOS
     # a voice clone whose prompt marks its rows with placeholder tokens (heads.spans.placeholder_positions): the
@@ -247,7 +267,12 @@ class HostRequest:
 
 
 class RequestSlots:
-    """Slots of one ``SlotStore`` keyed by vLLM request id (capacity: the store's)."""
+    """Slots of one ``SlotStore`` keyed by vLLM request id (capacity: the store's).
+
+    A sampled step's results reach the host records later (``record_later``): its host copy is taken behind the
+    step and recorded by ``settle``, which every read of the host records (rows, modes, a kept release) does
+    first, so the host may prepare the next step while this one runs and no reader sees a record a step old.
+    """
 
     def __init__(self, store: SlotStore, keep_finished: int = 0, seed: int | None = None) -> None:
         """``seed`` draws the sampling seeds of requests that bring none: the same sequence on every tensor-
@@ -264,6 +289,7 @@ class RequestSlots:
         # slot's decode state when it was kept for a resume
         self.keep_finished = keep_finished
         self.finished: OrderedDict[str, tuple[HostRequest, dict[str, Tensor] | None]] = OrderedDict()
+        self._pending: tuple[list[str | None], HostCopy] | None = None  # a sampled step on its way to the host
 
     def sync(
         self,
@@ -304,8 +330,11 @@ class RequestSlots:
             new_rows.append(i)
         if inits:
             self.store.reset(inits)
-            self.seed_pos.index_fill_(0, torch.tensor([i.slot for i in inits], device=self.seed_pos.device), -1)
-        slots = torch.tensor([self.requests[r].slot for r in req_ids], dtype=torch.long, device=self.store.device)
+            fresh = torch.tensor([i.slot for i in inits]).to(self.seed_pos.device, non_blocking=True)
+            self.seed_pos.index_fill_(0, fresh, -1)
+        # non-blocking: a blocking host-to-device copy would wait for the step still running before this one
+        slots = torch.tensor([self.requests[r].slot for r in req_ids], dtype=torch.long)
+        slots = slots.to(self.store.device, non_blocking=True)
         self._last = (list(req_ids), slots)
         return slots, new_rows
 
@@ -317,7 +346,15 @@ class RequestSlots:
 
     def release(self, req_ids, keep: bool = False) -> None:
         """Free the slots of requests vLLM finished (or took out of the batch); unknown ids are ignored. With
-        ``keep`` (and ``keep_finished``) a slot's decode state is kept for a resume."""
+        ``keep`` (and ``keep_finished``) a slot's decode state is kept for a resume. Only kept requests wait for
+        a step still on its way (their rows are read later); the rows of the others are dropped with them."""
+        req_ids = list(req_ids)
+        if self.keep_finished > 0:
+            self.settle()
+        elif self._pending is not None:  # a later request that reuses an id must not get these rows
+            ids, copy = self._pending
+            gone = set(req_ids)
+            self._pending = ([None if rid in gone else rid for rid in ids], copy)
         for rid in req_ids:
             req = self.requests.pop(rid, None)
             if req is None:
@@ -336,6 +373,7 @@ class RequestSlots:
 
     def rows_for(self, req_id: str) -> Tensor | None:
         """Every row [R, C] int32 request ``req_id`` produced, live or among the kept finished ones; None if unknown."""
+        self.settle()
         req = self.requests.get(req_id)
         if req is None and req_id in self.finished:
             req = self.finished[req_id][0]
@@ -372,8 +410,37 @@ class RequestSlots:
                 out.append(None)
         return out
 
+    def record_later(self, req_ids: list[str], results: Tensor) -> None:
+        """``record`` one step's results [B, C + 3] int32 (on the device) once they reach the host: their copy is
+        started now, behind the step, and ``settle`` records it. A step before it still on its way is settled
+        first."""
+        self.settle()
+        self._pending = (list(req_ids), HostCopy(results))
+
+    def settle(self) -> list[Tensor | None] | None:
+        """Record the step on its way to the host (waiting for the device to finish it); returns ``record``'s rows,
+        or None when no step was pending."""
+        if self._pending is None:
+            return None
+        (req_ids, copy), self._pending = self._pending, None
+        return self.record(req_ids, copy.wait())
+
+    def ship(self, req_ids: list[str | None]) -> list[Tensor | None]:
+        """Per request (batch order) the rows [R, C] int32 it produced since its last ship, or None where none (or
+        the request is unknown or None): what a runner hands on to the next stage, each row once."""
+        self.settle()
+        out: list[Tensor | None] = []
+        for rid in req_ids:
+            req = self.requests.get(rid)
+            rows = req.rows[req.shipped :] if req is not None else []
+            if rows:
+                req.shipped = len(req.rows)
+            out.append(torch.stack(rows) if rows else None)
+        return out
+
     def all_forced(self, req_ids: list[str]) -> bool:
         """True when every request is known (host side) to be in audio mode: its text token is forced."""
+        self.settle()
         for rid in req_ids:
             req = self.requests.get(rid)
             if req is None or not (req.active or req.done):

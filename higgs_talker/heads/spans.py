@@ -40,7 +40,7 @@ class RowModes:
 
 @dataclass
 class SpanStep:
-    """One step, from its requests and token layout to the rows it published (the vLLM adapter's step)."""
+    """One step, from its requests and token layout to the frames it sampled (the vLLM adapter's step)."""
 
     req_ids: list[str]
     references: list | None = None  # voice-clone infos in batch order (the bridge's; the runner passes its own)
@@ -51,9 +51,6 @@ class SpanStep:
     new_rows: list[int] = field(default_factory=list)  # batch indices of requests seen for the first time
     hidden: Tensor | None = None  # [B, H] the rows sampled from (compute_logits)
     modes: RowModes | None = None
-    published: list[Tensor | None] = field(default_factory=list)  # per request an owned [1, C] row or None
-    output: Tensor | None = None  # [T, H] the forward's hidden rows, of which vllm-omni's postprocess gets slices
-    spans: list[int] | None = None  # qsl on the host, read once by published_for
 
     @property
     def num_reqs(self) -> int:
@@ -125,10 +122,10 @@ class SpanStep:
         use.index_copy_(0, self.tails, fed)
         codes.index_copy_(0, self.tails, last)
 
-    def sample(self, slots: RequestSlots, head, params: tuple[Tensor, Tensor, Tensor]) -> list[Tensor | None]:
-        """Sample this step's frames from ``hidden`` and record them: per request an owned [1, C] int32 row, or
-        None where it produced none (also kept as ``published``). Seed rows open a fresh stream (remembering
-        where), done rows close theirs; params: per-row (temperature, top_k, top_p) [B] each."""
+    def sample(self, slots: RequestSlots, head, params: tuple[Tensor, Tensor, Tensor]) -> None:
+        """Sample this step's frames from ``hidden``, their host record left to ``slots.settle`` (no host sync
+        here: the host may go on to the next step while this one runs). Seed rows open a fresh stream
+        (remembering where), done rows close theirs; params: per-row (temperature, top_k, top_p) [B] each."""
         modes, s = self.modes, self.slots
         tail_pos = self.positions.index_select(0, self.tails)
         slots.seed_pos.index_copy_(0, s, torch.where(modes.seed, tail_pos, slots.seed_pos.index_select(0, s)))
@@ -136,8 +133,7 @@ class SpanStep:
         fresh = modes.seed | modes.done
         emitted, new = sample_frame(slots.store, s, logits, params=params, active=modes.code_rows, fresh=fresh)
         host = torch.cat([emitted, modes.code_rows[:, None], new.has_codes[:, None], new.done[:, None]], dim=1)
-        self.published = slots.record(self.req_ids, host.to("cpu", torch.int32))  # the step's one host sync
-        return self.published
+        slots.record_later(self.req_ids, host.to(torch.int32))
 
     def adopt_seeds(self, slots: RequestSlots, seeds: dict[int, int]) -> None:
         """vLLM hands a request's own seed over (batch index -> seed) at its first sample: the requests new this
@@ -145,25 +141,6 @@ class SpanStep:
         for i, seed in seeds.items():
             if i in self.new_rows:
                 slots.set_seed(self.req_ids[i], resolve_seed(seed))
-
-    def published_for(self, rows: Tensor) -> Tensor | None:
-        """The published row (or None) of the request whose hidden rows ``rows`` [n, H] are. vllm-omni's postprocess
-        passes each request it asks its slice ``output[qsl[i]:qsl[i + 1]]`` and leaves out those it passes nothing
-        on for (a request whose last stage is this one), so the slice's place in ``output`` says which request is
-        asked, not the number of calls. ValueError for rows that are no request's slice of ``output``."""
-        out, i = self.output, None
-        if out is not None and rows.device == out.device:
-            self.spans = self.qsl.tolist() if self.spans is None else self.spans  # one host sync per step
-            start, rest = divmod(rows.data_ptr() - out.data_ptr(), out.stride(0) * out.element_size())
-            same = rows.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
-            if same and not rest and start in self.spans[:-1]:
-                i = self.spans.index(start)
-        if i is None or self.spans[i + 1] - self.spans[i] != rows.shape[0]:
-            raise ValueError(
-                f"postprocess got hidden rows {list(rows.shape)} that are no request's rows of this step's output "
-                f"(requests {', '.join(self.req_ids)}): its code row cannot be told apart, so none is published"
-            )
-        return self.published[i]
 
     def span(self, start: int, end: int) -> tuple[Tensor, Tensor]:
         """(input_ids, positions) [end - start] of the step's tokens ``start:end``."""
@@ -176,6 +153,7 @@ class SpanStep:
         codes after it are what they were. embeds [T, H] -> (embeds, re-fed rows)."""
         if embeds.shape[0] <= self.num_reqs:  # one token per request: the feedback covers them, no host sync
             return embeds, 0
+        slots.settle()  # the rows recorded so far are re-fed
         qsl, index, codes, refed = self.qsl.tolist(), [], [], 0
         for i, rid in enumerate(self.req_ids):
             start, end = qsl[i], qsl[i + 1]

@@ -3,9 +3,13 @@
 vLLM owns attention, KV cache, batching and its graphs; ``heads/`` owns everything audio (codebook embedding and
 head, decode-state slots, ``SpanStep``) and ``checkpoint.WeightRouter`` the weight names. The class implements
 vllm-omni's Stage-0 runner contract (SPEC 6), in its order: per-step metadata (``update_decode_step_metadata``),
-``forward``, ``compute_logits``, ``sample``, publishing owned [1, C] ``codes.audio`` rows (``postprocess`` /
-``make_omni_output``), ``on_requests_finished``, weights; under plain vLLM ``bridge.TextOnlyBridge`` plays the
-runner, finding this instance with ``talker_for``.
+``forward``, ``make_omni_output``, ``compute_logits``, ``sample``, ``on_requests_finished``, weights; under plain
+vLLM ``bridge.TextOnlyBridge`` plays the runner, finding this instance with ``talker_for``.
+
+``sample`` leaves the step's codes on the device and takes no host sync, so with vLLM's async scheduling the
+host prepares the next step while this one runs. The next step's ``make_omni_output``, called once its forward is
+queued, waits for this step's rows and hands each request's new rows on as ``codes.audio`` (one step later, as
+vllm-omni's own talker publishes them: a stream's last row goes out on its EOS step).
 """
 
 from __future__ import annotations
@@ -53,10 +57,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
     # vllm-omni runner contract (SPEC 6.1)
     prefer_model_sampler = True
     have_multimodal_outputs = True
-    has_postprocess = True
-    postprocess_uses_hidden_states = True  # each request's slice of the step's output says which request it is
-    postprocess_uses_multimodal_outputs = False
-    postprocess_uses_req_infos = False
+    has_postprocess = False  # the rows go out through make_omni_output, from our own records
     skips_model_sampler_output_token_history = True
     supports_omni_query_start_loc = True
     supports_omni_decode_step_metadata = True
@@ -93,9 +94,9 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
                                     "bridge_replayed_steps", "bridge_no_qsl", "bridge_recomputed_rows"), 0)  # fmt: skip
         self.deferred_prefix_cache_mm_keys = {"codes.audio"}
         self._runner_req_ids: list[str] | None = None  # from prepare_runner_inputs, for the step's metadata
+        self._batch: list[str] = []  # the requests of the runner's current step, in batch order
         # the current step (None: a dummy or profile run); one the bridge armed is laid out in the forward
         self.step: SpanStep | None = None
-        self.sampled: SpanStep | None = None  # the last sampled step, whose rows postprocess publishes
         self._text_sampler = None
         self.graph_decision = decide(vllm_config=vllm_config)
         logger.info("higgs talker (vLLM adapter): %s", self.graph_decision.reason)
@@ -115,7 +116,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         """Called by the vllm-omni runner before every forward or graph replay (0.26 passes no ``req_ids``: the
         ones ``prepare_runner_inputs`` got for this step stand in; a dummy run has neither)."""
         req_ids, self._runner_req_ids = (req_ids if req_ids is not None else self._runner_req_ids), None
-        self.step = self.sampled = None
+        self.step, self._batch = None, list(req_ids or ())
         if req_ids is None or input_ids is None or positions is None or omni_query_start_loc is None:
             self.buffers.clear()
             return
@@ -204,38 +205,31 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
             self._text_sampler = compat.text_sampler(self.vllm_config)
         return self._text_sampler(logits, m)
 
-    def sample_codes(self, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> list[Tensor | None]:
-        """Sample this step's frames; returns per request an owned [1, C] row or None ([] when nothing is armed)."""
+    def sample_codes(self, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> None:
+        """Sample this step's frames, if a step is armed (its rows reach the host records at ``slots.settle``)."""
         step = self.step
         if step is None or step.modes is None:
-            return []
+            return
         self.stats["sample_steps"] += 1
-        self.step, self.sampled = None, step  # consumed: a dummy run before the next step's metadata sees none
-        return step.sample(self.slots, self.modality_head, (temperature, top_k, top_p))
-
-    def postprocess(self, hidden_states: Tensor, multimodal_outputs: Any = None, **_: Any) -> dict:
-        """vllm-omni, after sampling, per request it passes on: its owned row, named by its slice of the output."""
-        row = self.sampled.published_for(hidden_states) if self.sampled is not None else None
-        return {"codes": {"audio": row}} if row is not None else {}
+        self.step = None  # consumed: a dummy run before the next step's metadata sees none
+        step.sample(self.slots, self.modality_head, (temperature, top_k, top_p))
 
     def post_sample_multimodal_outputs(self, *, req_ids, invalid_req_indices=(), multimodal_outputs=None, **_):
-        """This step's owned [1, C] rows by request (empty [0, C] where none)."""
+        """For a runner that asks right after sampling (newer vllm-omni): the rows each request produced since they
+        were last handed on (waiting for this step's), [R, C] int32 (empty [0, C] where none or invalid)."""
         invalid = set(invalid_req_indices or ())
-        published = self.sampled.published if self.sampled is not None else []
-        rows = [published[i] if i < len(published) and i not in invalid else None for i in range(len(req_ids))]
+        rows = self.slots.ship([None if i in invalid else rid for i, rid in enumerate(req_ids)])
         return {"codes": {"audio": rows_or_empty(rows, self.cfg.num_codebooks)}}
 
-    def make_omni_output(self, model_outputs: Any, **kwargs: Any):
-        """Wrap the hidden states with the per-request ``codes.audio`` the runner buffered."""
+    def make_omni_output(self, model_outputs: Any, **_: Any):
+        """After the step's forward is queued: the hidden states with, per request of the step, the rows it produced
+        since they were last handed on (the step before's, waited for now), [R, C] int32 in ``codes.audio``."""
         from vllm_omni.model_executor.models.output_templates import OmniOutput
 
         if isinstance(model_outputs, OmniOutput):
             return model_outputs
-        if self.step is not None:  # what the runner slices for postprocess
-            self.step.output = model_outputs
-        infos = compat.runner_infos(kwargs) or []
-        codes = [(info.get("codes") or {}).get("audio") if isinstance(info, dict) else None for info in infos]
-        rows = rows_or_empty(codes, self.cfg.num_codebooks)
+        batch, self._batch = self._batch, []  # once per step's metadata: a dummy run after it hands nothing on
+        rows = rows_or_empty(self.slots.ship(batch), self.cfg.num_codebooks)
         mm = {"codes": {"audio": rows}} if any(r.numel() for r in rows) else None
         return OmniOutput(text_hidden_states=model_outputs, multimodal_outputs=mm)
 

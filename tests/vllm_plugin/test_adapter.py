@@ -2,10 +2,10 @@
 
 The vllm-omni runner does not run on CPU, so these tests build the adapter in-process with a real vLLM config
 (a one-rank gloo group) and call the runner's methods in its order: ``update_decode_step_metadata`` ->
-(forward) -> ``make_omni_output`` -> ``compute_logits`` -> ``sample`` -> ``postprocess`` (each request with its
-slice of the output) / ``post_sample_multimodal_outputs`` -> ``on_requests_finished``. Hidden rows are fed
-directly (no attention), one deterministic vector per request and step, so a request's codes must not depend on
-its batch neighbours or position. One test runs vllm-omni's own postprocess loop over the adapter.
+(forward) -> ``make_omni_output`` (handing on the rows of the step before, by request) -> ``compute_logits`` ->
+``sample`` (/ ``post_sample_multimodal_outputs``) -> ``on_requests_finished``. Hidden rows are fed directly (no
+attention), one deterministic vector per request and step, so a request's codes must not depend on its batch
+neighbours or position.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import socket  # noqa: E402
 import zlib  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from higgs_talker.checkpoint import iter_tensors  # noqa: E402
@@ -86,7 +85,8 @@ def _hidden(key: str, step: int, h: int) -> torch.Tensor:
 
 
 class Driver:
-    """Plays the vllm-omni runner: one token per request and step (the prompt is a single <|audio|>)."""
+    """Plays the vllm-omni runner: one token per request and step (the prompt is a single <|audio|>). ``rows``
+    holds what the adapter handed on, by request: each step's ``make_omni_output`` brings the step before's."""
 
     def __init__(self, model) -> None:
         self.m = model
@@ -115,31 +115,38 @@ class Driver:
         )  # fmt: skip
         # the forward's output, one token per request
         hidden = torch.stack([_hidden(r, self.steps[r], m.cfg.text.hidden_size) for r in req_ids])
-        m.make_omni_output(hidden, model_intermediate_buffer=[{} for _ in req_ids])
+        out = m.make_omni_output(hidden, model_intermediate_buffer=[{} for _ in req_ids])
+        self._take(req_ids, (out.multimodal_outputs or {"codes": {"audio": [None] * len(req_ids)}})["codes"]["audio"])
         logits = m.compute_logits(hidden.clone())  # the runner's hidden[logits_indices]
         out = m.sample(logits, _meta(len(req_ids)))
         for i, r in enumerate(req_ids):
-            tok = int(out.sampled_token_ids[i, 0])
-            self.tokens.setdefault(r, []).append(tok)
-            upd = m.postprocess(hidden[i : i + 1])  # the runner passes each request its rows of the output
-            if upd:
-                row = upd["codes"]["audio"]
-                assert row.shape == (1, 8) and row.dtype == torch.int32
-                self.rows.setdefault(r, []).append(row[0].tolist())
+            self.tokens.setdefault(r, []).append(int(out.sampled_token_ids[i, 0]))
             self.pos[r] += 1
             self.steps[r] += 1
+
+    def _take(self, req_ids: list[str], audio: list) -> None:
+        for r, rows in zip(req_ids, audio, strict=True):
+            if rows is not None and rows.numel():
+                assert rows.dtype == torch.int32 and rows.shape[1:] == (8,)
+                self.rows.setdefault(r, []).extend(rows.tolist())
+
+    def finish(self, req_ids: set[str]) -> None:
+        """The requests end: what they produced on the last step is taken first (as a runner asking after it)."""
+        ids = sorted(req_ids)
+        self._take(ids, self.m.post_sample_multimodal_outputs(req_ids=ids)["codes"]["audio"])
+        self.m.on_requests_finished(req_ids)
 
 
 def test_state_follows_request_ids_across_reorder_join_and_finish(adapter):
     a = Driver(adapter)
     for _ in range(12):
         a.step(["A", "B"])
-    a.m.on_requests_finished({"A", "B"})
+    a.finish({"A", "B"})
     b = Driver(adapter)
     orders = [["B", "A"], ["C", "B", "A"], ["A", "C", "B"], ["B", "A", "C"], ["A", "B"], ["B", "A"]]
     for i in range(12):
         b.step(orders[i % len(orders)] if i < 6 else ["B", "A"], finished={"C"} if i == 6 else None)
-    b.m.on_requests_finished({"A", "B"})
+    b.finish({"A", "B"})
     assert a.rows["A"] == b.rows["A"] and a.rows["B"] == b.rows["B"]
     assert len(a.rows["A"]) == 12
     # ramp-up: row t has codebooks > t equal to BOC
@@ -166,12 +173,12 @@ def test_reused_request_id_starts_fresh(adapter):
     d = Driver(adapter)
     for _ in range(3):
         d.step(["X"])
-    adapter.on_requests_finished({"X"})
+    d.finish({"X"})
     e = Driver(adapter)
     for _ in range(3):
         e.step(["X"])
-    adapter.on_requests_finished({"X"})
-    assert d.rows["X"] == e.rows["X"]
+    e.finish({"X"})
+    assert d.rows["X"] == e.rows["X"] and len(d.rows["X"]) == 3
 
 
 def test_pure_audio_steps_skip_the_text_head_and_force_tokens(adapter, monkeypatch):
@@ -193,10 +200,11 @@ def test_done_row_forces_eos_and_closes_the_stream(adapter):
     slot = adapter.slots.requests["E"].slot
     adapter.slots.store.state.done[slot] = True  # as after the terminal ramp row
     adapter.slots.requests["E"].done = True
-    before = len(d.rows["E"])
     d.step(["E"])
     assert d.tokens["E"][-1] == adapter.specials.eos
-    assert len(d.rows["E"]) == before  # no frame on the EOS step
+    assert len(d.rows["E"]) == 1 == len(adapter.slots.rows_for("E"))  # the first step's row, handed on now
+    d.finish({"E"})
+    assert len(d.rows["E"]) == 1  # no frame on the EOS step
     state = adapter.slots.store.state
     assert not bool(state.has_codes[slot]) and not bool(state.done[slot])
     adapter.on_requests_finished({"E"})
@@ -217,9 +225,9 @@ def test_seeded_requests_are_batch_independent(adapter):
             logits = m.compute_logits(hidden)
             gens = {i: torch.Generator().manual_seed(100 + int(r[1:])) for i, r in enumerate(ids)}
             out = m.sample(logits, _meta(len(ids), temperature=torch.ones(len(ids)), generators=gens))
+            d._take(ids, m.post_sample_multimodal_outputs(req_ids=ids)["codes"]["audio"])
             for i, r in enumerate(ids):
                 d.tokens.setdefault(r, []).append(int(out.sampled_token_ids[i, 0]))
-                d.rows.setdefault(r, []).append(m.sampled.published[i][0].tolist())
                 d.pos[r] += 1
                 d.steps[r] += 1
         m.on_requests_finished(set(ids))
@@ -231,7 +239,7 @@ def test_seeded_requests_are_batch_independent(adapter):
     assert adapter.slots.store.seeds.numel() > 0
 
 
-def test_publication_is_owned_and_per_step(adapter):
+def test_publication_is_owned_and_each_row_goes_out_once(adapter):
     d = Driver(adapter)
     d.step(["O", "Q"])
     rows = adapter.post_sample_multimodal_outputs(req_ids=["O", "Q"], invalid_req_indices=[1])
@@ -239,19 +247,17 @@ def test_publication_is_owned_and_per_step(adapter):
     assert audio[0].shape == (1, 8) and audio[1].shape == (0, 8)
     audio[0].fill_(-7)  # a consumer writing into its row must not change our records
     assert adapter.slots.requests["O"].rows[-1].min() >= 0
-    out = adapter.make_omni_output(torch.zeros(2, 4), model_intermediate_buffer=[{"codes": {"audio": audio[0]}}, {}])
-    assert out.multimodal_outputs["codes"]["audio"][1].numel() == 0
-    assert adapter.make_omni_output(torch.zeros(1, 4), model_intermediate_buffer=[{}]).multimodal_outputs is None
-    adapter.on_requests_finished({"O", "Q"})
+    d.step(["O", "Q"])  # hands on what is left of the step before: Q's row, not O's again
+    assert len(d.rows["Q"]) == 1 and "O" not in d.rows
+    assert adapter.make_omni_output(torch.zeros(1, 4)).multimodal_outputs is None  # a dummy run: no requests
+    d.finish({"O", "Q"})
+    assert len(d.rows["O"]) == 1 and len(d.rows["Q"]) == 2
 
 
-def test_postprocess_finds_each_request_when_the_runner_leaves_one_out(adapter):
-    """vllm-omni's runner (its own loop, ``_process_additional_information_updates``) calls postprocess only for
-    the requests whose payload goes on to another stage (``req_ids_filter``: a request whose final stage is Stage 0
-    is left out), each with its rows of the step's hidden states. A request after the one left out still gets its
-    own row, not its neighbour's."""
-    from vllm_omni.worker.gpu_model_runner import OmniGPUModelRunner
-
+def test_the_rows_of_a_step_go_to_their_requests_in_the_next_steps_order(adapter):
+    """Each request's rows go out with its own place in the step that hands them on, whatever the order of that
+    step or whoever it leaves out (a request not scheduled gets its rows when it is next), and sampling a step
+    records nothing on the host until they are asked for (``sample`` takes no host sync)."""
     m, ids = adapter, ["K1", "K2", "K3"]
     m.update_decode_step_metadata(
         input_ids=torch.full((3,), m.specials.audio), positions=torch.full((3,), 5),
@@ -260,28 +266,23 @@ def test_postprocess_finds_each_request_when_the_runner_leaves_one_out(adapter):
     hidden = torch.stack([_hidden(r, 0, m.cfg.text.hidden_size) for r in ids])  # the forward's output
     m.make_omni_output(hidden, model_intermediate_buffer=[{}, {}, {}])
     m.sample(m.compute_logits(hidden.clone()), _meta(3))
-    published = m.sampled.published
-    assert not torch.equal(published[1], published[2])  # a swap would show
-    runner = object.__new__(OmniGPUModelRunner)  # the loop needs only these
-    runner.model, runner.model_intermediate_buffer = m, {}
-    runner.requests = {r: SimpleNamespace() for r in ids}
-    runner._process_additional_information_updates(
-        hidden, None, np.ones(3, dtype=np.int32), None, req_ids_filter={"K1", "K3"}, req_ids=ids,
-        query_start_loc_cpu=torch.arange(4),
-    )  # fmt: skip
-    buffer = runner.model_intermediate_buffer
-    assert set(buffer) == {"K1", "K3"}
-    assert torch.equal(buffer["K1"]["codes"]["audio"], published[0])
-    assert torch.equal(buffer["K3"]["codes"]["audio"], published[2])
-    with pytest.raises(ValueError, match="K1, K2, K3"):  # rows that are no request's: said, not guessed
-        m.postprocess(hidden.clone()[1:2])
-    m.on_requests_finished(set(ids))
+    assert all(m.slots.requests[r].rows == [] for r in ids)  # on the way to the host
+    d = Driver(m)
+    d.pos, d.steps = dict.fromkeys(ids, 6), dict.fromkeys(ids, 1)
+    d.tokens = {r: [m.specials.audio] for r in ids}
+    d.step(["K3", "K1"])  # K2 is not scheduled this step
+    recorded = {r: m.slots.rows_for(r)[:1].tolist() for r in ids}
+    assert len({str(v) for v in recorded.values()}) == 3  # a swap would show
+    assert d.rows == {"K3": recorded["K3"], "K1": recorded["K1"]}
+    d.step(["K1", "K2", "K3"])
+    assert d.rows["K2"] == recorded["K2"] and len(d.rows["K1"]) == len(d.rows["K3"]) == 2
+    d.finish(set(ids))
 
 
 def test_a_step_left_to_vllms_sampler_is_not_used_by_a_later_forward(adapter, monkeypatch):
     """compute_logits falls back to plain logits (here: more rows than the step has requests), so sample() leaves
     the step to vLLM's sampler. A later forward without fresh step metadata (a dummy run) must not lay that old
-    step's code rows over its tokens, and postprocess publishes nothing for it."""
+    step's code rows over its tokens, and no row goes out for it."""
     m = adapter
     monkeypatch.setattr(m.local_mlp, "forward", lambda positions, embeds, pure_decode: embeds)  # no attention here
     calls = []
@@ -294,9 +295,9 @@ def test_a_step_left_to_vllms_sampler_is_not_used_by_a_later_forward(adapter, mo
     )  # fmt: skip
     hidden = m.forward(ids, pos)
     assert len(calls) == 1  # a prefill step: its prompt rows are laid
-    m.make_omni_output(hidden)
+    assert m.make_omni_output(hidden).multimodal_outputs is None  # D0's row waits for D0; D has none
     assert m.sample(m.compute_logits(hidden[:2]), _meta(2)) is None
-    assert m.postprocess(hidden[:3]) == {}
+    assert m.post_sample_multimodal_outputs(req_ids=["D"])["codes"]["audio"][0].numel() == 0
     m.forward(ids, pos)  # a dummy run: no update_decode_step_metadata before it
     assert len(calls) == 1 and m.step is None
     m.on_requests_finished({"D0", "D"})

@@ -9,7 +9,8 @@ stream bit for bit; test_e2e_cpu.py: the score probe inside vLLM's engine-core p
 
 A small checkpoint (head_dim 64, bf16 talker, EOC pushed down) with the real-layout random codec
 (``benchmarks/omni_checkpoint.py``) runs through ``Omni(model, deploy_config)`` in both of our deploy profiles
-(``omni_run.py`` in its own process), Stage 1 in float32. The score probe (``score_probe/``, loaded into the
+and in the low-latency one with vLLM's async scheduling on (``omni_run.py`` in its own process), Stage 1 in
+float32. The score probe (``score_probe/``, loaded into the
 Stage-0 worker through its ``sitecustomize``) records what Stage 0's sampler ranked at every row it published.
 
 - offline, greedy and seeded top-k/top-p requests and a voice clone (sent as vllm-omni 0.26's speech endpoint
@@ -52,7 +53,7 @@ from _reference_check import (  # noqa: E402
     score_bound,
 )
 from _served import run_served  # noqa: E402
-from bench_omni import deploy_yaml, derived_yaml, start_server, stop_server, talker_env  # noqa: E402
+from bench_omni import deploy_yaml, derived_yaml, profile_yaml, start_server, stop_server, talker_env  # noqa: E402
 from omni_checkpoint import write_omni_checkpoint  # noqa: E402
 
 from higgs_talker import HiggsTalker, Reference, SamplingParams  # noqa: E402
@@ -81,7 +82,9 @@ BATCH = {"keys": ["greedy", "short", "clone"], "max_tokens": 40}
 # a Stage-0 KV cache too small for this batch (blocks of 16 tokens: about two of the three requests at full
 # length), so vLLM preempts requests and recomputes them, and the adapter feeds their rows again (it logs that)
 SMALL_KV = {"keys": ["greedy", "topkp", "deploy"], "max_tokens": 120, "alone": False, "blocks": 20}
-PROFILES = ("low_latency", "high_throughput")
+# the packaged profiles, and the low-latency one with vLLM's async scheduling (bench_omni's low_latency_async): the
+# host prepares a step while the one before runs, so each step's rows reach the host records a step later
+PROFILES = ("low_latency", "high_throughput", "low_latency_async")
 # Stage 0 sized for the small checkpoint; Stage 1 in float32, as our codec decodes
 STAGES = {0: {"gpu_memory_utilization": 0.3, "max_model_len": 1024, "max_num_batched_tokens": 1024,
               "dtype": "bfloat16"},
@@ -114,7 +117,7 @@ def offline_audio(
         # blocks hold (each request of the batch fits alone; together they do not)
         small = {"num_gpu_blocks_override": SMALL_KV["blocks"], "max_model_len": SMALL_KV["blocks"] * 16}
         stages = STAGES | {0: STAGES[0] | small} if small_kv else STAGES
-        yaml_path = derived_yaml(deploy_yaml("ours", profile), tmp / f"{name}.yaml", stages)
+        yaml_path = derived_yaml(profile_yaml("ours", profile, tmp), tmp / f"{name}.yaml", stages)
         out, scores = tmp / name, tmp / f"{name}_scores"
         out.mkdir()
         log = Path(os.environ.get("HIGGS_VLLM_LOG_DIR") or tmp, f"omni_{name}.log")
@@ -253,8 +256,11 @@ def test_the_adapter_takes_the_graph_path_its_profile_calls_for(offline):
     profile, _ = offline
     log = _LOGS[profile]
     want = {"low_latency": "local MLP graphs off: vLLM captures CUDA graphs",
+            "low_latency_async": "local MLP graphs off: vLLM captures CUDA graphs",
             "high_throughput": "local MLP graphs on: vLLM enforce_eager=True"}[profile]  # fmt: skip
     assert want in log, [x for x in log.splitlines() if "higgs" in x.lower()][:20]
+    if profile == "low_latency_async":  # vLLM kept it on for Stage 0 (it says so when it turns it off)
+        assert "Asynchronous scheduling is enabled" in log
     assert "capture failed" not in log
 
 
