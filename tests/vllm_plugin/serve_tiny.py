@@ -93,7 +93,8 @@ def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512, llm_kwa
     )
     prompts, params = build_requests(tok, cfg, spec)
     scores_path = os.environ.get("HIGGS_RECORD_SCORES")  # the engine in this process (workers: score_probe/)
-    recorded = record_scores(in_process(talker_for(llm.llm_engine.vllm_config))) if scores_path else None
+    adapter = in_process(talker_for(llm.llm_engine.vllm_config)) if scores_path else None
+    recorded = record_scores(adapter) if adapter is not None else None
     outputs: list = [None] * len(spec)
     for wave in sorted({r.get("wave", 0) for r in spec}):
         batch = [i for i, r in enumerate(spec) if r.get("wave", 0) == wave]
@@ -103,6 +104,7 @@ def main(ckpt: str, spec: list[dict], max_num_batched_tokens: int = 512, llm_kwa
     if recorded is not None:
         import torch
 
+        adapter.slots.settle()  # the last step's rows reach the records when something reads them
         torch.save({key: as_record(key, steps)["scaled"] for key, steps in recorded.items()}, scores_path)
     if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":  # the adapter lives in this process: findable
         assert talker_for(llm.llm_engine.vllm_config) is not None, "no talker adapter for this engine's config"

@@ -216,6 +216,26 @@ def test_the_omni_runner_order_with_cuda_events(probe, tmp_path):
     assert decode["remainder_us"]["min"] >= 0
 
 
+def test_sync_debug_is_turned_on_at_the_first_entry_point_only_when_asked(probe, monkeypatch):
+    """``HIGGS_STEP_TIMING_SYNC_DEBUG`` reaches ``torch.cuda.set_sync_debug_mode`` when the recorder starts (the
+    first entry point, after start-up), on a CUDA machine; unset, or without CUDA, nothing is changed."""
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("HIGGS_STEP_TIMING_SYNC_DEBUG", raising=False)
+    probe._get_recorder()
+    assert modes == []
+    probe._recorder = None
+    monkeypatch.setenv("HIGGS_STEP_TIMING_SYNC_DEBUG", "warn")
+    probe._get_recorder()
+    probe._get_recorder()  # started once
+    assert modes == ["warn"]
+    probe._recorder = None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    probe._get_recorder()
+    assert modes == ["warn"]
+
+
 def test_sitecustomize_installs_the_probe_and_runs_the_one_it_hides(tmp_path):
     hidden = tmp_path / "hidden"
     hidden.mkdir()

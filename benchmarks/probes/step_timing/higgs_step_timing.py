@@ -25,6 +25,9 @@ the rows of ``compute_logits``). Kinds: ``decode`` (one token per request), ``pr
 ``replayed`` (no Python forward and no token count: a replayed FULL decode graph), ``other`` (dummy, profile and
 capture runs); categories split them by batch size (1, 2-3, 4-7, ...).
 
+``HIGGS_STEP_TIMING_SYNC_DEBUG=warn`` also has torch warn, once per line of Python, at each call that waits for the
+GPU from the first entry point on (``_watch_syncs``): where a step's host waits, in our code or vLLM's.
+
 Output: ``$HIGGS_STEP_TIMING_DIR/steps_<pid>.json`` (atomically replaced) after the first real step, then when
 ``HIGGS_STEP_TIMING_EVERY`` (100) real steps and ``HIGGS_STEP_TIMING_FLUSH_S`` (2 s) have passed since the last
 write, and at exit (atexit and multiprocessing's finalizers; a process killed outright loses the steps since its
@@ -35,10 +38,11 @@ a worker slower to end loses its final write. To keep it, shut the engine down e
 as ``tests/vllm_plugin/serve_tiny.py`` does. ``summarize.py DIR`` prints the tables.
 
 Limits: the remainder is not broken down (runner, scheduler, process hops); a replayed graph's inside and the GPU's
-idle time inside an event span are not seen; an entry point that waits for the GPU (``sample`` copies the codes to
-the host) counts the wait as host time; the entry points are assumed to be called from one thread (vLLM's and
-vllm-omni's runners do); the per-step records stay in memory (a few hundred bytes a step) and a write re-summarises
-the categories that changed (on the 2-core CPU machine 83 ms for one category of 20,000 steps: probe time).
+idle time inside an event span are not seen; an entry point that waits for the GPU (our ``make_omni_output`` waits
+for the step before's rows) counts the wait as host time; the entry points are assumed to be called from one thread
+(vLLM's and vllm-omni's runners do); the per-step records stay in memory (a few hundred bytes a step) and a write
+re-summarises the categories that changed (on the 2-core CPU machine 83 ms for one category of 20,000 steps: probe
+time).
 """
 
 from __future__ import annotations
@@ -116,7 +120,20 @@ def _get_recorder() -> Recorder:
                              _settings.setdefault("classes", []))  # fmt: skip
         atexit.register(_final_flush)
         multiprocessing.util.Finalize(None, _final_flush, exitpriority=100)  # a multiprocessing child's exit
+        _watch_syncs(os.environ.get("HIGGS_STEP_TIMING_SYNC_DEBUG"))
     return _recorder
+
+
+def _watch_syncs(mode: str | None) -> None:
+    """``HIGGS_STEP_TIMING_SYNC_DEBUG=warn`` (or ``error``): from the first entry point on (start-up and graph
+    capture left out), torch reports each call that waits for the GPU (a blocking copy, ``.item()``, a boolean
+    of a CUDA tensor), warning once per line of Python that made it (``torch.cuda.set_sync_debug_mode``). An
+    explicit ``Event.synchronize`` is not reported."""
+    if mode:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode(mode)
 
 
 def _final_flush() -> None:

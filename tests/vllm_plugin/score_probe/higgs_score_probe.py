@@ -42,32 +42,40 @@ def probe_env(directory: str | os.PathLike) -> dict[str, str]:
 
 def record_scores(adapter) -> dict[str, dict[int, tuple]]:
     """Wrap ``adapter``'s sampling; returns ``{request id: {row index: (scaled [C, V], row [C])}}``, filled as the
-    runner samples."""
+    steps' rows reach the host records (``RequestSlots.settle``: a step is recorded a step later than sampled)."""
+    from collections import deque
+
     import torch
 
     import higgs_talker.heads.slots as slots_module
 
     recorded: dict[str, dict[int, tuple]] = {}
-    pending: list = []  # this step's (row index, scaled [C, V]) per request, kept once the step says what it published
-    real_codes, real_sample = slots_module.sample_codes, adapter.sample_codes
+    ranked: list = []  # the step being sampled: (row index, scaled [C, V]) per request
+    sampled: deque = deque()  # per step on its way to the host records, oldest first: its rankings (or None)
+    slots = adapter.slots
+    real_codes, real_later, real_record = slots_module.sample_codes, slots.record_later, slots.record
 
     def ranking(logits, temperature, top_k, top_p, seeds, steps, **shortcuts):
         t = torch.where(temperature > 0, temperature.float(), torch.ones_like(temperature.float()))
         scaled = (logits.float() / t[:, None, None]).cpu()
-        pending[:] = [(int(steps[i]), scaled[i]) for i in range(scaled.shape[0])]
+        ranked[:] = [(int(steps[i]), scaled[i]) for i in range(scaled.shape[0])]
         return real_codes(logits, temperature, top_k, top_p, seeds, steps, **shortcuts)
 
-    def sampling(*args, **kwargs):
-        pending.clear()
-        step = adapter.step
-        published = real_sample(*args, **kwargs)
-        if step is not None and len(pending) == step.num_reqs:
-            for key, row, (t, scaled) in zip(step.req_ids, published, pending, strict=False):
-                if row is not None:
+    def record_later(req_ids, results):
+        sampled.append(list(ranked) if len(ranked) == len(req_ids) else None)
+        ranked.clear()
+        return real_later(req_ids, results)  # settles the step before (``record`` pops its rankings)
+
+    def record(req_ids, host):
+        published = real_record(req_ids, host)
+        ranks = sampled.popleft() if sampled else None
+        if ranks is not None:
+            for key, row, (t, scaled) in zip(req_ids, published, ranks, strict=True):
+                if key is not None and row is not None:
                     recorded.setdefault(key, {})[t] = (scaled, row.reshape(-1).long().cpu())
         return published
 
-    slots_module.sample_codes, adapter.sample_codes = ranking, sampling
+    slots_module.sample_codes, slots.record_later, slots.record = ranking, record_later, record
     return recorded
 
 
@@ -88,7 +96,7 @@ class Recording:
     def __init__(self, adapter, directory: str | os.PathLike) -> None:
         self.directory, self.pid = Path(directory), os.getpid()
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.recorded = record_scores(adapter)
+        self.recorded, self.slots = record_scores(adapter), adapter.slots
         for name in ("on_requests_finished", "on_requests_removed"):
             real = getattr(adapter, name)
             setattr(adapter, name, functools.partial(self._leaving, real))
@@ -96,6 +104,7 @@ class Recording:
         atexit.register(self.write)
 
     def _leaving(self, real, req_ids, *args, **kwargs):
+        self.slots.settle()  # the leaving requests' last sampled rows (the adapter drops them unrecorded)
         out = real(req_ids, *args, **kwargs)
         self.write([r for r in req_ids if r in self.recorded])
         return out
