@@ -8,8 +8,9 @@ Talkers: ``ours`` (this project's plugin installed: vllm-omni's Higgs architectu
 our packaged profiles (``higgs_talker/vllm_plugin/deploy``); ``upstream`` (``VLLM_PLUGINS=vllm_omni_register_models``
 in its processes, so only vllm-omni's own plugin loads) with vllm-omni's own YAMLs. Profiles: ``low_latency``,
 ``high_throughput``, and two derived from each talker's low-latency YAML (``DERIVED``): ``full_decode_64`` (FULL
-decode graphs up to 64 streams), ``full_decode_64_no_prefix_cache`` (the same, prefix caching off) and
-``low_latency_async`` (vLLM's async scheduling asked for). Each
+decode graphs up to 64 streams), ``full_decode_64_no_prefix_cache`` (the same, prefix caching off),
+``low_latency_async`` (vLLM's async scheduling asked for) and ``low_latency_frame_graphs`` (our frame graphs
+asked for in Stage 0's ``hf_overrides``; vllm-omni's talker ignores the key). Each
 (talker, profile, path) runs in its own process (a fresh CUDA context; ``Omni`` and ``vllm-omni serve`` start their
 own stage processes), on one checkpoint: ``omni_checkpoint.py``'s (4B shape, random bf16 weights, EOC suppressed,
 the real-layout random codec). Lengths are forced (``max_tokens = min_tokens`` =
@@ -50,10 +51,18 @@ from pathlib import Path
 from typing import Any
 
 TALKERS = ("ours", "upstream")
-PROFILES = ("low_latency", "high_throughput", "full_decode_64", "full_decode_64_no_prefix_cache", "low_latency_async")
+PROFILES = (
+    "low_latency",
+    "high_throughput",
+    "full_decode_64",
+    "full_decode_64_no_prefix_cache",
+    "low_latency_async",
+    "low_latency_frame_graphs",
+)
 # Profiles measured beside the two packaged ones (issue #28): each talker's low-latency YAML (vLLM's FULL decode
 # graphs) with 64 streams and graphs up to 64, prefix caching as it is or off; and with vLLM's async scheduling
-# asked for (vLLM turns it off, with a warning, where the stage's scheduler cannot do it)
+# asked for (vLLM turns it off, with a warning, where the stage's scheduler cannot do it); and with our frame graphs
+# (cuda_graphs.frame, asked for through the model config; vllm-omni's talker ignores the key)
 FULL_64 = {
     "max_num_seqs": 64,
     "compilation_config": {
@@ -65,7 +74,9 @@ FULL_64 = {
 DERIVED = {"full_decode_64": ("low_latency", {0: FULL_64, 1: {"max_num_seqs": 64}}),
            "full_decode_64_no_prefix_cache": ("low_latency", {0: FULL_64 | {"enable_prefix_caching": False},
                                                               1: {"max_num_seqs": 64}}),
-           "low_latency_async": ("low_latency", {0: {"async_scheduling": True}})}  # fmt: skip
+           "low_latency_async": ("low_latency", {0: {"async_scheduling": True}}),
+           "low_latency_frame_graphs": ("low_latency",
+                                        {0: {"hf_overrides": {"higgs_frame_graphs": True}}})}  # fmt: skip
 PATHS = ("offline", "http", "direct")
 LEVELS = (1, 4, 16, 64)
 SAMPLE_RATE = 24000

@@ -122,18 +122,18 @@ class SpanStep:
         use.index_copy_(0, self.tails, fed)
         codes.index_copy_(0, self.tails, last)
 
-    def sample(self, slots: RequestSlots, head, params: tuple[Tensor, Tensor, Tensor]) -> None:
-        """Sample this step's frames from ``hidden``, their host record left to ``slots.settle`` (no host sync
-        here: the host may go on to the next step while this one runs). Seed rows open a fresh stream
-        (remembering where), done rows close theirs; params: per-row (temperature, top_k, top_p) [B] each."""
-        modes, s = self.modes, self.slots
-        tail_pos = self.positions.index_select(0, self.tails)
-        slots.seed_pos.index_copy_(0, s, torch.where(modes.seed, tail_pos, slots.seed_pos.index_select(0, s)))
-        logits = head(self.hidden).float()  # [B, C, V]
-        fresh = modes.seed | modes.done
-        emitted, new = sample_frame(slots.store, s, logits, params=params, active=modes.code_rows, fresh=fresh)
-        host = torch.cat([emitted, modes.code_rows[:, None], new.has_codes[:, None], new.done[:, None]], dim=1)
-        slots.record_later(self.req_ids, host.to(torch.int32))
+    def sample(self, slots: RequestSlots, head, params: tuple[Tensor, Tensor, Tensor], frames=None) -> None:
+        """Sample this step's frames from ``hidden`` (``frame_results``), their host record left to
+        ``slots.settle`` (no host sync here: the host may go on to the next step while this one runs); params:
+        per-row (temperature, top_k, top_p) [B] each. ``frames`` (``cuda_graphs.frame.FrameGraphs``) replays the
+        same work from a CUDA graph where it holds the batch."""
+        modes = self.modes
+        args = (self.slots, self.hidden, modes.seed, modes.done, modes.code_rows,
+                self.positions.index_select(0, self.tails), params)  # fmt: skip
+        results = frames.run(*args) if frames is not None else None
+        if results is None:
+            results = frame_results(slots, head, *args)
+        slots.record_later(self.req_ids, results)
 
     def adopt_seeds(self, slots: RequestSlots, seeds: dict[int, int]) -> None:
         """vLLM hands a request's own seed over (batch index -> seed) at its first sample: the requests new this
@@ -233,6 +233,27 @@ class StepBuffers:
         if t <= self.capacity:
             return feed_back(embeds, self.use[:t], self.codes[:t], embedding)
         return embeds if step is None else step.feed_tails(slots, embeds, embedding)
+
+
+def frame_results(
+    slots: RequestSlots,
+    head,
+    step_slots: Tensor,
+    hidden: Tensor,
+    seed: Tensor,
+    done: Tensor,
+    code_rows: Tensor,
+    tail_pos: Tensor,
+    params: tuple[Tensor, Tensor, Tensor],
+) -> Tensor:
+    """One step's frame work on the device (graph-safe: no host sync): seed rows open a fresh stream (remembering
+    where: ``tail_pos``), done rows close theirs, ``code_rows`` produce a frame; the slots ``step_slots`` [B] advance
+    in place. hidden [B, H]; seed, done, code_rows [B] bool; tail_pos [B] int64. Returns the results [B, C + 3]
+    int32 that ``RequestSlots.record`` reads: the emitted row, then the valid, active and done flags."""
+    slots.seed_pos.index_copy_(0, step_slots, torch.where(seed, tail_pos, slots.seed_pos.index_select(0, step_slots)))
+    logits = head(hidden).float()  # [B, C, V]
+    emitted, new = sample_frame(slots.store, step_slots, logits, params=params, active=code_rows, fresh=seed | done)
+    return torch.cat([emitted, code_rows[:, None], new.has_codes[:, None], new.done[:, None]], dim=1).to(torch.int32)
 
 
 def rows_or_empty(rows: list, num_codebooks: int) -> list[Tensor]:

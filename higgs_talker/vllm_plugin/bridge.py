@@ -184,7 +184,8 @@ class RowsWorkerExtension:
         specials = None if talker.specials is None else {"audio": talker.specials.audio, "eos": talker.specials.eos}
         return {"arch_class": type(talker).__module__ + ":" + type(talker).__qualname__, "specials": specials,
                 "loaded": sorted(talker.loaded_weight_names), "stats": dict(talker.stats),
-                "graph_decision": talker.graph_decision.reason, "local_mlp": talker.local_mlp.report()}  # fmt: skip
+                "graph_decision": talker.graph_decision.reason, "local_mlp": talker.local_mlp.report(),
+                "frame_graphs": talker.frame_graphs.report() if talker.frame_graphs is not None else None}  # fmt: skip
 
 
 def request_rows(llm, keys) -> dict[str, torch.Tensor | None]:

@@ -31,12 +31,13 @@ from vllm.model_executor.models.utils import maybe_prefix
 
 from ..checkpoint import WeightRouter
 from ..config import SpecialTokens, TalkerConfig
+from ..cuda_graphs.frame import FrameGraphs
 from ..cuda_graphs.local_mlp import LocalMLPPath
 from ..cuda_graphs.policy import decide
 from ..heads.codebooks import build_codebooks
 from ..heads.sampling import row_params
 from ..heads.slots import RequestSlots, SlotStore
-from ..heads.spans import SpanStep, StepBuffers, rows_or_empty
+from ..heads.spans import SpanStep, StepBuffers, frame_results, rows_or_empty
 from . import compat
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         layers = self.model.layers[self.model.start_layer : self.model.end_layer]  # this pipeline stage's
         self.local_mlp = LocalMLPPath(layers, self.model.norm, self.graph_decision.local_mlp, max_seqs,
                                       forward_context=compat.forward_context)  # fmt: skip
+        self.frame_graphs: FrameGraphs | None = None  # captured by load_weights where asked for (cuda_graphs.frame)
         _TALKERS[getattr(vllm_config, "instance_id", "") or ""] = weakref.ref(self)
 
     def prepare_runner_inputs(self, *, input_ids: Tensor, positions: Tensor, req_ids=None, **_: Any):
@@ -212,7 +214,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
             return
         self.stats["sample_steps"] += 1
         self.step = None  # consumed: a dummy run before the next step's metadata sees none
-        step.sample(self.slots, self.modality_head, (temperature, top_k, top_p))
+        step.sample(self.slots, self.modality_head, (temperature, top_k, top_p), self.frame_graphs)
 
     def post_sample_multimodal_outputs(self, *, req_ids, invalid_req_indices=(), multimodal_outputs=None, **_):
         """For a runner that asks right after sampling (newer vllm-omni): the rows each request produced since they
@@ -255,5 +257,8 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         path = path if Path(str(path)).exists() else mc.model
         self.specials = TalkerTokenizer.from_pretrained(path, self.cfg).specials
         self.local_mlp.capture(self.cfg.text.hidden_size, self.multimodal_embedding.weight)
+        if self.frame_graphs is None:
+            seqs = compat.max_num_seqs(self.vllm_config)
+            self.frame_graphs = FrameGraphs.if_asked(mc.hf_config, frame_results, self.slots, self.modality_head, seqs)
         self.loaded_weight_names = frozenset(loaded)
         return loaded

@@ -160,6 +160,10 @@ def test_bench_omnis_deploy_yamls_and_their_test_variants_parse(talker, profile,
     if profile == "low_latency_async":
         stage0 = next(s for s in load_deploy_config(base).stages if s.stage_id == 0)
         assert stage0.async_scheduling is True and not stage0.enforce_eager
+    if profile == "low_latency_frame_graphs":
+        stage0 = next(s for s in load_deploy_config(base).stages if s.stage_id == 0)
+        overrides = getattr(stage0, "hf_overrides", None) or (stage0.engine_extras or {}).get("hf_overrides")
+        assert overrides == {"higgs_frame_graphs": True} and not stage0.enforce_eager, overrides
     derived = derived_yaml(base, tmp_path / "derived.yaml", {0: {"max_model_len": 1024}, 1: {"dtype": "float32"}})
     for path in (base, derived):
         cfg = load_deploy_config(path)

@@ -9,8 +9,9 @@ stream bit for bit; test_e2e_cpu.py: the score probe inside vLLM's engine-core p
 
 A small checkpoint (head_dim 64, bf16 talker, EOC pushed down) with the real-layout random codec
 (``benchmarks/omni_checkpoint.py``) runs through ``Omni(model, deploy_config)`` in both of our deploy profiles
-(``omni_run.py`` in its own process), Stage 1 in float32. The score probe (``score_probe/``, loaded into the
-Stage-0 worker through its ``sitecustomize``) records what Stage 0's sampler ranked at every row it published.
+and in the low-latency one with our frame graphs (``omni_run.py`` in its own process), Stage 1 in float32. The
+score probe (``score_probe/``, loaded into the Stage-0 worker through its ``sitecustomize``) records what Stage 0's
+sampler ranked at every row it published.
 
 - offline, greedy and seeded top-k/top-p requests and a voice clone (sent as vllm-omni 0.26's speech endpoint
   sends one: -100 placeholders, rows without positions), each: Stage 0's scores at every row within the bounds
@@ -85,8 +86,9 @@ SMALL_KV = {"keys": ["greedy", "topkp", "deploy"], "max_tokens": 120, "alone": F
 # (vllm-omni 0.26, 2026-12-04) its rows and scores passed these checks but an EOS-ended request's Omni audio came
 # out twice as long (116160 samples for 58560), as if vllm-omni's async-chunk hand-over flushed the finished
 # request again for the step async scheduling runs past its EOS (docs/serving-vllm.md); bench_omni's requests end
-# by length, where it does not show
-PROFILES = ("low_latency", "high_throughput")
+# by length, where it does not show. low_latency_frame_graphs: the low-latency YAML with our frame graphs asked for
+# (cuda_graphs.frame; not yet run on a GPU)
+PROFILES = ("low_latency", "high_throughput", "low_latency_frame_graphs")
 # Stage 0 sized for the small checkpoint; Stage 1 in float32, as our codec decodes
 STAGES = {0: {"gpu_memory_utilization": 0.3, "max_model_len": 1024, "max_num_batched_tokens": 1024,
               "dtype": "bfloat16"},
@@ -258,8 +260,9 @@ def test_the_adapter_takes_the_graph_path_its_profile_calls_for(offline):
     profile, _ = offline
     log = _LOGS[profile]
     want = {"low_latency": "local MLP graphs off: vLLM captures CUDA graphs",
+            "low_latency_frame_graphs": "frame graphs captured for batch buckets (1, 2, 4, 8, 16) (failed: none)",
             "high_throughput": "local MLP graphs on: vLLM enforce_eager=True"}[profile]  # fmt: skip
-    assert want in log, [x for x in log.splitlines() if "higgs" in x.lower()][:20]
+    assert want in log, [x for x in log.splitlines() if "higgs" in x.lower() or "frame graphs" in x][:20]
     assert "capture failed" not in log
 
 

@@ -1,0 +1,84 @@
+"""Frame graphs (``higgs_talker.cuda_graphs.frame``) on a CUDA device at the 4B head shape: their capture, replay
+against the eager frame over 24 steps of a batch whose size changes (40 down to 1 row), and the host time of one
+step's frame work, eager against replayed, at 1 and 16 rows (p50 of 35 steps, the device idle before each).
+
+    PYTHONPATH=$PWD python3 benchmarks/probes/frame_graphs_probe.py
+"""
+
+import time
+
+import torch
+
+from higgs_talker.cuda_graphs.frame import FrameGraphs
+from higgs_talker.heads.slots import RequestSlots, SlotStore
+from higgs_talker.heads.spans import frame_results
+
+dev = torch.device("cuda")
+C, V, H = 8, 1026, 2560
+head_w = torch.randn(C * V, H, device=dev, dtype=torch.bfloat16) * 0.02
+
+
+class Head(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(head_w, requires_grad=False)
+
+    def forward(self, h):
+        return torch.nn.functional.linear(h, self.weight).view(h.shape[0], C, V)
+
+
+head = Head()
+
+
+def mk():
+    return RequestSlots(SlotStore(64, C, V, 1024, 1025, dev), seed=3)
+
+
+def batch(slots, ids, step):
+    s, _ = slots.sync(ids)
+    b = len(ids)
+    g = torch.Generator(device=dev).manual_seed(100 + step)
+    hidden = (torch.randn(b, H, generator=g, device=dev) * 3).to(torch.bfloat16)
+    seed = torch.full((b,), step == 0, device=dev)
+    done = torch.zeros(b, dtype=torch.bool, device=dev)
+    code = torch.ones(b, dtype=torch.bool, device=dev)
+    tail = torch.full((b,), 5 + step, device=dev)
+    params = (torch.ones(b, device=dev), torch.full((b,), 50, device=dev), torch.full((b,), 0.95, device=dev))
+    return s, hidden, seed, done, code, tail, params
+
+
+cfg = type("Cfg", (), {"higgs_frame_graphs": True})()
+graphed, eager = mk(), mk()
+t0 = time.perf_counter()
+graphs = FrameGraphs.if_asked(cfg, frame_results, graphed, head, 64)
+print(f"captured {graphs.sizes} failed {graphs.failed} in {time.perf_counter() - t0:.2f} s")
+ids = [f"r{i}" for i in range(40)]
+bad = 0
+for step in range(24):
+    n = [40, 33, 16, 9, 3, 1][step % 6]
+    got = graphs.run(*batch(graphed, ids[:n], step))
+    want = frame_results(eager, head, *batch(eager, ids[:n], step))
+    bad += 0 if torch.equal(got, want) else 1
+print(f"replay vs eager over 24 steps (batches 40..1): {bad} steps differ; replays {graphs.replays}")
+for b in (1, 16):
+    sl = mk()
+    fg = FrameGraphs.if_asked(cfg, frame_results, sl, head, 64)
+    ids = [f"q{i}" for i in range(b)]
+
+    def eager_step(a, sl=sl):
+        return frame_results(sl, head, *a)
+
+    def graph_step(a, fg=fg):
+        return fg.run(*a)
+
+    for label, fn in (("eager", eager_step), ("graph", graph_step)):
+        times = []
+        for step in range(40):
+            a = batch(sl, ids, step)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn(a)
+            times.append((time.perf_counter() - t0) * 1e3)
+        times = sorted(times[5:])
+        torch.cuda.synchronize()
+        print(f"b={b} {label}: host ms p50 {times[len(times) // 2]:.3f}")

@@ -1,0 +1,153 @@
+"""Frame graphs for the vLLM adapter: one step's frame work (``heads.spans.frame_results``: codebook head, masks,
+sampler, state update, the results row) replayed from a CUDA graph per batch bucket.
+
+Eagerly that work is a few hundred small launches: on the H200 its host time is about 2.25 ms a step at batch 1
+and at 16 (``sample`` in the step-timing probe, and the same pieces alone with torch's sync debug mode finding no
+synchronizing call), more than half of a 4B decode step's device time. vLLM's FULL decode graph covers the
+forward only; the adapter's sampling runs after it, outside any capture.
+
+Each bucket has static inputs (slots, hidden rows, row modes, tail positions, sampling parameters) and one static
+output (the results). Rows past the batch are padding: they read and write the store's scratch slot and produce
+nothing. Captured after the weights are loaded (largest bucket first, one pool), each bucket is replayed once on
+random rows of the scratch slot and compared with an eager run from the same state; any difference, or any error,
+leaves that bucket eager with one warning (``capture.capture_buckets``). ``run`` returns None (run eagerly) for a
+batch no bucket holds and while a stream is capturing.
+
+The adapter captures them where its model config asks (``higgs_frame_graphs: true``, e.g. a deploy YAML stage's
+``hf_overrides``; ``FrameGraphs.if_asked``): off by default until their H200 run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from .buckets import DEFAULT_BUCKETS, bucket_for, normalize_buckets
+from .capture import capture_buckets, capture_checked, graph_pool
+
+logger = logging.getLogger(__name__)
+
+# frame_results(slots, head, step_slots, hidden, seed, done, code_rows, tail_pos, params) -> results [B, C + 3]
+FrameFn = Callable[..., Tensor]
+OPTION = "higgs_frame_graphs"  # the model config attribute that asks for them
+
+
+class _Bucket:
+    def __init__(self, size: int, hidden_size: int, dtype: torch.dtype, device: torch.device, scratch: int) -> None:
+        self.size, self.scratch, self.filled = size, scratch, size  # rows [filled:] hold padding
+        self.slots = torch.full((size,), scratch, dtype=torch.long, device=device)
+        self.hidden = torch.zeros(size, hidden_size, dtype=dtype, device=device)
+        self.seed = torch.zeros(size, dtype=torch.bool, device=device)
+        self.done = torch.zeros(size, dtype=torch.bool, device=device)
+        self.code_rows = torch.zeros(size, dtype=torch.bool, device=device)
+        self.tail_pos = torch.zeros(size, dtype=torch.long, device=device)
+        self.temperature = torch.ones(size, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(size, dtype=torch.long, device=device)
+        self.top_p = torch.ones(size, dtype=torch.float32, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.results: Tensor | None = None
+
+    def args(self) -> tuple:
+        params = (self.temperature, self.top_k, self.top_p)
+        return self.slots, self.hidden, self.seed, self.done, self.code_rows, self.tail_pos, params
+
+    def write(self, step_slots, hidden, seed, done, code_rows, tail_pos, params) -> None:
+        """Copy a batch of B rows in; rows B.. become padding (only those a larger batch filled before)."""
+        b = step_slots.shape[0]
+        for buf, value in zip(self.args()[:6], (step_slots, hidden, seed, done, code_rows, tail_pos), strict=True):
+            buf[:b].copy_(value)
+        for buf, value in zip(self.args()[6], params, strict=True):
+            buf[:b].copy_(value)
+        if self.filled > b:
+            self.pad(b)
+        self.filled = b
+
+    def pad(self, start: int) -> None:
+        self.slots[start:].fill_(self.scratch)
+        for flag in (self.seed, self.done, self.code_rows):
+            flag[start:].fill_(False)
+
+
+class FrameGraphs:
+    """Graphs of ``frame(slots, head, *args)`` for the batch buckets of ``buckets``, over ``slots`` (a
+    ``RequestSlots``) and ``head`` (the codebook head)."""
+
+    def __init__(self, frame: FrameFn, slots, head, buckets: Sequence[int], max_batch: int) -> None:
+        self.frame, self.slots, self.head = frame, slots, head
+        self.requested = normalize_buckets(buckets, max_batch)
+        self.buckets: dict[int, _Bucket] = {}
+        self.failed: dict[int, str] = {}
+        self.replays = 0
+
+    @classmethod
+    def if_asked(cls, config, frame: FrameFn, slots, head, max_batch: int) -> FrameGraphs | None:
+        """Captured for the decode buckets up to ``max_batch`` where ``config`` (the model's HF config) has
+        ``OPTION`` true and ``head`` is on CUDA, else None."""
+        weight = head.weight
+        if weight.device.type != "cuda" or getattr(config, OPTION, False) is not True:
+            return None
+        graphs = cls(frame, slots, head, DEFAULT_BUCKETS, max_batch)
+        with torch.no_grad():  # not inference mode: its tensors could not be written outside it
+            graphs.capture(weight.shape[1], weight.dtype, weight.device)
+        logger.info("frame graphs captured for batch buckets %s (failed: %s)", graphs.sizes, graphs.failed or "none")
+        return graphs
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self.buckets))
+
+    def capture(self, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Capture and check every bucket, largest first; outside any stream capture."""
+        self._pool_owner = graph_pool()
+        store = self.slots.store
+
+        def capture_one(size: int) -> _Bucket:
+            bucket = _Bucket(size, hidden_size, dtype, device, store.scratch)
+            bucket.graph, bucket.results = capture_checked(
+                lambda: self.frame(self.slots, self.head, *bucket.args()), store, size, self._pool_owner.id,
+                refresh=lambda: self._check_rows(bucket),
+            )  # fmt: skip
+            bucket.pad(0)
+            bucket.filled = 0
+            return bucket
+
+        buckets, failed = capture_buckets(self.requested, capture_one, "frame graph")
+        self.buckets |= buckets
+        self.failed |= failed
+
+    @staticmethod
+    def _check_rows(bucket: _Bucket) -> None:
+        """The rows the capture check runs on: random hidden rows, every row sampling a frame of a fresh stream
+        with top-k and top-p on, all in the scratch slot (whose state the check restores between runs)."""
+        g = torch.Generator(device=bucket.hidden.device).manual_seed(bucket.size)
+        noise = torch.randn(bucket.hidden.shape, generator=g, device=bucket.hidden.device)
+        bucket.hidden.copy_(noise * 3)
+        bucket.slots.fill_(bucket.scratch)
+        bucket.seed.fill_(True)
+        bucket.done.fill_(False)
+        bucket.code_rows.fill_(True)
+        bucket.tail_pos.fill_(5)
+        bucket.temperature.fill_(1.0)
+        bucket.top_k.fill_(50)
+        bucket.top_p.fill_(0.95)
+
+    def run(self, step_slots, hidden, seed, done, code_rows, tail_pos, params) -> Tensor | None:
+        """``frame``'s results [B, C + 3] for a batch of B rows from the graph of the smallest bucket that holds
+        it (a view of its static output, valid until that bucket replays again); None: run eagerly."""
+        b = step_slots.shape[0]
+        size = bucket_for(b, self.sizes)
+        if size is None or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            return None
+        bucket = self.buckets[size]
+        bucket.write(step_slots, hidden, seed, done, code_rows, tail_pos, params)
+        bucket.graph.replay()
+        self.replays += 1
+        return bucket.results[:b]
+
+    def report(self) -> dict:
+        """Steps replayed, buckets captured, buckets whose capture failed (why)."""
+        failed = {str(k): v for k, v in self.failed.items()}
+        return {"replays": self.replays, "buckets": list(self.sizes), "failed": failed}

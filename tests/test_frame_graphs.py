@@ -1,0 +1,110 @@
+"""The vLLM adapter's frame graphs (``cuda_graphs.frame``): a step's frame work replayed per batch bucket.
+
+On CPU the bucket logic runs with the graph's replay played by the eager frame over the bucket's static tensors
+(what a captured graph does): a batch smaller than its bucket gets the eager results of its own rows, and the
+padding rows touch no request's slot. On CUDA (marked gpu) the real capture: its check fails a frame that is not
+the one captured, and replays give the eager results over several steps of a live batch whose size changes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from higgs_talker.cuda_graphs.frame import FrameGraphs, _Bucket
+from higgs_talker.heads.slots import RequestSlots, SlotStore
+from higgs_talker.heads.spans import frame_results
+
+C, V, BOC, EOC, H = 8, 1026, 1024, 1025, 32
+
+
+def _slots(device) -> RequestSlots:
+    return RequestSlots(SlotStore(16, C, V, BOC, EOC, device), seed=3)
+
+
+def _head(device):
+    w = torch.randn(C * V, H, generator=torch.Generator().manual_seed(1)).to(device)
+    return lambda h: torch.nn.functional.linear(h.float(), w).view(h.shape[0], C, V)
+
+
+def _batch(slots: RequestSlots, ids: list[str], step: int, device) -> tuple:
+    """A decode step of ``ids``: the first step opens each stream (seed rows), later ones produce frames."""
+    s, _ = slots.sync(ids)
+    b = len(ids)
+    g = torch.Generator().manual_seed(100 + step)
+    hidden = (torch.randn(b, H, generator=g) * 3).to(device)
+    seed = torch.full((b,), step == 0, device=device)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    code_rows = torch.ones(b, dtype=torch.bool, device=device)
+    tail_pos = torch.full((b,), 5 + step, device=device)
+    params = (torch.ones(b, device=device), torch.full((b,), 50, device=device), torch.full((b,), 0.95, device=device))
+    return s, hidden, seed, done, code_rows, tail_pos, params
+
+
+def _state(slots: RequestSlots) -> list[torch.Tensor]:
+    st = slots.store
+    return [t.clone() for t in (*vars(st.state).values(), st.num_rows, slots.seed_pos)]
+
+
+class _Replay:
+    """Plays a captured graph on CPU: runs the frame over the bucket's static tensors into its static output."""
+
+    def __init__(self, graphs: FrameGraphs, bucket: _Bucket) -> None:
+        self.graphs, self.bucket = graphs, bucket
+
+    def replay(self) -> None:
+        g, b = self.graphs, self.bucket
+        b.results.copy_(g.frame(g.slots, g.head, *b.args()))
+
+
+def test_a_bucket_gives_a_smaller_batch_its_own_rows_and_pads_with_the_scratch_slot():
+    dev = torch.device("cpu")
+    head = _head(dev)
+    graphed, eager = _slots(dev), _slots(dev)
+    graphs = FrameGraphs(frame_results, graphed, head, [4], max_batch=4)
+    bucket = _Bucket(4, H, torch.float32, dev, graphed.store.scratch)
+    bucket.results = torch.zeros(4, C + 3, dtype=torch.int32)
+    bucket.graph = _Replay(graphs, bucket)
+    graphs.buckets[4] = bucket
+    for step, ids in enumerate((["a", "b", "c"], ["a", "b", "c"], ["a", "c"], ["a", "b", "c", "d"], ["d"])):
+        got = graphs.run(*_batch(graphed, ids, step, dev))
+        want = frame_results(eager, head, *_batch(eager, ids, step, dev))
+        assert got.shape == want.shape and torch.equal(got, want), (step, ids)
+        live = [graphed.requests[r].slot for r in ids]
+        for a, b in zip(_state(graphed), _state(eager), strict=True):  # every live slot as eager left it
+            assert torch.equal(a[live], b[live])
+    assert graphs.replays == 5 and graphs.run(*_batch(graphed, list("abcdef"), 9, dev)) is None  # no bucket: eager
+    assert bool(bucket.code_rows[1:].any()) is False and bucket.slots[1:].eq(graphed.store.scratch).all()
+
+
+@pytest.mark.gpu
+def test_frame_graphs_replay_the_eager_frame_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    dev = torch.device("cuda")
+    head = _head(dev)
+    graphed, eager = _slots(dev), _slots(dev)
+    graphs = FrameGraphs(frame_results, graphed, head, [1, 2, 4, 8, 16], max_batch=16)
+    graphs.capture(H, torch.float32, dev)
+    assert graphs.sizes == (1, 2, 4, 8, 16) and not graphs.failed
+    ids = [f"r{i}" for i in range(11)]
+    for step in range(12):
+        batch = ids[: 11 - (step % 4) * 3]  # 11, 8, 5, 2 rows: buckets 16, 8, 8, 2
+        got = graphs.run(*_batch(graphed, batch, step, dev))
+        want = frame_results(eager, head, *_batch(eager, batch, step, dev))
+        assert torch.equal(got, want), step
+    assert graphs.replays == 12
+    for a, b in zip(_state(graphed), _state(eager), strict=True):
+        live = [graphed.requests[r].slot for r in ids]
+        assert torch.equal(a[live], b[live])
+
+    calls = []
+
+    def drifting(*args):  # a different frame on every call: the capture check must refuse every bucket
+        calls.append(1)
+        out = frame_results(*args)
+        return out + len(calls)
+
+    broken = FrameGraphs(drifting, _slots(dev), head, [1, 4], max_batch=4)
+    broken.capture(H, torch.float32, dev)
+    assert broken.sizes == () and set(broken.failed) == {1, 4}
