@@ -1,5 +1,6 @@
 """CUDA graphs: the mode policy, batch buckets, the capture recipe, kernel choice by measurement, local MLP
-graphs, full decode-step graphs, prefill graphs, and the graph runner that wraps a ``ModelRunner``.
+graphs, full decode-step graphs, prefill graphs, the vLLM adapter's frame graphs, and the graph runner that wraps a
+``ModelRunner``.
 
 Nothing here imports the engine or the scheduler: the graph runner has the model runner's
 ``run(batch) -> rows`` contract.
