@@ -27,6 +27,7 @@ from torch import Tensor
 
 from .buckets import DEFAULT_BUCKETS, bucket_for, normalize_buckets
 from .capture import capture_buckets, capture_checked, graph_pool
+from .policy import stream_is_capturing
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ class FrameGraphs:
         it (a view of its static output, valid until that bucket replays again); None: run eagerly."""
         b = step_slots.shape[0]
         size = bucket_for(b, self.sizes)
-        if size is None or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        if size is None or stream_is_capturing():
             return None
         bucket = self.buckets[size]
         bucket.write(step_slots, hidden, seed, done, code_rows, tail_pos, params)
