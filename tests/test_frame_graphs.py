@@ -77,6 +77,24 @@ def test_a_bucket_gives_a_smaller_batch_its_own_rows_and_pads_with_the_scratch_s
     assert bool(bucket.code_rows[1:].any()) is False and bucket.slots[1:].eq(graphed.store.scratch).all()
 
 
+def test_the_option_is_a_boolean_and_asks_only_on_cuda():
+    """``higgs_frame_graphs`` (a deploy stage's ``hf_overrides``): anything but true/false is refused with its value;
+    unset, false, or a head off CUDA captures nothing."""
+    from types import SimpleNamespace
+
+    head = torch.nn.Linear(H, C * V, bias=False)
+    slots = _slots(torch.device("cpu"))
+    for value in ("true", 1, None):
+        with pytest.raises(ValueError, match=f"higgs_frame_graphs must be true or false, got {value!r}"):
+            FrameGraphs.if_asked(SimpleNamespace(higgs_frame_graphs=value), frame_results, slots, head, 4)
+    for config in (
+        SimpleNamespace(),
+        SimpleNamespace(higgs_frame_graphs=False),
+        SimpleNamespace(higgs_frame_graphs=True),
+    ):
+        assert FrameGraphs.if_asked(config, frame_results, slots, head, 4) is None  # the last: a CPU head
+
+
 @pytest.mark.gpu
 def test_frame_graphs_replay_the_eager_frame_on_cuda():
     if not torch.cuda.is_available():

@@ -86,9 +86,12 @@ class FrameGraphs:
     @classmethod
     def if_asked(cls, config, frame: FrameFn, slots, head, max_batch: int) -> FrameGraphs | None:
         """Captured for the decode buckets up to ``max_batch`` where ``config`` (the model's HF config) has
-        ``OPTION`` true and ``head`` is on CUDA, else None."""
-        weight = head.weight
-        if weight.device.type != "cuda" or getattr(config, OPTION, False) is not True:
+        ``OPTION`` true and ``head`` is on CUDA, else None; ValueError naming the value where ``OPTION`` is set to
+        anything but true or false."""
+        asked, weight = getattr(config, OPTION, False), head.weight
+        if not isinstance(asked, bool):
+            raise ValueError(f"{OPTION} must be true or false, got {asked!r}")
+        if not asked or weight.device.type != "cuda":
             return None
         graphs = cls(frame, slots, head, DEFAULT_BUCKETS, max_batch)
         with torch.no_grad():  # not inference mode: its tensors could not be written outside it
