@@ -126,3 +126,59 @@ def test_frame_graphs_replay_the_eager_frame_on_cuda():
     broken = FrameGraphs(drifting, _slots(dev), head, [1, 4], max_batch=4)
     broken.capture(H, torch.float32, dev)
     assert broken.sizes == () and set(broken.failed) == {1, 4}
+
+
+def test_the_score_probe_ranks_replayed_steps_without_advancing_them_twice(monkeypatch):
+    """The plugin suites' score probe (tests/vllm_plugin/score_probe) under frame graphs, whose replays run no
+    Python: it ranks each step with the eager frame first and puts the slots back, so the replayed results are those
+    of a run without the probe, and every published row has its scores (fails without the put-back, or without the
+    eager ranking: no row would be recorded)."""
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import higgs_talker.heads.slots as slots_module
+
+    sys.path.insert(0, str(Path(__file__).parent / "vllm_plugin" / "score_probe"))
+    monkeypatch.setattr(sys, "path", sys.path)  # restored with the patched functions below
+    import higgs_score_probe
+
+    monkeypatch.setattr(slots_module, "sample_codes", slots_module.sample_codes)
+    monkeypatch.setattr(FrameGraphs, "run", FrameGraphs.run)
+    dev = torch.device("cpu")
+    head = _head(dev)
+    graphed, eager = _slots(dev), _slots(dev)
+    graphs = FrameGraphs(frame_results, graphed, head, [4], max_batch=4)
+    bucket = _Bucket(4, H, torch.float32, dev, graphed.store.scratch)
+    bucket.results = torch.zeros(4, C + 3, dtype=torch.int32)
+    real_codes = slots_module.sample_codes
+
+    def unprobed(run):  # the probe's sampler wrapper left out (a replay runs no Python; nor is the reference probed)
+        wrapped, slots_module.sample_codes = slots_module.sample_codes, real_codes
+        try:
+            return run()
+        finally:
+            slots_module.sample_codes = wrapped
+
+    class Replay(_Replay):
+        def replay(self) -> None:
+            unprobed(super().replay)
+
+    bucket.graph = Replay(graphs, bucket)
+    graphs.buckets[4] = bucket
+    recorded = higgs_score_probe.record_scores(SimpleNamespace(slots=graphed))
+    ids, rows = ["a", "b", "c"], {k: [] for k in "abc"}
+    for step in range(4):
+        got = graphs.run(*_batch(graphed, ids, step, dev))
+        want = unprobed(lambda: frame_results(eager, head, *_batch(eager, ids, step, dev)))
+        assert torch.equal(got, want), step
+        graphed.record_later(ids, got.clone())
+        for k, row in zip(ids, want, strict=True):
+            if row[C]:  # a valid row
+                rows[k].append(row[:C].long())
+    graphed.settle()
+    assert graphs.replays == 4
+    for k in ids:
+        record = higgs_score_probe.as_record(k, recorded[k])
+        assert len(rows[k]) == 4 and torch.equal(record["rows"], torch.stack(rows[k]))
+        assert record["scaled"].shape == (4, C, V)

@@ -87,7 +87,7 @@ SMALL_KV = {"keys": ["greedy", "topkp", "deploy"], "max_tokens": 120, "alone": F
 # out twice as long (116160 samples for 58560), as if vllm-omni's async-chunk hand-over flushed the finished
 # request again for the step async scheduling runs past its EOS (docs/serving-vllm.md); bench_omni's requests end
 # by length, where it does not show. low_latency_frame_graphs: the low-latency YAML with our frame graphs asked for
-# (cuda_graphs.frame; not yet run on a GPU)
+# (cuda_graphs.frame)
 PROFILES = ("low_latency", "high_throughput", "low_latency_frame_graphs")
 # Stage 0 sized for the small checkpoint; Stage 1 in float32, as our codec decodes
 STAGES = {0: {"gpu_memory_utilization": 0.3, "max_model_len": 1024, "max_num_batched_tokens": 1024,
@@ -264,6 +264,11 @@ def test_the_adapter_takes_the_graph_path_its_profile_calls_for(offline):
             "high_throughput": "local MLP graphs on: vLLM enforce_eager=True"}[profile]  # fmt: skip
     assert want in log, [x for x in log.splitlines() if "higgs" in x.lower() or "frame graphs" in x][:20]
     assert "capture failed" not in log
+    replays = {key: record["frame_replays"] for key, record in _RECORDS[profile].items()}
+    if profile == "low_latency_frame_graphs":  # decode steps ran from the graphs (a step past its prefill)
+        assert all(n > 0 for n in replays.values()), replays
+    else:
+        assert not any(replays.values()), replays
 
 
 def test_offline_requests_match_the_float32_reference_and_the_direct_engine(offline, solo, reference, codec):

@@ -9,7 +9,8 @@ not publish (a partial prefill's, the forced EOS step's after a request's last r
 ``install(directory)`` does it for every adapter a process builds, for processes this test cannot reach into
 (vllm-omni's Stage-0 worker, vLLM's engine core): an import hook wraps the adapter class's ``__init__`` when
 ``higgs_talker.vllm_plugin.talker`` is imported. Each request's record goes to ``directory/<pid>_<request id>.pt``
-(``{"req_id", "rows" [T, C] int64, "scaled" [T, C, V] float32}``) when the runner says it finished or left the
+(``{"req_id", "rows" [T, C] int64, "scaled" [T, C, V] float32, "frame_replays"}``: the last, the steps the
+adapter's frame graphs had replayed by then) when the runner says it finished or left the
 batch, and again at the process's exit (atexit and multiprocessing's finalizers). This folder's
 ``sitecustomize.py`` calls it in every Python process started with the folder on ``PYTHONPATH`` and
 ``HIGGS_SCORE_PROBE_DIR`` set. ``load(directory)`` reads the files back: ``{request id: record}``.
@@ -48,6 +49,8 @@ def record_scores(adapter) -> dict[str, dict[int, tuple]]:
     import torch
 
     import higgs_talker.heads.slots as slots_module
+    from higgs_talker.cuda_graphs.frame import FrameGraphs
+    from higgs_talker.cuda_graphs.policy import stream_is_capturing
 
     recorded: dict[str, dict[int, tuple]] = {}
     ranked: list = []  # the step being sampled: (row index, scaled [C, V]) per request
@@ -56,6 +59,8 @@ def record_scores(adapter) -> dict[str, dict[int, tuple]]:
     real_codes, real_later, real_record = slots_module.sample_codes, slots.record_later, slots.record
 
     def ranking(logits, temperature, top_k, top_p, seeds, steps, **shortcuts):
+        if stream_is_capturing():  # a frame graph's capture: replays are ranked in ``frame_run``
+            return real_codes(logits, temperature, top_k, top_p, seeds, steps, **shortcuts)
         t = torch.where(temperature > 0, temperature.float(), torch.ones_like(temperature.float()))
         scaled = (logits.float() / t[:, None, None]).cpu()
         ranked[:] = [(int(steps[i]), scaled[i]) for i in range(scaled.shape[0])]
@@ -75,6 +80,18 @@ def record_scores(adapter) -> dict[str, dict[int, tuple]]:
                     recorded.setdefault(key, {})[t] = (scaled, row.reshape(-1).long().cpu())
         return published
 
+    def frame_run(graphs, step_slots, hidden, *args):
+        """A frame graph's step (cuda_graphs.frame) runs no Python: the eager frame ranks the same step first (its
+        state put back after), then the graph replays it (or the adapter runs it eagerly, ranking it again)."""
+        if graphs.slots is slots and not stream_is_capturing():
+            seed_pos = slots.seed_pos.clone()
+            with slots.store.preserved(step_slots.tolist()):
+                graphs.frame(slots, graphs.head, step_slots, hidden, *args)
+            slots.seed_pos.copy_(seed_pos)
+        return real_run(graphs, step_slots, hidden, *args)
+
+    real_run = FrameGraphs.run
+    FrameGraphs.run = functools.wraps(real_run)(frame_run)
     slots_module.sample_codes, slots.record_later, slots.record = ranking, record_later, record
     return recorded
 
@@ -96,7 +113,7 @@ class Recording:
     def __init__(self, adapter, directory: str | os.PathLike) -> None:
         self.directory, self.pid = Path(directory), os.getpid()
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.recorded, self.slots = record_scores(adapter), adapter.slots
+        self.recorded, self.slots, self.adapter = record_scores(adapter), adapter.slots, adapter
         for name in ("on_requests_finished", "on_requests_removed"):
             real = getattr(adapter, name)
             setattr(adapter, name, functools.partial(self._leaving, real))
@@ -118,7 +135,9 @@ class Recording:
         for req_id in list(self.recorded) if req_ids is None else req_ids:
             path = self.directory / f"{self.pid}_{re.sub(r'[^A-Za-z0-9_.-]', '_', req_id)}.pt"
             tmp = path.with_suffix(".tmp")
-            torch.save(as_record(req_id, self.recorded[req_id]), tmp)
+            graphs = getattr(self.adapter, "frame_graphs", None)  # steps its frame graphs replayed so far
+            torch.save(as_record(req_id, self.recorded[req_id]) | {"frame_replays": graphs.replays if graphs else 0},
+                       tmp)  # fmt: skip
             os.replace(tmp, path)
 
 
