@@ -170,7 +170,7 @@ def test_the_score_probe_ranks_replayed_steps_without_advancing_them_twice(monke
     ids, rows = ["a", "b", "c"], {k: [] for k in "abc"}
     for step in range(4):
         got = graphs.run(*_batch(graphed, ids, step, dev))
-        want = unprobed(lambda: frame_results(eager, head, *_batch(eager, ids, step, dev)))
+        want = unprobed(lambda s=step: frame_results(eager, head, *_batch(eager, ids, s, dev)))
         assert torch.equal(got, want), step
         graphed.record_later(ids, got.clone())
         for k, row in zip(ids, want, strict=True):

@@ -256,7 +256,8 @@ def check_stage_0(record: dict, spec: dict, solo, reference, codec, audio, check
 def test_the_adapter_takes_the_graph_path_its_profile_calls_for(offline):
     """Stage 0's log (our lines reach it through vLLM's handlers): under the low-latency profile vLLM captures FULL
     decode graphs and our local MLP graphs stay off; under the high-throughput one (enforce_eager) they are on and
-    every bucket captured."""
+    every bucket captured; with frame graphs asked for, every bucket of those is captured and the requests' decode
+    steps replayed them (the probe's count), and without, none ran."""
     profile, _ = offline
     log = _LOGS[profile]
     want = {"low_latency": "local MLP graphs off: vLLM captures CUDA graphs",
