@@ -1,8 +1,8 @@
 """The talker inside vllm-omni's own two-stage pipeline (Stage 0 talker -> Stage 1 code2wav): ours against
 vllm-omni's in-tree talker, per deploy profile and concurrency, offline and over HTTP, with our direct engine
-beside them. NOT YET RUN ON A GPU: written and checked on a CPU-only machine, where vllm-omni's ``Omni`` does
-not import (its pipeline registry pulls in torchvision, whose PyPI wheels need CUDA torch); ``--help`` and the
-checkpoint writer ran there.
+beside them. Runs on a GPU (H200 runs: ``results/h200_2026120*``); on a CPU-only machine vllm-omni's ``Omni``
+does not import (its pipeline registry pulls in torchvision, whose PyPI wheels need CUDA torch), and only
+``--help``, the checkpoint writer and a run with its budget spent (every configuration recorded as skipped) work.
 
 Talkers: ``ours`` (this project's plugin installed: vllm-omni's Higgs architectures resolve to our talker) with
 our packaged profiles (``higgs_talker/vllm_plugin/deploy``); ``upstream`` (``VLLM_PLUGINS=vllm_omni_register_models``
