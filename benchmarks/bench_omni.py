@@ -10,8 +10,9 @@ in its processes, so only vllm-omni's own plugin loads) with vllm-omni's own YAM
 ``high_throughput``, and two derived from each talker's low-latency YAML (``DERIVED``): ``full_decode_64`` (FULL
 decode graphs up to 64 streams), ``full_decode_64_no_prefix_cache`` (the same, prefix caching off),
 ``low_latency_async`` (vLLM's async scheduling asked for), ``low_latency_frame_graphs`` (our frame graphs
-asked for in Stage 0's ``hf_overrides``; vllm-omni's talker ignores the key) and ``full_decode_64_frame_graphs``
-(both). Each
+asked for in Stage 0's ``hf_overrides``; vllm-omni's talker ignores the key), ``full_decode_64_frame_graphs``
+(both) and ``low_latency_async_frame_graphs`` (async scheduling, frame graphs and our Stage 0 -> code2wav hand-over,
+``HAND_OVER``; vllm-omni's talker runs ``low_latency_async`` in its place). Each
 (talker, profile, path) runs in its own process (a fresh CUDA context; ``Omni`` and ``vllm-omni serve`` start their
 own stage processes), on one checkpoint: ``omni_checkpoint.py``'s (4B shape, random bf16 weights, EOC suppressed,
 the real-layout random codec). Lengths are forced (``max_tokens = min_tokens`` =
@@ -60,6 +61,7 @@ PROFILES = (
     "low_latency_async",
     "low_latency_frame_graphs",
     "full_decode_64_frame_graphs",
+    "low_latency_async_frame_graphs",
 )
 # Profiles measured beside the two packaged ones (issue #28): each talker's low-latency YAML (vLLM's FULL decode
 # graphs) with 64 streams and graphs up to 64, prefix caching as it is or off; and with vLLM's async scheduling
@@ -74,15 +76,21 @@ FULL_64 = {
     },
 }
 FRAME_GRAPHS = {"hf_overrides": {"higgs_frame_graphs": True}}
+# our Stage 0 -> code2wav hand-over: vllm-omni's, told only the finished flag a call was queued with (it doubles an
+# EOS-ended request's audio under async scheduling otherwise: higgs_talker.vllm_plugin.deploy)
+HAND_OVER = {"custom_process_next_stage_input_func": "higgs_talker.vllm_plugin.deploy.talker2code2wav_async_chunk"}
 DERIVED = {"full_decode_64": ("low_latency", {0: FULL_64, 1: {"max_num_seqs": 64}}),
            "full_decode_64_no_prefix_cache": ("low_latency", {0: FULL_64 | {"enable_prefix_caching": False},
                                                               1: {"max_num_seqs": 64}}),
            "low_latency_async": ("low_latency", {0: {"async_scheduling": True}}),
            "low_latency_frame_graphs": ("low_latency", {0: FRAME_GRAPHS}),
            "full_decode_64_frame_graphs": ("low_latency", {0: FULL_64 | FRAME_GRAPHS,
-                                                           1: {"max_num_seqs": 64}})}  # fmt: skip
-# vllm-omni's talker ignores higgs_frame_graphs: for it these profiles are the YAML of another, not run twice
-UPSTREAM_SAME = {"low_latency_frame_graphs": "low_latency", "full_decode_64_frame_graphs": "full_decode_64"}
+                                                           1: {"max_num_seqs": 64}}),
+           "low_latency_async_frame_graphs": ("low_latency",
+                                              {0: {"async_scheduling": True} | FRAME_GRAPHS | HAND_OVER})}  # fmt: skip
+# vllm-omni's talker ignores higgs_frame_graphs (and needs no hand-over of ours): for it these profiles are another
+UPSTREAM_SAME = {"low_latency_frame_graphs": "low_latency", "full_decode_64_frame_graphs": "full_decode_64",
+                 "low_latency_async_frame_graphs": "low_latency_async"}  # fmt: skip
 PATHS = ("offline", "http", "direct")
 LEVELS = (1, 4, 16, 64)
 SAMPLE_RATE = 24000
@@ -474,7 +482,7 @@ def main(argv: list[str] | None = None):
         configs.append(("ours", "direct", "direct"))
     for talker, profile, path in [c for c in configs if c[0] == "upstream" and c[1] in UPSTREAM_SAME]:
         configs.remove((talker, profile, path))
-        why = f"vllm-omni's talker ignores higgs_frame_graphs: see {UPSTREAM_SAME[profile]}"
+        why = f"vllm-omni's talker runs {UPSTREAM_SAME[profile]} for it (it ignores higgs_frame_graphs)"
         writer.add({"talker": talker, "profile": profile, "path": path, "status": "skipped", "error": why})
     deadline = None if args.budget_s is None else time.perf_counter() + args.budget_s
     for index, (talker, profile, path) in enumerate(configs):

@@ -15,11 +15,8 @@ logger = logging.getLogger(__name__)
 TALKER_CLASS = "higgs_talker.vllm_plugin.talker:HiggsTalkerForConditionalGeneration"
 # The Stage-0 architecture vllm-omni's pipeline names, the checkpoint's HF architecture, and an alias that
 # only this plugin registers (nothing else can overwrite it).
-ARCHITECTURES = (
-    "HiggsAudioV3TalkerForConditionalGeneration",
-    "HiggsMultimodalQwen3ForConditionalGeneration",
-    "HiggsTalkerForConditionalGeneration",
-)
+ARCHITECTURES = ("HiggsAudioV3TalkerForConditionalGeneration", "HiggsMultimodalQwen3ForConditionalGeneration",
+                 "HiggsTalkerForConditionalGeneration")  # fmt: skip
 # The text-only bridge for plain vLLM: pass ``logits_processors=[TEXT_ONLY_BRIDGE]`` to ``vllm.LLM``.
 TEXT_ONLY_BRIDGE = "higgs_talker.vllm_plugin.bridge:TextOnlyBridge"
 # ``vllm.LLM(..., worker_extension_cls=ROWS_EXTENSION)``: ``bridge.request_rows`` asks workers by method name

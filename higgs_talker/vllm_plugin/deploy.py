@@ -5,11 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 DEPLOY_DIR = Path(__file__).with_name("deploy")
-PROFILES = {
-    "high-throughput": "high_throughput.yaml",
-    "low-latency": "low_latency.yaml",
-    "default": "default.yaml",
-}
+PROFILES = {"high-throughput": "high_throughput.yaml", "low-latency": "low_latency.yaml", "default": "default.yaml"}
 
 
 def deploy_config_path(name: str) -> Path:
@@ -21,3 +17,23 @@ def deploy_config_path(name: str) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"deploy profile {key!r} is missing from the installed package ({path})")
     return path
+
+
+def talker2code2wav_async_chunk(transfer_manager, multimodal_output, request, is_finished: bool = False):
+    """vllm-omni's Higgs Stage 0 -> code2wav hand-over told only the finished flag its call was queued with, for a
+    deploy YAML's ``custom_process_next_stage_input_func``: vllm-omni's own (0.26 - 0.30) also asks the live request,
+    and doubles the audio of an EOS-ended request under async scheduling (docs/serving-vllm.md)."""
+    from vllm_omni.model_executor.stage_input_processors import higgs_audio_v3
+
+    queued = _AsQueued(request, bool(is_finished))
+    return higgs_audio_v3.talker2code2wav_async_chunk(transfer_manager, multimodal_output, queued, is_finished)
+
+
+class _AsQueued:
+    """A request whose ``is_finished()`` answers what it was when the hand-over call was queued."""
+
+    def __init__(self, request, finished: bool) -> None:
+        self._request, self.is_finished = request, lambda: finished
+
+    def __getattr__(self, name: str):
+        return getattr(self._request, name)

@@ -155,9 +155,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
             qsl = compat.step_query_start_loc(self.step.num_reqs, positions)
             if qsl is None:
                 self.stats["bridge_no_qsl"] += 1
-                compat.warn_once(
-                    "no-qsl", "the step's request spans are unknown (attention metadata has none): no codes"
-                )
+                compat.warn_once("no-qsl", "the step's request spans are unknown (no attention metadata): no codes")
                 self.step = None
                 self.buffers.clear()  # no feedback this step rather than feedback on the wrong tokens
             else:

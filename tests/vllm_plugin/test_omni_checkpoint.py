@@ -107,18 +107,21 @@ def test_our_prompt_equals_vllm_omnis(omni_ckpt):
         assert list(adapter.build_prompt(text)) == ours.build(text).input_ids.tolist()
 
 
-def _upstream_stream(code2wav, rows: torch.Tensor) -> list[torch.Tensor]:
+def _upstream_stream(code2wav, rows: torch.Tensor, processor=None, late: bool = False) -> list[torch.Tensor]:
     """vllm-omni's Stage-0 -> Stage-1 hand-over on ``rows`` [N, 8] (one row per step, the last with the finish),
-    each chunk decoded by its code2wav with the trims the chunk's meta asks for."""
+    each chunk decoded by its code2wav with the trims the chunk's meta asks for. ``processor``: the hand-over
+    (default vllm-omni's); ``late``: the next-to-last step's call runs after the request finished (queued before,
+    so told not finished: vLLM's async scheduling past an EOS, as seen on the H200)."""
     from vllm_omni.model_executor.stage_input_processors.higgs_audio_v3 import talker2code2wav_async_chunk
 
+    processor = processor or talker2code2wav_async_chunk
     connector = SimpleNamespace(config={"extra": _connector_extra()})
     manager = SimpleNamespace(code_prompt_token_ids={"r": []}, connector=connector)
     chunks = []
     for i, row in enumerate(rows):
-        last = i == len(rows) - 1
-        request = SimpleNamespace(external_req_id="r", is_finished=lambda last=last: last)
-        payload = talker2code2wav_async_chunk(manager, {"codes": {"audio": row[None]}}, request, is_finished=last)
+        last, done = i == len(rows) - 1, i >= len(rows) - (2 if late else 1)
+        request = SimpleNamespace(external_req_id="r", is_finished=lambda done=done: done)
+        payload = processor(manager, {"codes": {"audio": row[None]}}, request, is_finished=last)
         if payload is None or payload.codes.audio.numel() == 0:
             continue
         codes = payload.codes.audio.reshape(8, -1)[None]
@@ -140,6 +143,23 @@ def test_vllm_omnis_chunked_hand_over_gives_our_upstream_chunking_audio(code2wav
     assert torch.equal(torch.cat(theirs), torch.cat(ours))
 
 
+def test_our_hand_over_sends_each_row_once_when_a_step_is_handed_over_after_the_finish(code2wav, omni_ckpt,
+                                                                                       no_capture_check):  # fmt: skip
+    """``deploy.talker2code2wav_async_chunk`` (vllm-omni's hand-over told only the flag its call was queued with):
+    the same audio whether or not the next-to-last step's call runs after the request finished; vllm-omni's own
+    hands the frames on twice then (the doubled audio of an EOS-ended request under async scheduling)."""
+    from higgs_talker.vllm_plugin.deploy import talker2code2wav_async_chunk as ours
+
+    talker = HiggsTalker.from_pretrained(omni_ckpt, max_num_seqs=2, max_model_len=512)
+    params = SamplingParams(temperature=0.0, max_frames=40)
+    rows = talker.generate("Hello there, streaming.", params).rows.long()
+    want = torch.cat(list(talker.stream_audio("Hello there, streaming.", params, chunking=UPSTREAM_CHUNKING)))
+    for late in (False, True):
+        assert torch.equal(torch.cat(_upstream_stream(code2wav, rows, ours, late=late)), want), late
+    theirs = torch.cat(_upstream_stream(code2wav, rows, late=True))
+    assert theirs.numel() > want.numel(), "vllm-omni's own hand-over no longer doubles: the wrapper can go"
+
+
 @pytest.mark.parametrize("profile", PROFILES)
 @pytest.mark.parametrize("talker", ["ours", "upstream"])
 def test_bench_omnis_deploy_yamls_and_their_test_variants_parse(talker, profile, tmp_path):
@@ -156,14 +176,23 @@ def test_bench_omnis_deploy_yamls_and_their_test_variants_parse(talker, profile,
         assert stage0.max_num_seqs == 64 and not stage0.enforce_eager and graphs["cudagraph_mode"] == "FULL_DECODE_ONLY"
         assert max(graphs["cudagraph_capture_sizes"]) == 64
         caching = (stage0.engine_extras or {}).get("enable_prefix_caching")
-        assert caching is not None and bool(caching) == (profile == "full_decode_64"), caching
+        assert caching is not None and bool(caching) == (not profile.endswith("no_prefix_cache")), caching
     if profile == "low_latency_async":
         stage0 = next(s for s in load_deploy_config(base).stages if s.stage_id == 0)
         assert stage0.async_scheduling is True and not stage0.enforce_eager
-    if profile == "low_latency_frame_graphs":
+    if profile.endswith("frame_graphs"):
         stage0 = next(s for s in load_deploy_config(base).stages if s.stage_id == 0)
         overrides = getattr(stage0, "hf_overrides", None) or (stage0.engine_extras or {}).get("hf_overrides")
         assert overrides == {"higgs_frame_graphs": True} and not stage0.enforce_eager, overrides
+    if profile == "low_latency_async_frame_graphs":  # as vllm-omni merges it with its Higgs pipeline
+        from vllm_omni.config.stage_config import merge_pipeline_deploy
+        from vllm_omni.model_executor.models.higgs_audio_v3.pipeline import HIGGS_AUDIO_V3_PIPELINE
+
+        stage0 = merge_pipeline_deploy(HIGGS_AUDIO_V3_PIPELINE, load_deploy_config(base))[0]
+        args = stage0.yaml_engine_args
+        hand_over = "higgs_talker.vllm_plugin.deploy.talker2code2wav_async_chunk"
+        assert args["custom_process_next_stage_input_func"] == hand_over
+        assert args["async_scheduling"] is True and stage0.scheduler_cls.endswith("OmniARAsyncScheduler")
     derived = derived_yaml(base, tmp_path / "derived.yaml", {0: {"max_model_len": 1024}, 1: {"dtype": "float32"}})
     for path in (base, derived):
         cfg = load_deploy_config(path)

@@ -82,13 +82,13 @@ BATCH = {"keys": ["greedy", "short", "clone"], "max_tokens": 40}
 # a Stage-0 KV cache too small for this batch (blocks of 16 tokens: about two of the three requests at full
 # length), so vLLM preempts requests and recomputes them, and the adapter feeds their rows again (it logs that)
 SMALL_KV = {"keys": ["greedy", "topkp", "deploy"], "max_tokens": 120, "alone": False, "blocks": 20}
-# the packaged profiles. Not low_latency_async (bench_omni's: vLLM's async scheduling on for Stage 0): on the H200
-# (vllm-omni 0.26, 2026-12-04) its rows and scores passed these checks but an EOS-ended request's Omni audio came
-# out twice as long (116160 samples for 58560), as if vllm-omni's async-chunk hand-over flushed the finished
-# request again for the step async scheduling runs past its EOS (docs/serving-vllm.md); bench_omni's requests end
-# by length, where it does not show. low_latency_frame_graphs: the low-latency YAML with our frame graphs asked for
-# (cuda_graphs.frame)
-PROFILES = ("low_latency", "high_throughput", "low_latency_frame_graphs")
+# the packaged profiles, and two of bench_omni's: low_latency_frame_graphs (our frame graphs asked for:
+# cuda_graphs.frame) and low_latency_async_frame_graphs (with vLLM's async scheduling too, and our Stage 0 -> code2wav
+# hand-over). Not low_latency_async (async scheduling with vllm-omni's own hand-over): on the H200 (vllm-omni 0.26,
+# 2026-12-04) its rows and scores passed but an EOS-ended request's audio came out twice (116160 samples for 58560):
+# a step's hand-over that runs after the request finished flushes it as if last, and the last one sends every row
+# again (higgs_talker.vllm_plugin.deploy; bench_omni's requests end by length, where it does not show)
+PROFILES = ("low_latency", "high_throughput", "low_latency_frame_graphs", "low_latency_async_frame_graphs")
 # Stage 0 sized for the small checkpoint; Stage 1 in float32, as our codec decodes
 STAGES = {0: {"gpu_memory_utilization": 0.3, "max_model_len": 1024, "max_num_batched_tokens": 1024,
               "dtype": "bfloat16"},
@@ -260,13 +260,14 @@ def test_the_adapter_takes_the_graph_path_its_profile_calls_for(offline):
     steps replayed them (the probe's count), and without, none ran."""
     profile, _ = offline
     log = _LOGS[profile]
+    frames = "frame graphs captured for batch buckets (1, 2, 4, 8, 16) (failed: none)"
     want = {"low_latency": "local MLP graphs off: vLLM captures CUDA graphs",
-            "low_latency_frame_graphs": "frame graphs captured for batch buckets (1, 2, 4, 8, 16) (failed: none)",
+            "low_latency_frame_graphs": frames, "low_latency_async_frame_graphs": frames,
             "high_throughput": "local MLP graphs on: vLLM enforce_eager=True"}[profile]  # fmt: skip
     assert want in log, [x for x in log.splitlines() if "higgs" in x.lower() or "frame graphs" in x][:20]
     assert "capture failed" not in log
     replays = {key: record["frame_replays"] for key, record in _RECORDS[profile].items()}
-    if profile == "low_latency_frame_graphs":  # decode steps ran from the graphs (a step past its prefill)
+    if "frame_graphs" in profile:  # decode steps ran from the graphs (a step past its prefill)
         assert all(n > 0 for n in replays.values()), replays
     else:
         assert not any(replays.values()), replays
