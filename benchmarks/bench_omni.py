@@ -12,7 +12,9 @@ decode graphs up to 64 streams), ``full_decode_64_no_prefix_cache`` (the same, p
 ``low_latency_async`` (vLLM's async scheduling asked for), ``low_latency_frame_graphs`` (our frame graphs
 asked for in Stage 0's ``hf_overrides``; vllm-omni's talker ignores the key), ``full_decode_64_frame_graphs``
 (both) and ``low_latency_async_frame_graphs`` (async scheduling, frame graphs and our Stage 0 -> code2wav hand-over,
-``HAND_OVER``; vllm-omni's talker runs ``low_latency_async`` in its place). Each
+``HAND_OVER``), ``full_decode_64_async`` and ``full_decode_64_async_frame_graphs``. vllm-omni's talker, asked for a
+profile with our frame graphs, runs the one without them and with its own hand-over (``UPSTREAM_SAME``), so one run
+compares each of ours with vllm-omni's nearest. Each
 (talker, profile, path) runs in its own process (a fresh CUDA context; ``Omni`` and ``vllm-omni serve`` start their
 own stage processes), on one checkpoint: ``omni_checkpoint.py``'s (4B shape, random bf16 weights, EOC suppressed,
 the real-layout random codec). Lengths are forced (``max_tokens = min_tokens`` =
@@ -62,6 +64,8 @@ PROFILES = (
     "low_latency_frame_graphs",
     "full_decode_64_frame_graphs",
     "low_latency_async_frame_graphs",
+    "full_decode_64_async",
+    "full_decode_64_async_frame_graphs",
 )
 # Profiles measured beside the two packaged ones (issue #28): each talker's low-latency YAML (vLLM's FULL decode
 # graphs) with 64 streams and graphs up to 64, prefix caching as it is or off; and with vLLM's async scheduling
@@ -78,19 +82,24 @@ FULL_64 = {
 FRAME_GRAPHS = {"hf_overrides": {"higgs_frame_graphs": True}}
 # our Stage 0 -> code2wav hand-over: vllm-omni's, told only the finished flag a call was queued with (it doubles an
 # EOS-ended request's audio under async scheduling otherwise: higgs_talker.vllm_plugin.deploy)
+ASYNC = {"async_scheduling": True}
 HAND_OVER = {"custom_process_next_stage_input_func": "higgs_talker.vllm_plugin.deploy.talker2code2wav_async_chunk"}
 DERIVED = {"full_decode_64": ("low_latency", {0: FULL_64, 1: {"max_num_seqs": 64}}),
            "full_decode_64_no_prefix_cache": ("low_latency", {0: FULL_64 | {"enable_prefix_caching": False},
                                                               1: {"max_num_seqs": 64}}),
-           "low_latency_async": ("low_latency", {0: {"async_scheduling": True}}),
+           "low_latency_async": ("low_latency", {0: ASYNC}),
            "low_latency_frame_graphs": ("low_latency", {0: FRAME_GRAPHS}),
            "full_decode_64_frame_graphs": ("low_latency", {0: FULL_64 | FRAME_GRAPHS,
                                                            1: {"max_num_seqs": 64}}),
-           "low_latency_async_frame_graphs": ("low_latency",
-                                              {0: {"async_scheduling": True} | FRAME_GRAPHS | HAND_OVER})}  # fmt: skip
-# vllm-omni's talker ignores higgs_frame_graphs (and needs no hand-over of ours): for it these profiles are another
+           "low_latency_async_frame_graphs": ("low_latency", {0: ASYNC | FRAME_GRAPHS | HAND_OVER}),
+           "full_decode_64_async": ("low_latency", {0: FULL_64 | ASYNC, 1: {"max_num_seqs": 64}}),
+           "full_decode_64_async_frame_graphs": ("low_latency", {0: FULL_64 | ASYNC | FRAME_GRAPHS | HAND_OVER,
+                                                                 1: {"max_num_seqs": 64}})}  # fmt: skip
+# vllm-omni's talker ignores higgs_frame_graphs and runs with its own hand-over: asked for one of these profiles, it
+# runs the profile named here (listed under that name; once where both are asked for)
 UPSTREAM_SAME = {"low_latency_frame_graphs": "low_latency", "full_decode_64_frame_graphs": "full_decode_64",
-                 "low_latency_async_frame_graphs": "low_latency_async"}  # fmt: skip
+                 "low_latency_async_frame_graphs": "low_latency_async",
+                 "full_decode_64_async_frame_graphs": "full_decode_64_async"}  # fmt: skip
 PATHS = ("offline", "http", "direct")
 LEVELS = (1, 4, 16, 64)
 SAMPLE_RATE = 24000
@@ -125,6 +134,11 @@ def profile_yaml(talker: str, profile: str, out_dir: Path) -> Path:
         return deploy_yaml(talker, profile)
     base, overrides = DERIVED[profile]
     return derived_yaml(deploy_yaml(talker, base), Path(out_dir) / f"{talker}_{profile}.yaml", overrides)
+
+
+def upstream_profile(profile: str) -> str:
+    """The profile vllm-omni's talker runs when asked for ``profile`` (``UPSTREAM_SAME``)."""
+    return UPSTREAM_SAME.get(profile, profile)
 
 
 def talker_env(talker: str) -> dict[str, str]:
@@ -477,13 +491,10 @@ def main(argv: list[str] | None = None):
     }  # fmt: skip
     writer = ResultFile(args.out, "omni", meta, smoke=args.smoke)
     log(f"writing {writer.path}")
-    configs = [(t, pr, pa) for t in args.talkers for pr in args.profiles for pa in args.paths if pa != "direct"]
+    configs = list(dict.fromkeys((t, upstream_profile(pr) if t == "upstream" else pr, pa) for t in args.talkers
+                                 for pr in args.profiles for pa in args.paths if pa != "direct"))  # fmt: skip
     if "direct" in args.paths:
         configs.append(("ours", "direct", "direct"))
-    for talker, profile, path in [c for c in configs if c[0] == "upstream" and c[1] in UPSTREAM_SAME]:
-        configs.remove((talker, profile, path))
-        why = f"vllm-omni's talker runs {UPSTREAM_SAME[profile]} for it (it ignores higgs_frame_graphs)"
-        writer.add({"talker": talker, "profile": profile, "path": path, "status": "skipped", "error": why})
     deadline = None if args.budget_s is None else time.perf_counter() + args.budget_s
     for index, (talker, profile, path) in enumerate(configs):
         name = f"{talker}_{profile}_{path}"

@@ -357,12 +357,26 @@ def test_omni_budget_records_what_it_did_not_start(bench, tmp_path: Path, tiny_d
     mod = bench("bench_omni")
     data = load(mod.main(["--model", str(tiny_dir), "--budget-s", "0", "--levels", "1", "--out", str(tmp_path)]))
     configs = {(r["talker"], r["profile"], r["path"]) for r in data["rows"]}
-    want = {(t, pr, pa) for t in mod.TALKERS for pr in mod.PROFILES for pa in ("offline", "http")}
-    assert configs == want | {("ours", "direct", "direct")}
-    assert {r["status"] for r in data["rows"]} == {"skipped"}
-    ignored = {(r["profile"], r["path"]) for r in data["rows"] if "vllm-omni's talker runs" in r["error"]}
-    assert ignored == {(pr, pa) for pr in mod.UPSTREAM_SAME for pa in ("offline", "http")}
-    assert all(r["talker"] == "upstream" for r in data["rows"] if "vllm-omni's talker runs" in r["error"])
+    ours = {("ours", pr, pa) for pr in mod.PROFILES for pa in ("offline", "http")}
+    theirs = {("upstream", pr, pa) for pr in mod.PROFILES if pr not in mod.UPSTREAM_SAME for pa in ("offline", "http")}
+    assert configs == ours | theirs | {("ours", "direct", "direct")}
+    assert len(data["rows"]) == len(configs) and {r["status"] for r in data["rows"]} == {"skipped"}
+    assert set(mod.UPSTREAM_SAME.values()) <= set(mod.PROFILES) - set(mod.UPSTREAM_SAME)  # each is run under its name
+
+
+def test_omni_runs_vllm_omnis_talker_once_under_the_nearest_profile(bench, tmp_path: Path, tiny_dir) -> None:
+    """Asked for a profile with our frame graphs, vllm-omni's talker runs the one without (``UPSTREAM_SAME``),
+    listed under that name, and only once where that one is asked for too."""
+    mod = bench("bench_omni")
+    profiles = "low_latency_async_frame_graphs,low_latency_async,full_decode_64_async_frame_graphs"
+    argv = ["--model", str(tiny_dir), "--budget-s", "0", "--levels", "1", "--out", str(tmp_path), "--paths", "offline",
+            "--profiles", profiles]  # fmt: skip
+    rows = load(mod.main(argv))["rows"]
+    assert [(r["talker"], r["profile"]) for r in rows] == [
+        ("ours", "low_latency_async_frame_graphs"), ("ours", "low_latency_async"),
+        ("ours", "full_decode_64_async_frame_graphs"), ("upstream", "low_latency_async"),
+        ("upstream", "full_decode_64_async"),
+    ]  # fmt: skip
 
 
 def test_omni_budget_is_shared_among_the_configurations_left(bench, monkeypatch) -> None:
