@@ -57,15 +57,21 @@ class _Replay:
         b.results.copy_(g.frame(g.slots, g.head, *b.args()))
 
 
+def _emulated(slots: RequestSlots, head, replay=_Replay) -> tuple[FrameGraphs, _Bucket]:
+    """Frame graphs over ``slots`` with one bucket of 4 rows, its capture played on CPU by ``replay``."""
+    graphs = FrameGraphs(frame_results, slots, head, [4], max_batch=4)
+    bucket = _Bucket(4, H, torch.float32, torch.device("cpu"), slots.store.scratch)
+    bucket.results = torch.zeros(4, C + 3, dtype=torch.int32)
+    bucket.graph = replay(graphs, bucket)
+    graphs.buckets[4] = bucket
+    return graphs, bucket
+
+
 def test_a_bucket_gives_a_smaller_batch_its_own_rows_and_pads_with_the_scratch_slot():
     dev = torch.device("cpu")
     head = _head(dev)
     graphed, eager = _slots(dev), _slots(dev)
-    graphs = FrameGraphs(frame_results, graphed, head, [4], max_batch=4)
-    bucket = _Bucket(4, H, torch.float32, dev, graphed.store.scratch)
-    bucket.results = torch.zeros(4, C + 3, dtype=torch.int32)
-    bucket.graph = _Replay(graphs, bucket)
-    graphs.buckets[4] = bucket
+    graphs, bucket = _emulated(graphed, head)
     for step, ids in enumerate((["a", "b", "c"], ["a", "b", "c"], ["a", "c"], ["a", "b", "c", "d"], ["d"])):
         got = graphs.run(*_batch(graphed, ids, step, dev))
         want = frame_results(eager, head, *_batch(eager, ids, step, dev))
@@ -133,24 +139,19 @@ def test_the_score_probe_ranks_replayed_steps_without_advancing_them_twice(monke
     Python: it ranks each step with the eager frame first and puts the slots back, so the replayed results are those
     of a run without the probe, and every published row has its scores (fails without the put-back, or without the
     eager ranking: no row would be recorded)."""
-    import sys
     from pathlib import Path
     from types import SimpleNamespace
 
     import higgs_talker.heads.slots as slots_module
 
-    sys.path.insert(0, str(Path(__file__).parent / "vllm_plugin" / "score_probe"))
-    monkeypatch.setattr(sys, "path", sys.path)  # restored with the patched functions below
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "vllm_plugin" / "score_probe"))
     import higgs_score_probe
 
-    monkeypatch.setattr(slots_module, "sample_codes", slots_module.sample_codes)
+    monkeypatch.setattr(slots_module, "sample_codes", slots_module.sample_codes)  # restored after the probe's wrap
     monkeypatch.setattr(FrameGraphs, "run", FrameGraphs.run)
     dev = torch.device("cpu")
     head = _head(dev)
     graphed, eager = _slots(dev), _slots(dev)
-    graphs = FrameGraphs(frame_results, graphed, head, [4], max_batch=4)
-    bucket = _Bucket(4, H, torch.float32, dev, graphed.store.scratch)
-    bucket.results = torch.zeros(4, C + 3, dtype=torch.int32)
     real_codes = slots_module.sample_codes
 
     def unprobed(run):  # the probe's sampler wrapper left out (a replay runs no Python; nor is the reference probed)
@@ -164,8 +165,7 @@ def test_the_score_probe_ranks_replayed_steps_without_advancing_them_twice(monke
         def replay(self) -> None:
             unprobed(super().replay)
 
-    bucket.graph = Replay(graphs, bucket)
-    graphs.buckets[4] = bucket
+    graphs, _ = _emulated(graphed, head, Replay)
     recorded = higgs_score_probe.record_scores(SimpleNamespace(slots=graphed))
     ids, rows = ["a", "b", "c"], {k: [] for k in "abc"}
     for step in range(4):
