@@ -216,6 +216,33 @@ def test_the_omni_runner_order_with_cuda_events(probe, tmp_path):
     assert decode["remainder_us"]["min"] >= 0
 
 
+def test_the_kernel_window_profiles_the_one_stream_steps_it_was_asked_for(probe, tmp_path, monkeypatch):
+    """``HIGGS_STEP_TIMING_KERNELS=2,3``: torch.profiler runs from the close of the second one-stream decode step to
+    the close of the fifth, and ``kernels_<pid>.txt`` lists what ran in it per step (host ops here, on CPU), the
+    other steps that fell in the window named; a bad value is refused with the value."""
+
+    class Model(StandIn):
+        def compute_logits(self, hidden_states, sampling_metadata=None):
+            return torch.nn.functional.softmax(hidden_states, dim=0)  # one op a step the window must count
+
+    monkeypatch.setenv("HIGGS_STEP_TIMING_KERNELS", "2,3")
+    probe.patch(Model, probe.Target("Model", probe.RUNNER_CONTRACT, names_requests=True))
+    model = Model()
+    omni_step(model, [5])
+    for counts in ([1], [1], [1], [1, 1], [1], [1], [1], [1]):
+        omni_step(model, counts)
+    window = probe._recorder.window
+    assert window.done and window.inside == {"decode b=1": 3, "decode b=2-3": 1}
+    text = (tmp_path / f"kernels_{os.getpid()}.txt").read_text()
+    assert text.startswith("kernel window: 3 one-stream decode steps after 2")
+    softmax = [line for line in text.splitlines() if line.endswith("aten::softmax")]
+    assert len(softmax) == 1 and float(softmax[0].split()[2]) == pytest.approx(4 / 3, abs=0.01)  # 4 steps in 3
+    for bad in ("50", "a,b", "1,0", "-1,5"):
+        with pytest.raises(ValueError, match=f"HIGGS_STEP_TIMING_KERNELS .*{bad!r}"):
+            probe.Recorder(str(tmp_path), 1, 0.0, 0.05, [], probe.parse_kernels(bad))
+    assert probe.parse_kernels("") is None and probe.parse_kernels(None) is None
+
+
 def test_sync_debug_is_turned_on_at_the_first_entry_point_only_when_asked(probe, monkeypatch):
     """``HIGGS_STEP_TIMING_SYNC_DEBUG`` reaches ``torch.cuda.set_sync_debug_mode`` when the recorder starts (the
     first entry point, after start-up), on a CUDA machine; unset, or without CUDA, nothing is changed."""

@@ -54,7 +54,8 @@ class Step:
 class Recorder:
     """This process's steps: opens and closes them, records CUDA events, writes the summary."""
 
-    def __init__(self, out_dir: str, every: int, flush_s: float, idle_s: float, classes: list[str]) -> None:
+    def __init__(self, out_dir: str, every: int, flush_s: float, idle_s: float, classes: list[str],
+                 kernels: tuple[int, int] | None = None) -> None:  # fmt: skip
         self.pid, self.path = os.getpid(), os.path.join(out_dir, f"steps_{os.getpid()}.json")
         self.every, self.flush_s, self.idle_s, self.classes = every, flush_s, idle_s, classes
         self.depth, self.instances, self.idle_gaps = 0, 0, 0
@@ -67,6 +68,11 @@ class Recorder:
         self.cuda = torch if torch is not None and torch.cuda.is_initialized() else None
         self.pending: list[Step] = []  # closed steps whose CUDA events are not read yet
         self.free_events: list = []
+        self.window = None  # the kernel window (higgs_kernel_window), where asked for
+        if kernels is not None:
+            from higgs_kernel_window import KernelWindow
+
+            self.window = KernelWindow(*kernels, out_dir, self.cuda is not None)
 
     def enter(self, rank: int | None, now: float) -> Step:
         """The step an entry point at ``now`` belongs to: a new one if ``rank`` is not above the open step's (the
@@ -89,6 +95,8 @@ class Recorder:
         step.interval = interval
         self.steps.setdefault(step.category, []).append(step)
         self.dirty.add(step.category)
+        if self.window is not None and now is not None:
+            self.window.step_closed(step.category)
         if "start" in step.events and "end" in step.events:
             self.pending.append(step)
         else:

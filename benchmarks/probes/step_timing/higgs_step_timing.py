@@ -25,6 +25,9 @@ the rows of ``compute_logits``). Kinds: ``decode`` (one token per request), ``pr
 ``replayed`` (no Python forward and no token count: a replayed FULL decode graph), ``other`` (dummy, profile and
 capture runs); categories split them by batch size (1, 2-3, 4-7, ...).
 
+``HIGGS_STEP_TIMING_KERNELS=SKIP,STEPS`` also profiles STEPS one-stream decode steps after SKIP of them with
+``torch.profiler`` and writes each kernel's device time per step to ``kernels_<pid>.txt`` (``higgs_kernel_window``).
+
 ``HIGGS_STEP_TIMING_SYNC_DEBUG=warn`` also has torch warn, once per line of Python, at each call that waits for the
 GPU from the first entry point on (``_watch_syncs``): where a step's host waits, in our code or vLLM's.
 
@@ -55,6 +58,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from higgs_kernel_window import parse as parse_kernels
 from higgs_step_record import Recorder, Step
 
 _PROBES = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,7 +121,8 @@ def _get_recorder() -> Recorder:
         import multiprocessing.util
 
         _recorder = Recorder(_settings["dir"], _settings["every"], _settings["flush_s"], _settings["idle_s"],
-                             _settings.setdefault("classes", []))  # fmt: skip
+                             _settings.setdefault("classes", []),
+                             parse_kernels(os.environ.get("HIGGS_STEP_TIMING_KERNELS")))  # fmt: skip
         atexit.register(_final_flush)
         multiprocessing.util.Finalize(None, _final_flush, exitpriority=100)  # a multiprocessing child's exit
         _watch_syncs(os.environ.get("HIGGS_STEP_TIMING_SYNC_DEBUG"))
