@@ -527,7 +527,7 @@ def _use_stub(monkeypatch, make) -> _StubKernels:
     stub = _StubKernels(make)
     monkeypatch.setitem(sys.modules, "higgs_talker.heads.triton_kernels", stub)
     monkeypatch.setattr(fused_kernels, "_on_kernel_device", lambda t: True)
-    monkeypatch.setattr(fused_kernels, "_capturing", lambda: False)
+    monkeypatch.setattr(fused_kernels, "stream_is_capturing", lambda: False)
     monkeypatch.setattr(fused_kernels, "_state", {})
     monkeypatch.setattr(fused_kernels, "_checked", {})
     return stub
@@ -585,11 +585,11 @@ def test_a_comparison_that_fails_is_not_the_kernels_fault(monkeypatch):
 
 def test_a_kernel_is_not_tried_inside_a_capture_or_when_switched_off(monkeypatch):
     stub = _use_stub(monkeypatch, _reference_uniform)
-    monkeypatch.setattr(fused_kernels, "_capturing", lambda: True)
+    monkeypatch.setattr(fused_kernels, "stream_is_capturing", lambda: True)
     want = _reference_uniform(NOISE_SEEDS, NOISE_STEPS, 30)
     assert torch.equal(sampling.uniform_noise(NOISE_SEEDS, NOISE_STEPS, 30), want)
     assert stub.calls == 0 and fused_kernels.state("sampler noise") == "untried"  # checked later, outside a capture
-    monkeypatch.setattr(fused_kernels, "_capturing", lambda: False)
+    monkeypatch.setattr(fused_kernels, "stream_is_capturing", lambda: False)
     monkeypatch.setattr(fused_kernels, "ENABLED", False)
     assert torch.equal(sampling.uniform_noise(NOISE_SEEDS, NOISE_STEPS, 30), want) and stub.calls == 0
 
@@ -610,11 +610,11 @@ def test_each_call_signature_is_checked_before_its_kernel_is_used(monkeypatch, c
         want = _reference_uniform(NOISE_SEEDS, NOISE_STEPS, n)
         assert torch.equal(sampling.uniform_noise(NOISE_SEEDS, NOISE_STEPS, n), want)
     assert stub.calls == 3 and len(fused_kernels._checked["sampler noise"]) == 2  # n=30 checked once, then used
-    monkeypatch.setattr(fused_kernels, "_capturing", lambda: True)
+    monkeypatch.setattr(fused_kernels, "stream_is_capturing", lambda: True)
     sampling.uniform_noise(NOISE_SEEDS[:2], NOISE_STEPS[:2], 30)  # a new shape inside a capture: the reference
     sampling.uniform_noise(NOISE_SEEDS, NOISE_STEPS, 30)  # a checked one: the kernel
     assert stub.calls == 4
-    monkeypatch.setattr(fused_kernels, "_capturing", lambda: False)
+    monkeypatch.setattr(fused_kernels, "stream_is_capturing", lambda: False)
     with caplog.at_level(logging.WARNING):
         assert torch.equal(sampling.uniform_noise(NOISE_SEEDS, NOISE_STEPS, 200),
                            _reference_uniform(NOISE_SEEDS, NOISE_STEPS, 200))  # fmt: skip

@@ -281,7 +281,7 @@ def test_sampled_generation_through_the_frame_kernels_equals_the_reference(talke
     texts = ["frame kernels", "and a second request"]
     want = [r.rows for r in talker.generate(texts, params)]
     monkeypatch.setattr(fused, "_on_kernel_device", lambda t: True)
-    monkeypatch.setattr(fused, "_capturing", lambda: False)
+    monkeypatch.setattr(fused, "stream_is_capturing", lambda: False)
     monkeypatch.setattr(fused, "_state", {})
     monkeypatch.setattr(fused, "_checked", {})
     got = [r.rows for r in talker.generate(texts, params)]

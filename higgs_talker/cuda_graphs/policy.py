@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-import torch
+from ..heads.fused import stream_is_capturing
 
 
 class GraphMode(str, Enum):
@@ -103,10 +103,6 @@ def decide(mode: GraphMode | str | None = None, vllm_config: Any = None) -> Grap
         m, True, True, "mode=auto: per bucket, the faster of full-decode and local MLP graphs (measured)",
         full_prefill=True,
     )  # fmt: skip
-
-
-def stream_is_capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def local_graphs_allowed_now(forward_context: Any = None) -> bool:

@@ -56,7 +56,8 @@ def _on_kernel_device(t: Tensor) -> bool:
     return t.is_cuda
 
 
-def _capturing() -> bool:
+def stream_is_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA); ``cuda_graphs`` uses it too."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
@@ -95,7 +96,7 @@ def run_checked(
     sig = signature(*key)
     if sig in _checked.get(name, ()):
         return fused(_kernels(), False)
-    if _capturing():
+    if stream_is_capturing():
         return reference(False)  # unchecked, and a capture cannot check it
     want = reference(True)
     try:
