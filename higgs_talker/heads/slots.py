@@ -392,20 +392,21 @@ class RequestSlots:
 
     def record(self, req_ids: list[str], host: Tensor) -> list[Tensor | None]:
         """Store one step's host results (batch order): host [B, C + 3] int32 CPU = codes, then the valid,
-        active and done flags. Returns per request an owned [1, C] row, or None where no frame was produced."""
+        active and done flags. Returns per request its [1, C] row, or None where no frame was produced: views of one
+        copy of the step's codes, which nothing writes to (one copy and one host read a step, not a few per row)."""
         n = self.store.num_codebooks
+        host = host[: len(req_ids)]
+        flags, rows = host[:, n:].tolist(), host[:, :n].clone().unbind(0)
         out: list[Tensor | None] = []
-        for i, rid in enumerate(req_ids):
+        for rid, (valid, active, done), row in zip(req_ids, flags, rows, strict=True):
             req = self.requests.get(rid)
             if req is None:
                 out.append(None)
                 continue
-            valid, active, done = (bool(x) for x in host[i, n:].tolist())
-            req.active, req.done = active, done
+            req.active, req.done = bool(active), bool(done)
             if valid:
-                row = host[i, :n].clone()
                 req.rows.append(row)
-                out.append(row[None, :].clone())
+                out.append(row[None, :])
             else:
                 out.append(None)
         return out
