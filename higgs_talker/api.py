@@ -660,8 +660,7 @@ def _empty_model(
     cfg: TalkerConfig, device: torch.device, dtype: torch.dtype, fuse_qk_rope: bool, row_gemv: str = "auto"
 ) -> TalkerModel:
     """The model with uninitialised weights on ``device`` (built on the meta device and given its dtype there, so
-    its weights are allocated once, in ``dtype``: converting them after ``to_empty`` took 20 s of a 31 s CPU load
-    at the 4B shape)."""
+    its weights are allocated once, in ``dtype``, not in float32 and then converted: half the transient memory)."""
     with torch.device("meta"):
         model = TalkerModel(cfg).to(dtype)
     model = model.to_empty(device=device)
