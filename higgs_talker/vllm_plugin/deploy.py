@@ -20,9 +20,8 @@ def deploy_config_path(name: str) -> Path:
 
 
 def talker2code2wav_async_chunk(transfer_manager, multimodal_output, request, is_finished: bool = False):
-    """vllm-omni's Higgs Stage 0 -> code2wav hand-over told only the finished flag its call was queued with, for a
-    deploy YAML's ``custom_process_next_stage_input_func``: vllm-omni's own (0.26 - 0.30) also asks the live request,
-    and doubles the audio of an EOS-ended request under async scheduling (docs/serving-vllm.md)."""
+    """vllm-omni's Higgs hand-over to code2wav told the finished flag its call was queued with (for a deploy YAML's
+    ``custom_process_next_stage_input_func``): vllm-omni's own doubles EOS-ended audio under async scheduling."""
     from vllm_omni.model_executor.stage_input_processors import higgs_audio_v3
 
     queued = _AsQueued(request, bool(is_finished))
@@ -30,10 +29,13 @@ def talker2code2wav_async_chunk(transfer_manager, multimodal_output, request, is
 
 
 class _AsQueued:
-    """A request whose ``is_finished()`` answers what it was when the hand-over call was queued."""
+    """``is_finished()``: the request's flag when its call was queued, or True once it ended outside a step."""
+
+    ENDED_OUTSIDE_A_STEP = frozenset(("FINISHED_ABORTED", "FINISHED_IGNORED", "FINISHED_ERROR"))  # RequestStatus names
 
     def __init__(self, request, finished: bool) -> None:
-        self._request, self.is_finished = request, lambda: finished
+        ended = getattr(getattr(request, "status", None), "name", "") in self.ENDED_OUTSIDE_A_STEP
+        self._request, self.is_finished = request, lambda: finished or ended
 
     def __getattr__(self, name: str):
         return getattr(self._request, name)

@@ -107,11 +107,14 @@ def test_our_prompt_equals_vllm_omnis(omni_ckpt):
         assert list(adapter.build_prompt(text)) == ours.build(text).input_ids.tolist()
 
 
-def _upstream_stream(code2wav, rows: torch.Tensor, processor=None, late: bool = False) -> list[torch.Tensor]:
+def _upstream_stream(
+    code2wav, rows: torch.Tensor, processor=None, late: bool = False, ended: str = "FINISHED_STOPPED"
+) -> list[torch.Tensor]:
     """vllm-omni's Stage-0 -> Stage-1 hand-over on ``rows`` [N, 8] (one row per step, the last with the finish),
     each chunk decoded by its code2wav with the trims the chunk's meta asks for. ``processor``: the hand-over
     (default vllm-omni's); ``late``: the next-to-last step's call runs after the request finished (queued before,
-    so told not finished: vLLM's async scheduling past an EOS, as seen on the H200)."""
+    so told not finished: vLLM's async scheduling past an EOS, as seen on the H200); ``ended``: the request's status
+    once finished (vLLM's ``RequestStatus`` name)."""
     from vllm_omni.model_executor.stage_input_processors.higgs_audio_v3 import talker2code2wav_async_chunk
 
     processor = processor or talker2code2wav_async_chunk
@@ -120,7 +123,8 @@ def _upstream_stream(code2wav, rows: torch.Tensor, processor=None, late: bool = 
     chunks = []
     for i, row in enumerate(rows):
         last, done = i == len(rows) - 1, i >= len(rows) - (2 if late else 1)
-        request = SimpleNamespace(external_req_id="r", is_finished=lambda done=done: done)
+        status = SimpleNamespace(name=ended if done else "RUNNING")
+        request = SimpleNamespace(external_req_id="r", is_finished=lambda done=done: done, status=status)
         payload = processor(manager, {"codes": {"audio": row[None]}}, request, is_finished=last)
         if payload is None or payload.codes.audio.numel() == 0:
             continue
@@ -158,6 +162,9 @@ def test_our_hand_over_sends_each_row_once_when_a_step_is_handed_over_after_the_
         assert torch.equal(torch.cat(_upstream_stream(code2wav, rows, ours, late=late)), want), late
     theirs = torch.cat(_upstream_stream(code2wav, rows, late=True))
     assert theirs.numel() > want.numel(), "vllm-omni's own hand-over no longer doubles: the wrapper can go"
+    # a request aborted after the call was queued gets no last call of its own: the live status counts, as upstream
+    aborted = [torch.cat(_upstream_stream(code2wav, rows, p, True, "FINISHED_ABORTED")) for p in (ours, None)]
+    assert torch.equal(aborted[0], aborted[1])
 
 
 @pytest.mark.parametrize("profile", PROFILES)
