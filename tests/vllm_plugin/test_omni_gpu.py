@@ -23,10 +23,10 @@ sampler ranked at every row it published.
   recomputes requests), each held to the same checks; Stage 0's log names the graph path its profile calls for;
   the 4B shape (random bf16 weights), two requests in the low-latency profile, held to the same checks with the
   bounds measured at that depth, and one layer's o_proj x 1.25 in the reference as their mutation test;
-- ``vllm-omni serve`` (low-latency profile): the ``openai`` client's ``audio.speech.create`` (its ``voice`` sent as
-  null through ``extra_body``: vllm-omni refuses a voice nobody uploaded) and httpx streaming (PCM and WAV) give
-  the offline audio of the same seed; a client that leaves mid-stream does not block the next request; bad
-  requests get a 4xx with a message.
+- ``vllm-omni serve`` (the low-latency profile, and with async scheduling and our hand-over): the ``openai``
+  client's ``audio.speech.create`` (its ``voice`` sent as null through ``extra_body``: vllm-omni refuses a voice
+  nobody uploaded) and httpx streaming (PCM and WAV) give the offline audio of the same seed; a client that leaves
+  mid-stream does not block the next request; bad requests get a 4xx with a message.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from _reference_check import (  # noqa: E402
     score_bound,
 )
 from _served import run_served  # noqa: E402
-from bench_omni import deploy_yaml, derived_yaml, profile_yaml, start_server, stop_server, talker_env  # noqa: E402
+from bench_omni import derived_yaml, profile_yaml, start_server, stop_server, talker_env  # noqa: E402
 from omni_checkpoint import write_omni_checkpoint  # noqa: E402
 
 from higgs_talker import HiggsTalker, Reference, SamplingParams  # noqa: E402
@@ -386,15 +386,21 @@ def test_4b_offline_requests_match_the_float32_reference_and_the_direct_engine(t
 # vllm-omni serve
 
 
-@pytest.fixture(scope="module")
-def server(ckpt, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve")
-    yaml_path = derived_yaml(deploy_yaml("ours", "low_latency"), tmp / "low_latency.yaml", STAGES)
+# served in the packaged low-latency profile, and with async scheduling and our hand-over (a client that leaves
+# mid-stream aborts its request: the hand-over's one case where the live status still counts)
+SERVED = ("low_latency", "low_latency_async_frame_graphs")
+
+
+@pytest.fixture(scope="module", params=SERVED)
+def server(request, ckpt, tmp_path_factory):
+    profile, tmp = request.param, tmp_path_factory.mktemp("serve")
+    yaml_path = derived_yaml(profile_yaml("ours", profile, tmp), tmp / f"{profile}.yaml", STAGES)
     log_dir = Path(os.environ.get("HIGGS_VLLM_LOG_DIR") or tmp)
     log_dir.mkdir(parents=True, exist_ok=True)
-    proc, url = start_server(str(ckpt), yaml_path, talker_env("ours"), log_dir / "omni_serve.log", timeout=900)
+    proc, url = start_server(str(ckpt), yaml_path, talker_env("ours"), log_dir / f"omni_serve_{profile}.log",
+                             timeout=900)  # fmt: skip
     try:
-        yield {"url": url, "offline": offline_audio(ckpt, "low_latency", tmp)}
+        yield {"url": url, "offline": offline_audio(ckpt, profile, tmp)}
     finally:
         stop_server(proc)
 
