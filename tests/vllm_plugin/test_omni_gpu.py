@@ -9,7 +9,8 @@ stream bit for bit; test_e2e_cpu.py: the score probe inside vLLM's engine-core p
 
 A small checkpoint (head_dim 64, bf16 talker, EOC pushed down) with the real-layout random codec
 (``benchmarks/omni_checkpoint.py``) runs through ``Omni(model, deploy_config)`` in both of our deploy profiles
-and in the low-latency one with our frame graphs (``omni_run.py`` in its own process), Stage 1 in float32. The
+and in the low-latency one with our frame graphs, without and with vLLM's async scheduling (and our Stage 0 ->
+code2wav hand-over) (``omni_run.py`` in its own process), Stage 1 in float32. The
 score probe (``score_probe/``, loaded into the Stage-0 worker through its ``sitecustomize``) records what Stage 0's
 sampler ranked at every row it published.
 
@@ -257,7 +258,7 @@ def test_the_adapter_takes_the_graph_path_its_profile_calls_for(offline):
     """Stage 0's log (our lines reach it through vLLM's handlers): under the low-latency profile vLLM captures FULL
     decode graphs and our local MLP graphs stay off; under the high-throughput one (enforce_eager) they are on and
     every bucket captured; with frame graphs asked for, every bucket of those is captured and the requests' decode
-    steps replayed them (the probe's count), and without, none ran."""
+    steps replayed them (the probe's count), and without, none ran; with async scheduling asked for, vLLM kept it."""
     profile, _ = offline
     log = _LOGS[profile]
     frames = "frame graphs captured for batch buckets (1, 2, 4, 8, 16) (failed: none)"
@@ -266,6 +267,8 @@ def test_the_adapter_takes_the_graph_path_its_profile_calls_for(offline):
             "high_throughput": "local MLP graphs on: vLLM enforce_eager=True"}[profile]  # fmt: skip
     assert want in log, [x for x in log.splitlines() if "higgs" in x.lower() or "frame graphs" in x][:20]
     assert "capture failed" not in log
+    if "async" in profile:  # vLLM kept it on for Stage 0 (it says so when it turns it off)
+        assert "Asynchronous scheduling is enabled" in log
     replays = {key: record["frame_replays"] for key, record in _RECORDS[profile].items()}
     if "frame_graphs" in profile:  # decode steps ran from the graphs (a step past its prefill)
         assert all(n > 0 for n in replays.values()), replays
