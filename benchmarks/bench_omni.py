@@ -80,9 +80,9 @@ FULL_64 = {
     },
 }
 FRAME_GRAPHS = {"hf_overrides": {"higgs_frame_graphs": True}}
-# our Stage 0 -> code2wav hand-over: vllm-omni's, told only the finished flag a call was queued with (it doubles an
-# EOS-ended request's audio under async scheduling otherwise: higgs_talker.vllm_plugin.deploy)
 ASYNC = {"async_scheduling": True}
+# our Stage 0 -> code2wav hand-over: vllm-omni's, told the finished flag a call was queued with (vllm-omni's own
+# doubles an EOS-ended request's audio under async scheduling: higgs_talker.vllm_plugin.deploy)
 HAND_OVER = {"custom_process_next_stage_input_func": "higgs_talker.vllm_plugin.deploy.talker2code2wav_async_chunk"}
 DERIVED = {"full_decode_64": ("low_latency", {0: FULL_64, 1: {"max_num_seqs": 64}}),
            "full_decode_64_no_prefix_cache": ("low_latency", {0: FULL_64 | {"enable_prefix_caching": False},
