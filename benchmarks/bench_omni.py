@@ -30,7 +30,10 @@ Paths (the ``path`` of a row):
 - ``direct``: our engine (``HiggsTalker.stream_audio`` with vllm-omni's chunking, C threads, the same sampling,
   seeded), once.
 
-Per level: TTFA and RTF (wall / audio seconds) p50/p90, audio seconds per wall second.
+Each path warms up first (offline and HTTP: two 2 s requests; direct: one short request per stream), untimed.
+Per level: TTFA and RTF (wall / audio seconds) p50/p90, audio seconds per wall second. A worker that has reported
+its levels and is still shutting down ``SHUTDOWN_S`` later is stopped (its stage processes with it) and counts as
+done: shutdown is not measured and does not use the next configuration's share of ``--budget-s``.
 
     python benchmarks/bench_omni.py --out $OUT                       # both talkers x profiles x paths, 1,4,16,64
     python benchmarks/bench_omni.py --smoke --out $OUT               # small shape, levels 1,2, 1 s of audio
@@ -41,6 +44,7 @@ Per level: TTFA and RTF (wall / audio seconds) p50/p90, audio seconds per wall s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -102,6 +106,8 @@ UPSTREAM_SAME = {"low_latency_frame_graphs": "low_latency", "full_decode_64_fram
                  "full_decode_64_async_frame_graphs": "full_decode_64_async"}  # fmt: skip
 PATHS = ("offline", "http", "direct")
 LEVELS = (1, 4, 16, 64)
+LEVELS_DONE = "LEVELS DONE"  # a worker's last line of results: what follows is its shutdown
+SHUTDOWN_S = 30  # how long a worker whose levels are done may take to shut down before it is stopped
 SAMPLE_RATE = 24000
 FRAME_RATE = 25
 NUM_CODEBOOKS = 8
@@ -318,6 +324,26 @@ def level_row(base: dict, level: int, records: list[dict], wall: float) -> dict:
     return row
 
 
+def _offline_wave(omni, wave: list[dict], rows: int, streams: bool) -> tuple[list[dict], bool]:
+    """One wave of requests through ``omni`` together: a record per request, and whether audio came in pieces."""
+    params = stage_params(omni, None, wave[0]["seed"], rows, stream=True)
+    sent, first, audio, done, streamed = time.perf_counter(), {}, {}, {}, False
+    for out in offline_outputs(omni, [j["prompt"] for j in wave], params, streams):
+        now, rid, wav = time.perf_counter(), out.request_id, audio_of(out)
+        if wav is not None and wav.numel():
+            streamed |= streams and rid in first
+            first.setdefault(rid, now)
+            audio[rid] = audio.get(rid, 0) + wav.numel()
+        if getattr(out, "finished", True):
+            done[rid] = now
+    records = []
+    for rid, end in done.items():
+        seconds = audio.get(rid, 0) / SAMPLE_RATE
+        records.append({"ttfa_ms": (first.get(rid, end) - sent) * 1e3, "audio_s": seconds,
+                        "rtf": (end - sent) / seconds if seconds else None})  # fmt: skip
+    return records, streamed
+
+
 def run_offline(args: argparse.Namespace, base: dict) -> None:
     from vllm_omni import Omni
 
@@ -325,32 +351,23 @@ def run_offline(args: argparse.Namespace, base: dict) -> None:
     omni = Omni(model=args.model, deploy_config=str(args.yaml), stage_init_timeout=args.worker_timeout)
     base = base | {"start_s": time.perf_counter() - t0}
     rows_out, rows, streams = [], args.frames + NUM_CODEBOOKS, offline_streams()
+
+    def tokenized(todo: list[dict]) -> list[dict]:
+        return [j | {"prompt": {"prompt_token_ids": prompt_ids(args.model, j["text"])}} for j in todo]
+
     try:
+        _offline_wave(omni, tokenized(jobs(2, args.seed)), 2 * FRAME_RATE + NUM_CODEBOOKS, streams)  # warm up
         for level in args.levels:
-            todo, records, streamed = jobs(max(2 * level, 8), args.seed + 1000 * level), [], False
-            for j in todo:  # tokenized before the clock starts
-                j["prompt"] = {"prompt_token_ids": prompt_ids(args.model, j["text"])}
+            todo, records, streamed = tokenized(jobs(max(2 * level, 8), args.seed + 1000 * level)), [], False
             wall0 = time.perf_counter()
             for start in range(0, len(todo), level):
-                wave = todo[start : start + level]
-                params = stage_params(omni, None, wave[0]["seed"], rows, stream=True)
-                prompts = [j["prompt"] for j in wave]
-                sent, first, audio, done = time.perf_counter(), {}, {}, {}
-                for out in offline_outputs(omni, prompts, params, streams):
-                    now, rid, wav = time.perf_counter(), out.request_id, audio_of(out)
-                    if wav is not None and wav.numel():
-                        streamed |= streams and rid in first
-                        first.setdefault(rid, now)
-                        audio[rid] = audio.get(rid, 0) + wav.numel()
-                    if getattr(out, "finished", True):
-                        done[rid] = now
-                for rid, end in done.items():
-                    seconds = audio.get(rid, 0) / SAMPLE_RATE
-                    records.append({"ttfa_ms": (first.get(rid, end) - sent) * 1e3, "audio_s": seconds,
-                                    "rtf": (end - sent) / seconds if seconds else None})  # fmt: skip
+                got, pieces = _offline_wave(omni, todo[start : start + level], rows, streams)
+                records += got
+                streamed |= pieces
             wall = time.perf_counter() - wall0
             rows_out.append(level_row(base | {"offline_streamed": streamed}, level, records, wall))
             print("RESULT:" + json.dumps(rows_out), flush=True)
+        print(LEVELS_DONE, flush=True)
     finally:
         omni.close()
 
@@ -396,6 +413,7 @@ def run_http(args: argparse.Namespace, base: dict) -> None:
                                                     args.frames + NUM_CODEBOOKS))  # fmt: skip
             rows_out.append(level_row(base, level, records, wall))
             print("RESULT:" + json.dumps(rows_out), flush=True)
+        print(LEVELS_DONE, flush=True)
     finally:
         stop_server(proc)
 
@@ -421,6 +439,7 @@ def run_direct(args: argparse.Namespace, base: dict) -> None:
         records, wall = closed_loop(talker, todo, level, UPSTREAM_CHUNKING, 10_000)
         rows_out.append(level_row(base, level, records, wall))
         print("RESULT:" + json.dumps(rows_out), flush=True)
+    print(LEVELS_DONE, flush=True)
 
 
 def worker_limit(limit: float, deadline: float | None, left: int) -> float:
@@ -430,6 +449,31 @@ def worker_limit(limit: float, deadline: float | None, left: int) -> float:
     if deadline is None:
         return limit
     return min(limit, max((deadline - time.perf_counter()) / left, 1.0))
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """End a worker's session: the worker and every stage process it started (a clean exit leaves none)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def wait_worker(proc: subprocess.Popen, log_path: Path, limit: float) -> int:
+    """The worker's exit status. A worker that reported all its levels (``LEVELS_DONE`` in its log) and is still
+    shutting down ``SHUTDOWN_S`` later is stopped and counts as done (0): its shutdown is not measured and must not
+    use the next configuration's share. TimeoutExpired past ``limit`` seconds otherwise."""
+    end, done_at = time.perf_counter() + limit, None
+    while True:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return proc.wait(timeout=1.0)
+        now = time.perf_counter()
+        if done_at is None and LEVELS_DONE in log_path.read_text(encoding="utf-8", errors="replace"):
+            done_at = now
+        if done_at is not None and now - done_at > SHUTDOWN_S:
+            stop_group(proc)
+            return 0
+        if now > end:
+            raise subprocess.TimeoutExpired(proc.args, limit)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -516,12 +560,12 @@ def main(argv: list[str] | None = None):
                 proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=talker_env(talker),
                                         start_new_session=True)  # fmt: skip
                 limit = worker_limit(args.worker_timeout + 60 * len(args.levels) * 5, deadline, len(configs) - index)
-                code = proc.wait(timeout=limit)
+                code = wait_worker(proc, log_path, limit)
                 error = f"worker exited with status {code}" if code else None
             except subprocess.TimeoutExpired as exc:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
                 error = f"stopped after {exc.timeout:.0f} s (worker timeout or --budget-s)"
+            finally:
+                stop_group(proc)
         text = log_path.read_text(encoding="utf-8", errors="replace")
         lines = [x for x in text.splitlines() if x.startswith("RESULT:")]
         for row in json.loads(lines[-1][len("RESULT:") :]) if lines else []:

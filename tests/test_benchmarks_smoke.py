@@ -392,6 +392,61 @@ def test_omni_budget_is_shared_among_the_configurations_left(bench, monkeypatch)
     assert bench_omni.worker_limit(900.0, 90.0, 2) == 1.0  # spent: at least a second, then skipped rows
 
 
+def _worker(tmp_path: Path, lines: str):
+    """A stand-in bench_omni worker in its own session: prints ``lines`` after starting a child that would outlive it (a
+    stage process), then hangs (a shutdown that does not end). Returns (proc, log path, child pid file)."""
+    import subprocess
+
+    log, child = tmp_path / "worker.log", tmp_path / "child.pid"
+    code = (f"import subprocess, sys, time; "
+            f"c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+            f"open({str(child)!r}, 'w').write(str(c.pid)); print({lines!r}, flush=True); time.sleep(600)")  # fmt: skip
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    return proc, log, child
+
+
+def _gone(pid: int) -> bool:
+    import os
+    import time
+
+    for _ in range(50):  # a killed process may stay a zombie of its (killed) parent for a moment
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        os.sched_yield()
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_omni_worker_done_with_its_levels_is_stopped_in_its_shutdown(bench, monkeypatch, tmp_path: Path) -> None:
+    """A worker that printed every level and hangs in vllm-omni's shutdown (two of four on the H200, 2026-12-04,
+    each then charged with its whole budget share and recorded as stopped) counts as done after SHUTDOWN_S, and
+    its stage processes go with it; without the marker the limit still stops it."""
+    import subprocess
+    import time
+
+    import bench_omni
+
+    monkeypatch.setattr(bench_omni, "SHUTDOWN_S", 1.0)
+    proc, log, child = _worker(tmp_path, "RESULT:[]\n" + bench_omni.LEVELS_DONE)
+    t0 = time.perf_counter()
+    assert bench_omni.wait_worker(proc, log, limit=60.0) == 0
+    assert time.perf_counter() - t0 < 30
+    assert proc.poll() is not None and _gone(int(child.read_text()))
+
+    proc, log, child = _worker(tmp_path, "RESULT:[]")  # levels not done: the limit applies
+    with pytest.raises(subprocess.TimeoutExpired):
+        bench_omni.wait_worker(proc, log, limit=3.0)
+    bench_omni.stop_group(proc)
+    assert proc.poll() is not None and _gone(int(child.read_text()))
+
+
 def test_a_smoke_run_without_out_writes_to_a_temporary_folder(bench, monkeypatch, tmp_path: Path) -> None:
     """A ``--tiny`` / ``--cpu`` / ``--smoke`` run given no ``--out`` stays out of ``results/`` (where it became the
     newest file of its kind for ``plot.py``); a real run without ``--out`` still writes there."""
