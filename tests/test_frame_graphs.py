@@ -8,6 +8,8 @@ the one captured, and replays give the eager results over several steps of a liv
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -16,6 +18,8 @@ from higgs_talker.heads.slots import RequestSlots, SlotStore
 from higgs_talker.heads.spans import frame_results
 
 C, V, BOC, EOC, H = 8, 1026, 1024, 1025, 32
+AUDIO, EOS = 50, 51  # the text tokens <|audio|> and EOS
+frame = functools.partial(frame_results, audio_id=AUDIO, eos_id=EOS)
 
 
 def _slots(device) -> RequestSlots:
@@ -28,17 +32,19 @@ def _head(device):
 
 
 def _batch(slots: RequestSlots, ids: list[str], step: int, device) -> tuple:
-    """A decode step of ``ids``: the first step opens each stream (seed rows), later ones produce frames."""
+    """A decode step of ``ids``, each tail the forced ``<|audio|>``: a request new to the slots opens its stream, the
+    others are due their next frame (their tail at ``seed_pos`` + rows produced). Sampling at temperature 1 with
+    top-k 50 and top-p 0.95, every third step greedy with no parameters at all (vLLM's metadata: None)."""
     s, _ = slots.sync(ids)
     b = len(ids)
     g = torch.Generator().manual_seed(100 + step)
     hidden = (torch.randn(b, H, generator=g) * 3).to(device)
-    seed = torch.full((b,), step == 0, device=device)
-    done = torch.zeros(b, dtype=torch.bool, device=device)
-    code_rows = torch.ones(b, dtype=torch.bool, device=device)
-    tail_pos = torch.full((b,), 5 + step, device=device)
+    tail_ids = torch.full((b,), AUDIO, device=device)
+    streaming = slots.store.state.has_codes.index_select(0, s)
+    due = slots.seed_pos.index_select(0, s) + slots.store.num_rows.index_select(0, s)
+    tail_pos = torch.where(streaming, due, 5 + step)
     params = (torch.ones(b, device=device), torch.full((b,), 50, device=device), torch.full((b,), 0.95, device=device))
-    return s, hidden, seed, done, code_rows, tail_pos, params
+    return s, hidden, tail_ids, tail_pos, (None, None, None) if step % 3 == 2 else params
 
 
 def _state(slots: RequestSlots) -> list[torch.Tensor]:
@@ -59,7 +65,7 @@ class _Replay:
 
 def _emulated(slots: RequestSlots, head, replay=_Replay) -> tuple[FrameGraphs, _Bucket]:
     """Frame graphs over ``slots`` with one bucket of 4 rows, its capture played on CPU by ``replay``."""
-    graphs = FrameGraphs(frame_results, slots, head, [4], max_batch=4)
+    graphs = FrameGraphs(frame, slots, head, [4], max_batch=4, open_token=AUDIO)
     bucket = _Bucket(4, H, torch.float32, torch.device("cpu"), slots.store.scratch)
     bucket.results = torch.zeros(4, C + 3, dtype=torch.int32)
     bucket.graph = replay(graphs, bucket)
@@ -74,13 +80,15 @@ def test_a_bucket_gives_a_smaller_batch_its_own_rows_and_pads_with_the_scratch_s
     graphs, bucket = _emulated(graphed, head)
     for step, ids in enumerate((["a", "b", "c"], ["a", "b", "c"], ["a", "c"], ["a", "b", "c", "d"], ["d"])):
         got = graphs.run(*_batch(graphed, ids, step, dev))
-        want = frame_results(eager, head, *_batch(eager, ids, step, dev))
+        want = frame(eager, head, *_batch(eager, ids, step, dev))
         assert got.shape == want.shape and torch.equal(got, want), (step, ids)
+        assert got[:, C].all(), (step, ids)  # every row opened its stream or was due: a frame each
         live = [graphed.requests[r].slot for r in ids]
         for a, b in zip(_state(graphed), _state(eager), strict=True):  # every live slot as eager left it
             assert torch.equal(a[live], b[live])
     assert graphs.replays == 5 and graphs.run(*_batch(graphed, list("abcdef"), 9, dev)) is None  # no bucket: eager
-    assert bool(bucket.code_rows[1:].any()) is False and bucket.slots[1:].eq(graphed.store.scratch).all()
+    assert bucket.slots[1:].eq(graphed.store.scratch).all()  # the last batch had one row: the rest is padding
+    assert bucket.tail_ids[1:].eq(-1).all() and bucket.tail_pos[1:].eq(-1).all()
 
 
 def test_the_option_is_a_boolean_and_asks_only_on_cuda():
@@ -92,13 +100,13 @@ def test_the_option_is_a_boolean_and_asks_only_on_cuda():
     slots = _slots(torch.device("cpu"))
     for value in ("true", 1, None):
         with pytest.raises(ValueError, match=f"higgs_frame_graphs must be true or false, got {value!r}"):
-            FrameGraphs.if_asked(SimpleNamespace(higgs_frame_graphs=value), frame_results, slots, head, 4)
+            FrameGraphs.if_asked(SimpleNamespace(higgs_frame_graphs=value), frame, slots, head, 4, AUDIO)
     for config in (
         SimpleNamespace(),
         SimpleNamespace(higgs_frame_graphs=False),
         SimpleNamespace(higgs_frame_graphs=True),
     ):
-        assert FrameGraphs.if_asked(config, frame_results, slots, head, 4) is None  # the last: a CPU head
+        assert FrameGraphs.if_asked(config, frame, slots, head, 4, AUDIO) is None  # the last: a CPU head
 
 
 @pytest.mark.gpu
@@ -108,14 +116,14 @@ def test_frame_graphs_replay_the_eager_frame_on_cuda():
     dev = torch.device("cuda")
     head = _head(dev)
     graphed, eager = _slots(dev), _slots(dev)
-    graphs = FrameGraphs(frame_results, graphed, head, [1, 2, 4, 8, 16], max_batch=16)
+    graphs = FrameGraphs(frame, graphed, head, [1, 2, 4, 8, 16], max_batch=16, open_token=AUDIO)
     graphs.capture(H, torch.float32, dev)
     assert graphs.sizes == (1, 2, 4, 8, 16) and not graphs.failed
     ids = [f"r{i}" for i in range(11)]
     for step in range(12):
         batch = ids[: 11 - (step % 4) * 3]  # 11, 8, 5, 2 rows: buckets 16, 8, 8, 2
         got = graphs.run(*_batch(graphed, batch, step, dev))
-        want = frame_results(eager, head, *_batch(eager, batch, step, dev))
+        want = frame(eager, head, *_batch(eager, batch, step, dev))
         assert torch.equal(got, want), step
     assert graphs.replays == 12
     for a, b in zip(_state(graphed), _state(eager), strict=True):
@@ -126,10 +134,10 @@ def test_frame_graphs_replay_the_eager_frame_on_cuda():
 
     def drifting(*args):  # a different frame on every call: the capture check must refuse every bucket
         calls.append(1)
-        out = frame_results(*args)
+        out = frame(*args)
         return out + len(calls)
 
-    broken = FrameGraphs(drifting, _slots(dev), head, [1, 4], max_batch=4)
+    broken = FrameGraphs(drifting, _slots(dev), head, [1, 4], max_batch=4, open_token=AUDIO)
     broken.capture(H, torch.float32, dev)
     assert broken.sizes == () and set(broken.failed) == {1, 4}
 
@@ -170,7 +178,7 @@ def test_the_score_probe_ranks_replayed_steps_without_advancing_them_twice(monke
     ids, rows = ["a", "b", "c"], {k: [] for k in "abc"}
     for step in range(4):
         got = graphs.run(*_batch(graphed, ids, step, dev))
-        want = unprobed(lambda s=step: frame_results(eager, head, *_batch(eager, ids, s, dev)))
+        want = unprobed(lambda s=step: frame(eager, head, *_batch(eager, ids, s, dev)))
         assert torch.equal(got, want), step
         graphed.record_later(ids, got.clone())
         for k, row in zip(ids, want, strict=True):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
@@ -1096,7 +1097,7 @@ def test_span_step_classifies_rows_opens_streams_and_forces_the_text_token():
     a stream row is due a frame only at ``seed_pos + rows produced``, a done row is forced EOS and produces
     nothing; audio-mode rows keep only their forced text logit."""
     from higgs_talker.heads.slots import RequestSlots, SlotStore
-    from higgs_talker.heads.spans import force_text_logits, forced_only_logits
+    from higgs_talker.heads.spans import force_text_logits, forced_only_logits, frame_results
 
     audio, eos, text = 50, 51, 7
     slots = RequestSlots(SlotStore(4, N, V, BOC, EOC, torch.device("cpu")), seed=0)
@@ -1106,7 +1107,8 @@ def test_span_step_classifies_rows_opens_streams_and_forces_the_text_token():
     assert m.code_rows.tolist() == [False, True] and m.forced.tolist() == [audio, audio]
     step.hidden = torch.randn(2, 4)
     head = lambda h: torch.randn(h.shape[0], N, V)  # noqa: E731
-    assert step.sample(slots, head, (torch.ones(2), torch.full((2,), V), torch.ones(2))) is None
+    frame = functools.partial(frame_results, audio_id=audio, eos_id=eos)
+    assert step.sample(slots, head, frame, (torch.ones(2), torch.full((2,), V), torch.ones(2))) is None
     assert slots.requests["a"].rows == [] and not slots.requests["a"].active  # recorded when settled
     published = slots.settle()
     assert published[0] is None and published[1].shape == (1, N) and slots.settle() is None
@@ -1119,7 +1121,7 @@ def test_span_step_classifies_rows_opens_streams_and_forces_the_text_token():
         assert m.seed.tolist() == [False, False] and m.code_rows.tolist() == [False, due]
     chunk = _span_step(slots, ["t", "a"], [text, audio], [4, 20])  # not due: in its stream, but no frame
     chunk.modes, chunk.hidden = chunk.row_modes(slots, audio, eos), torch.randn(2, 4)
-    chunk.sample(slots, head, (torch.ones(2), torch.full((2,), V), torch.ones(2)))
+    chunk.sample(slots, head, frame, (torch.ones(2), torch.full((2,), V), torch.ones(2)))
     assert slots.settle() == [None, None]
     assert slots.rows_for("a").shape == (1, N) and slots.requests["a"].active
     slots.store.state.done[step.slots[1]] = True  # "a" emitted its terminal row
@@ -1129,7 +1131,7 @@ def test_span_step_classifies_rows_opens_streams_and_forces_the_text_token():
     want_text = logits[0].clone()
     out = force_text_logits(logits, m)
     assert torch.equal(out[0], want_text) and torch.isfinite(out[1]).tolist() == [i == eos for i in range(64)]
-    only = forced_only_logits(m, 64, torch.float32)
+    only = forced_only_logits(m.forced, 64, torch.float32)
     assert [torch.isfinite(r).nonzero().flatten().tolist() for r in only] == [[audio], [eos]]
 
 
@@ -1139,7 +1141,7 @@ def test_span_step_text_logits_skip_the_head_only_when_every_request_is_forced()
     from types import SimpleNamespace
 
     from higgs_talker.heads.slots import RequestSlots, SlotStore
-    from higgs_talker.heads.spans import rows_or_empty
+    from higgs_talker.heads.spans import frame_results, rows_or_empty
 
     specials = SimpleNamespace(audio=50, eos=51)
     slots = RequestSlots(SlotStore(4, N, V, BOC, EOC, torch.device("cpu")), seed=0)
@@ -1154,12 +1156,19 @@ def test_span_step_text_logits_skip_the_head_only_when_every_request_is_forced()
     assert not skipped and len(calls) == 1 and step.hidden is hidden and step.modes.audio.tolist() == [False, True]
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [50] and torch.isfinite(logits[0]).all()
     head = lambda h: torch.randn(h.shape[0], N, V)  # noqa: E731
-    step.sample(slots, head, (torch.ones(2), torch.full((2,), V), torch.ones(2)))
+    frame = functools.partial(frame_results, audio_id=50, eos_id=51)
+    step.sample(slots, head, frame, (torch.ones(2), torch.full((2,), V), torch.ones(2)))
     audio_only = _span_step(slots, ["a"], [50], [13])  # "a" is in its stream: known forced on the host once settled
     audio_only.adopt_seeds(slots, {0: 9})  # not new: keeps the seed it sampled with
     assert slots.requests["a"].seed == 5
     logits, skipped = audio_only.text_logits(slots, hidden[:1], specials, text_head, 64)
     assert skipped and len(calls) == 1 and torch.isfinite(logits[0]).nonzero().flatten().tolist() == [50]
+    assert audio_only.modes is None and audio_only.forced.tolist() == [50]  # the rows are classified in the frame
+    slots.store.state.done[audio_only.slots] = True  # "a" emitted its terminal row: EOS is forced, head still skipped
+    ended = _span_step(slots, ["a"], [50], [14])
+    logits, skipped = ended.text_logits(slots, hidden[:1], specials, text_head, 64)
+    assert skipped and ended.forced.tolist() == [51] and torch.isfinite(logits[0]).nonzero().flatten().tolist() == [51]
+    slots.store.state.done[audio_only.slots] = False
     row = slots.rows_for("a")
     assert [r.shape for r in rows_or_empty([None, row, torch.zeros(0, N)], N)] == [(0, N), (1, N), (0, N)]
 

@@ -5,6 +5,7 @@ step's frame work, eager against replayed, at 1 and 16 rows (p50 of 35 steps, th
     PYTHONPATH=$PWD python3 benchmarks/probes/frame_graphs_probe.py
 """
 
+import functools
 import time
 
 import torch
@@ -15,6 +16,8 @@ from higgs_talker.heads.spans import frame_results
 
 dev = torch.device("cuda")
 C, V, H = 8, 1026, 2560
+AUDIO, EOS = 151671, 151645  # text tokens; any two ids do
+frame = functools.partial(frame_results, audio_id=AUDIO, eos_id=EOS)
 head_w = torch.randn(C * V, H, device=dev, dtype=torch.bfloat16) * 0.02
 
 
@@ -39,34 +42,33 @@ def batch(slots, ids, step):
     b = len(ids)
     g = torch.Generator(device=dev).manual_seed(100 + step)
     hidden = (torch.randn(b, H, generator=g, device=dev) * 3).to(torch.bfloat16)
-    seed = torch.full((b,), step == 0, device=dev)
-    done = torch.zeros(b, dtype=torch.bool, device=dev)
-    code = torch.ones(b, dtype=torch.bool, device=dev)
-    tail = torch.full((b,), 5 + step, device=dev)
+    tail_ids = torch.full((b,), AUDIO, device=dev)  # new requests open a stream, the others are due a frame
+    streaming = slots.store.state.has_codes.index_select(0, s)
+    tail_pos = torch.where(streaming, slots.seed_pos.index_select(0, s) + slots.store.num_rows.index_select(0, s), 5)
     params = (torch.ones(b, device=dev), torch.full((b,), 50, device=dev), torch.full((b,), 0.95, device=dev))
-    return s, hidden, seed, done, code, tail, params
+    return s, hidden, tail_ids, tail_pos, params
 
 
 cfg = type("Cfg", (), {"higgs_frame_graphs": True})()
 graphed, eager = mk(), mk()
 t0 = time.perf_counter()
-graphs = FrameGraphs.if_asked(cfg, frame_results, graphed, head, 64)
+graphs = FrameGraphs.if_asked(cfg, frame, graphed, head, 64, AUDIO)
 print(f"captured {graphs.sizes} failed {graphs.failed} in {time.perf_counter() - t0:.2f} s")
 ids = [f"r{i}" for i in range(40)]
 bad = 0
 for step in range(24):
     n = [40, 33, 16, 9, 3, 1][step % 6]
     got = graphs.run(*batch(graphed, ids[:n], step))
-    want = frame_results(eager, head, *batch(eager, ids[:n], step))
+    want = frame(eager, head, *batch(eager, ids[:n], step))
     bad += 0 if torch.equal(got, want) else 1
 print(f"replay vs eager over 24 steps (batches 40..1): {bad} steps differ; replays {graphs.replays}")
 for b in (1, 16):
     sl = mk()
-    fg = FrameGraphs.if_asked(cfg, frame_results, sl, head, 64)
+    fg = FrameGraphs.if_asked(cfg, frame, sl, head, 64, AUDIO)
     ids = [f"q{i}" for i in range(b)]
 
     def eager_step(a, sl=sl):
-        return frame_results(sl, head, *a)
+        return frame(sl, head, *a)
 
     def graph_step(a, fg=fg):
         return fg.run(*a)

@@ -6,12 +6,13 @@ and at 16 (``sample`` in the step-timing probe, and the same pieces alone with t
 synchronizing call), more than half of a 4B decode step's device time. vLLM's FULL decode graph covers the
 forward only; the adapter's sampling runs after it, outside any capture.
 
-Each bucket has static inputs (slots, hidden rows, row modes, tail positions, sampling parameters) and one static
-output (the results). Rows past the batch are padding: they read and write the store's scratch slot and produce
-nothing. Captured after the weights are loaded (largest bucket first, one pool), each bucket is replayed once on
-random rows of the scratch slot and compared with an eager run from the same state; any difference, or any error,
-leaves that bucket eager with one warning (``capture.capture_buckets``). ``run`` returns None (run eagerly) for a
-batch no bucket holds and while a stream is capturing.
+Each bucket has static inputs (slots, hidden rows, tail tokens and positions, the front end's sampling parameters)
+and one static output (the results): the rows' classification and the parameters' normalization run inside the
+graph too. Rows past the batch are padding: they sit in the store's scratch slot, with a tail that is no token and
+no position, and produce nothing. Captured after the weights are loaded (largest bucket first, one pool), each
+bucket is replayed once on random rows of the scratch slot and compared with an eager run from the same state; any
+difference, or any error, leaves that bucket eager with one warning (``capture.capture_buckets``). ``run`` returns
+None (run eagerly) for a batch no bucket holds and while a stream is capturing.
 
 The adapter captures them where its model config asks (``higgs_frame_graphs: true``, e.g. a deploy YAML stage's
 ``hf_overrides``; ``FrameGraphs.if_asked``). Off by default: inside vllm-omni 0.26 on the H200 (2026-12-04) every
@@ -34,8 +35,9 @@ from .policy import stream_is_capturing
 
 logger = logging.getLogger(__name__)
 
-# frame_results(slots, head, step_slots, hidden, seed, done, code_rows, tail_pos, params) -> results [B, C + 3]
+# frame(slots, head, step_slots, hidden, tail_ids, tail_pos, params) -> results [B, C + 3] (``heads.spans``)
 FrameFn = Callable[..., Tensor]
+NO_PARAMS = (0.0, 0, 1.0)  # what a parameter given as None means (greedy, no top-k, no top-p: ``row_params``)
 OPTION = "higgs_frame_graphs"  # the model config attribute that asks for them
 
 
@@ -44,10 +46,8 @@ class _Bucket:
         self.size, self.scratch, self.filled = size, scratch, size  # rows [filled:] hold padding
         self.slots = torch.full((size,), scratch, dtype=torch.long, device=device)
         self.hidden = torch.zeros(size, hidden_size, dtype=dtype, device=device)
-        self.seed = torch.zeros(size, dtype=torch.bool, device=device)
-        self.done = torch.zeros(size, dtype=torch.bool, device=device)
-        self.code_rows = torch.zeros(size, dtype=torch.bool, device=device)
-        self.tail_pos = torch.zeros(size, dtype=torch.long, device=device)
+        self.tail_ids = torch.full((size,), -1, dtype=torch.long, device=device)
+        self.tail_pos = torch.full((size,), -1, dtype=torch.long, device=device)
         self.temperature = torch.ones(size, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(size, dtype=torch.long, device=device)
         self.top_p = torch.ones(size, dtype=torch.float32, device=device)
@@ -56,38 +56,41 @@ class _Bucket:
 
     def args(self) -> tuple:
         params = (self.temperature, self.top_k, self.top_p)
-        return self.slots, self.hidden, self.seed, self.done, self.code_rows, self.tail_pos, params
+        return self.slots, self.hidden, self.tail_ids, self.tail_pos, params
 
-    def write(self, step_slots, hidden, seed, done, code_rows, tail_pos, params) -> None:
-        """Copy a batch of B rows in; rows B.. become padding (only those a larger batch filled before)."""
+    def write(self, step_slots, hidden, tail_ids, tail_pos, params) -> None:
+        """Copy a batch of B rows in (a parameter given as None: its ``NO_PARAMS`` value); rows B.. become padding
+        (only those a larger batch filled before)."""
         b = step_slots.shape[0]
-        for buf, value in zip(self.args()[:6], (step_slots, hidden, seed, done, code_rows, tail_pos), strict=True):
+        for buf, value in zip(self.args()[:4], (step_slots, hidden, tail_ids, tail_pos), strict=True):
             buf[:b].copy_(value)
-        for buf, value in zip(self.args()[6], params, strict=True):
-            buf[:b].copy_(value)
+        for buf, value, none in zip(self.args()[4], params, NO_PARAMS, strict=True):
+            buf[:b].copy_(value[:b]) if value is not None else buf[:b].fill_(none)
         if self.filled > b:
             self.pad(b)
         self.filled = b
 
     def pad(self, start: int) -> None:
+        """Rows ``start``.. sit in the scratch slot with a tail that opens nothing and is due nothing."""
         self.slots[start:].fill_(self.scratch)
-        for flag in (self.seed, self.done, self.code_rows):
-            flag[start:].fill_(False)
+        self.tail_ids[start:].fill_(-1)
+        self.tail_pos[start:].fill_(-1)
 
 
 class FrameGraphs:
     """Graphs of ``frame(slots, head, *args)`` for the batch buckets of ``buckets``, over ``slots`` (a
-    ``RequestSlots``) and ``head`` (the codebook head)."""
+    ``RequestSlots``) and ``head`` (the codebook head); ``open_token`` is the tail token that opens a stream
+    (``<|audio|>``), which the capture check's rows carry."""
 
-    def __init__(self, frame: FrameFn, slots, head, buckets: Sequence[int], max_batch: int) -> None:
-        self.frame, self.slots, self.head = frame, slots, head
+    def __init__(self, frame: FrameFn, slots, head, buckets: Sequence[int], max_batch: int, open_token: int) -> None:
+        self.frame, self.slots, self.head, self.open_token = frame, slots, head, open_token
         self.requested = normalize_buckets(buckets, max_batch)
         self.buckets: dict[int, _Bucket] = {}
         self.failed: dict[int, str] = {}
         self.replays = 0
 
     @classmethod
-    def if_asked(cls, config, frame: FrameFn, slots, head, max_batch: int) -> FrameGraphs | None:
+    def if_asked(cls, config, frame: FrameFn, slots, head, max_batch: int, open_token: int) -> FrameGraphs | None:
         """Captured for the decode buckets up to ``max_batch`` where ``config`` (the model's HF config) has
         ``OPTION`` true and ``head`` is on CUDA, else None; ValueError naming the value where ``OPTION`` is set to
         anything but true or false."""
@@ -96,7 +99,7 @@ class FrameGraphs:
             raise ValueError(f"{OPTION} must be true or false, got {asked!r}")
         if not asked or weight.device.type != "cuda":
             return None
-        graphs = cls(frame, slots, head, DEFAULT_BUCKETS, max_batch)
+        graphs = cls(frame, slots, head, DEFAULT_BUCKETS, max_batch, open_token)
         with torch.no_grad():  # not inference mode: its tensors could not be written outside it
             graphs.capture(weight.shape[1], weight.dtype, weight.device)
         logger.info("frame graphs captured for batch buckets %s (failed: %s)", graphs.sizes, graphs.failed or "none")
@@ -115,7 +118,7 @@ class FrameGraphs:
             bucket = _Bucket(size, hidden_size, dtype, device, store.scratch)
             bucket.graph, bucket.results = capture_checked(
                 lambda: self.frame(self.slots, self.head, *bucket.args()), store, size, self._pool_owner.id,
-                refresh=lambda: self._check_rows(bucket),
+                refresh=lambda: self._check_rows(bucket, self.open_token),
             )  # fmt: skip
             bucket.pad(0)
             bucket.filled = 0
@@ -126,22 +129,21 @@ class FrameGraphs:
         self.failed |= failed
 
     @staticmethod
-    def _check_rows(bucket: _Bucket) -> None:
-        """The rows the capture check runs on: random hidden rows, every row sampling a frame of a fresh stream
-        with top-k and top-p on, all in the scratch slot (whose state the check restores between runs)."""
+    def _check_rows(bucket: _Bucket, open_token: int) -> None:
+        """The rows the capture check runs on: random hidden rows, every row opening a fresh stream (its tail the
+        stream's opening token) and sampling its first frame with top-k and top-p on, all in the scratch slot
+        (whose state the check restores between runs)."""
         g = torch.Generator(device=bucket.hidden.device).manual_seed(bucket.size)
         noise = torch.randn(bucket.hidden.shape, generator=g, device=bucket.hidden.device)
         bucket.hidden.copy_(noise * 3)
         bucket.slots.fill_(bucket.scratch)
-        bucket.seed.fill_(True)
-        bucket.done.fill_(False)
-        bucket.code_rows.fill_(True)
+        bucket.tail_ids.fill_(open_token)
         bucket.tail_pos.fill_(5)
         bucket.temperature.fill_(1.0)
         bucket.top_k.fill_(50)
         bucket.top_p.fill_(0.95)
 
-    def run(self, step_slots, hidden, seed, done, code_rows, tail_pos, params) -> Tensor | None:
+    def run(self, step_slots, hidden, tail_ids, tail_pos, params) -> Tensor | None:
         """``frame``'s results [B, C + 3] for a batch of B rows from the graph of the smallest bucket that holds
         it (a view of its static output, valid until that bucket replays again); None: run eagerly."""
         b = step_slots.shape[0]
@@ -149,7 +151,7 @@ class FrameGraphs:
         if size is None or stream_is_capturing():
             return None
         bucket = self.buckets[size]
-        bucket.write(step_slots, hidden, seed, done, code_rows, tail_pos, params)
+        bucket.write(step_slots, hidden, tail_ids, tail_pos, params)
         bucket.graph.replay()
         self.replays += 1
         return bucket.results[:b]

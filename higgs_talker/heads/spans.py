@@ -18,13 +18,17 @@ from torch import Tensor
 
 from .codebooks import embed_rows, feed_back, rows_at
 from .delay import forced_text_tokens
-from .sampling import resolve_seed
+from .sampling import resolve_seed, row_params
 from .slots import HostRequest, RequestSlots, sample_frame
 
 if TYPE_CHECKING:
     from ..config import SpecialTokens
 
 logger = logging.getLogger(__name__)
+
+# frame(slots, head, step_slots, hidden, tail_ids, tail_pos, params) -> results [B, C + 3]: ``frame_results`` with
+# its stream tokens bound
+FrameFn = Callable[..., Tensor]
 
 
 @dataclass
@@ -49,8 +53,11 @@ class SpanStep:
     input_ids: Tensor | None = None  # [T] int64
     positions: Tensor | None = None  # [T] int64
     new_rows: list[int] = field(default_factory=list)  # batch indices of requests seen for the first time
+    one_token_each: bool = False  # a pure decode step: token i is request i's tail (no span arithmetic needed)
     hidden: Tensor | None = None  # [B, H] the rows sampled from (compute_logits)
-    modes: RowModes | None = None
+    forced: Tensor | None = None  # [B] int64 each row's forced text token (set by ``text_logits``)
+    all_forced: bool = False  # the host knew every row to be in audio mode (``text_logits`` skipped the head)
+    modes: RowModes | None = None  # the rows' modes, where ``text_logits`` needed them (a row may be in text mode)
 
     @property
     def num_reqs(self) -> int:
@@ -66,6 +73,7 @@ class SpanStep:
         (a request seen for the first time gets one, listed in ``new_rows``)."""
         self.slots, self.new_rows = slots.sync(self.req_ids)
         self.qsl, self.input_ids, self.positions = qsl[: self.num_reqs + 1].long(), input_ids.long(), positions.long()
+        self.one_token_each = input_ids.shape[0] == self.num_reqs  # B spans of >= 1 token in B tokens
         return self
 
     @property
@@ -73,18 +81,16 @@ class SpanStep:
         """[B] index of each request's last scheduled token."""
         return self.qsl[1:] - 1
 
+    def tail_tokens(self) -> tuple[Tensor, Tensor]:
+        """(token ids, positions) [B] of the requests' tails; a step of one token per request is its own tails."""
+        if self.one_token_each:
+            return self.input_ids, self.positions
+        tails = self.tails
+        return self.input_ids.index_select(0, tails), self.positions.index_select(0, tails)
+
     def row_modes(self, slots: RequestSlots, audio_id: int, eos_id: int) -> RowModes:
-        """Classify the rows from the tail tokens and the pooled state (no host sync). A stream row is due only
-        when its tail sits at the position of its next frame (``seed_pos + rows produced``), so a partial
-        prefill chunk (whose output vLLM discards) never advances a stream."""
-        tail_ids, tail_pos = self.input_ids.index_select(0, self.tails), self.positions.index_select(0, self.tails)
-        s, state = self.slots, slots.store.state
-        active, done = state.has_codes.index_select(0, s), state.done.index_select(0, s)
-        seed = (tail_ids == audio_id) & ~active & ~done
-        due = tail_pos == slots.seed_pos.index_select(0, s) + slots.store.num_rows.index_select(0, s)
-        audio = (tail_ids == audio_id) | active | done
-        forced = forced_text_tokens(done, audio_id, eos_id)
-        return RowModes(seed, done, audio, (seed | (active & due)) & ~done, forced)
+        """The rows' modes (``row_modes`` of the tails)."""
+        return row_modes(slots, self.slots, *self.tail_tokens(), audio_id, eos_id)
 
     def text_logits(
         self,
@@ -94,19 +100,26 @@ class SpanStep:
         text_head: Callable[[Tensor], Tensor],
         vocab_size: int,
     ) -> tuple[Tensor, bool]:
-        """hidden [B, H] -> (text logits [B, V], whether the text head was skipped), the rows classified first
-        (``row_modes``, kept with ``hidden`` for ``sample``). Audio-mode rows keep only their forced token; when
-        the host knows every request is in audio mode, the head is not computed at all (``forced_only_logits``)."""
-        self.hidden, self.modes = hidden, self.row_modes(slots, specials.audio, specials.eos)
-        if slots.all_forced(self.req_ids):
-            return forced_only_logits(self.modes, vocab_size, hidden.dtype), True
+        """hidden [B, H] -> (text logits [B, V], whether the text head was skipped); ``hidden`` and the forced text
+        tokens are kept for ``sample``. When the host knows every request is in audio mode, neither the head nor
+        the rows' modes are computed (the frame work classifies the rows itself): a row's forced token is EOS after
+        its terminal row, else ``<|audio|>`` (``forced_only_logits``). Otherwise the rows are classified
+        (``row_modes``) and audio-mode rows keep only their forced token."""
+        self.hidden, self.all_forced = hidden, slots.all_forced(self.req_ids)
+        if self.all_forced:
+            done = slots.store.state.done.index_select(0, self.slots)
+            self.forced, self.modes = forced_text_tokens(done, specials.audio, specials.eos), None
+            return forced_only_logits(self.forced, vocab_size, hidden.dtype), True
+        self.modes = self.row_modes(slots, specials.audio, specials.eos)
+        self.forced = self.modes.forced
         return force_text_logits(text_head(hidden), self.modes), False
 
     def tail_feedback(self, slots: RequestSlots) -> tuple[Tensor, Tensor]:
         """Per request [B]: whether its tail is fed its last frame (in a stream, one-token span), and that
         frame [B, C]."""
-        state, single = slots.store.state, (self.qsl[1:] - self.qsl[:-1]) == 1
-        return state.has_codes.index_select(0, self.slots) & single, state.last_codes.index_select(0, self.slots)
+        state = slots.store.state
+        fed, last = state.has_codes.index_select(0, self.slots), state.last_codes.index_select(0, self.slots)
+        return (fed if self.one_token_each else fed & ((self.qsl[1:] - self.qsl[:-1]) == 1)), last
 
     def feed_tails(self, slots: RequestSlots, embeds: Tensor, embedding) -> Tensor:
         """embeds [T, H] -> [T, H] with each decoding tail fed its last frame (``feed_back`` on the tails only:
@@ -119,20 +132,23 @@ class SpanStep:
         forward, outside any captured graph): tails of decoding streams get their last frame, the rest nothing."""
         fed, last = self.tail_feedback(slots)
         use.zero_()
-        use.index_copy_(0, self.tails, fed)
-        codes.index_copy_(0, self.tails, last)
+        if self.one_token_each:
+            use[: self.num_reqs].copy_(fed)
+            codes[: self.num_reqs].copy_(last)
+        else:
+            use.index_copy_(0, self.tails, fed)
+            codes.index_copy_(0, self.tails, last)
 
-    def sample(self, slots: RequestSlots, head, params: tuple[Tensor, Tensor, Tensor], frames=None) -> None:
-        """Sample this step's frames from ``hidden`` (``frame_results``), their host record left to
-        ``slots.settle`` (no host sync here: the host may go on to the next step while this one runs); params:
-        per-row (temperature, top_k, top_p) [B] each. ``frames`` (``cuda_graphs.frame.FrameGraphs``) replays the
-        same work from a CUDA graph where it holds the batch."""
-        modes = self.modes
-        args = (self.slots, self.hidden, modes.seed, modes.done, modes.code_rows,
-                self.positions.index_select(0, self.tails), params)  # fmt: skip
+    def sample(self, slots: RequestSlots, head, frame: FrameFn, params: tuple, frames=None) -> None:
+        """Sample this step's frames from ``hidden`` with ``frame`` (``frame_results`` with the stream tokens
+        bound), their host record left to ``slots.settle`` (no host sync here: the host may go on to the next step
+        while this one runs); params: (temperature, top_k, top_p) as the front end has them (``row_params``).
+        ``frames`` (``cuda_graphs.frame.FrameGraphs``) replays the same work from a CUDA graph where it holds the
+        batch."""
+        args = (self.slots, self.hidden, *self.tail_tokens(), params)
         results = frames.run(*args) if frames is not None else None
         if results is None:
-            results = frame_results(slots, head, *args)
+            results = frame(slots, head, *args)
         slots.record_later(self.req_ids, results)
 
     def adopt_seeds(self, slots: RequestSlots, seeds: dict[int, int]) -> None:
@@ -201,7 +217,7 @@ class StepBuffers:
     def write_decode_feedback(self, slots: RequestSlots, req_ids: list[str], step_slots: Tensor) -> None:
         """The feedback of a pure decode step (token i = request i) of ``req_ids`` in ``step_slots`` [B]."""
         qsl = torch.arange(len(req_ids) + 1, device=step_slots.device)
-        self.write_feedback(SpanStep(req_ids, slots=step_slots, qsl=qsl), slots, len(req_ids))
+        self.write_feedback(SpanStep(req_ids, slots=step_slots, qsl=qsl, one_token_each=True), slots, len(req_ids))
 
     def keep_tokens(self, input_ids: Tensor, positions: Tensor) -> None:
         """Copy the step's tokens and positions [T] (in the forward: a captured graph refreshes them on replay)."""
@@ -235,25 +251,47 @@ class StepBuffers:
         return embeds if step is None else step.feed_tails(slots, embeds, embedding)
 
 
+def row_modes(
+    slots: RequestSlots, step_slots: Tensor, tail_ids: Tensor, tail_pos: Tensor, audio_id: int, eos_id: int
+) -> RowModes:
+    """Classify a step's rows from their tail tokens and positions [B] and the pooled state of ``step_slots`` [B]
+    (no host sync). A stream row is due only when its tail sits at the position of its next frame (``seed_pos +
+    rows produced``), so a partial prefill chunk (whose output vLLM discards) never advances a stream."""
+    state = slots.store.state
+    active, done = state.has_codes.index_select(0, step_slots), state.done.index_select(0, step_slots)
+    opens = tail_ids == audio_id
+    seed = opens & ~active & ~done
+    due = tail_pos == slots.seed_pos.index_select(0, step_slots) + slots.store.num_rows.index_select(0, step_slots)
+    forced = forced_text_tokens(done, audio_id, eos_id)
+    return RowModes(seed, done, opens | active | done, (seed | (active & due)) & ~done, forced)
+
+
 def frame_results(
     slots: RequestSlots,
     head,
     step_slots: Tensor,
     hidden: Tensor,
-    seed: Tensor,
-    done: Tensor,
-    code_rows: Tensor,
+    tail_ids: Tensor,
     tail_pos: Tensor,
-    params: tuple[Tensor, Tensor, Tensor],
+    params: tuple,
+    *,
+    audio_id: int,
+    eos_id: int,
 ) -> Tensor:
-    """One step's frame work on the device (graph-safe: no host sync): seed rows open a fresh stream (remembering
-    where: ``tail_pos``), done rows close theirs, ``code_rows`` produce a frame; the slots ``step_slots`` [B] advance
-    in place. hidden [B, H]; seed, done, code_rows [B] bool; tail_pos [B] int64. Returns the results [B, C + 3]
-    int32 that ``RequestSlots.record`` reads: the emitted row, then the valid, active and done flags."""
-    slots.seed_pos.index_copy_(0, step_slots, torch.where(seed, tail_pos, slots.seed_pos.index_select(0, step_slots)))
+    """One step's frame work on the device (graph-safe: no host sync): the rows are classified (``row_modes``),
+    seed rows open a fresh stream (remembering where: ``tail_pos``), done rows close theirs, rows due a frame
+    produce one; the slots ``step_slots`` [B] advance in place. hidden [B, H]; tail_ids, tail_pos [B] int64; params
+    (temperature, top_k, top_p) as a front end has them (``row_params``). Returns the results [B, C + 3] int32 that
+    ``RequestSlots.record`` reads: the emitted row, then the valid, active and done flags."""
+    modes = row_modes(slots, step_slots, tail_ids, tail_pos, audio_id, eos_id)
+    params = row_params(step_slots.shape[0], hidden.device, *params)
+    seed_pos = torch.where(modes.seed, tail_pos, slots.seed_pos.index_select(0, step_slots))
+    slots.seed_pos.index_copy_(0, step_slots, seed_pos)
     logits = head(hidden).float()  # [B, C, V]
-    emitted, new = sample_frame(slots.store, step_slots, logits, params=params, active=code_rows, fresh=seed | done)
-    return torch.cat([emitted, code_rows[:, None], new.has_codes[:, None], new.done[:, None]], dim=1).to(torch.int32)
+    fresh = modes.seed | modes.done
+    emitted, new = sample_frame(slots.store, step_slots, logits, params=params, active=modes.code_rows, fresh=fresh)
+    flags = (modes.code_rows[:, None], new.has_codes[:, None], new.done[:, None])
+    return torch.cat([emitted, *flags], dim=1).to(torch.int32)
 
 
 def rows_or_empty(rows: list, num_codebooks: int) -> list[Tensor]:
@@ -344,10 +382,10 @@ def force_text_logits(logits: Tensor, modes: RowModes) -> Tensor:
     return logits.masked_fill_(modes.audio[:, None] & ~keep, float("-inf"))
 
 
-def forced_only_logits(modes: RowModes, vocab_size: int, dtype: torch.dtype) -> Tensor:
-    """[B, V] logits with only each row's forced token finite (0): the text head is not computed."""
-    out = torch.full((modes.forced.shape[0], vocab_size), float("-inf"), dtype=dtype, device=modes.forced.device)
-    return out.scatter_(1, modes.forced[:, None], 0.0)
+def forced_only_logits(forced: Tensor, vocab_size: int, dtype: torch.dtype) -> Tensor:
+    """[B, V] logits with only each row's forced token (``forced`` [B] int64) finite (0): no text head."""
+    out = torch.full((forced.shape[0], vocab_size), float("-inf"), dtype=dtype, device=forced.device)
+    return out.scatter_(1, forced[:, None], 0.0)
 
 
 def decodes_first_qsl(

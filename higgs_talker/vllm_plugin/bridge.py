@@ -18,7 +18,6 @@ import logging
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from ..heads.sampling import row_params
 from ..heads.slots import merge_rows
 from . import ROWS_EXTENSION
 from .compat import collective_rpc_every_engine, warn_once
@@ -156,7 +155,7 @@ class TextOnlyBridge(LogitsProcessor):
             return logits
         dev = logits.device
         values = [torch.tensor([getattr(r, n) for r in batch], device=dev) for n in ("temperature", "top_k", "top_p")]
-        model.sample_codes(*row_params(len(batch), dev, *values))  # the core's greedy rule, as the runner path
+        model.sample_codes(*values)  # normalized by the frame work (row_params), as the runner path
         return logits
 
 

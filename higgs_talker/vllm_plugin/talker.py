@@ -35,7 +35,6 @@ from ..cuda_graphs.frame import FrameGraphs
 from ..cuda_graphs.local_mlp import LocalMLPPath
 from ..cuda_graphs.policy import decide
 from ..heads.codebooks import build_codebooks
-from ..heads.sampling import row_params
 from ..heads.slots import RequestSlots, SlotStore
 from ..heads.spans import SpanStep, StepBuffers, frame_results, rows_or_empty
 from . import compat
@@ -192,27 +191,27 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
     def sample(self, logits: Tensor, sampling_metadata: Any):
         """The vllm-omni model sampler: forced text tokens and this step's codes (None: use vLLM's sampler)."""
         step = self.step
-        if step is None or step.modes is None:
+        if step is None or step.forced is None:
             return None
         generators = getattr(sampling_metadata, "generators", None) or {}
         step.adopt_seeds(self.slots, {i: gen.initial_seed() for i, gen in generators.items()})
         m = sampling_metadata
-        forced_only = self.slots.all_forced(step.req_ids) or bool(step.modes.audio.all())
-        self.sample_codes(*row_params(step.num_reqs, logits.device, m.temperature, m.top_k, m.top_p))
+        forced_only = step.all_forced or bool(step.modes.audio.all())
+        self.sample_codes(m.temperature, m.top_k, m.top_p)
         if forced_only and m.max_num_logprobs is None:
-            return compat.sampler_output(step.modes.forced)
+            return compat.sampler_output(step.forced)
         if self._text_sampler is None:
             self._text_sampler = compat.text_sampler(self.vllm_config)
         return self._text_sampler(logits, m)
 
-    def sample_codes(self, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> None:
-        """Sample this step's frames, if a step is armed (its rows reach the host records at ``slots.settle``)."""
+    def sample_codes(self, temperature: Tensor | None, top_k: Tensor | None, top_p: Tensor | None) -> None:
+        """Sample the armed step's frames (recorded at ``slots.settle``); parameters as vLLM's metadata has them."""
         step = self.step
-        if step is None or step.modes is None:
+        if step is None or step.forced is None:
             return
         self.stats["sample_steps"] += 1
         self.step = None  # consumed: a dummy run before the next step's metadata sees none
-        step.sample(self.slots, self.modality_head, (temperature, top_k, top_p), self.frame_graphs)
+        step.sample(self.slots, self.modality_head, self.frame, (temperature, top_k, top_p), self.frame_graphs)
 
     def post_sample_multimodal_outputs(self, *, req_ids, invalid_req_indices=(), multimodal_outputs=None, **_):
         """For a runner that asks right after sampling (newer vllm-omni): the rows each request produced since they
@@ -253,10 +252,11 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         mc = self.vllm_config.model_config
         path = getattr(mc, "tokenizer", None) or mc.model
         path = path if Path(str(path)).exists() else mc.model
-        self.specials = TalkerTokenizer.from_pretrained(path, self.cfg).specials
+        self.specials = sp = TalkerTokenizer.from_pretrained(path, self.cfg).specials
+        self.frame = functools.partial(frame_results, audio_id=sp.audio, eos_id=sp.eos)
         self.local_mlp.capture(self.cfg.text.hidden_size, self.multimodal_embedding.weight)
         if self.frame_graphs is None:
-            seqs = compat.max_num_seqs(self.vllm_config)
-            self.frame_graphs = FrameGraphs.if_asked(mc.hf_config, frame_results, self.slots, self.modality_head, seqs)
+            args = (self.frame, self.slots, self.modality_head, compat.max_num_seqs(self.vllm_config), sp.audio)
+            self.frame_graphs = FrameGraphs.if_asked(mc.hf_config, *args)
         self.loaded_weight_names = frozenset(loaded)
         return loaded

@@ -22,6 +22,7 @@ import zlib  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from higgs_talker.checkpoint import iter_tensors  # noqa: E402
 from higgs_talker.config import TalkerConfig  # noqa: E402
@@ -470,3 +471,60 @@ def test_top_p_one_keeps_every_code_of_a_long_tail(adapter, monkeypatch, top_k):
     assert not lost.any(), f"{int(lost.sum())} codes of the tail were dropped"
     assert logits.isfinite().sum() > 0.99 * logits.numel()  # after the ramp the delay mask leaves all but BOC
     assert torch.equal(scores, race_scores(logits, temperature, k, p, seeds, steps, filter=False))
+
+
+class _Calls(TorchDispatchMode):
+    """Counts the aten calls made while ``where`` names an entry point (a GPU launches a kernel for most)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.where: str | None = None
+        self.calls: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.where is not None:
+            self.calls[self.where] = self.calls.get(self.where, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_decode_step_of_streams_calls_little_outside_the_frame_work(adapter, monkeypatch, batch):
+    """Host work a decode step of requests in their streams (every text token forced) does outside the frame work
+    (``frame_results``, which the frame graphs replay in one launch): the rows are classified and the sampling
+    parameters normalized inside the frame work, ``compute_logits`` builds only the forced tokens' logits (no text
+    head, no classification) and a one-token-per-request step needs no span arithmetic. 25 aten calls a step at one
+    stream, 37 at eight (77 and 89 before these moved, 8b57d9e); on the H200 each call cost about 20 us of a 5.4 ms
+    step inside vllm-omni. Fails when the classification comes back to ``compute_logits`` (20 more)."""
+    m, counter = adapter, _Calls()
+    real_frame = m.frame
+
+    def frame(*args, **kwargs):  # not counted: a graph replay on the GPU
+        where, counter.where = counter.where, None
+        try:
+            return real_frame(*args, **kwargs)
+        finally:
+            counter.where = where
+
+    monkeypatch.setattr(m, "frame", frame)
+    for name in ("update_decode_step_metadata", "make_omni_output", "compute_logits", "sample"):
+        real = getattr(m, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            counter.where = _name
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                counter.where = None
+
+        monkeypatch.setattr(m, name, counted)
+    d, ids = Driver(m), [f"ops{batch}_{i}" for i in range(batch)]
+    for _ in range(N_RAMP + 2):  # into the streams: every request known to be in audio mode
+        d.step(ids)
+    with counter:
+        for _ in range(10):
+            d.step(ids)
+    d.finish(set(ids))
+    per_step = {k: v / 10 for k, v in counter.calls.items()}
+    print(f"aten calls a decode step outside the frame work, {batch} streams: {per_step}")
+    assert per_step["compute_logits"] <= 8 and per_step.get("sample", 0) <= 3, per_step
+    assert sum(per_step.values()) <= 30 + 2 * batch, per_step
