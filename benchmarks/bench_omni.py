@@ -12,7 +12,8 @@ decode graphs up to 64 streams), ``full_decode_64_no_prefix_cache`` (the same, p
 ``low_latency_async`` (vLLM's async scheduling asked for), ``low_latency_frame_graphs`` (our frame graphs
 asked for in Stage 0's ``hf_overrides``; vllm-omni's talker ignores the key), ``full_decode_64_frame_graphs``
 (both) and ``low_latency_async_frame_graphs`` (async scheduling, frame graphs and our Stage 0 -> code2wav hand-over,
-``HAND_OVER``), ``full_decode_64_async`` and ``full_decode_64_async_frame_graphs``. vllm-omni's talker, asked for a
+``HAND_OVER``), ``full_decode_64_async`` and ``full_decode_64_async_frame_graphs``, and the last two on vLLM's
+FlashAttention backend instead of FlashInfer (``..._flash_attn``). vllm-omni's talker, asked for a
 profile with our frame graphs, runs the one without them and with its own hand-over (``UPSTREAM_SAME``), so one run
 compares each of ours with vllm-omni's nearest. Each
 (talker, profile, path) runs in its own process (a fresh CUDA context; ``Omni`` and ``vllm-omni serve`` start their
@@ -70,6 +71,8 @@ PROFILES = (
     "low_latency_async_frame_graphs",
     "full_decode_64_async",
     "full_decode_64_async_frame_graphs",
+    "full_decode_64_async_flash_attn",
+    "full_decode_64_async_frame_graphs_flash_attn",
 )
 # Profiles measured beside the two packaged ones (issue #28): each talker's low-latency YAML (vLLM's FULL decode
 # graphs) with 64 streams and graphs up to 64, prefix caching as it is or off; and with vLLM's async scheduling
@@ -85,6 +88,9 @@ FULL_64 = {
 }
 FRAME_GRAPHS = {"hf_overrides": {"higgs_frame_graphs": True}}
 ASYNC = {"async_scheduling": True}
+# vLLM's FlashAttention backend instead of the YAMLs' FlashInfer: on the H200 FlashInfer ran its prefill kernel for
+# the one-row decode (0.37 ms of a 3.5 ms step) and plans on the host every step (h200_20261204e)
+FLASH_ATTN = {"attention_backend": "FLASH_ATTN", "attention_config": None}
 # our Stage 0 -> code2wav hand-over: vllm-omni's, told the finished flag a call was queued with (vllm-omni's own
 # doubles an EOS-ended request's audio under async scheduling: higgs_talker.vllm_plugin.deploy)
 HAND_OVER = {"custom_process_next_stage_input_func": "higgs_talker.vllm_plugin.deploy.talker2code2wav_async_chunk"}
@@ -98,12 +104,17 @@ DERIVED = {"full_decode_64": ("low_latency", {0: FULL_64, 1: {"max_num_seqs": 64
            "low_latency_async_frame_graphs": ("low_latency", {0: ASYNC | FRAME_GRAPHS | HAND_OVER}),
            "full_decode_64_async": ("low_latency", {0: FULL_64 | ASYNC, 1: {"max_num_seqs": 64}}),
            "full_decode_64_async_frame_graphs": ("low_latency", {0: FULL_64 | ASYNC | FRAME_GRAPHS | HAND_OVER,
-                                                                 1: {"max_num_seqs": 64}})}  # fmt: skip
+                                                                 1: {"max_num_seqs": 64}}),
+           "full_decode_64_async_flash_attn": ("low_latency", {0: FULL_64 | ASYNC | FLASH_ATTN,
+                                                               1: {"max_num_seqs": 64}}),
+           "full_decode_64_async_frame_graphs_flash_attn": ("low_latency", {
+               0: FULL_64 | ASYNC | FRAME_GRAPHS | HAND_OVER | FLASH_ATTN, 1: {"max_num_seqs": 64}})}  # fmt: skip
 # vllm-omni's talker ignores higgs_frame_graphs and runs with its own hand-over: asked for one of these profiles, it
 # runs the profile named here (listed under that name; once where both are asked for)
 UPSTREAM_SAME = {"low_latency_frame_graphs": "low_latency", "full_decode_64_frame_graphs": "full_decode_64",
                  "low_latency_async_frame_graphs": "low_latency_async",
-                 "full_decode_64_async_frame_graphs": "full_decode_64_async"}  # fmt: skip
+                 "full_decode_64_async_frame_graphs": "full_decode_64_async",
+                 "full_decode_64_async_frame_graphs_flash_attn": "full_decode_64_async_flash_attn"}  # fmt: skip
 PATHS = ("offline", "http", "direct")
 LEVELS = (1, 4, 16, 64)
 LEVELS_DONE = "LEVELS DONE"  # a worker's last line of results: what follows is its shutdown

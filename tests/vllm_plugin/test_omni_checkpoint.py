@@ -187,7 +187,7 @@ def test_bench_omnis_deploy_yamls_and_their_test_variants_parse(talker, profile,
     if profile == "low_latency_async":
         stage0 = next(s for s in load_deploy_config(base).stages if s.stage_id == 0)
         assert stage0.async_scheduling is True and not stage0.enforce_eager
-    if profile.endswith("frame_graphs"):
+    if "frame_graphs" in profile:
         stage0 = next(s for s in load_deploy_config(base).stages if s.stage_id == 0)
         overrides = getattr(stage0, "hf_overrides", None) or (stage0.engine_extras or {}).get("hf_overrides")
         assert overrides == {"higgs_frame_graphs": True} and not stage0.enforce_eager, overrides
@@ -200,6 +200,12 @@ def test_bench_omnis_deploy_yamls_and_their_test_variants_parse(talker, profile,
         hand_over = "higgs_talker.vllm_plugin.deploy.talker2code2wav_async_chunk"
         assert args["custom_process_next_stage_input_func"] == hand_over
         assert args["async_scheduling"] is True and stage0.scheduler_cls.endswith("OmniARAsyncScheduler")
+    if profile.endswith("flash_attn"):  # vLLM's FlashAttention backend, FlashInfer's options gone
+        from vllm_omni.config.stage_config import merge_pipeline_deploy
+        from vllm_omni.model_executor.models.higgs_audio_v3.pipeline import HIGGS_AUDIO_V3_PIPELINE
+
+        args = merge_pipeline_deploy(HIGGS_AUDIO_V3_PIPELINE, load_deploy_config(base))[0].yaml_engine_args
+        assert args["attention_backend"] == "FLASH_ATTN" and "attention_config" not in args, args
     derived = derived_yaml(base, tmp_path / "derived.yaml", {0: {"max_model_len": 1024}, 1: {"dtype": "float32"}})
     for path in (base, derived):
         cfg = load_deploy_config(path)
