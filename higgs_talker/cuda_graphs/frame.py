@@ -18,7 +18,8 @@ The adapter captures them where its model config asks (``higgs_frame_graphs: tru
 ``hf_overrides``; ``FrameGraphs.if_asked``). Off by default: inside vllm-omni 0.26 on the H200 (2026-12-04) every
 bucket captured and the pipeline's equality tests passed, and our host time a one-stream step fell from 3.17 to
 1.21 ms, but the step stayed at 6.1 ms: under vLLM's synchronous scheduling the worker then waits for the device
-instead (``benchmarks/results/h200_20261204d``).
+instead (``benchmarks/results/h200_20261204d``). With async scheduling too, 5.4-7.1 ms, bound by the host
+(``h200_20261204e``): not yet shown faster end to end.
 """
 
 from __future__ import annotations
