@@ -408,7 +408,6 @@ def _worker(tmp_path: Path, lines: str):
 
 
 def _gone(pid: int) -> bool:
-    import os
     import time
 
     for _ in range(50):  # a killed process may stay a zombie of its (killed) parent for a moment
@@ -418,7 +417,6 @@ def _gone(pid: int) -> bool:
                     return True
         except FileNotFoundError:
             return True
-        os.sched_yield()
         time.sleep(0.1)
     return False
 

@@ -25,19 +25,18 @@ instead (``benchmarks/results/h200_20261204d``). With async scheduling too, 5.4-
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
+from ..heads.spans import FrameFn
 from .buckets import DEFAULT_BUCKETS, bucket_for, normalize_buckets
 from .capture import capture_buckets, capture_checked, graph_pool
 from .policy import stream_is_capturing
 
 logger = logging.getLogger(__name__)
 
-# frame(slots, head, step_slots, hidden, tail_ids, tail_pos, params) -> results [B, C + 3] (``heads.spans``)
-FrameFn = Callable[..., Tensor]
 NO_PARAMS = (0.0, 0, 1.0)  # what a parameter given as None means (greedy, no top-k, no top-p: ``row_params``)
 OPTION = "higgs_frame_graphs"  # the model config attribute that asks for them
 
