@@ -109,6 +109,32 @@ def test_the_option_is_a_boolean_and_asks_only_on_cuda():
         assert FrameGraphs.if_asked(config, frame, slots, head, 4, AUDIO) is None  # the last: a CPU head
 
 
+@pytest.mark.parametrize(("max_batch", "sizes"), [(64, [1, 2, 16]), (16, [1, 2, 16]), (8, [1, 2]), (1, [1])])
+def test_without_graphs_the_eager_frame_meets_each_kernel_class_once_and_leaves_every_slot_as_it_was(max_batch, sizes):
+    """``FrameGraphs.warm_eager``: the frame runs once per batch of ``WARM_SIZES`` up to ``max_batch``, every row a
+    fresh stream in the scratch slot, with top-k and top-p on; the live requests' slots and the scratch slot's state
+    are as before (the frame's own check of its kernels, on CUDA, is ``heads.fused``'s)."""
+    dev = torch.device("cpu")
+    head, slots = _head(dev), _slots(dev)
+    frame(slots, head, *_batch(slots, ["a", "b"], 0, dev))  # two live streams
+    before, calls = _state(slots), []
+
+    def recorded(s, h, step_slots, hidden, tail_ids, tail_pos, params):
+        calls.append((step_slots.tolist(), tail_ids.tolist(), [p.tolist() for p in params]))
+        return frame(s, h, step_slots, hidden, tail_ids, tail_pos, params)
+
+    FrameGraphs(recorded, slots, head, [1, 2, 4], max_batch, AUDIO).warm_eager(H, torch.float32, dev)
+    assert [len(c[0]) for c in calls] == sizes
+    for (step_slots, tail_ids, (t, k, p)), n in zip(calls, sizes, strict=True):
+        assert step_slots == [slots.store.scratch] * n and tail_ids == [AUDIO] * n
+        assert t == [1.0] * n and k == [50] * n and p == pytest.approx([0.95] * n)
+    after = _state(slots)
+    for a, b in zip(after[:-1], before[:-1], strict=True):  # the store's state and row counts, scratch included
+        assert torch.equal(a, b)
+    live = [slots.requests[r].slot for r in "ab"]
+    assert torch.equal(after[-1][live], before[-1][live])  # seed_pos: the scratch slot's is the warm-up's own
+
+
 @pytest.mark.gpu
 def test_frame_graphs_replay_the_eager_frame_on_cuda():
     if not torch.cuda.is_available():
@@ -140,6 +166,24 @@ def test_frame_graphs_replay_the_eager_frame_on_cuda():
     broken = FrameGraphs(drifting, _slots(dev), head, [1, 4], max_batch=4, open_token=AUDIO)
     broken.capture(H, torch.float32, dev)
     assert broken.sizes == () and set(broken.failed) == {1, 4}
+
+
+@pytest.mark.gpu
+def test_the_eager_warm_up_checks_every_frame_kernel_on_cuda(monkeypatch):
+    """On CUDA ``warm_eager`` leaves each of the frame's Triton kernels checked against its reference and in use
+    (``heads.fused``), for the batch sizes it ran."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from higgs_talker.heads import fused
+
+    monkeypatch.setattr(fused, "_checked", {})
+    monkeypatch.setattr(fused, "_state", {})
+    dev = torch.device("cuda")
+    FrameGraphs(frame, _slots(dev), _head(dev), [1, 2, 4, 8, 16], 16, AUDIO).warm_eager(H, torch.float32, dev)
+    for name in ("sampler noise", "delay mask", "delay state update"):
+        assert fused.state(name) == "ok", name
+    (mask_signatures,) = [sigs for name, sigs in fused._checked.items() if name == "delay mask"]
+    assert sorted(sig[0][1][0] for sig in mask_signatures) == [1, 2, 16]  # the logits' batch of each warm-up run
 
 
 def test_the_score_probe_ranks_replayed_steps_without_advancing_them_twice(monkeypatch):

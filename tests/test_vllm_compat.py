@@ -71,3 +71,64 @@ def test_check_supported_warns_once_per_release_outside_the_range(monkeypatch, c
         compat.check_supported()
         compat.check_supported()
     assert [r.getMessage().split()[0] for r in caplog.records] == warned
+
+
+class _RecordingSampler:
+    """Stands in for vLLM's ``Sampler``: records each call of its top-k/top-p sampler."""
+
+    def __init__(self, logprobs_mode=None) -> None:
+        self.logprobs_mode, self.calls = logprobs_mode, []
+
+    def topk_topp_sampler(self, logits, generators, k, p):
+        self.calls.append((tuple(logits.shape), logits.dtype, generators, k, p))
+        return logits.argmax(-1), None
+
+
+class _BrokenSampler(_RecordingSampler):
+    def topk_topp_sampler(self, logits, generators, k, p):
+        raise TypeError("topk_topp_sampler() takes 3 positional arguments but 5 were given")
+
+
+def _engine_config(max_num_seqs: int) -> NS:
+    return NS(model_config=NS(logprobs_mode="raw_logits"), scheduler_config=NS(max_num_seqs=max_num_seqs))
+
+
+@pytest.fixture
+def sampler_class(monkeypatch):
+    """Put a stand-in ``Sampler`` where ``compat.text_sampler`` imports vLLM's from."""
+
+    def use(cls):
+        monkeypatch.setitem(sys.modules, "vllm.v1.sample.sampler", NS(Sampler=cls))
+        monkeypatch.setattr(compat, "_warned", set())
+
+    return use
+
+
+@pytest.mark.parametrize(("max_num_seqs", "batches"), [(64, [1, 8, 16]), (16, [1, 8, 16]), (12, [1, 8]), (4, [1])])
+def test_the_text_sampler_meets_every_batch_class_vllm_compiles_for_before_serving(
+    sampler_class, max_num_seqs, batches
+):
+    """Off the CPU, each batch of ``WARM_BATCHES`` up to max_num_seqs, unseeded, top-k and top-p each on and off
+    (``meta`` tensors: shapes and dtypes, no device); the sampler keeps the config's logprobs mode."""
+    sampler_class(_RecordingSampler)
+    sampler = compat.text_sampler(_engine_config(max_num_seqs), 1000, torch.device("meta"))
+    assert sampler.logprobs_mode == "raw_logits"
+    got = [(shape, generators, k is None, p is None) for shape, _, generators, k, p in sampler.calls]
+    assert got == [((n, 1000), {}, k_off, p_off) for n in batches for k_off in (False, True) for p_off in (False, True)]
+    for (n, _), dtype, _, k, p in sampler.calls:
+        assert dtype == torch.float32  # what vLLM's sampler filters (it casts the logits first)
+        assert k is None or (k.shape == (n,) and not k.dtype.is_floating_point)
+        assert p is None or (p.shape == (n,) and p.dtype == torch.float32)
+
+
+def test_the_text_sampler_is_not_warmed_on_the_cpu_and_a_failing_warm_up_only_warns(sampler_class, caplog):
+    sampler_class(_RecordingSampler)
+    assert compat.text_sampler(_engine_config(64), 1000, torch.device("cpu")).calls == []
+    sampler_class(_BrokenSampler)
+    with caplog.at_level("WARNING", logger=compat.__name__):
+        sampler = compat.text_sampler(_engine_config(64), 1000, torch.device("meta"))
+    assert isinstance(sampler, _BrokenSampler)
+    assert [r.getMessage() for r in caplog.records] == [
+        "vLLM's text sampler was not warmed up (TypeError: topk_topp_sampler() takes 3 positional arguments but 5 "
+        "were given)"
+    ]

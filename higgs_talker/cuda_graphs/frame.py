@@ -15,11 +15,13 @@ difference, or any error, leaves that bucket eager with one warning (``capture.c
 None (run eagerly) for a batch no bucket holds and while a stream is capturing.
 
 The adapter captures them where its model config asks (``higgs_frame_graphs: true``, e.g. a deploy YAML stage's
-``hf_overrides``; ``FrameGraphs.if_asked``). Off by default: inside vllm-omni 0.26 on the H200 (2026-12-04) every
-bucket captured and the pipeline's equality tests passed, and our host time a one-stream step fell from 3.17 to
-1.21 ms, but the step stayed at 6.1 ms: under vLLM's synchronous scheduling the worker then waits for the device
-instead (``benchmarks/results/h200_20261204d``). With async scheduling too, 5.4-7.1 ms, bound by the host
-(``h200_20261204e``): not yet shown faster end to end.
+``hf_overrides``; ``FrameGraphs.if_asked``); where it does not, the eager frame is run once per batch class its
+Triton kernels compile for (``FrameGraphs.warm_eager``), so that no request's step waits for a compile. Off by
+default: inside vllm-omni 0.26 on the H200 (2026-12-04) every bucket captured and the pipeline's equality tests
+passed, and our host time a one-stream step fell from 3.17 to 1.21 ms, but the step stayed at 6.1 ms: under vLLM's
+synchronous scheduling the worker then waits for the device instead (``benchmarks/results/h200_20261204d``). With
+async scheduling too, 5.4-7.1 ms, bound by the host (``h200_20261204e``); with the adapter's launches cut, RTF 0.133
+at one stream (``h200_20261204f``, our talker alone: not yet compared in one run).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ logger = logging.getLogger(__name__)
 
 NO_PARAMS = (0.0, 0, 1.0)  # what a parameter given as None means (greedy, no top-k, no top-p: ``row_params``)
 OPTION = "higgs_frame_graphs"  # the model config attribute that asks for them
+# a batch of each class Triton compiles the frame's kernels for (``heads.fused``: an integer argument of 1, a
+# multiple of 16, any other); without graphs, ``FrameGraphs.warm_eager`` runs the frame once at each
+WARM_SIZES = (1, 2, 16)
 
 
 class _Bucket:
@@ -92,16 +97,18 @@ class FrameGraphs:
     @classmethod
     def if_asked(cls, config, frame: FrameFn, slots, head, max_batch: int, open_token: int) -> FrameGraphs | None:
         """Captured for the decode buckets up to ``max_batch`` where ``config`` (the model's HF config) has
-        ``OPTION`` true and ``head`` is on CUDA, else None; ValueError naming the value where ``OPTION`` is set to
-        anything but true or false."""
+        ``OPTION`` true and ``head`` is on CUDA, else None (on CUDA the eager frame warmed up: ``warm_eager``);
+        ValueError naming the value where ``OPTION`` is set to anything but true or false."""
         asked, weight = getattr(config, OPTION, False), head.weight
         if not isinstance(asked, bool):
             raise ValueError(f"{OPTION} must be true or false, got {asked!r}")
-        if not asked or weight.device.type != "cuda":
+        if weight.device.type != "cuda":
             return None
         graphs = cls(frame, slots, head, DEFAULT_BUCKETS, max_batch, open_token)
         with torch.no_grad():  # not inference mode: its tensors could not be written outside it
-            graphs.capture(weight.shape[1], weight.dtype, weight.device)
+            (graphs.capture if asked else graphs.warm_eager)(weight.shape[1], weight.dtype, weight.device)
+        if not asked:
+            return None
         logger.info("frame graphs captured for batch buckets %s (failed: %s)", graphs.sizes, graphs.failed or "none")
         return graphs
 
@@ -155,6 +162,19 @@ class FrameGraphs:
         bucket.graph.replay()
         self.replays += 1
         return bucket.results[:b]
+
+    def warm_eager(self, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Without graphs: run the frame eagerly once for each batch of ``WARM_SIZES`` up to the largest bucket, on
+        the capture check's rows (every row opening a stream in the scratch slot, whose state is restored), so that
+        its Triton kernels are compiled and checked against their references (``heads.fused``) before a request's
+        step would wait for that (the first one-request step's ``sample``: about 1.1 s in ``h200_20261204``)."""
+        store, sizes = self.slots.store, [n for n in WARM_SIZES if n <= max(self.requested)]
+        for size in sizes:
+            rows = _Bucket(size, hidden_size, dtype, device, store.scratch)
+            self._check_rows(rows, self.open_token)
+            with store.preserved([store.scratch]):
+                self.frame(self.slots, self.head, *rows.args())
+        logger.info("eager frame warmed up for batches %s", sizes)
 
     def report(self) -> dict:
         """Steps replayed, buckets captured, buckets whose capture failed (why)."""

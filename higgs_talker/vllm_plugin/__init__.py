@@ -45,9 +45,8 @@ def register() -> tuple[str, ...]:
 
         for arch in ARCHITECTURES:
             omni_registry.OmniModelRegistry.register_model(arch, TALKER_CLASS)
-            # vllm-omni's own vllm.general_plugins entry copies its model table into vLLM's ModelRegistry and
-            # may run after us (entry-point order is not defined); drop our architectures from that table so
-            # it cannot put its talker back over ours.
+            # vllm-omni's own vllm.general_plugins entry may copy its model table into vLLM's registry after us
+            # (entry points run in no set order): without our architectures it cannot put its talker back.
             getattr(omni_registry, "_OMNI_MODELS", {}).pop(arch, None)
         touched.append("vllm_omni.OmniModelRegistry")
     if importlib.util.find_spec("vllm") is not None:

@@ -26,6 +26,7 @@ from .talker import talker_for
 logger = logging.getLogger(__name__)
 
 REQUEST_KEY = "higgs_request_key"
+_PARAMS = ("temperature", "top_k", "top_p")
 REFERENCE = "higgs_reference"  # {"rows": delayed reference rows [R, C], "positions": their prompt positions [R]}
 
 
@@ -56,8 +57,7 @@ class TextOnlyBridge(LogitsProcessor):
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         self.vllm_config = vllm_config
         self.rows: dict[int, _Row] = {}  # batch index -> request
-        self.batch_size = 0
-        self.armed = False
+        self.batch_size, self.armed = 0, False
 
     @classmethod
     def validate_params(cls, sampling_params) -> None:
@@ -102,8 +102,6 @@ class TextOnlyBridge(LogitsProcessor):
                 new.append(row)
                 if output:  # generated tokens already: a preempted request comes back
                     resume.add(key)
-            if model is not None and batch_update.moved:
-                model.stats["bridge_moves"] += len(batch_update.moved)
             for a, b, direction in batch_update.moved:
                 ra, rb = self.rows.pop(a, None), self.rows.pop(b, None)
                 if ra is not None:
@@ -153,8 +151,7 @@ class TextOnlyBridge(LogitsProcessor):
         batch = [self.rows[i] for i in range(self.batch_size)]
         if logits.shape[0] != len(batch):
             return logits
-        dev = logits.device
-        values = [torch.tensor([getattr(r, n) for r in batch], device=dev) for n in ("temperature", "top_k", "top_p")]
+        values = (torch.tensor([getattr(r, n) for r in batch], device=logits.device) for n in _PARAMS)
         model.sample_codes(*values)  # normalized by the frame work (row_params), as the runner path
         return logits
 

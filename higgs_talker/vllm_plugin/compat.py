@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import copy
 import importlib
+import itertools
 import logging
+import time
 from typing import Any
 
 import torch
@@ -35,10 +37,9 @@ def check_supported() -> None:
     for name in ("vllm", "vllm_omni"):
         try:
             text = importlib.import_module(name).__version__
+            supported = SUPPORTED[0] <= Version(text).release[:2] <= SUPPORTED[1]
         except (ImportError, AttributeError):
             continue
-        try:
-            supported = SUPPORTED[0] <= Version(text).release[:2] <= SUPPORTED[1]
         except InvalidVersion:
             supported = False
         if not supported:
@@ -53,14 +54,6 @@ def forward_context() -> Any:
     return get_forward_context() if is_forward_context_available() else None
 
 
-def first_attn_metadata(ctx: Any) -> Any:
-    """The attention metadata of the step (per-layer dicts hold one object per layer; all describe the same
-    batch). None for micro-batched steps (a list) or steps without attention."""
-    meta = getattr(ctx, "attn_metadata", None)
-    meta = next(iter(meta.values()), None) if isinstance(meta, dict) else meta
-    return None if isinstance(meta, list) else meta
-
-
 def runner_infos(kwargs: dict) -> list | None:
     """vllm-omni's per-request info dicts: ``model_intermediate_buffer``, or its older name for them."""
     return kwargs.get("model_intermediate_buffer") or kwargs.get("runtime_additional_information")
@@ -69,7 +62,8 @@ def runner_infos(kwargs: dict) -> list | None:
 def step_query_start_loc(num_reqs: int, positions: Tensor) -> Tensor | None:
     """The step's token span per request, ``qsl [num_reqs + 1]`` int64 on the positions' device, or None: the
     backend's ``query_start_loc``, else ``decodes_first_qsl`` over FlashInfer's counts and ``cum_seq_lens_q``."""
-    meta = first_attn_metadata(forward_context())
+    meta = getattr(forward_context(), "attn_metadata", None)  # per layer, all alike; a list: micro-batched
+    meta = None if isinstance(meta, list) else next(iter(meta.values()), None) if isinstance(meta, dict) else meta
     qsl = getattr(meta, "query_start_loc", None)
     if isinstance(qsl, Tensor) and qsl.shape[0] >= num_reqs + 1:
         return qsl[: num_reqs + 1].to(positions.device, torch.long)
@@ -97,12 +91,29 @@ def backbone_config(vllm_config: Any, text_config: Any) -> Any:
     return out
 
 
-def text_sampler(vllm_config: Any):
-    """vLLM's sampler for the text token, with the model config's logprobs mode."""
+WARM_BATCHES = (1, 8, 16)  # a batch of each class vLLM's sampler compiles for (text_sampler)
+
+
+def text_sampler(vllm_config: Any, vocab_size: int, device: torch.device):
+    """vLLM's sampler for the text token (the model config's logprobs mode). vLLM 0.26 compiles its top-k/top-p filter
+    per class of batch (8+ rows: a multiple of 16 or not, each filter on or off) and its unseeded sampler for 1 row or
+    more; its start compiles one class, and a class first met in serving stalled that step (9.9 s for 38 rows on the
+    H200, h200_20261204e). Off the CPU each class of ``WARM_BATCHES`` up to max_num_seqs runs once here, unseeded."""
     from vllm.v1.sample.sampler import Sampler
 
     mode = getattr(getattr(vllm_config, "model_config", None), "logprobs_mode", None)
-    return Sampler(logprobs_mode=mode) if mode is not None else Sampler()
+    sampler, started = Sampler(logprobs_mode=mode) if mode is not None else Sampler(), time.perf_counter()
+    batches = [n for n in WARM_BATCHES if n <= max_num_seqs(vllm_config)] if device.type != "cpu" else []
+    try:
+        for n, k, p in itertools.product(batches, (50, None), (0.95, None)):
+            k, p = (None if v is None else torch.full((n,), v, device=device) for v in (k, p))
+            sampler.topk_topp_sampler(torch.randn(n, vocab_size, device=device), {}, k, p)
+    except Exception as exc:  # noqa: BLE001 - a later vLLM's sampler: serving goes on, maybe with a compile stall
+        warn_once("warm-sampler", "vLLM's text sampler was not warmed up (%s: %s)", type(exc).__name__, exc)
+    else:
+        logger.info("higgs talker: vLLM's text sampler warmed up for batches %s in %.1f s", batches,
+                    time.perf_counter() - started)  # fmt: skip
+    return sampler
 
 
 def sampler_output(token_ids: Tensor):

@@ -70,8 +70,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         compat.check_supported()
         hf = vllm_config.model_config.hf_config
         self.cfg = cfg = TalkerConfig.from_dict(hf.to_dict() if hasattr(hf, "to_dict") else dict(hf))
-        t = cfg.text
-        self.vllm_config = vllm_config
+        t, self.vllm_config = cfg.text, vllm_config
         backbone = compat.backbone_config(vllm_config, t.to_qwen3_config())
         self.model = Qwen3Model(vllm_config=backbone, prefix=maybe_prefix(prefix, "model"))
         if t.tie_word_embeddings:
@@ -90,8 +89,8 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         self.specials: SpecialTokens | None = None
         self.loaded_weight_names: frozenset[str] = frozenset()
         # what the steps did (tests and logs read these)
-        self.stats = dict.fromkeys(("text_head_skipped", "text_head_full", "sample_steps", "bridge_moves",
-                                    "bridge_replayed_steps", "bridge_no_qsl", "bridge_recomputed_rows"), 0)  # fmt: skip
+        self.stats = dict.fromkeys(("text_head_skipped", "text_head_full", "sample_steps", "bridge_replayed_steps",
+                                    "bridge_no_qsl", "bridge_recomputed_rows"), 0)  # fmt: skip
         self.deferred_prefix_cache_mm_keys = {"codes.audio"}
         self._runner_req_ids: list[str] | None = None  # from prepare_runner_inputs, for the step's metadata
         self._batch: list[str] = []  # the requests of the runner's current step, in batch order
@@ -167,10 +166,8 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         if refed:
             logger.info("higgs talker: %d rows fed again to requests recomputed after a preemption", refed)
         pure_decode = step is not None and embeds.shape[0] == step.num_reqs
-        hidden = self.local_mlp.forward(positions, embeds, pure_decode)
-        if hidden is None:
-            hidden = self.model(None, positions, intermediate_tensors, inputs_embeds=embeds)
-        return hidden
+        hidden = self.local_mlp.forward(positions, embeds, pure_decode)  # None: not a step its graphs take
+        return hidden if hidden is not None else self.model(None, positions, intermediate_tensors, inputs_embeds=embeds)
 
     def compute_logits(self, hidden_states: Tensor, sampling_metadata: Any = None) -> Tensor | None:
         """hidden [B, H] -> text logits [B, V]; audio-mode rows keep only their forced token."""
@@ -200,8 +197,6 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         self.sample_codes(m.temperature, m.top_k, m.top_p)
         if forced_only and m.max_num_logprobs is None:
             return compat.sampler_output(step.forced)
-        if self._text_sampler is None:
-            self._text_sampler = compat.text_sampler(self.vllm_config)
         return self._text_sampler(logits, m)
 
     def sample_codes(self, temperature: Tensor | None, top_k: Tensor | None, top_p: Tensor | None) -> None:
@@ -232,10 +227,6 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         mm = {"codes": {"audio": rows}} if any(r.numel() for r in rows) else None
         return OmniOutput(text_hidden_states=model_outputs, multimodal_outputs=mm)
 
-    def request_rows(self, req_id: str) -> Tensor | None:
-        """Every row [R, C] int32 a request produced (bridge: also the last 256 finished); None if unknown."""
-        return self.slots.rows_for(req_id)
-
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """Checkpoint-named tensors -> parameters through vLLM's weight loaders (packed q/k/v and gate/up, tensor
         parallel shards); the names and checks are ``checkpoint.WeightRouter``'s. Returns the names loaded."""
@@ -254,6 +245,8 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         path = path if Path(str(path)).exists() else mc.model
         self.specials = sp = TalkerTokenizer.from_pretrained(path, self.cfg).specials
         self.frame = functools.partial(frame_results, audio_id=sp.audio, eos_id=sp.eos)
+        vocab, device = self.cfg.text.vocab_size, self.multimodal_embedding.weight.device
+        self._text_sampler = compat.text_sampler(self.vllm_config, vocab, device)  # warmed up: no compile in serving
         self.local_mlp.capture(self.cfg.text.hidden_size, self.multimodal_embedding.weight)
         if self.frame_graphs is None:
             args = (self.frame, self.slots, self.modality_head, compat.max_num_seqs(self.vllm_config), sp.audio)

@@ -23,7 +23,6 @@ class FakeTalker:
     def __init__(self) -> None:
         self.removed: list[str] = []
         self.batches: list[list[str]] = []
-        self.stats = {"bridge_moves": 0}
         self.slots = type("Slots", (), {"keep_finished": 0})()
 
     def on_requests_removed(self, keys) -> None:

@@ -89,9 +89,9 @@ SMALL_KV = {"keys": ["greedy", "topkp", "deploy"], "max_tokens": 120, "alone": F
 # 2026-12-04) its rows and scores passed but an EOS-ended request's audio came out twice (116160 samples for 58560):
 # a step's hand-over that runs after the request finished flushes it as if last, and the last one sends every row
 # again (higgs_talker.vllm_plugin.deploy; bench_omni's requests end by length, where it does not show). And the
-# same with 64 streams on vLLM's FlashAttention backend instead of FlashInfer (bench_omni's FLASH_ATTN).
+# same with 64 streams, on FlashInfer and on vLLM's FlashAttention backend (bench_omni's FULL_64, FLASH_ATTN).
 PROFILES = ("low_latency", "high_throughput", "low_latency_frame_graphs", "low_latency_async_frame_graphs",
-            "full_decode_64_async_frame_graphs_flash_attn")  # fmt: skip
+            "full_decode_64_async_frame_graphs", "full_decode_64_async_frame_graphs_flash_attn")  # fmt: skip
 # Stage 0 sized for the small checkpoint; Stage 1 in float32, as our codec decodes
 STAGES = {0: {"gpu_memory_utilization": 0.3, "max_model_len": 1024, "max_num_batched_tokens": 1024,
               "dtype": "bfloat16"},
@@ -261,17 +261,21 @@ def test_the_adapter_takes_the_graph_path_its_profile_calls_for(offline):
     decode graphs and our local MLP graphs stay off; under the high-throughput one (enforce_eager) they are on and
     every bucket captured; with frame graphs asked for, every bucket of those is captured and the requests' decode
     steps replayed them (the probe's count), and without, none ran; with async scheduling asked for, vLLM kept it;
-    with FlashAttention asked for, vLLM took it."""
+    with FlashAttention asked for, vLLM took it; vLLM's text sampler and (without frame graphs) our eager frame met
+    each batch class they compile for at load."""
     profile, _ = offline
     log = _LOGS[profile]
     frames = "frame graphs captured for batch buckets (1, 2, 4, 8, 16) (failed: none)"
     frames_64 = "frame graphs captured for batch buckets (1, 2, 4, 8, 16, 32, 64) (failed: none)"
     want = {"low_latency": "local MLP graphs off: vLLM captures CUDA graphs",
             "low_latency_frame_graphs": frames, "low_latency_async_frame_graphs": frames,
-            "full_decode_64_async_frame_graphs_flash_attn": frames_64,
+            "full_decode_64_async_frame_graphs": frames_64, "full_decode_64_async_frame_graphs_flash_attn": frames_64,
             "high_throughput": "local MLP graphs on: vLLM enforce_eager=True"}[profile]  # fmt: skip
     assert want in log, [x for x in log.splitlines() if "higgs" in x.lower() or "frame graphs" in x][:20]
     assert "capture failed" not in log
+    assert "vLLM's text sampler warmed up for batches [1, 8, 16]" in log  # max_num_seqs 16 or 64: every class
+    if "frame_graphs" not in profile:  # the eager frame instead: each class its kernels compile for, at load
+        assert "eager frame warmed up for batches [1, 2, 16]" in log
     if "async" in profile:  # vLLM kept it on for Stage 0 (it says so when it turns it off)
         assert "Asynchronous scheduling is enabled" in log
     if profile.endswith("flash_attn"):

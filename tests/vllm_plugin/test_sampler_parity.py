@@ -39,3 +39,17 @@ def test_bf16_logits_differ_only_in_which_of_equal_logits_survive():
     for r in range(ours.shape[0]):
         a, b = ours[r][ours[r].isfinite()], theirs[r][theirs[r].isfinite()]
         assert torch.equal(a.sort().values, b.sort().values), r
+
+
+def test_vllms_sampler_takes_the_warm_up_call_the_adapter_makes():
+    """``compat.text_sampler`` warms vLLM's sampler through ``Sampler().topk_topp_sampler(logits, generators, k, p)``:
+    the installed vLLM has that call, and it samples one token per row from the rows' top 50 with top-k on, an
+    in-range one with it off."""
+    from vllm.v1.sample.sampler import Sampler
+
+    sampler, v = Sampler(), 1000
+    for k, p in ((torch.full((8,), 50), torch.full((8,), 0.95)), (None, torch.full((8,), 0.95)), (None, None)):
+        logits = torch.randn(8, v, generator=torch.Generator().manual_seed(3))
+        allowed = logits.topk(50 if k is not None else v).indices  # before the sampler may filter in place
+        tokens = sampler.topk_topp_sampler(logits, {}, k, p)[0]
+        assert tokens.shape == (8,) and (allowed == tokens[:, None]).any(1).all(), (k, p, tokens)
