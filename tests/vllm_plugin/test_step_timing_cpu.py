@@ -231,16 +231,107 @@ def test_the_kernel_window_profiles_the_one_stream_steps_it_was_asked_for(probe,
     omni_step(model, [5])
     for counts in ([1], [1], [1], [1, 1], [1], [1], [1], [1]):
         omni_step(model, counts)
-    window = probe._recorder.window
+    (window,) = probe._recorder.windows
     assert window.done and window.inside == {"decode b=1": 3, "decode b=2-3": 1}
     text = (tmp_path / f"kernels_{os.getpid()}.txt").read_text()
-    assert text.startswith("kernel window: 3 one-stream decode steps after 2")
+    assert text.startswith("kernel window: 3 decode steps (b=1) after 2")
     softmax = [line for line in text.splitlines() if line.endswith("aten::softmax")]
     assert len(softmax) == 1 and float(softmax[0].split()[2]) == pytest.approx(4 / 3, abs=0.01)  # 4 steps in 3
-    for bad in ("50", "a,b", "1,0", "-1,5"):
+    for bad in ("50", "a,b", "1,0", "-1,5", "1,2,0", "1,2,3,4"):
         with pytest.raises(ValueError, match=f"HIGGS_STEP_TIMING_KERNELS .*{bad!r}"):
-            probe.Recorder(str(tmp_path), 1, 0.0, 0.05, [], probe.parse_kernels(bad))
-    assert probe.parse_kernels("") is None and probe.parse_kernels(None) is None
+            probe.Recorder(str(tmp_path), 1, 0.0, 0.05, [], probe.parse_window(bad))
+    assert probe.parse_window("") is None and probe.parse_window(None) is None
+    assert probe.parse_window("3,4") == (3, 4, 1) and probe.parse_window("3,4,64") == (3, 4, 64)
+
+
+def _host_work_of_a_batch_of_two():
+    time.sleep(0.003)
+
+
+def test_the_host_window_profiles_the_thread_over_the_steps_of_its_batch(probe, tmp_path, monkeypatch):
+    """``HIGGS_STEP_TIMING_HOST=1,2,2``: cProfile on the entry points' thread over the two decode steps of two or three
+    requests after the first (one-stream steps between them count as inside, not as the window's), and
+    ``host_<pid>.txt`` ranks the functions by own and cumulative time per step of the window: sleeping comes first,
+    and the work a two-request step does in ``sample`` costs its 3 ms, once a step."""
+
+    class Model(StandIn):
+        def sample(self, logits, sampling_metadata):
+            if logits.shape[0] == 2:
+                _host_work_of_a_batch_of_two()
+            return super().sample(logits, sampling_metadata)
+
+    monkeypatch.setenv("HIGGS_STEP_TIMING_HOST", "1,2,2")
+    probe.patch(Model, probe.Target("Model", probe.RUNNER_CONTRACT, names_requests=True))
+    model = Model()
+    for counts in ([3, 2], [1, 1], [1], [1, 1], [1], [1, 1], [1, 1]):
+        omni_step(model, counts)
+    (window,) = probe._recorder.windows
+    assert window.done and window.inside == {"decode b=1": 2, "decode b=2-3": 2}
+    text = (tmp_path / f"host_{os.getpid()}.txt").read_text()
+    assert text.startswith("host window (cProfile, this thread): 2 decode steps (b=2-3) after 1")
+    own = text.split("by own time:")[1].split("by cumulative time:")[0].splitlines()[2]
+    assert own.endswith("<built-in method time.sleep>") and 3.0 <= float(own.split()[0]) < 10  # the stand-in's too
+    (work,) = [line for line in text.split("by cumulative time:")[1].splitlines() if "_host_work_of" in line]
+    assert float(work.split()[0]) == pytest.approx(3.0, rel=0.5) and float(work.split()[2]) == 1.0  # once a step
+    with pytest.raises(ValueError, match="HIGGS_STEP_TIMING_HOST .*'1'"):
+        probe.parse_window("1", "HIGGS_STEP_TIMING_HOST")
+
+
+def test_the_prefill_trace_profiles_whole_prefill_steps_of_its_batch(probe, tmp_path, monkeypatch):
+    """``HIGGS_STEP_TIMING_PREFILL=1,2``: of the one-request prefill steps, the first is skipped and the next two are
+    each profiled from ``prepare_runner_inputs`` (which gives the token counts) to the step's close: a Chrome trace
+    and a table each, naming the step and holding the op its forward ran; decode steps and a two-request prefill
+    between them are not traced."""
+
+    class Model(StandIn):
+        def forward(self, input_ids, positions, **_):
+            return torch.nn.functional.gelu(super().forward(input_ids, positions))  # an op the trace must hold
+
+    monkeypatch.setenv("HIGGS_STEP_TIMING_PREFILL", "1,2")
+    probe.patch(Model, probe.Target("Model", probe.RUNNER_CONTRACT, names_requests=True))
+    model = Model()
+    for counts in ([5], [1], [7], [1], [3, 4], [1, 1], [6], [1], [8], [1]):
+        omni_step(model, counts)
+    (trace,) = probe._recorder.traces
+    assert (trace.seen, trace.traced) == (3, 2) and trace.profiler is None
+    for n, tokens in ((1, 7), (2, 6)):
+        table = (tmp_path / f"prefill_{os.getpid()}_{n}.txt").read_text()
+        assert table.startswith(f"prefill step {n + 1} (b=1; batch 1, tokens {tokens}, longest {tokens}): wall ")
+        assert "aten::gelu" in table
+        events = json.loads((tmp_path / f"prefill_{os.getpid()}_{n}.json").read_text())["traceEvents"]
+        assert sum(e.get("name") == "aten::gelu" for e in events) == 1  # one forward: the step's own
+    assert not (tmp_path / f"prefill_{os.getpid()}_3.txt").exists()
+
+
+def _stall_in_a_compile():
+    time.sleep(0.4)
+
+
+def test_a_stalled_entry_point_leaves_every_stack_and_its_time(probe, tmp_path):
+    """``HIGGS_STEP_TIMING_SLOW_S=0.05``: the one ``sample`` that stalls (0.4 s) leaves each thread's stack as it was
+    0.05 s in, the stalling frame named, then its SLOW line with its step's batch; steps that do not stall leave
+    nothing; a bad value is refused with the value."""
+
+    class Model(StandIn):
+        def sample(self, logits, sampling_metadata):
+            if logits.shape[0] == 3:
+                _stall_in_a_compile()
+            return super().sample(logits, sampling_metadata)
+
+    probe._settings["slow_s"] = probe.parse_slow("0.05")
+    probe.patch(Model, probe.Target("Model", probe.RUNNER_CONTRACT, names_requests=True))
+    model = Model()
+    for counts in ([4], [1], [1, 1, 1], [1]):
+        omni_step(model, counts)
+    text = (tmp_path / f"slow_{os.getpid()}.txt").read_text()
+    stack, slow, after = text.partition("SLOW ")
+    assert slow and "SLOW" not in after and after.startswith("sample 0.4")
+    assert "(after 2 real steps; batch 3, tokens 3)" in after
+    assert "Timeout (0:00:00.050000)!" in stack and "_stall_in_a_compile" in stack and "in sample" in stack
+    for bad in ("0", "-1", "soon"):
+        with pytest.raises(ValueError, match=f"HIGGS_STEP_TIMING_SLOW_S .*{bad!r}"):
+            probe.parse_slow(bad)
+    assert probe.parse_slow("") is None and probe.parse_slow(None) is None
 
 
 def test_sync_debug_is_turned_on_at_the_first_entry_point_only_when_asked(probe, monkeypatch):

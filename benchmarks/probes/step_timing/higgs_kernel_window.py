@@ -1,13 +1,29 @@
-"""The step-timing probe's kernel window: what the device runs during one-stream decode steps, kernel by kernel.
+"""The step-timing probe's windows: what the device runs (kernels) and where the worker's thread spends its time
+(host) during decode steps of one batch size, step by step.
 
-``HIGGS_STEP_TIMING_KERNELS=SKIP,STEPS`` (e.g. ``300,50``): after SKIP (at least 1) one-stream decode steps
-(``decode b=1`` or ``replayed b=1``: warm-up, graph capture and the first requests left out) the probe starts
-``torch.profiler`` at the boundary between two steps, stops it once STEPS more such steps have closed, and writes
-``kernels_<pid>.txt``: the window's steps (and any others that fell in it: a prefill, a larger batch), then every
-kernel the device ran in it with its launches and device time per one-stream step, longest first, and their sum.
-Kernels replayed from CUDA graphs are included (CUPTI traces them). Other processes' kernels (vllm-omni's Stage 1
-on the same GPU) are not: the sum is this process's busy time, the step interval minus it the time the device was
-idle or busy for others. Off by default (nothing profiled; ``torch.profiler`` is imported only when asked).
+``HIGGS_STEP_TIMING_KERNELS=SKIP,STEPS[,BATCH]`` (e.g. ``300,50`` or ``20,30,64``): after SKIP (at least 1) decode
+steps whose batch falls in BATCH's category (default 1: ``decode b=1`` or ``replayed b=1``; 64: ``b=64-``; warm-up,
+graph capture and the first requests left out) the probe starts ``torch.profiler`` at the boundary between two steps,
+stops it once STEPS more such steps have closed, and writes ``kernels_<pid>.txt``: the window's steps (and any others
+that fell in it: a prefill, another batch size), then every kernel the device ran in it with its launches and device
+time per step of the window's kind, longest first, and their sum. Kernels replayed from CUDA graphs are included
+(CUPTI traces them). Other processes' kernels (vllm-omni's Stage 1 on the same GPU) are not: the sum is this
+process's busy time, the step interval minus it the time the device was idle or busy for others.
+
+``HIGGS_STEP_TIMING_HOST=SKIP,STEPS[,BATCH]`` opens the same kind of window with ``cProfile`` on the thread that runs
+the entry points (in vllm-omni's and vLLM's engine process: the scheduler, the runner's input preparation, our
+calls, the output processing of that thread; other threads are not seen) and writes ``host_<pid>.txt``: the
+functions by own time and by cumulative time, in milliseconds per step. cProfile slows Python down (about 1.5-2x):
+read shares, not absolute times.
+
+``HIGGS_STEP_TIMING_PREFILL=SKIP,COUNT[,BATCH]`` profiles whole prefill steps instead: after SKIP prefill steps whose
+batch falls in BATCH's category (default 1), each of the next COUNT is profiled with ``torch.profiler`` (host ops and,
+on CUDA, kernels) from the entry point that shows it is a prefill (vllm-omni's ``prepare_runner_inputs`` gives each
+request's token count) to the step's close, and written as ``prefill_<pid>_<n>.json`` (a Chrome trace: host and
+device timelines side by side) and ``prefill_<pid>_<n>.txt`` (the step's wall time, then ops and kernels by their own
+time).
+
+Off by default (nothing profiled; ``torch.profiler`` and ``cProfile`` are imported only when asked).
 """
 
 from __future__ import annotations
@@ -15,27 +31,36 @@ from __future__ import annotations
 import os
 import time
 
+from higgs_step_record import batch_label
 
-def parse(spec: str | None) -> tuple[int, int] | None:
-    """``"SKIP,STEPS"`` -> (skip, steps); None when unset or empty; ValueError naming the value otherwise."""
+
+def parse(spec: str | None, name: str = "HIGGS_STEP_TIMING_KERNELS") -> tuple[int, int, int] | None:
+    """``"SKIP,STEPS[,BATCH]"`` -> (skip, steps, batch), batch 1 unless given; None when unset or empty; ValueError
+    naming the variable and the value otherwise."""
     if not spec:
         return None
     try:
-        skip, steps = (int(x) for x in spec.split(","))
+        values = [int(x) for x in spec.split(",")]
     except ValueError:
-        raise ValueError(f"HIGGS_STEP_TIMING_KERNELS must be SKIP,STEPS (two integers), got {spec!r}") from None
-    if skip < 0 or steps < 1:
-        raise ValueError(f"HIGGS_STEP_TIMING_KERNELS needs SKIP >= 0 and STEPS >= 1, got {spec!r}")
-    return skip, steps
+        values = []
+    if len(values) not in (2, 3):
+        raise ValueError(f"{name} must be SKIP,STEPS or SKIP,STEPS,BATCH (integers), got {spec!r}")
+    skip, steps, batch = (*values, 1)[:3]
+    if skip < 0 or steps < 1 or batch < 1:
+        raise ValueError(f"{name} needs SKIP >= 0, STEPS >= 1 and BATCH >= 1, got {spec!r}")
+    return skip, steps, batch
 
 
 class KernelWindow:
-    """Counts the one-stream decode steps a recorder closes; profiles STEPS of them after SKIP."""
+    """Counts the decode steps of one batch category a recorder closes; profiles STEPS of them after SKIP."""
 
-    def __init__(self, skip: int, steps: int, out_dir: str, cuda: bool) -> None:
+    prefix, what = "kernels", "kernel window"
+
+    def __init__(self, skip: int, steps: int, batch: int, out_dir: str, cuda: bool) -> None:
         self.skip, self.steps, self.cuda = skip, steps, cuda
-        self.path = os.path.join(out_dir, f"kernels_{os.getpid()}.txt")
-        self.seen = 0  # one-stream decode steps closed so far
+        self.label = batch_label(batch)
+        self.path = os.path.join(out_dir, f"{self.prefix}_{os.getpid()}.txt")
+        self.seen = 0  # steps of the window's kind closed so far
         self.inside: dict[str, int] = {}  # categories of the steps closed inside the window
         self.profiler = None
         self.started = 0.0
@@ -45,12 +70,13 @@ class KernelWindow:
         """A step of ``category`` was filed; the next one opens right after (a window starts and ends there)."""
         if self.done:
             return
-        single = category in ("decode b=1", "replayed b=1")
+        kind, _, label = category.partition(" ")
+        counted = kind in ("decode", "replayed") and label == self.label
         if self.profiler is not None:
             self.inside[category] = self.inside.get(category, 0) + 1
-        self.seen += single
-        start = max(self.skip, 1)  # a window opens after a one-stream step closed
-        if self.profiler is None and single and self.seen == start:
+        self.seen += counted
+        start = max(self.skip, 1)  # a window opens after a step of its kind closed
+        if self.profiler is None and counted and self.seen == start:
             self._start()
         elif self.profiler is not None and self.seen == start + self.steps:
             self._stop()
@@ -63,23 +89,28 @@ class KernelWindow:
         self.profiler.__enter__()
         self.started = time.perf_counter()
 
-    def _stop(self) -> None:
-        wall = time.perf_counter() - self.started
+    def _finish(self) -> None:
         if self.cuda:
             import torch
 
             torch.cuda.synchronize()
         self.profiler.__exit__(None, None, None)
+
+    def _stop(self) -> None:
+        wall = time.perf_counter() - self.started
+        self._finish()
         self.done = True
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        head = (f"{self.what}: {self.steps} decode steps ({self.label}) after {self.skip}; steps closed in it: "
+                f"{self.inside}\nwall {wall * 1e6 / self.steps:.0f} us a step")  # fmt: skip
         with open(self.path, "w", encoding="utf-8") as f:
-            f.write(self.report(self.profiler.key_averages(), wall))
+            f.write(head + self.report())
 
-    def report(self, averages, wall: float) -> str:
+    def report(self) -> str:
         """The window's table: per kernel (CPU ops where there is no CUDA), launches and device us per step."""
         n = self.steps
         rows = []
-        for evt in averages:
+        for evt in self.profiler.key_averages():
             kind = str(getattr(evt, "device_type", "")).rsplit(".", 1)[-1]
             if self.cuda and kind != "CUDA":
                 continue  # host-side ops: their kernels are rows of their own
@@ -88,9 +119,89 @@ class KernelWindow:
         rows.sort(reverse=True)
         total = sum(us for us, _, _ in rows)
         what = "device (this process's kernels)" if self.cuda else "CPU (no CUDA: host ops)"
-        lines = [f"kernel window: {n} one-stream decode steps after {self.skip}; steps closed in it: {self.inside}",
-                 f"wall {wall * 1e6 / n:.0f} us a step; {what} {total / n:.0f} us a step", "",
-                 f"{'us/step':>9} {'share':>6} {'calls/step':>10}  name"]  # fmt: skip
+        lines = [f"; {what} {total / n:.0f} us a step", "", f"{'us/step':>9} {'share':>6} {'calls/step':>10}  name"]
         for us, count, key in rows:
             lines.append(f"{us / n:9.1f} {us / max(total, 1e-9):6.1%} {count / n:10.2f}  {key[:160]}")
         return "\n".join(lines) + "\n"
+
+
+class HostWindow(KernelWindow):
+    """The same window with ``cProfile`` on the calling thread: where its host time goes, function by function."""
+
+    prefix, what, top = "host", "host window (cProfile, this thread)", 60
+
+    def _start(self) -> None:
+        import cProfile
+
+        self.profiler = cProfile.Profile()
+        self.started = time.perf_counter()
+        self.profiler.enable()
+
+    def _finish(self) -> None:
+        self.profiler.disable()
+
+    def report(self) -> str:
+        """The ``top`` functions by own time, then by cumulative time: ms per step, share of the window's wall, calls
+        per step."""
+        import pstats
+
+        n, stats = self.steps, pstats.Stats(self.profiler).stats  # (file, line, name) -> (cc, calls, tt, ct, callers)
+        wall = sum(tt for _, _, tt, _, _ in stats.values())
+        lines = [f"; profiled own time {wall * 1e3 / n:.2f} ms a step"]
+        for title, index in (("own time", 2), ("cumulative time", 3)):
+            lines += ["", f"by {title}:", f"{'ms/step':>9} {'share':>6} {'calls/step':>10}  function"]
+            ranked = sorted(stats.items(), key=lambda kv: kv[1][index], reverse=True)[: self.top]
+            for (path, line, func), values in ranked:
+                where = f"{os.path.basename(path)}:{line}({func})" if line else func
+                lines.append(f"{values[index] * 1e3 / n:9.3f} {values[index] / max(wall, 1e-12):6.1%} "
+                             f"{values[1] / n:10.2f}  {where[:160]}")  # fmt: skip
+        return "\n".join(lines) + "\n"
+
+
+class PrefillTrace:
+    """Profiles COUNT prefill steps of one batch category after SKIP of them, each on its own."""
+
+    def __init__(self, skip: int, count: int, batch: int, out_dir: str, cuda: bool) -> None:
+        self.skip, self.count, self.cuda, self.out_dir = skip, count, cuda, out_dir
+        self.label = batch_label(batch)
+        self.seen = self.traced = 0  # prefill steps of the category seen; traced so far
+        self.last = self.step = self.profiler = None  # the step last counted; the one being traced, its profiler
+        self.started = 0.0
+
+    def step_known(self, step) -> None:
+        """An entry point told how many tokens each request of ``step`` has (``step.longest``)."""
+        if self.profiler is not None or self.traced >= self.count or step is self.last:
+            return
+        if not step.longest or step.longest < 2 or batch_label(step.batch) != self.label:
+            return
+        self.last, self.seen = step, self.seen + 1
+        if self.seen > self.skip:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            self.step, self.profiler = step, profile(activities=activities)
+            self.profiler.__enter__()
+            self.started = time.perf_counter()
+
+    def step_closed(self, step) -> None:
+        """Where ``step`` is the one being traced: stop, and write its trace and tables."""
+        if self.profiler is None or step is not self.step:
+            return
+        wall = time.perf_counter() - self.started
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+        self.profiler.__exit__(None, None, None)
+        self.traced += 1
+        base = os.path.join(self.out_dir, f"prefill_{os.getpid()}_{self.traced}")
+        os.makedirs(self.out_dir, exist_ok=True)
+        self.profiler.export_chrome_trace(base + ".json")
+        averages = self.profiler.key_averages()
+        with open(base + ".txt", "w", encoding="utf-8") as f:
+            f.write(f"prefill step {self.seen} ({self.label}; batch {step.batch}, tokens {step.tokens}, longest "
+                    f"{step.longest}): wall {wall * 1e3:.2f} ms from its token counts to its close\n\n")  # fmt: skip
+            f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
+            if self.cuda:
+                f.write(averages.table(sort_by="self_device_time_total", row_limit=40) + "\n")
+        self.step = self.profiler = None

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch-size categories: 1, 2-3, 4-7, ..., 64-
+Window = tuple[int, int, int]  # a profiling window's (skip, steps, batch): higgs_kernel_window.parse
 
 
 @dataclass
@@ -44,18 +45,22 @@ class Step:
     @property
     def category(self) -> str:
         kind = self.kind
-        if kind == "other":
-            return kind
-        low = max(b for b in BUCKETS if b <= self.batch)
-        high = BUCKETS[BUCKETS.index(low) + 1] - 1 if low != BUCKETS[-1] else None
-        return f"{kind} b={low}" if high == low else f"{kind} b={low}-{high or ''}"
+        return kind if kind == "other" else f"{kind} {batch_label(self.batch)}"
+
+
+def batch_label(batch: int) -> str:
+    """The batch-size part of a category: ``b=1``, ``b=2-3``, ..., ``b=64-``."""
+    low = max(b for b in BUCKETS if b <= batch)
+    high = BUCKETS[BUCKETS.index(low) + 1] - 1 if low != BUCKETS[-1] else None
+    return f"b={low}" if high == low else f"b={low}-{high or ''}"
 
 
 class Recorder:
     """This process's steps: opens and closes them, records CUDA events, writes the summary."""
 
     def __init__(self, out_dir: str, every: int, flush_s: float, idle_s: float, classes: list[str],
-                 kernels: tuple[int, int] | None = None) -> None:  # fmt: skip
+                 kernels: Window | None = None, host: Window | None = None,
+                 prefill: Window | None = None) -> None:  # fmt: skip
         self.pid, self.path = os.getpid(), os.path.join(out_dir, f"steps_{os.getpid()}.json")
         self.every, self.flush_s, self.idle_s, self.classes = every, flush_s, idle_s, classes
         self.depth, self.instances, self.idle_gaps = 0, 0, 0
@@ -68,11 +73,14 @@ class Recorder:
         self.cuda = torch if torch is not None and torch.cuda.is_initialized() else None
         self.pending: list[Step] = []  # closed steps whose CUDA events are not read yet
         self.free_events: list = []
-        self.window = None  # the kernel window (higgs_kernel_window), where asked for
-        if kernels is not None:
-            from higgs_kernel_window import KernelWindow
+        self.windows, self.traces = [], []  # the kernel and host windows, prefill traces (higgs_kernel_window)
+        if kernels is not None or host is not None or prefill is not None:
+            from higgs_kernel_window import HostWindow, KernelWindow, PrefillTrace
 
-            self.window = KernelWindow(*kernels, out_dir, self.cuda is not None)
+            for cls, spec, into in ((KernelWindow, kernels, self.windows), (HostWindow, host, self.windows),
+                                    (PrefillTrace, prefill, self.traces)):  # fmt: skip
+                if spec is not None:
+                    into.append(cls(*spec, out_dir, self.cuda is not None))
 
     def enter(self, rank: int | None, now: float) -> Step:
         """The step an entry point at ``now`` belongs to: a new one if ``rank`` is not above the open step's (the
@@ -95,8 +103,10 @@ class Recorder:
         step.interval = interval
         self.steps.setdefault(step.category, []).append(step)
         self.dirty.add(step.category)
-        if self.window is not None and now is not None:
-            self.window.step_closed(step.category)
+        for window in self.windows if now is not None else ():
+            window.step_closed(step.category)
+        for trace in self.traces:
+            trace.step_closed(step)
         if "start" in step.events and "end" in step.events:
             self.pending.append(step)
         else:
@@ -108,6 +118,11 @@ class Recorder:
         self.since_flush += 1
         due = self.since_flush >= self.every and now is not None and now - self.last_flush >= self.flush_s
         return self.real_steps == 1 or due
+
+    def observed(self, step: Step) -> None:
+        """An entry point's arguments told more about ``step`` (its requests, their token counts)."""
+        for trace in self.traces:
+            trace.step_known(step)
 
     def record(self, step: Step, key: str) -> None:
         """Record a CUDA event on the current stream (not while it captures a graph); no sync."""

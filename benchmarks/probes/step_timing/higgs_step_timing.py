@@ -25,11 +25,19 @@ the rows of ``compute_logits``). Kinds: ``decode`` (one token per request), ``pr
 ``replayed`` (no Python forward and no token count: a replayed FULL decode graph), ``other`` (dummy, profile and
 capture runs); categories split them by batch size (1, 2-3, 4-7, ...).
 
-``HIGGS_STEP_TIMING_KERNELS=SKIP,STEPS`` also profiles STEPS one-stream decode steps after SKIP of them with
-``torch.profiler`` and writes each kernel's device time per step to ``kernels_<pid>.txt`` (``higgs_kernel_window``).
+``HIGGS_STEP_TIMING_KERNELS=SKIP,STEPS[,BATCH]`` also profiles STEPS decode steps of BATCH's size category (default
+1) after SKIP of them with ``torch.profiler`` and writes each kernel's device time per step to ``kernels_<pid>.txt``;
+``HIGGS_STEP_TIMING_HOST=SKIP,STEPS[,BATCH]`` profiles the entry points' thread with ``cProfile`` the same way
+(``host_<pid>.txt``: functions by own and cumulative time per step); ``HIGGS_STEP_TIMING_PREFILL=SKIP,COUNT[,BATCH]``
+traces whole prefill steps (``prefill_<pid>_<n>.json`` / ``.txt``). All three: ``higgs_kernel_window``.
 
 ``HIGGS_STEP_TIMING_SYNC_DEBUG=warn`` also has torch warn, once per line of Python, at each call that waits for the
 GPU from the first entry point on (``_watch_syncs``): where a step's host waits, in our code or vLLM's.
+
+``HIGGS_STEP_TIMING_SLOW_S=SECONDS`` (e.g. ``0.5``) also writes, for every top-level entry point call still running
+after SECONDS, every thread's Python stack at that moment (``faulthandler.dump_traceback_later``) to
+``slow_<pid>.txt``, then a line ``SLOW <entry point> <seconds> s (after N real steps; batch B, tokens T)`` once the
+call returns: where a step that stalls (a compile on first use, a lock, a wait for the GPU) spends its time.
 
 Output: ``$HIGGS_STEP_TIMING_DIR/steps_<pid>.json`` (atomically replaced) after the first real step, then when
 ``HIGGS_STEP_TIMING_EVERY`` (100) real steps and ``HIGGS_STEP_TIMING_FLUSH_S`` (2 s) have passed since the last
@@ -51,6 +59,7 @@ time).
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import functools
 import os
 import sys
@@ -58,7 +67,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from higgs_kernel_window import parse as parse_kernels
+from higgs_kernel_window import parse as parse_window
 from higgs_step_record import Recorder, Step
 
 _PROBES = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,35 +106,56 @@ MODEL_END = frozenset(("compute_logits", "sample", "sample_codes", "apply"))  # 
 
 _settings: dict[str, Any] = {}
 _recorder: Recorder | None = None  # this process's; None until its first entry point, and again after a fork
+_slow_file = None  # this process's slow_<pid>.txt where HIGGS_STEP_TIMING_SLOW_S is set (opened with the recorder)
 
 
 def install(out_dir: str) -> None:
-    """Put the import hook first on ``sys.meta_path`` (once); summaries go to ``out_dir``."""
+    """Put the import hook first on ``sys.meta_path`` (once); summaries go to ``out_dir``. A bad setting raises
+    before anything is installed."""
+    settings = dict(dir=out_dir, every=int(os.environ.get("HIGGS_STEP_TIMING_EVERY", "100")),
+                    flush_s=float(os.environ.get("HIGGS_STEP_TIMING_FLUSH_S", "2")),
+                    idle_s=float(os.environ.get("HIGGS_STEP_TIMING_IDLE_S", "1")),
+                    slow_s=parse_slow(os.environ.get("HIGGS_STEP_TIMING_SLOW_S")))  # fmt: skip
     hooks = {name: functools.partial(_patch_module, target=target) for name, target in TARGETS.items()}
     if not after_import.install("step_timing", hooks):
         return
-    _settings.update(dir=out_dir, every=int(os.environ.get("HIGGS_STEP_TIMING_EVERY", "100")),
-                     flush_s=float(os.environ.get("HIGGS_STEP_TIMING_FLUSH_S", "2")),
-                     idle_s=float(os.environ.get("HIGGS_STEP_TIMING_IDLE_S", "1")))  # fmt: skip
+    _settings.update(settings)
     os.register_at_fork(after_in_child=_forget)
 
 
+def parse_slow(value: str | None) -> float | None:
+    """``HIGGS_STEP_TIMING_SLOW_S``: seconds > 0, or None when unset or empty; ValueError naming the value otherwise."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"HIGGS_STEP_TIMING_SLOW_S must be a number of seconds above 0, got {value!r}")
+    return seconds
+
+
 def _forget() -> None:
-    global _recorder
-    _recorder = None  # a forked child starts its own record (the patched classes stay patched)
+    global _recorder, _slow_file
+    _recorder = _slow_file = None  # a forked child starts its own record (the patched classes stay patched)
 
 
 def _get_recorder() -> Recorder:
-    global _recorder
+    global _recorder, _slow_file
     if _recorder is None:
         import multiprocessing.util
 
+        windows = (parse_window(os.environ.get(f"HIGGS_STEP_TIMING_{w}"), f"HIGGS_STEP_TIMING_{w}")
+                   for w in ("KERNELS", "HOST", "PREFILL"))  # fmt: skip
         _recorder = Recorder(_settings["dir"], _settings["every"], _settings["flush_s"], _settings["idle_s"],
-                             _settings.setdefault("classes", []),
-                             parse_kernels(os.environ.get("HIGGS_STEP_TIMING_KERNELS")))  # fmt: skip
+                             _settings.setdefault("classes", []), *windows)  # fmt: skip
         atexit.register(_final_flush)
         multiprocessing.util.Finalize(None, _final_flush, exitpriority=100)  # a multiprocessing child's exit
         _watch_syncs(os.environ.get("HIGGS_STEP_TIMING_SYNC_DEBUG"))
+        if _settings.get("slow_s"):
+            os.makedirs(_settings["dir"], exist_ok=True)
+            _slow_file = open(os.path.join(_settings["dir"], f"slow_{os.getpid()}.txt"), "a", encoding="utf-8")  # noqa: SIM115
     return _recorder
 
 
@@ -185,16 +215,25 @@ def _timed(name: str, fn, names_requests: bool):
         step = rec.enter(rank, t0)
         if observe is not None:
             observe(step, names_requests, args, kwargs)
+            rec.observed(step)
         if name == "forward":
             step.forward = True
             rec.record(step, "forward")
         rec.depth = 1
+        slow = _slow_file is not None
+        if slow:
+            faulthandler.dump_traceback_later(_settings["slow_s"], file=_slow_file)
         t1 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             t2 = time.perf_counter()
             rec.depth = 0
+            if slow:
+                faulthandler.cancel_dump_traceback_later()
+                if t2 - t1 >= _settings["slow_s"]:
+                    print(f"SLOW {name} {t2 - t1:.3f} s (after {rec.real_steps} real steps; batch {step.batch}, "
+                          f"tokens {step.tokens})", file=_slow_file, flush=True)  # fmt: skip
             step.spent[name] = step.spent.get(name, 0.0) + (t2 - t1)
             step.calls[name] = step.calls.get(name, 0) + 1
             if name == "forward":
