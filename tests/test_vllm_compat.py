@@ -117,7 +117,7 @@ def test_the_text_sampler_meets_every_batch_class_vllm_compiles_for_before_servi
     assert got == [((n, 1000), {}, k_off, p_off) for n in batches for k_off in (False, True) for p_off in (False, True)]
     for (n, _), dtype, _, k, p in sampler.calls:
         assert dtype == torch.float32  # what vLLM's sampler filters (it casts the logits first)
-        assert k is None or (k.shape == (n,) and not k.dtype.is_floating_point)
+        assert k is None or (k.shape == (n,) and k.dtype == torch.int32)  # vLLM's batch: int32 top-k, fp32 top-p
         assert p is None or (p.shape == (n,) and p.dtype == torch.float32)
 
 

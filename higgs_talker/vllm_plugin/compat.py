@@ -106,7 +106,8 @@ def text_sampler(vllm_config: Any, vocab_size: int, device: torch.device):
     batches = [n for n in WARM_BATCHES if n <= max_num_seqs(vllm_config)] if device.type != "cpu" else []
     try:
         for n, k, p in itertools.product(batches, (50, None), (0.95, None)):
-            k, p = (None if v is None else torch.full((n,), v, device=device) for v in (k, p))
+            k = None if k is None else torch.full((n,), k, dtype=torch.int32, device=device)  # int32 as vLLM's
+            p = None if p is None else torch.full((n,), p, device=device)
             sampler.topk_topp_sampler(torch.randn(n, vocab_size, device=device), {}, k, p)
     except Exception as exc:  # noqa: BLE001 - a later vLLM's sampler: serving goes on, maybe with a compile stall
         warn_once("warm-sampler", "vLLM's text sampler was not warmed up (%s: %s)", type(exc).__name__, exc)
