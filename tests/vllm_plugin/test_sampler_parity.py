@@ -48,7 +48,8 @@ def test_vllms_sampler_takes_the_warm_up_call_the_adapter_makes():
     from vllm.v1.sample.sampler import Sampler
 
     sampler, v = Sampler(), 1000
-    for k, p in ((torch.full((8,), 50), torch.full((8,), 0.95)), (None, torch.full((8,), 0.95)), (None, None)):
+    k50, p95 = torch.full((8,), 50, dtype=torch.int32), torch.full((8,), 0.95)  # the dtypes of vLLM's batch
+    for k, p in ((k50, p95), (None, p95), (None, None)):
         logits = torch.randn(8, v, generator=torch.Generator().manual_seed(3))
         allowed = logits.topk(50 if k is not None else v).indices  # before the sampler may filter in place
         tokens = sampler.topk_topp_sampler(logits, {}, k, p)[0]
