@@ -73,6 +73,10 @@ PROFILES = (
     "full_decode_64_async_frame_graphs",
     "full_decode_64_async_flash_attn",
     "full_decode_64_async_frame_graphs_flash_attn",
+    "full_decode_64_async_no_prefix_cache",
+    "full_decode_64_async_frame_graphs_no_prefix_cache",
+    "full_decode_64_async_mp",
+    "full_decode_64_async_frame_graphs_mp",
 )
 # Profiles measured beside the two packaged ones (issue #28): each talker's low-latency YAML (vLLM's FULL decode
 # graphs) with 64 streams and graphs up to 64, prefix caching as it is or off; and with vLLM's async scheduling
@@ -91,6 +95,12 @@ ASYNC = {"async_scheduling": True}
 # vLLM's FlashAttention backend instead of the YAMLs' FlashInfer: on the H200 FlashInfer ran its prefill kernel for
 # the one-row decode (0.37 ms of a 3.5 ms step) and plans on the host every step (h200_20261204e)
 FLASH_ATTN = {"attention_backend": "FLASH_ATTN", "attention_config": None}
+# Stage 0's host work per step outside our entry points (10.8 ms of a 14.9 ms step at 64 streams, h200_20261204e):
+# vllm-omni 0.26 drains a tensor prefix cache every step where prefix caching is on, and runs the scheduler, the
+# runner and its hand-over thread in one process (one GIL); vLLM's multiprocess executor puts the runner in a
+# process of its own (read in the sources, not yet measured)
+NO_PREFIX_CACHE = {"enable_prefix_caching": False}
+MP = {"distributed_executor_backend": "mp"}
 # our Stage 0 -> code2wav hand-over: vllm-omni's, told the finished flag a call was queued with (vllm-omni's own
 # doubles an EOS-ended request's audio under async scheduling: higgs_talker.vllm_plugin.deploy)
 HAND_OVER = {"custom_process_next_stage_input_func": "higgs_talker.vllm_plugin.deploy.talker2code2wav_async_chunk"}
@@ -108,13 +118,22 @@ DERIVED = {"full_decode_64": ("low_latency", {0: FULL_64, 1: {"max_num_seqs": 64
            "full_decode_64_async_flash_attn": ("low_latency", {0: FULL_64 | ASYNC | FLASH_ATTN,
                                                                1: {"max_num_seqs": 64}}),
            "full_decode_64_async_frame_graphs_flash_attn": ("low_latency", {
-               0: FULL_64 | ASYNC | FRAME_GRAPHS | HAND_OVER | FLASH_ATTN, 1: {"max_num_seqs": 64}})}  # fmt: skip
+               0: FULL_64 | ASYNC | FRAME_GRAPHS | HAND_OVER | FLASH_ATTN, 1: {"max_num_seqs": 64}}),
+           "full_decode_64_async_no_prefix_cache": ("low_latency", {0: FULL_64 | ASYNC | NO_PREFIX_CACHE,
+                                                                    1: {"max_num_seqs": 64}}),
+           "full_decode_64_async_frame_graphs_no_prefix_cache": ("low_latency", {
+               0: FULL_64 | ASYNC | FRAME_GRAPHS | HAND_OVER | NO_PREFIX_CACHE, 1: {"max_num_seqs": 64}}),
+           "full_decode_64_async_mp": ("low_latency", {0: FULL_64 | ASYNC | MP, 1: {"max_num_seqs": 64}}),
+           "full_decode_64_async_frame_graphs_mp": ("low_latency", {
+               0: FULL_64 | ASYNC | FRAME_GRAPHS | HAND_OVER | MP, 1: {"max_num_seqs": 64}})}  # fmt: skip
 # vllm-omni's talker ignores higgs_frame_graphs and runs with its own hand-over: asked for one of these profiles, it
 # runs the profile named here (listed under that name; once where both are asked for)
 UPSTREAM_SAME = {"low_latency_frame_graphs": "low_latency", "full_decode_64_frame_graphs": "full_decode_64",
                  "low_latency_async_frame_graphs": "low_latency_async",
                  "full_decode_64_async_frame_graphs": "full_decode_64_async",
-                 "full_decode_64_async_frame_graphs_flash_attn": "full_decode_64_async_flash_attn"}  # fmt: skip
+                 "full_decode_64_async_frame_graphs_flash_attn": "full_decode_64_async_flash_attn",
+                 "full_decode_64_async_frame_graphs_no_prefix_cache": "full_decode_64_async_no_prefix_cache",
+                 "full_decode_64_async_frame_graphs_mp": "full_decode_64_async_mp"}  # fmt: skip
 PATHS = ("offline", "http", "direct")
 LEVELS = (1, 4, 16, 64)
 LEVELS_DONE = "LEVELS DONE"  # a worker's last line of results: what follows is its shutdown

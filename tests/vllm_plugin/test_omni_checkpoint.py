@@ -206,6 +206,12 @@ def test_bench_omnis_deploy_yamls_and_their_test_variants_parse(talker, profile,
 
         args = merge_pipeline_deploy(HIGGS_AUDIO_V3_PIPELINE, load_deploy_config(base))[0].yaml_engine_args
         assert args["attention_backend"] == "FLASH_ATTN" and "attention_config" not in args, args
+    if profile.endswith("_mp"):  # vLLM's multiprocess executor for Stage 0: its runner in a process of its own
+        from vllm_omni.config.stage_config import merge_pipeline_deploy
+        from vllm_omni.model_executor.models.higgs_audio_v3.pipeline import HIGGS_AUDIO_V3_PIPELINE
+
+        args = merge_pipeline_deploy(HIGGS_AUDIO_V3_PIPELINE, load_deploy_config(base))[0].yaml_engine_args
+        assert args["distributed_executor_backend"] == "mp", args
     derived = derived_yaml(base, tmp_path / "derived.yaml", {0: {"max_model_len": 1024}, 1: {"dtype": "float32"}})
     for path in (base, derived):
         cfg = load_deploy_config(path)
