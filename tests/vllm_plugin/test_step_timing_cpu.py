@@ -290,6 +290,10 @@ def test_the_prefill_trace_profiles_whole_prefill_steps_of_its_batch(probe, tmp_
     monkeypatch.setenv("HIGGS_STEP_TIMING_PREFILL", "1,2")
     probe.patch(Model, probe.Target("Model", probe.RUNNER_CONTRACT, names_requests=True))
     model = Model()
+    # a dummy run first: tokens for no request (vLLM's profile run), which is no prefill of any batch
+    model.prepare_runner_inputs(input_ids=torch.zeros(8, dtype=torch.long), positions=torch.arange(8), req_ids=[],
+                                num_scheduled_tokens=np.array([8], dtype=np.int32))  # fmt: skip
+    model.forward(torch.zeros(8, dtype=torch.long), torch.arange(8))
     for counts in ([5], [1], [7], [1], [3, 4], [1, 1], [6], [1], [8], [1]):
         omni_step(model, counts)
     (trace,) = probe._recorder.traces

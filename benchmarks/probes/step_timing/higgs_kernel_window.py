@@ -172,8 +172,8 @@ class PrefillTrace:
         """An entry point told how many tokens each request of ``step`` has (``step.longest``)."""
         if self.profiler is not None or self.traced >= self.count or step is self.last:
             return
-        if not step.longest or step.longest < 2 or batch_label(step.batch) != self.label:
-            return
+        if step.batch < 1 or not step.longest or step.longest < 2 or batch_label(step.batch) != self.label:
+            return  # not a prefill of the category (a dummy run names no request)
         self.last, self.seen = step, self.seen + 1
         if self.seen > self.skip:
             from torch.profiler import ProfilerActivity, profile
