@@ -269,6 +269,8 @@ def test_the_host_window_profiles_the_thread_over_the_steps_of_its_batch(probe, 
     assert window.done and window.inside == {"decode b=1": 2, "decode b=2-3": 2}
     text = (tmp_path / f"host_{os.getpid()}.txt").read_text()
     assert text.startswith("host window (cProfile, this thread): 2 decode steps (b=2-3) after 1")
+    wall_us, cpu_ms = (float(text.split(key)[1].split()[0]) for key in ("wall ", "this thread's CPU time "))
+    assert cpu_ms < wall_us / 1e3 - 3  # the sleeping (4.4 ms a step of the window's) is waiting, not CPU time
     own = text.split("by own time:")[1].split("by cumulative time:")[0].splitlines()[2]
     assert own.endswith("<built-in method time.sleep>") and 3.0 <= float(own.split()[0]) < 10  # the stand-in's too
     (work,) = [line for line in text.split("by cumulative time:")[1].splitlines() if "_host_work_of" in line]
