@@ -272,9 +272,9 @@ def test_the_host_window_profiles_the_thread_over_the_steps_of_its_batch(probe, 
     wall_us, cpu_ms = (float(text.split(key)[1].split()[0]) for key in ("wall ", "this thread's CPU time "))
     assert cpu_ms < wall_us / 1e3 - 3  # the sleeping (4.4 ms a step of the window's) is waiting, not CPU time
     own = text.split("by own time:")[1].split("by cumulative time:")[0].splitlines()[2]
-    assert own.endswith("<built-in method time.sleep>") and 3.0 <= float(own.split()[0]) < 10  # the stand-in's too
+    assert own.endswith("<built-in method time.sleep>") and 3.0 <= float(own.split()[0]) < 100  # the stand-in's too
     (work,) = [line for line in text.split("by cumulative time:")[1].splitlines() if "_host_work_of" in line]
-    assert float(work.split()[0]) == pytest.approx(3.0, rel=0.5) and float(work.split()[2]) == 1.0  # once a step
+    assert 3.0 <= float(work.split()[0]) < 100 and float(work.split()[2]) == 1.0  # its sleep (or longer), once a step
     with pytest.raises(ValueError, match="HIGGS_STEP_TIMING_HOST .*'1'"):
         probe.parse_window("1", "HIGGS_STEP_TIMING_HOST")
 
@@ -310,13 +310,13 @@ def test_the_prefill_trace_profiles_whole_prefill_steps_of_its_batch(probe, tmp_
 
 
 def _stall_in_a_compile():
-    time.sleep(0.4)
+    time.sleep(0.8)
 
 
 def test_a_stalled_entry_point_leaves_every_stack_and_its_time(probe, tmp_path):
-    """``HIGGS_STEP_TIMING_SLOW_S=0.05``: the one ``sample`` that stalls (0.4 s) leaves each thread's stack as it was
-    0.05 s in, the stalling frame named, then its SLOW line with its step's batch; steps that do not stall leave
-    nothing; a bad value is refused with the value."""
+    """``HIGGS_STEP_TIMING_SLOW_S=0.2``: the one ``sample`` that stalls (0.8 s) leaves each thread's stack as it was
+    0.2 s in, the stalling frame named, then its SLOW line with its step's batch; steps that do not stall (a few ms
+    each) leave nothing; a bad value is refused with the value."""
 
     class Model(StandIn):
         def sample(self, logits, sampling_metadata):
@@ -324,16 +324,16 @@ def test_a_stalled_entry_point_leaves_every_stack_and_its_time(probe, tmp_path):
                 _stall_in_a_compile()
             return super().sample(logits, sampling_metadata)
 
-    probe._settings["slow_s"] = probe.parse_slow("0.05")
+    probe._settings["slow_s"] = probe.parse_slow("0.2")
     probe.patch(Model, probe.Target("Model", probe.RUNNER_CONTRACT, names_requests=True))
     model = Model()
     for counts in ([4], [1], [1, 1, 1], [1]):
         omni_step(model, counts)
     text = (tmp_path / f"slow_{os.getpid()}.txt").read_text()
     stack, slow, after = text.partition("SLOW ")
-    assert slow and "SLOW" not in after and after.startswith("sample 0.4")
+    assert slow and "SLOW" not in after and after.startswith("sample 0.8")
     assert "(after 2 real steps; batch 3, tokens 3)" in after
-    assert "Timeout (0:00:00.050000)!" in stack and "_stall_in_a_compile" in stack and "in sample" in stack
+    assert "Timeout (0:00:00.200000)!" in stack and "_stall_in_a_compile" in stack and "in sample" in stack
     for bad in ("0", "-1", "soon"):
         with pytest.raises(ValueError, match=f"HIGGS_STEP_TIMING_SLOW_S .*{bad!r}"):
             probe.parse_slow(bad)
