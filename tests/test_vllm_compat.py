@@ -108,7 +108,7 @@ def sampler_class(monkeypatch):
 def test_the_text_sampler_meets_every_batch_class_vllm_compiles_for_before_serving(
     sampler_class, max_num_seqs, batches
 ):
-    """Off the CPU, each batch of ``WARM_BATCHES`` up to max_num_seqs, unseeded, top-k and top-p each on and off
+    """Off the CPU, each batch of 1, 8 and 16 rows up to max_num_seqs, unseeded, top-k and top-p each on and off
     (``meta`` tensors: shapes and dtypes, no device); the sampler keeps the config's logprobs mode."""
     sampler_class(_RecordingSampler)
     sampler = compat.text_sampler(_engine_config(max_num_seqs), 1000, torch.device("meta"))
@@ -123,7 +123,14 @@ def test_the_text_sampler_meets_every_batch_class_vllm_compiles_for_before_servi
 
 def test_the_text_sampler_is_not_warmed_on_the_cpu_and_a_failing_warm_up_only_warns(sampler_class, caplog):
     sampler_class(_RecordingSampler)
-    assert compat.text_sampler(_engine_config(64), 1000, torch.device("cpu")).calls == []
+    with caplog.at_level("INFO", logger=compat.__name__):
+        assert compat.text_sampler(_engine_config(64), 1000, torch.device("cpu")).calls == []
+        assert not caplog.records  # no claim of a warm-up that did not happen
+        compat.text_sampler(_engine_config(12), 1000, torch.device("meta"))
+        assert [r.getMessage().split(" in ")[0] for r in caplog.records] == [
+            "higgs talker: vLLM's text sampler warmed up for batches [1, 8]"
+        ]
+    caplog.clear()
     sampler_class(_BrokenSampler)
     with caplog.at_level("WARNING", logger=compat.__name__):
         sampler = compat.text_sampler(_engine_config(64), 1000, torch.device("meta"))
