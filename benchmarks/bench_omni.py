@@ -48,6 +48,7 @@ import argparse
 import contextlib
 import functools
 import json
+import operator
 import os
 import random
 import signal
@@ -104,36 +105,32 @@ MP = {"distributed_executor_backend": "mp"}
 # our Stage 0 -> code2wav hand-over: vllm-omni's, told the finished flag a call was queued with (vllm-omni's own
 # doubles an EOS-ended request's audio under async scheduling: higgs_talker.vllm_plugin.deploy)
 HAND_OVER = {"custom_process_next_stage_input_func": "higgs_talker.vllm_plugin.deploy.talker2code2wav_async_chunk"}
-DERIVED = {"full_decode_64": ("low_latency", {0: FULL_64, 1: {"max_num_seqs": 64}}),
-           "full_decode_64_no_prefix_cache": ("low_latency", {0: FULL_64 | {"enable_prefix_caching": False},
-                                                              1: {"max_num_seqs": 64}}),
+ASYNC_FRAME_GRAPHS = ASYNC | FRAME_GRAPHS | HAND_OVER  # frame graphs under async scheduling: with our hand-over
+
+
+def _full_64(*stage0: dict) -> tuple[str, dict]:
+    """The low-latency YAML with 64 streams and FULL decode graphs up to 64 (``FULL_64``; Stage 1 takes 64 too), and
+    ``stage0``'s keys on Stage 0."""
+    return "low_latency", {0: functools.reduce(operator.or_, stage0, FULL_64), 1: {"max_num_seqs": 64}}
+
+
+DERIVED = {"full_decode_64": _full_64(),
+           "full_decode_64_no_prefix_cache": _full_64(NO_PREFIX_CACHE),
            "low_latency_async": ("low_latency", {0: ASYNC}),
            "low_latency_frame_graphs": ("low_latency", {0: FRAME_GRAPHS}),
-           "full_decode_64_frame_graphs": ("low_latency", {0: FULL_64 | FRAME_GRAPHS,
-                                                           1: {"max_num_seqs": 64}}),
-           "low_latency_async_frame_graphs": ("low_latency", {0: ASYNC | FRAME_GRAPHS | HAND_OVER}),
-           "full_decode_64_async": ("low_latency", {0: FULL_64 | ASYNC, 1: {"max_num_seqs": 64}}),
-           "full_decode_64_async_frame_graphs": ("low_latency", {0: FULL_64 | ASYNC | FRAME_GRAPHS | HAND_OVER,
-                                                                 1: {"max_num_seqs": 64}}),
-           "full_decode_64_async_flash_attn": ("low_latency", {0: FULL_64 | ASYNC | FLASH_ATTN,
-                                                               1: {"max_num_seqs": 64}}),
-           "full_decode_64_async_frame_graphs_flash_attn": ("low_latency", {
-               0: FULL_64 | ASYNC | FRAME_GRAPHS | HAND_OVER | FLASH_ATTN, 1: {"max_num_seqs": 64}}),
-           "full_decode_64_async_no_prefix_cache": ("low_latency", {0: FULL_64 | ASYNC | NO_PREFIX_CACHE,
-                                                                    1: {"max_num_seqs": 64}}),
-           "full_decode_64_async_frame_graphs_no_prefix_cache": ("low_latency", {
-               0: FULL_64 | ASYNC | FRAME_GRAPHS | HAND_OVER | NO_PREFIX_CACHE, 1: {"max_num_seqs": 64}}),
-           "full_decode_64_async_mp": ("low_latency", {0: FULL_64 | ASYNC | MP, 1: {"max_num_seqs": 64}}),
-           "full_decode_64_async_frame_graphs_mp": ("low_latency", {
-               0: FULL_64 | ASYNC | FRAME_GRAPHS | HAND_OVER | MP, 1: {"max_num_seqs": 64}})}  # fmt: skip
-# vllm-omni's talker ignores higgs_frame_graphs and runs with its own hand-over: asked for one of these profiles, it
-# runs the profile named here (listed under that name; once where both are asked for)
-UPSTREAM_SAME = {"low_latency_frame_graphs": "low_latency", "full_decode_64_frame_graphs": "full_decode_64",
-                 "low_latency_async_frame_graphs": "low_latency_async",
-                 "full_decode_64_async_frame_graphs": "full_decode_64_async",
-                 "full_decode_64_async_frame_graphs_flash_attn": "full_decode_64_async_flash_attn",
-                 "full_decode_64_async_frame_graphs_no_prefix_cache": "full_decode_64_async_no_prefix_cache",
-                 "full_decode_64_async_frame_graphs_mp": "full_decode_64_async_mp"}  # fmt: skip
+           "full_decode_64_frame_graphs": _full_64(FRAME_GRAPHS),
+           "low_latency_async_frame_graphs": ("low_latency", {0: ASYNC_FRAME_GRAPHS}),
+           "full_decode_64_async": _full_64(ASYNC),
+           "full_decode_64_async_frame_graphs": _full_64(ASYNC_FRAME_GRAPHS),
+           "full_decode_64_async_flash_attn": _full_64(ASYNC, FLASH_ATTN),
+           "full_decode_64_async_frame_graphs_flash_attn": _full_64(ASYNC_FRAME_GRAPHS, FLASH_ATTN),
+           "full_decode_64_async_no_prefix_cache": _full_64(ASYNC, NO_PREFIX_CACHE),
+           "full_decode_64_async_frame_graphs_no_prefix_cache": _full_64(ASYNC_FRAME_GRAPHS, NO_PREFIX_CACHE),
+           "full_decode_64_async_mp": _full_64(ASYNC, MP),
+           "full_decode_64_async_frame_graphs_mp": _full_64(ASYNC_FRAME_GRAPHS, MP)}  # fmt: skip
+# vllm-omni's talker ignores higgs_frame_graphs and runs with its own hand-over: asked for a profile with our frame
+# graphs, it runs the same profile without them (listed under that name; once where both are asked for)
+UPSTREAM_SAME = {p: p.replace("_frame_graphs", "") for p in PROFILES if "_frame_graphs" in p}
 PATHS = ("offline", "http", "direct")
 LEVELS = (1, 4, 16, 64)
 LEVELS_DONE = "LEVELS DONE"  # a worker's last line of results: what follows is its shutdown

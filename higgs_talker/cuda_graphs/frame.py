@@ -106,9 +106,10 @@ class FrameGraphs:
             return None
         graphs = cls(frame, slots, head, DEFAULT_BUCKETS, max_batch, open_token)
         with torch.no_grad():  # not inference mode: its tensors could not be written outside it
-            (graphs.capture if asked else graphs.warm_eager)(weight.shape[1], weight.dtype, weight.device)
-        if not asked:
-            return None
+            if not asked:
+                graphs.warm_eager(weight.shape[1], weight.dtype, weight.device)
+                return None
+            graphs.capture(weight.shape[1], weight.dtype, weight.device)
         logger.info("frame graphs captured for batch buckets %s (failed: %s)", graphs.sizes, graphs.failed or "none")
         return graphs
 

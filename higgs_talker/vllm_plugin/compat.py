@@ -102,9 +102,9 @@ def text_sampler(vllm_config: Any, vocab_size: int, device: torch.device):
     sampler, started = Sampler(logprobs_mode=mode) if mode is not None else Sampler(), time.perf_counter()
     batches = [n for n in (1, 8, 16) if n <= max_num_seqs(vllm_config)] if device.type != "cpu" else []
     try:
-        for n, k, p in itertools.product(batches, (50, None), (0.95, None)):
-            k = None if k is None else torch.full((n,), k, dtype=torch.int32, device=device)  # int32 as vLLM's
-            p = None if p is None else torch.full((n,), p, device=device)
+        for n, top_k, top_p in itertools.product(batches, (50, None), (0.95, None)):
+            k = None if top_k is None else torch.full((n,), top_k, dtype=torch.int32, device=device)  # as vLLM's
+            p = None if top_p is None else torch.full((n,), top_p, device=device)
             sampler.topk_topp_sampler(torch.randn(n, vocab_size, device=device), {}, k, p)
     except Exception as exc:  # noqa: BLE001 - a later vLLM's sampler: serving goes on, maybe with a compile stall
         warn_once("warm-sampler", "vLLM's text sampler was not warmed up (%s: %s)", type(exc).__name__, exc)
