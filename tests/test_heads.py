@@ -507,6 +507,40 @@ def test_noise_is_a_pure_function_of_seed_and_step():
     assert not torch.equal(hi[0], hi[1])
 
 
+def _py_mix32(x: int) -> int:
+    """The hash in Python integers (the definition: 32-bit xorshift-multiply finaliser)."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _py_noise_word(seed: int, step: int, index: int) -> int:
+    h = _py_mix32(seed & 0xFFFFFFFF)
+    h = _py_mix32(h ^ (seed >> 32))
+    h = _py_mix32(h ^ step)
+    return _py_mix32(_py_mix32(h ^ _py_mix32(index + sampling.CODE_KEY)) ^ h)
+
+
+def test_the_noise_words_equal_the_hash_in_python_integers():
+    """The int32 hash (products that wrap, logical shifts by masking) gives the words of the definition, for seeds
+    and steps at the edges of their 32-bit halves (sign bits set, all ones) and every code index of a real row."""
+    seeds = [0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32 + 3, 2**40 + 2**31, sampling.MAX_SEED]
+    steps = [0, 1, 2**31 - 1, 2**16 + 5, 7, 2**30, 3, sampling.MAX_FRAMES]
+    n = 8 * 1026
+    got = sampling.noise_words(torch.tensor(seeds), torch.tensor(steps), n)
+    assert got.dtype == torch.int64 and got.shape == (len(seeds), n)
+    want = [[_py_noise_word(seed, step, i) for i in range(n)] for seed, step in zip(seeds, steps, strict=True)]
+    assert got.tolist() == want
+
+
+def test_noise_for_more_codes_than_the_hash_indexes_is_refused():
+    too_many = 2**32 - sampling.CODE_KEY + 1
+    with pytest.raises(ValueError, match=str(too_many)):
+        sampling.noise_words(torch.tensor([0]), torch.tensor([0]), too_many)
+
+
 class _StubKernels(types.ModuleType):
     """Stands in for ``heads.triton_kernels``: ``uniform_noise`` returns what ``make`` does."""
 

@@ -58,7 +58,7 @@ def main(n_requests: int = 4, tokens: int = 200) -> None:
     ckpt = str(tiny_checkpoint())
     cfg = TalkerConfig.from_pretrained(ckpt)
     tok = TalkerTokenizer.from_pretrained(ckpt, cfg)
-    llm = vllm.LLM(model=ckpt, max_num_batched_tokens=512, logits_processors=[TEXT_ONLY_BRIDGE],
+    llm = vllm.LLM(model=ckpt, max_num_batched_tokens=max(512, 64 * n_requests), logits_processors=[TEXT_ONLY_BRIDGE],
                    worker_extension_cls=ROWS_EXTENSION, enforce_eager=True, dtype="float32", max_model_len=1024,
                    max_num_seqs=max(8, n_requests))  # fmt: skip
     spec = [{"key": f"r{i}", "text": f"Request number {i} of the probe.", "max_tokens": tokens, "temperature": 1.0,

@@ -152,19 +152,28 @@ def _as_float(value: object) -> float | None:
     return None
 
 
+def _word(x: Tensor) -> Tensor:
+    """int64 values in [0, 2**32) -> the same 32 bits in int32 (two's complement), where the hash runs."""
+    return (x & _M32).to(torch.int32)
+
+
+def _srl(x: Tensor, k: int) -> Tensor:
+    """Logical right shift of int32 bit patterns (``>>`` copies the sign bit in)."""
+    return (x >> k) & ((1 << (32 - k)) - 1)
+
+
 def _mul32(x: Tensor, m: int) -> Tensor:
-    """(x * m) mod 2**32 for x in [0, 2**32) in int64, split so no product overflows."""
-    lo, hi = m & 0xFFFF, m >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+    """(x * m) mod 2**32 on int32 bit patterns: an int32 product keeps its low 32 bits."""
+    return x * (m - 2**32 if m >= 2**31 else m)
 
 
 def _mix32(x: Tensor) -> Tensor:
-    """A 32-bit integer hash (xorshift-multiply finaliser) on int64 tensors holding values < 2**32."""
-    x = x ^ (x >> 16)
+    """A 32-bit integer hash (xorshift-multiply finaliser) on int32 bit patterns."""
+    x = x ^ _srl(x, 16)
     x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
+    x = x ^ _srl(x, 15)
     x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+    return x ^ _srl(x, 16)
 
 
 def uniform_from_bits(bits: Tensor) -> Tensor:
@@ -177,22 +186,30 @@ def uniform_from_bits(bits: Tensor) -> Tensor:
     return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
+def _check_noise_size(n: int) -> None:
+    if not fused.noise_supports(n, CODE_KEY):
+        raise ValueError(f"noise for {n} codes a row: every code index plus CODE_KEY must stay below 2**32")
+
+
 def noise_words(seeds: Tensor, steps: Tensor, n: int) -> Tensor:
     """The hash words [B, n] int64 (each < 2**32) of code indices 0..n-1 for each (seed, step) pair [B] int64:
-    the torch reference of the noise (``triton_kernels.uniform_noise`` computes the same words in one kernel)."""
-    h = _mix32(seeds & _M32)
-    h = _mix32(h ^ ((seeds >> 32) & _M32))
-    h = _mix32(h ^ (steps & _M32))  # [B]
-    idx = torch.arange(n, device=seeds.device, dtype=torch.long)
-    bits = _mix32(h[:, None] ^ _mix32(idx + CODE_KEY)[None, :])
-    return _mix32(bits ^ h[:, None])  # second round: decorrelates neighbouring (seed, step) pairs
+    the torch reference of the noise (``triton_kernels.uniform_noise`` computes the same words in one kernel).
+    The hash runs on int32 bit patterns (a tenth of the time of an int64 emulation on CPU); every index plus
+    ``CODE_KEY`` must be a 32-bit word (``fused.noise_supports``: about 1.6e9 codes a row)."""
+    _check_noise_size(n)
+    h = _mix32(_word(seeds))
+    h = _mix32(h ^ _word(seeds >> 32))
+    h = _mix32(h ^ _word(steps))  # [B]
+    idx = _word(torch.arange(n, device=seeds.device, dtype=torch.long) + CODE_KEY)
+    bits = _mix32(h[:, None] ^ _mix32(idx)[None, :])
+    bits = _mix32(bits ^ h[:, None])  # second round: decorrelates neighbouring (seed, step) pairs
+    return bits.long() & _M32
 
 
 def uniform_noise(seeds: Tensor, steps: Tensor, n: int) -> Tensor:
     """Uniform fp32 [B, n] in (0, 1) from the hash words (``uniform_from_bits(noise_words(...))``): one Triton
     kernel on CUDA once it is checked (``heads.fused``), the torch operations elsewhere; the values are equal."""
-    if not fused.noise_supports(n, CODE_KEY):  # the kernel's index would leave the 32-bit word
-        return uniform_from_bits(noise_words(seeds, steps, n))
+    _check_noise_size(n)
     return fused.run_checked(
         "sampler noise", seeds, lambda k, checking: k.uniform_noise(seeds, steps, n, CODE_KEY),
         lambda checking: uniform_from_bits(noise_words(seeds, steps, n)), fused.same_values, (seeds, steps, n),

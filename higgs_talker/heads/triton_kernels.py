@@ -32,7 +32,7 @@ def _mul32(x, M_LO: tl.constexpr, M_HI: tl.constexpr):
 
 @triton.jit
 def _mix32(x):
-    # sampling._mix32: xorshift-multiply finaliser of a 32-bit word held in int64
+    # sampling._mix32 (there on int32 bit patterns): xorshift-multiply finaliser of a 32-bit word held in int64
     x = x ^ (x >> 16)
     x = _mul32(x, 0x352D, 0x7FEB)  # 0x7FEB352D
     x = x ^ (x >> 15)
