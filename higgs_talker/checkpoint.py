@@ -29,6 +29,7 @@ Header = dict[str, tuple[Path, tuple[int, ...], str]]  # key -> (file, shape, sa
 # checkpoint prefix -> model parameter prefix (SPEC 1.2). Order matters: the codec prefix must be tested
 # before the fused-table prefix it shares a stem with.
 CODEC_PREFIX = "tied.embedding.modality_embeddings.0.model."
+TEXT_HEAD_KEY = "tied.head.text_head.weight"  # absent from a checkpoint whose text head is its text embedding
 _PREFIX_MAP = (
     ("tied.embedding.text_embedding.", "model.embed_tokens."),
     ("body.layers.", "model.layers."),
@@ -101,7 +102,7 @@ def expected_shapes(cfg: TalkerConfig) -> dict[str, tuple[int, ...]]:
         for suffix, shape in layer.items():
             shapes[f"body.layers.{i}.{suffix}"] = shape
     if not t.tie_word_embeddings:
-        shapes["tied.head.text_head.weight"] = (t.vocab_size, h)
+        shapes[TEXT_HEAD_KEY] = (t.vocab_size, h)
     if not cfg.tie_modality_embeddings:
         shapes["tied.head.modality_heads.0.weight"] = (cfg.num_codebooks * cfg.codebook_size, h)
     return shapes

@@ -6,12 +6,16 @@ transformers ``PretrainedConfig`` subclass registered for ``model_type == "higgs
 
 Types are strict: integer fields must be JSON integers (``64``, not ``64.0`` or ``"64"``), flags JSON booleans,
 and every integer must fit int32 (``INT32_MAX``), the index type of the kernels. ``null`` means the same as
-leaving a field out: optional fields take their default (``head_dim``: ``hidden_size // num_attention_heads``,
-``num_key_value_heads``: ``num_attention_heads``, the rest: the defaults of ``TextConfig`` / ``TalkerConfig``),
-and a required field (``vocab_size``, ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
-``num_attention_heads``) that is ``null`` is an error. The transformers view gets the resolved values, so no
-``null`` and no transformers default (its ``head_dim`` is 128, its ``tie_word_embeddings`` false) ever differs
-from what the runtime uses.
+leaving a field out: optional fields take their default (``head_dim``: 128, as transformers' ``Qwen3Config``,
+through which upstream reads the backbone's shape; ``num_key_value_heads``: ``num_attention_heads``;
+``tie_word_embeddings``: true, and ``from_pretrained`` decides it by the checkpoint: untied where it carries a text
+head; the rest: the defaults of ``TextConfig`` / ``TalkerConfig``), and a required field (``vocab_size``,
+``hidden_size``, ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``) that is ``null`` is an
+error. The transformers view gets the resolved values, so no ``null`` and no transformers default (its
+``tie_word_embeddings`` is false) ever differs from what the runtime uses. Where a top-level field and
+``audio_encoder_config`` both speak, the runtime reads them as upstream's config class does (SPEC 1.1): the codebook
+count and size from ``audio_encoder_config``, ``tie_modality_embeddings`` and ``audio_hidden_size`` from the top
+level (keyword arguments there override what the class derived from the sub-dict).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import importlib.util
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,7 @@ DEFAULT_CODEBOOK_SIZE = 1026
 DEFAULT_BOC_ID = 1024
 DEFAULT_EOC_ID = 1025
 DEFAULT_ROPE_THETA = 1_000_000.0
+QWEN3_HEAD_DIM = 128  # transformers' Qwen3Config default: what a text_config without head_dim means upstream
 
 INT32_MAX = 2**31 - 1  # upper bound of every integer field
 # Far above any real Qwen3 (36 layers in the 4B, ~130 in the largest open models); building 1024 layers on the
@@ -175,7 +180,9 @@ class TalkerConfig:
         # audio_encoder_config is authoritative where it names a field (SPEC 1.1); null counts as absent.
         num_codebooks = _opt(audio, "num_codebooks", _opt(raw, "num_codebooks", DEFAULT_NUM_CODEBOOKS))
         codebook_size = _opt(audio, "vocab_size", _opt(raw, "codebook_size", DEFAULT_CODEBOOK_SIZE))
-        tie_modality = _opt(audio, "tie_word_embeddings", _opt(raw, "tie_modality_embeddings", True))
+        # upstream's class sets these two from the sub-dict, then its keyword arguments (the top level) override them
+        tie_modality = _given((raw, "tie_modality_embeddings"), (audio, "audio_encoder_config.tie_word_embeddings"))
+        audio_hidden = _given((raw, "audio_hidden_size"), (audio, "audio_encoder_config.out_dim"))
         known = {
             "model_type",
             "text_config",
@@ -197,8 +204,8 @@ class TalkerConfig:
             codebook_size=_int(codebook_size, "audio_encoder_config.vocab_size"),
             boc_id=_int(_opt(raw, "audio_stream_bos_id", DEFAULT_BOC_ID), "audio_stream_bos_id"),
             eoc_id=_int(_opt(raw, "audio_stream_eos_id", DEFAULT_EOC_ID), "audio_stream_eos_id"),
-            tie_modality_embeddings=_bool(tie_modality, "audio_encoder_config.tie_word_embeddings"),
-            audio_hidden_size=_int(_opt(audio, "out_dim", text.hidden_size), "audio_encoder_config.out_dim"),
+            tie_modality_embeddings=_bool(*tie_modality) if tie_modality else True,
+            audio_hidden_size=_int(*audio_hidden) if audio_hidden else text.hidden_size,
             sample_rate=_int(_opt(raw, "sample_rate", 24000), "sample_rate"),
             frame_rate=_int(_opt(raw, "frame_rate", 25), "frame_rate"),
             audio_token_id=_int(_opt(raw, "audio_token_id", -100), "audio_token_id"),
@@ -207,8 +214,13 @@ class TalkerConfig:
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> TalkerConfig:
-        """Read ``<path>/config.json`` (or a path to the file itself)."""
+    def from_pretrained(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> TalkerConfig:
+        """Read ``<path>/config.json`` (or a path to the file itself), with ``overrides`` laid over it as vLLM lays
+        its ``hf_overrides`` dict (a dict value updates that section, anything else replaces the field).
+
+        Where ``text_config`` does not say ``tie_word_embeddings``, the checkpoint in the directory does: a text
+        head among its weights means untied (upstream loads that head; its transformers default is false), none
+        means tied (the text logits come from the text embedding)."""
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
         if not file.is_file():
@@ -219,7 +231,26 @@ class TalkerConfig:
             raise ValueError(f"{file} is not UTF-8 text, so not JSON: {exc}") from exc
         except json.JSONDecodeError as exc:
             raise ValueError(f"{file} is not valid JSON: {exc}") from exc
-        return cls.from_dict(raw)
+        if isinstance(raw, dict):
+            for key, value in (overrides or {}).items():
+                both = isinstance(value, dict) and isinstance(raw.get(key), dict)
+                raw[key] = {**raw[key], **value} if both else value
+        cfg = cls.from_dict(raw)
+        if raw["text_config"].get("tie_word_embeddings") is None and path.is_dir():
+            head = _carries_text_head(path)
+            if head is not None:
+                cfg = replace(cfg, text=replace(cfg.text, tie_word_embeddings=not head))
+        return cfg
+
+    @classmethod
+    def from_engine(cls, path: str | Path, overrides: Any, loaded: Any) -> TalkerConfig:
+        """The config of a serving engine that read ``config.json`` into its own class (vLLM, vllm-omni): the file
+        itself (``from_pretrained``) where ``path`` is a directory that has one and ``overrides`` is a dict or None,
+        so a field the file leaves out means what it means here (vllm-omni's class writes its defaults into
+        ``to_dict()``: SPEC 1.1); else the engine's ``loaded`` config (a ``to_dict()`` or a mapping)."""
+        if (Path(str(path)) / "config.json").is_file() and isinstance(overrides or {}, dict):
+            return cls.from_pretrained(path, overrides)
+        return cls.from_dict(loaded.to_dict() if hasattr(loaded, "to_dict") else dict(loaded))
 
     def to_dict(self) -> dict[str, Any]:
         """The ``config.json`` form (inverse of ``from_dict``)."""
@@ -249,6 +280,26 @@ class TalkerConfig:
         return out
 
 
+def _carries_text_head(directory: Path) -> bool | None:
+    """Whether the checkpoint in ``directory`` has a text head weight; None where its weights cannot be listed
+    (none there, or unreadable: loading them reports that)."""
+    from .checkpoint import TEXT_HEAD_KEY, checkpoint_files, read_header
+
+    try:
+        return TEXT_HEAD_KEY in read_header(checkpoint_files(directory))
+    except (OSError, ValueError):
+        return None
+
+
+def _given(*places: tuple[dict[str, Any], str]) -> tuple[Any, str] | None:
+    """The first of ``(section, "section.key")`` places whose key is given (not null): (value, its name)."""
+    for section, name in places:
+        value = _opt(section, name.rpartition(".")[2], None)
+        if value is not None:
+            return value, name
+    return None
+
+
 def _text_config_from_dict(raw: dict[str, Any]) -> TextConfig:
     model_type = _opt(raw, "model_type", "qwen3")
     if model_type != "qwen3":
@@ -258,24 +309,27 @@ def _text_config_from_dict(raw: dict[str, Any]) -> TextConfig:
             raise ValueError(f"text_config is missing {name!r}")
     heads = _int(raw["num_attention_heads"], "text_config.num_attention_heads")
     hidden = _int(raw["hidden_size"], "text_config.hidden_size")
-    if heads <= 0:  # head_dim may be derived from it below
+    if heads <= 0:
         raise ValueError(f"text_config.num_attention_heads must be > 0, got {heads}")
-    # RoPE theta may come flat (`rope_theta`) or nested (`rope_parameters`, transformers >= 5).
-    rope = _opt(raw, "rope_parameters", None) or _opt(raw, "rope_scaling", None) or {}
-    if not isinstance(rope, dict):
-        raise ValueError(f"text_config.rope_parameters must be an object, got {rope!r}")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ValueError(f"text_config rope_type {rope_type!r} is not supported (only 'default')")
-    theta = _opt(raw, "rope_theta", _opt(rope, "rope_theta", DEFAULT_ROPE_THETA))
-    rope_key = "rope_parameters" if _opt(raw, "rope_parameters", None) else "rope_scaling"
-    nested = _opt(rope, "rope_theta", None)
-    if _opt(raw, "rope_theta", None) is not None and nested is not None and nested != theta:
+    # RoPE may come flat (`rope_theta`), nested (`rope_parameters`, transformers >= 5) or in the older
+    # `rope_scaling`; transformers reads both dicts, so each one given is checked
+    ropes = {key: raw[key] for key in ("rope_parameters", "rope_scaling") if raw.get(key) is not None}
+    for key, rope in ropes.items():
+        if not isinstance(rope, dict):
+            raise ValueError(f"text_config.{key} must be an object, got {rope!r}")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"text_config.{key} rope_type {rope_type!r} is not supported (only 'default')")
+    thetas = {"rope_theta": raw.get("rope_theta")} | {f"{k}.rope_theta": r.get("rope_theta") for k, r in ropes.items()}
+    thetas = {name: value for name, value in thetas.items() if value is not None}
+    if len(set(thetas.values())) > 1:
+        given = ", ".join(f"text_config.{name} ({value!r})" for name, value in thetas.items())
         raise ValueError(
-            f"text_config.rope_theta ({theta!r}) and text_config.{rope_key}.rope_theta ({nested!r}) differ: "
-            "transformers (and vLLM) take the nested one; give RoPE theta once, or the same value in both"
+            f"RoPE theta is given differently: {given}; transformers (and vLLM) take a nested one; give RoPE theta "
+            "once, or the same value everywhere"
         )
-    _check_unsupported_features(raw, rope, rope_key)
+    theta = next(iter(thetas.values()), DEFAULT_ROPE_THETA)
+    _check_unsupported_features(raw, ropes)
     return TextConfig(
         vocab_size=_int(raw["vocab_size"], "text_config.vocab_size"),
         hidden_size=hidden,
@@ -283,7 +337,7 @@ def _text_config_from_dict(raw: dict[str, Any]) -> TextConfig:
         num_hidden_layers=_int(raw["num_hidden_layers"], "text_config.num_hidden_layers"),
         num_attention_heads=heads,
         num_key_value_heads=_int(_opt(raw, "num_key_value_heads", heads), "text_config.num_key_value_heads"),
-        head_dim=_int(_opt(raw, "head_dim", hidden // heads), "text_config.head_dim"),
+        head_dim=_int(_opt(raw, "head_dim", QWEN3_HEAD_DIM), "text_config.head_dim"),
         rms_norm_eps=_float(_opt(raw, "rms_norm_eps", 1e-6), "text_config.rms_norm_eps"),
         rope_theta=_float(theta, "text_config.rope_theta"),
         max_position_embeddings=_int(
@@ -294,7 +348,7 @@ def _text_config_from_dict(raw: dict[str, Any]) -> TextConfig:
     )
 
 
-def _check_unsupported_features(raw: dict[str, Any], rope: dict[str, Any], rope_key: str) -> None:
+def _check_unsupported_features(raw: dict[str, Any], ropes: dict[str, dict[str, Any]]) -> None:
     """Refuse Qwen3 settings that transformers (and vLLM) honour but this runtime does not implement, instead of
     silently computing another model: a non-SiLU MLP, sliding-window layers, partial RoPE."""
     act = _opt(raw, "hidden_act", "silu")
@@ -302,7 +356,7 @@ def _check_unsupported_features(raw: dict[str, Any], rope: dict[str, Any], rope_
         raise ValueError(f"text_config.hidden_act is {act!r}; only 'silu' (Qwen3's gated SiLU MLP) is supported")
     for where, value in (
         ("", _opt(raw, "partial_rotary_factor", 1.0)),
-        (f"{rope_key}.", rope.get("partial_rotary_factor")),
+        *((f"{key}.", rope.get("partial_rotary_factor")) for key, rope in ropes.items()),
     ):
         if value is not None and value != 1:
             raise ValueError(
@@ -393,8 +447,8 @@ def _validate(cfg: TalkerConfig) -> None:
     _bool(cfg.tie_modality_embeddings, "tie_modality_embeddings")
     if cfg.audio_hidden_size is not None and cfg.audio_hidden_size != t.hidden_size:
         raise ValueError(
-            f"audio_encoder_config.out_dim ({cfg.audio_hidden_size}) must equal text_config.hidden_size "
-            f"({t.hidden_size}): audio feedback replaces a hidden row"
+            f"audio_hidden_size / audio_encoder_config.out_dim ({cfg.audio_hidden_size}) must equal "
+            f"text_config.hidden_size ({t.hidden_size}): audio feedback replaces a hidden row"
         )
     for name in ("sample_rate", "frame_rate"):
         _in_range(_int(getattr(cfg, name), name), name, 1, INT32_MAX)
@@ -563,12 +617,14 @@ def hf_config_class() -> type:
                 elif not isinstance(text_config, PretrainedConfig):
                     text_config = Qwen3Config()
                 self.text_config = text_config
-                self.audio_encoder_config = audio_encoder_config or {
-                    "encoder_type": "discrete",
-                    "num_codebooks": DEFAULT_NUM_CODEBOOKS,
-                    "vocab_size": DEFAULT_CODEBOOK_SIZE,
-                    "tie_word_embeddings": True,
-                }
+                if audio_encoder_config is None:  # as upstream's class: from the top-level fields where given
+                    audio_encoder_config = {
+                        "encoder_type": "discrete",
+                        "num_codebooks": kwargs.pop("num_codebooks", DEFAULT_NUM_CODEBOOKS),
+                        "vocab_size": kwargs.pop("codebook_size", DEFAULT_CODEBOOK_SIZE),
+                        "tie_word_embeddings": True,
+                    }
+                self.audio_encoder_config = audio_encoder_config
                 super().__init__(**kwargs)
 
             def get_text_config(self, *args: Any, **kwargs: Any) -> PretrainedConfig:
@@ -598,8 +654,8 @@ def _qwen3_fields(raw: dict[str, Any]) -> dict[str, Any]:
     resolved = asdict(_text_config_from_dict(raw))
     theta = resolved.pop("rope_theta")
     fields = {k: v for k, v in raw.items() if k != "model_type" and not (k == "rope_theta" and v is None)}
-    rope = _opt(raw, "rope_parameters", None) or _opt(raw, "rope_scaling", None) or {}
-    if "rope_theta" not in fields and "rope_theta" not in rope:
+    nested = any("rope_theta" in (raw.get(key) or {}) for key in ("rope_parameters", "rope_scaling"))
+    if "rope_theta" not in fields and not nested:
         fields["rope_theta"] = theta  # our default (1e6, the 4B's), not transformers' 10000
     return fields | resolved  # RoPE settings that were given go as they came (flat or nested)
 

@@ -18,6 +18,7 @@ on it, so sampled generations end naturally after a few seconds of audio instead
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CODEC_PREFIX, save_checkpoint
+from .checkpoint import CODEC_PREFIX, TEXT_HEAD_KEY, save_checkpoint
 from .config import TalkerConfig, TextConfig
 
 TINY_NAME = "tiny"
@@ -83,7 +84,7 @@ def tiny_weights(
     }
     randn(16 * 8 + 4 * 4 * 3, std=1.0)  # recipe 1's placeholder codec tensors: drawn still, so the layers match
     if codec:  # codec weights ride along in real checkpoints (where recipe 1 had them); the talker skips them
-        w |= tiny_codec_weights(seed)
+        w |= tiny_codec_weights(seed, cfg)
     for i in range(t.num_hidden_layers):
         p = f"body.layers.{i}."
         o_proj = randn(h, t.q_size, std=0.5 / t.q_size**0.5)
@@ -110,30 +111,45 @@ def tiny_weights(
                 p + "self_attn.v_proj.bias": randn(t.kv_size, std=0.1),
             }
     if not t.tie_word_embeddings:
-        w["tied.head.text_head.weight"] = randn(t.vocab_size, h, std=1.0)
+        w[TEXT_HEAD_KEY] = randn(t.vocab_size, h, std=1.0)
     if not cfg.tie_modality_embeddings:
         w["tied.head.modality_heads.0.weight"] = table + randn(*table.shape, std=0.1)
     return w
 
 
-def tiny_codec_weights(seed: int = 0) -> dict[str, torch.Tensor]:
-    """The tiny codec's tensors under the codec prefix, BF16, from their own generator (shared, read-only)."""
-    return dict(_tiny_codec_weights(seed))
+def tiny_codec(cfg: TalkerConfig | None = None) -> dict:
+    """The tiny codec's config for ``cfg``'s codes (None: the tiny talker's): ``codec.TINY_CODEC``, whose 8
+    quantizers of 1024 codes fit 8 codebooks of 1024 real codes, or the same codec with one quantizer per codebook of
+    ``cfg.num_real_codes`` codes."""
+    from .codec import TINY_CODEC
+
+    if cfg is None or (cfg.num_codebooks, cfg.num_real_codes) == (8, TINY_CODEC["codebook_size"]):
+        return TINY_CODEC
+    bits = math.ceil(math.log2(cfg.num_real_codes))
+    rate = TINY_CODEC["sample_rate"] // TINY_CODEC["acoustic_model_config"]["hop_length"]
+    # transformers counts 1000 * bandwidth // (rate * bits) quantizers: half a bit a second keeps rounding off it
+    bandwidth = (cfg.num_codebooks * rate * bits + 0.5) / 1000
+    return dict(TINY_CODEC, codebook_size=cfg.num_real_codes, target_bandwidths=[bandwidth])
+
+
+def tiny_codec_weights(seed: int = 0, cfg: TalkerConfig | None = None) -> dict[str, torch.Tensor]:
+    """The tiny codec's tensors (``tiny_codec(cfg)``) under the codec prefix, BF16, from their own generator."""
+    return dict(_tiny_codec_weights(seed, json.dumps(tiny_codec(cfg), sort_keys=True)))
 
 
 @lru_cache(maxsize=4)
-def _tiny_codec_weights(seed: int) -> dict[str, torch.Tensor]:
-    from .codec import TINY_CODEC, build_config, random_tensors
+def _tiny_codec_weights(seed: int, codec: str) -> dict[str, torch.Tensor]:
+    from .codec import build_config, random_tensors
 
-    tensors = random_tensors(build_config(TINY_CODEC), seed=seed)
+    tensors = random_tensors(build_config(json.loads(codec)), seed=seed)
     return {CODEC_PREFIX + k: v.to(torch.bfloat16) for k, v in tensors.items()}
 
 
-def write_codec_config(directory: Path) -> None:
+def write_codec_config(directory: Path, cfg: TalkerConfig | None = None) -> None:
     """``codec_config.json``: the tiny codec's config (the real checkpoint has none: its codec is built in)."""
-    from .codec import CODEC_CONFIG_FILE, TINY_CODEC, build_config, config_to_dict
+    from .codec import CODEC_CONFIG_FILE, build_config, config_to_dict
 
-    text = json.dumps(config_to_dict(build_config(TINY_CODEC)), indent=2)
+    text = json.dumps(config_to_dict(build_config(tiny_codec(cfg))), indent=2)
     (directory / CODEC_CONFIG_FILE).write_text(text, encoding="utf-8")
 
 
@@ -174,7 +190,7 @@ def write_checkpoint(
     (directory / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2), encoding="utf-8")
     save_checkpoint(tiny_weights(cfg, seed=seed, eoc_bias=eoc_bias, codec=codec), directory, shards=shards)
     if codec:
-        write_codec_config(directory)
+        write_codec_config(directory, cfg)
     write_tokenizer(directory, cfg.text.vocab_size)
     return directory
 

@@ -228,8 +228,8 @@ CONFIG_VS_HEADER = [
     (dict(text_config__hidden_size=64.0), E("text_config.hidden_size must be an integer, got 64.0"), "cfg-float-size"),
     (
         dict(text_config__head_dim=None),
-        E("text_config.head_dim (16) does not match the checkpoint: 'body.layers.0.self_attn.q_norm.weight' "
-          "has shape [32], expected [16]"),
+        E("text_config.head_dim (128) does not match the checkpoint: 'body.layers.0.self_attn.q_norm.weight' "
+          "has shape [32], expected [128]"),
         "cfg-head-dim-null",
     ),
     (dict(text_config__vocab_size=10**12), E("text_config.vocab_size must lie in [1, 2147483647]"), "cfg-vocab-1e12"),
@@ -804,9 +804,10 @@ def test_checkpoint_path_that_is_a_file_is_refused(tiny_dir: Path, model_tracker
 def test_a_bundled_codec_that_does_not_fit_fails_the_load(tmp_path: Path, model_tracker, overrides, match) -> None:
     """A talker whose codebooks the bundled codec cannot decode is refused before its weights load (it loaded and
     generated codes, and failed only at its first ``result.audio``); ``codec=False`` still loads it."""
-    from higgs_talker.tiny import tiny_config
+    from higgs_talker.tiny import tiny_config, write_codec_config
 
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config(**overrides), codec=True)
+    write_codec_config(ckpt)  # the tiny talker's codec (8 x 1024), not the one sized for this talker
     with pytest.raises(ValueError, match=E(f"does not fit the talker: {match}")):
         HiggsTalker.from_pretrained(ckpt, **SMALL)
     assert not model_tracker

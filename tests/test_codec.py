@@ -840,3 +840,26 @@ def test_cuda_encode_agrees_with_cpu(tiny_dir: Path, codec) -> None:
     # fp32 rounding differs between the CPU and CUDA kernels; a code flips only at a near-tie of two
     # codebook distances (and then changes the residual of the later stages of that frame)
     assert (got == want).float().mean() >= 0.95
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(num_codebooks=4),
+        dict(num_codebooks=12, codebook_size=2050, boc_id=2048, eoc_id=2049),
+        dict(num_codebooks=1),
+    ],
+    ids=["4x1026", "12x2050", "1x1026"],
+)
+def test_a_built_checkpoint_of_another_codebook_shape_bundles_a_codec_that_fits_it(tmp_path, shape):
+    """``tiny.write_checkpoint`` sizes its codec for the talker's codes (one quantizer per codebook, of its real
+    codes), so a checkpoint of another shape loads with its codec and speaks: hop 960 samples a frame."""
+    from higgs_talker import HiggsTalker
+    from higgs_talker.tiny import tiny_config, write_checkpoint
+
+    cfg = tiny_config(**shape)
+    talker = HiggsTalker.from_pretrained(write_checkpoint(tmp_path / "ckpt", cfg, eoc_bias=1.5), max_num_seqs=1)
+    result = talker.generate("Hello there.", max_frames=12)
+    assert result.codes.shape[1] == cfg.num_codebooks and result.num_frames > 0
+    assert result.audio.shape == (result.num_frames * 960,) and torch.isfinite(result.audio).all()
+    assert int(result.codes.max()) < cfg.num_real_codes

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import json
 import re
+import shutil
+from dataclasses import replace
 
 import pytest
 
@@ -94,23 +96,27 @@ def test_real_4b_shape_parses():
     assert cfg.extra["audio_tokenizer_id"] == "some/codec-repo"  # unknown keys survive
 
 
-def test_audio_encoder_config_is_authoritative():
-    raw = raw_cfg(
-        num_codebooks=8,
-        codebook_size=1026,
-        tie_modality_embeddings=True,
-        audio_encoder_config={
-            "encoder_type": "discrete",
-            "num_codebooks": 4,
-            "vocab_size": 2000,
-            "tie_word_embeddings": False,
-        },
-    )
+def test_audio_encoder_config_names_the_codebooks_and_the_top_level_overrides_the_rest():
+    """As upstream's config class (vllm-omni 0.30, checked in its venv): it takes the codebook count and size from
+    ``audio_encoder_config``, derives ``tie_modality_embeddings`` and ``audio_hidden_size`` from it, and then its
+    keyword arguments (config.json's top level) override those two attributes."""
+    audio = {"encoder_type": "discrete", "num_codebooks": 4, "vocab_size": 2000, "tie_word_embeddings": False}
+    raw = raw_cfg(num_codebooks=8, codebook_size=1026, tie_modality_embeddings=True, audio_encoder_config=audio)
     cfg = TalkerConfig.from_dict(raw)
-    assert cfg.num_codebooks == 4
-    assert cfg.codebook_size == 2000
-    assert cfg.tie_modality_embeddings is False
-    assert cfg.max_delay == 3
+    assert (cfg.num_codebooks, cfg.codebook_size, cfg.max_delay) == (4, 2000, 3)
+    assert cfg.tie_modality_embeddings is True
+    del raw["tie_modality_embeddings"]
+    assert TalkerConfig.from_dict(raw).tie_modality_embeddings is False
+    raw = raw_cfg(audio_hidden_size=64, audio_encoder_config=dict(audio, out_dim=32))
+    assert TalkerConfig.from_dict(raw).audio_hidden_size == 64
+
+
+def test_a_bad_tie_flag_is_named_where_it_was_given():
+    with pytest.raises(ValueError, match=re.escape("tie_modality_embeddings must be true or false, got 'no'")):
+        TalkerConfig.from_dict(raw_cfg(tie_modality_embeddings="no"))
+    audio = {"encoder_type": "discrete", "tie_word_embeddings": 1}
+    with pytest.raises(ValueError, match=re.escape("audio_encoder_config.tie_word_embeddings must be true or false")):
+        TalkerConfig.from_dict(raw_cfg(audio_encoder_config=audio))
 
 
 def test_top_level_fields_apply_without_audio_encoder_config():
@@ -373,10 +379,10 @@ def test_null_means_the_field_is_absent(section, key):
     assert TalkerConfig.from_dict(null) == TalkerConfig.from_dict(absent)
 
 
-def test_null_or_missing_head_dim_is_derived_and_transformers_sees_the_same(tiny_dir, tmp_path):
-    """head_dim: null used to reach transformers as None (StrictDataclassFieldValidationError); a missing one
-    became transformers' default 128 in the HF view while the runtime derived hidden // heads (and a missing
-    tie_word_embeddings / rope_theta took transformers' defaults there, not ours)."""
+def test_null_or_missing_head_dim_is_transformers_default_and_transformers_sees_the_same(tiny_dir, tmp_path):
+    """A text_config without head_dim means 128 in transformers' Qwen3Config, through which upstream reads it (on
+    the 4B shape hidden // heads would be 80); head_dim: null used to reach transformers as None. A missing
+    tie_word_embeddings / rope_theta takes our resolution, not transformers' defaults (false, 10000)."""
     from transformers import AutoConfig
 
     register_hf_config()
@@ -387,17 +393,53 @@ def test_null_or_missing_head_dim_is_derived_and_transformers_sees_the_same(tiny
             edited["text_config"]["head_dim"] = None
         else:
             del edited["text_config"]["head_dim"]
-            del edited["text_config"]["tie_word_embeddings"]  # transformers' default is false, ours true
+            del edited["text_config"]["tie_word_embeddings"]  # transformers' default is false; no weights here: tied
             del edited["text_config"]["rope_theta"]  # transformers' default is 10000, ours 1e6
         d = tmp_path / variant
         d.mkdir()
         (d / "config.json").write_text(json.dumps(edited))
         cfg = TalkerConfig.from_pretrained(d)
-        assert cfg.text.head_dim == 64 // 4
+        assert cfg.text.head_dim == 128 and cfg.text.tie_word_embeddings is True
         assert cfg.text.rope_theta == (10000.0 if variant == "null" else 1e6)
         hf = AutoConfig.from_pretrained(str(d))
-        assert hf.text_config.head_dim == 16 and hf.text_config.tie_word_embeddings is True
+        assert hf.text_config.head_dim == 128 and hf.text_config.tie_word_embeddings is True
         assert hf.to_talker_config() == cfg
+
+
+def test_a_checkpoint_of_narrower_heads_without_head_dim_is_refused_naming_it(tiny_dir, tmp_path):
+    from higgs_talker import HiggsTalker
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir, d)
+    raw = json.loads((d / "config.json").read_text())
+    del raw["text_config"]["head_dim"]
+    (d / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=re.escape("text_config.head_dim (128) does not match the checkpoint")):
+        HiggsTalker.from_pretrained(d)
+
+
+@pytest.mark.parametrize("given", [None, "missing"])
+def test_an_unsaid_text_tie_is_read_from_the_checkpoint(tmp_path, given):
+    """Where text_config leaves tie_word_embeddings out (or null), a checkpoint with a text head is untied (upstream
+    loads that head) and one without is tied."""
+    from higgs_talker.tiny import write_checkpoint
+
+    for tied in (True, False):
+        d = write_checkpoint(tmp_path / f"tied_{tied}", tiny_config(text={"tie_word_embeddings": tied}), codec=False)
+        raw = json.loads((d / "config.json").read_text())
+        if given is None:
+            raw["text_config"]["tie_word_embeddings"] = None
+        else:
+            del raw["text_config"]["tie_word_embeddings"]
+        (d / "config.json").write_text(json.dumps(raw))
+        assert TalkerConfig.from_pretrained(d).text.tie_word_embeddings is tied
+        assert TalkerConfig.from_dict(raw).text.tie_word_embeddings is True  # no checkpoint to read: the default
+
+
+def test_overrides_lay_over_the_file_as_vllms_hf_overrides_do(tiny_dir):
+    cfg = TalkerConfig.from_pretrained(tiny_dir, {"text_config": {"num_hidden_layers": 1}, "frame_rate": 50})
+    base = TalkerConfig.from_pretrained(tiny_dir)
+    assert cfg.text == replace(base.text, num_hidden_layers=1) and cfg.frame_rate == 50
 
 
 def test_hf_config_class_raises_our_error_naming_the_field():

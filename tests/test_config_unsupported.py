@@ -39,6 +39,31 @@ REFUSED = {
         {"rope_theta": 10000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
         "text_config.rope_theta",
     ),
+    "yarn_scaling_beside_default_parameters": (  # transformers builds yarn from rope_scaling here (5.25, checked)
+        {
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+        },
+        "text_config.rope_scaling",
+    ),
+    "linear_scaling_beside_default_parameters": (
+        {
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+            "rope_scaling": {"type": "linear", "factor": 8},
+        },
+        "text_config.rope_scaling",
+    ),
+    "partial_rotary_in_the_second_dict": (
+        {
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+            "rope_scaling": {"rope_type": "default", "partial_rotary_factor": 0.5},
+        },
+        "text_config.rope_scaling.partial_rotary_factor",
+    ),
+    "theta_nested_twice_differently": (
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "rope_scaling": {"rope_theta": 5e5}},
+        "rope_scaling.rope_theta",
+    ),
     "theta_flat_and_rope_scaling_differ": (
         {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "default", "rope_theta": 5e5}},
         "text_config.rope_theta",
@@ -60,6 +85,11 @@ ACCEPTED = {  # what real Qwen3 configs carry: full attention everywhere, SiLU, 
     "partial_rotary_one": {"partial_rotary_factor": 1.0},
     "theta_same_both_ways": {"rope_theta": 250.0, "rope_parameters": {"rope_type": "default", "rope_theta": 250}},
     "null_act": {"hidden_act": None},
+    "default_rope_in_both_dicts": {
+        "rope_theta": 1e4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+        "rope_scaling": {"type": "default", "rope_theta": 1e4},
+    },
 }
 
 

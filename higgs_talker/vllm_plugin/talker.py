@@ -68,8 +68,9 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         compat.check_supported()
-        hf = vllm_config.model_config.hf_config
-        self.cfg = cfg = TalkerConfig.from_dict(hf.to_dict() if hasattr(hf, "to_dict") else dict(hf))
+        mc = vllm_config.model_config  # config.json as the direct engine reads it, not vllm-omni's class's defaults
+        path = getattr(mc, "hf_config_path", None) or mc.model
+        self.cfg = cfg = TalkerConfig.from_engine(path, getattr(mc, "hf_overrides", None), mc.hf_config)
         t, self.vllm_config = cfg.text, vllm_config
         backbone = compat.backbone_config(vllm_config, t.to_qwen3_config())
         self.model = Qwen3Model(vllm_config=backbone, prefix=maybe_prefix(prefix, "model"))
