@@ -497,3 +497,35 @@ def test_available_cpu_memory_is_plausible():
 
     avail = available_memory(torch.device("cpu"))
     assert 0 < avail <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_our_hf_class_takes_the_top_level_codebook_fields_as_upstreams_does():
+    from higgs_talker.config import hf_config_class
+
+    for audio in (None, {}):
+        hf = hf_config_class()(text_config=text_cfg(), num_codebooks=4, codebook_size=1100, audio_encoder_config=audio)
+        cfg = hf.to_talker_config()
+        assert (cfg.num_codebooks, cfg.codebook_size) == (4, 1100)  # an empty sub-dict names neither
+    assert TalkerConfig.from_dict(raw_cfg(num_codebooks=4, audio_encoder_config={})).num_codebooks == 4
+
+
+class _EngineConfig:
+    """A serving engine's config class, which writes its own defaults into ``to_dict()``."""
+
+    def __init__(self, raw: dict) -> None:
+        self.raw = raw
+
+    def to_dict(self) -> dict:
+        return self.raw
+
+
+def test_from_engine_reads_the_checkpoints_file_not_the_engines_defaults(tmp_path):
+    raw = raw_cfg(num_codebooks=4, tie_modality_embeddings=False)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    engine_view = _EngineConfig(raw | {"audio_encoder_config": {"num_codebooks": 8, "tie_word_embeddings": True}})
+    cfg = TalkerConfig.from_engine(tmp_path, None, engine_view)
+    assert (cfg.num_codebooks, cfg.tie_modality_embeddings) == (4, False)
+    assert TalkerConfig.from_engine(tmp_path, {"frame_rate": 50}, engine_view).frame_rate == 50
+    # no file to read (a hub id), or overrides only the engine can apply: the engine's view
+    assert TalkerConfig.from_engine("org/model", None, engine_view).num_codebooks == 8
+    assert TalkerConfig.from_engine(tmp_path, lambda c: c, engine_view).num_codebooks == 8
