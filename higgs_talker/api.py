@@ -585,7 +585,11 @@ def _checkpoint_dir(path: str | Path) -> Path:
     """The checkpoint directory ``path`` names (``"tiny"``: the embedded one, built on first use)."""
     path = tiny_checkpoint() if str(path) == TINY_NAME else Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist (use 'tiny' for the embedded default)")
+        raise FileNotFoundError(
+            f"checkpoint {str(path)!r} does not exist: give a local checkpoint directory (nothing is downloaded; a "
+            "Hugging Face model can be fetched with `hf download ORG/NAME --local-dir DIR`), or 'tiny' for the "
+            "embedded default"
+        )
     if not path.is_dir():
         raise ValueError(f"checkpoint {str(path)!r} is a file; give the checkpoint directory (config.json, weights)")
     return path

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from . import __version__
+from .splitting import DEFAULT_PART_CHARS
 
 OUT_FORMATS = (".wav", ".npy", ".safetensors")  # what GenerationResult.save writes
 REFERENCE_FORMATS = (".wav", ".npy")  # what _read_reference reads: a recording, or its codes
@@ -37,7 +38,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="higgs-talker", description="Higgs-Audio V3 talker: text -> codec codes")
+    p = _Parser(prog="higgs-talker", description="Higgs-Audio V3 talker: text -> speech (codec codes, decoded)")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     # -v after the command too; SUPPRESS: a command that is not given -v leaves the value before it alone
@@ -48,8 +49,17 @@ def _build_parser() -> argparse.ArgumentParser:
     def add_command(name: str, **kwargs) -> argparse.ArgumentParser:
         return sub.add_parser(name, parents=[verbose], **kwargs)
 
-    g = add_command("generate", help="generate codes for a text")
-    g.add_argument("text", help="the text to speak")
+    g = add_command("generate", help="speak a text into a WAV file (or keep its codes)")
+    g.add_argument("text", help="the text to speak; - reads it from standard input")
+    g.add_argument(
+        "--split",
+        nargs="?",
+        const=DEFAULT_PART_CHARS,
+        type=int,
+        metavar="CHARS",
+        help=f"speak a long text in parts of at most CHARS characters (default {DEFAULT_PART_CHARS}), cut at sentence "
+        "ends and joined in order, as the server does",
+    )
     _add_model_args(g)
     g.add_argument(
         "--out",
@@ -106,7 +116,8 @@ def _build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=Path("higgs_demo_codes.npy"),
         metavar="PATH",
-        help=f"where the first request's codes go: {' or '.join(OUT_FORMATS)} (default higgs_demo_codes.npy)",
+        help=f"where the first request's result goes: {' or '.join(OUT_FORMATS)} (.wav: its audio; the others: its "
+        "codes; default higgs_demo_codes.npy)",
     )
     d.add_argument(
         "--wav-dir", type=Path, default=Path("."), metavar="DIR", help="where higgs_demo_<i>.wav go (default: .)"
@@ -251,11 +262,14 @@ class _Progress:
     """A one-line progress bar on stderr: audio frames so far against ``total`` (``max_frames``). The talker
     reports delayed rows; frame t is known once row t + C - 1 is (the delay pattern's ramp)."""
 
-    def __init__(self, total: int, num_codebooks: int, enabled: bool) -> None:
-        self.total, self.ramp = total, num_codebooks - 1
+    def __init__(self, total: int, num_codebooks: int, enabled: bool, note: str | None = None) -> None:
+        self.total, self.ramp, self.note = total, num_codebooks - 1, note
         self.enabled, self.start = enabled and sys.stderr.isatty(), time.perf_counter()
 
     def __call__(self, rows: int) -> None:
+        if self.note is not None:  # once, on its own line, before the bar
+            print(self.note, file=sys.stderr, flush=True)
+            self.note = None
         if not self.enabled:
             return
         width, frames = 30, min(max(rows - self.ramp, 0), self.total)
@@ -272,6 +286,9 @@ class _Progress:
 def _generate(args) -> int:
     # everything the flags alone decide is checked before the (possibly slow) model load
     params = _sampling(args)
+    if args.split is not None and args.split < 1:
+        raise ValueError(f"--split {args.split}: a part must hold at least one character")
+    text = sys.stdin.read() if args.text == "-" else args.text
     if args.out is not None:
         _check_out(args.out)
     reference = None
@@ -280,17 +297,26 @@ def _generate(args) -> int:
     elif args.reference_text is not None:
         raise ValueError("--reference-text needs --reference")
     talker = _load(args)
-    progress = _Progress(params.max_frames, talker.cfg.num_codebooks, not args.no_progress)
+    from .scheduler import PromptTooLong
+
+    # said once the first row is made (every check passed), not after a generation that may be long
+    kept = (
+        None
+        if args.out is not None
+        else f"no --out: the audio is made and summed up, not kept (--out FILE: {', '.join(OUT_FORMATS)})"
+    )
+    progress = _Progress(params.max_frames, talker.cfg.num_codebooks, not args.no_progress, kept)
     try:
-        result = talker.generate(args.text, params, reference=reference, progress=progress)
+        result = talker.generate(text, params, reference=reference, progress=progress, split=args.split or False)
+    except PromptTooLong as exc:
+        hint = "" if args.split else "; --split speaks a long text in parts"
+        raise ValueError(f"{exc}{hint}") from None
     finally:
         progress.close()
     if args.out is not None:
         result.save(args.out)
         print(f"wrote {_shown(args.out)}")
     print(result.summary())
-    if args.out is None:
-        print(f"nothing written: --out FILE ({', '.join(OUT_FORMATS)}) keeps the audio or the codes")
     return 0
 
 
@@ -467,7 +493,7 @@ def _is_out_of_memory(exc: RuntimeError) -> bool:
 
 
 def _fail(exc: BaseException | str) -> int:
-    message = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the message held
+    message = str(exc).replace("\r", " ").replace("\n", " ") or type(exc).__name__  # one line, spaces as given
     print(f"higgs-talker: error: {message}", file=sys.stderr)
     return 2
 

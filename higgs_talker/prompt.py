@@ -26,6 +26,11 @@ from .config import OPTIONAL_SPECIAL_TOKENS, REQUIRED_SPECIAL_TOKENS, SpecialTok
 from .heads.delay import apply_delay_pattern
 
 
+class PromptTooLong(ValueError):
+    """A prompt that leaves no room to generate: past the model's positions, or the engine's max_model_len or KV
+    cache (``scheduler``)."""
+
+
 @dataclass(frozen=True)
 class Prompt:
     """A built prompt: token ids and the delayed reference rows that replace placeholder embeddings."""
@@ -174,7 +179,7 @@ class TalkerTokenizer:
 
     def _finish(self, prompt: Prompt) -> Prompt:
         if len(prompt) >= self.max_length:
-            raise ValueError(
+            raise PromptTooLong(
                 f"prompt is {len(prompt)} tokens; the model's maximum length is {self.max_length} "
                 "(max_position_embeddings), which must also leave room for the generated frames"
             )

@@ -45,11 +45,7 @@ from .heads.codebooks import rows_at
 from .heads.sampling import SamplingParams
 from .heads.slots import FreeList, SlotInit
 from .kv_cache import BlockAllocator, kv_slot, prefix_hashes, slot_mapping
-from .prompt import Prompt, validate_prompt
-
-
-class PromptTooLong(ValueError):
-    """A prompt that leaves no room to generate within max_model_len or the KV cache."""
+from .prompt import Prompt, PromptTooLong, validate_prompt
 
 
 class Status(Enum):

@@ -310,7 +310,38 @@ def test_text_too_long_for_the_model_is_one_line(tiny_dir: Path) -> None:
     argv = ["generate", "a" * 5000, "--model", str(tiny_dir), "--no-progress"]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, "-m", "higgs_talker.cli", *argv], capture_output=True, text=True, env=env)
-    assert_one_line_error(done.returncode, done.stderr, "prompt is 5003 tokens", "maximum length is 4096")
+    assert_one_line_error(done.returncode, done.stderr, "prompt is 5003 tokens", "maximum length is 4096",
+                          "--split speaks a long text in parts")  # fmt: skip
+
+
+def test_a_long_text_from_stdin_is_spoken_in_parts(capsys, tiny_dir: Path, monkeypatch, tmp_path: Path) -> None:
+    """``-`` reads the text from standard input; ``--split`` speaks what no one prompt holds (5,500 characters
+    against the tiny model's 4096 positions) in parts, joined in order: the codes equal the API's split result."""
+    from higgs_talker import HiggsTalker, SamplingParams
+
+    text = "This is one sentence. " * 250
+    monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+    out = tmp_path / "long.npy"
+    rc, stdout, err = run(capsys, "generate", "-", "--split", "--model", str(tiny_dir), "--no-progress", "--seed",
+                          "5", "--max-frames", "4", "--out", str(out))  # fmt: skip
+    assert rc == 0, err
+    want = HiggsTalker.from_pretrained(tiny_dir).generate(text, SamplingParams(seed=5, max_frames=4), split=True)
+    assert len(want.parts) > 1 and torch.equal(torch.from_numpy(np.load(out)), want.codes)
+
+
+def test_split_must_allow_a_character(capsys, gen, no_load) -> None:
+    rc, _, err = run(capsys, *gen, "--split", "0")
+    assert_one_line_error(rc, err, "--split 0")
+
+
+def test_an_error_quotes_a_value_with_its_spaces(capsys, tiny_dir: Path) -> None:
+    rc, _, err = run(capsys, "generate", "   ", "--model", str(tiny_dir), "--no-progress")
+    assert_one_line_error(rc, err, "whitespace only: '   '")
+
+
+def test_a_hub_id_is_told_that_nothing_is_downloaded(capsys) -> None:
+    rc, _, err = run(capsys, "generate", "Hi.", "--model", "bosonai/higgs-audio-v3-tts-4b", "--no-progress")
+    assert_one_line_error(rc, err, "'bosonai/higgs-audio-v3-tts-4b' does not exist", "nothing is downloaded")
 
 
 # ----------------------------------------------------------------------------------------- model and device
@@ -414,9 +445,9 @@ def test_every_flag_has_help() -> None:
 
 def test_the_summary_line_carries_the_seed_used(capsys, gen) -> None:
     """An unseeded run prints the seed it drew, once: passing it back reproduces the codes."""
-    rc, first, _ = run(capsys, *gen, "--max-frames", "6")
+    rc, first, err = run(capsys, *gen, "--max-frames", "6")
     assert rc == 0 and first.count(", seed ") == 1
-    assert "nothing written: --out FILE (.wav, .npy, .safetensors)" in first  # a first run without --out
+    assert err.startswith("no --out: the audio is made and summed up, not kept")  # said as the generation starts
     seed = int(first.split(", seed ")[1].split(",")[0])
     rc, again, _ = run(capsys, *gen, "--max-frames", "6", "--seed", str(seed))
     assert rc == 0 and f"seed {seed}" in again

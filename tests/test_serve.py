@@ -779,3 +779,25 @@ def test_part_chars_0_speaks_one_prompt_as_vllm_omni_does(solo) -> None:
     assert len(split.prepared.parts) > 1 and all(p.sampling.max_frames < 700 for p in split.prepared.parts)
     with pytest.raises(ValueError, match="part_chars must be an integer >= 0, got -1"):
         ServeConfig(part_chars=-1)
+
+
+@pytest.mark.parametrize(("model", "name"), [(".", "ckpt"), ("./", "ckpt"), ("../ckpt/", "ckpt"), ("tiny", "tiny")])
+def test_the_served_model_name_is_the_checkpoints_directory_however_it_is_written(monkeypatch, tmp_path, model, name):
+    """``serve .`` used to fail on an empty --served-model-name the user never gave (``Path('.').name`` is '')."""
+    import argparse
+
+    from higgs_talker.serve.options import _config, add_arguments
+
+    (tmp_path / "ckpt").mkdir()
+    monkeypatch.chdir(tmp_path / "ckpt")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert _config(parser.parse_args([model])).model_name == name
+
+
+def test_every_refusal_is_an_openai_invalid_request_error_with_a_code(served):
+    """OpenAI's error types: a refused request is an invalid_request_error; the code tells what kind."""
+    missing = httpx.delete(f"{served[1]}/v1/audio/voices/nobody", timeout=TIMEOUT)
+    assert missing.status_code == 404
+    error = missing.json()["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "not_found") and "nobody" in error["message"]

@@ -127,8 +127,10 @@ def _config(args: argparse.Namespace):
     """The ``ServeConfig`` of the flags (ValueError naming a field whose value it refuses)."""
     from .serving import ServeConfig
 
+    # the directory's own name however the path is written ("." included), "model" for the root directory
+    default_name = "tiny" if args.model == "tiny" else Path(args.model).resolve().name or "model"
     return ServeConfig(
-        model_name=args.served_model_name or (Path(args.model).name if args.model != "tiny" else "tiny"),
+        model_name=args.served_model_name or default_name,
         max_input_chars=args.max_input_chars,
         max_body_bytes=int(args.max_body_mb * 2**20),
         request_timeout_s=args.request_timeout,

@@ -140,11 +140,14 @@ class APIError(Exception):
         self, status: int, message: str, param: str | None = None, type: str | None = None, code: str | None = None
     ) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.status, self.message, self.param, self.code = status, message, param, code or _ERROR_CODES.get(status)
+        self.type = type or ("timeout_error" if status == 408 else "invalid_request_error" if status < 500
+                             else "server_error")  # fmt: skip
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
 
 
-_ERROR_TYPES = {404: "not_found_error", 408: "timeout_error", 409: "conflict_error", 413: "request_too_large"}
+# OpenAI's errors: every refused request is an invalid_request_error (a timeout is ours: sse clients tell it apart),
+# the code says more
+_ERROR_CODES = {404: "not_found", 409: "conflict", 413: "request_too_large"}
