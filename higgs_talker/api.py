@@ -255,7 +255,8 @@ class HiggsTalker:
         cuts each text at sentence ends into parts that are generated together, with the same voice and seed (a
         drawn one when the sampling has none), each capped at ``splitting.frame_budget`` frames of its text; the
         result joins their codes and rows in order (``result.parts`` holds each part's own result). With ``split``,
-        ``min_frames`` and ``max_frames`` hold for each part, not for the joined result.
+        ``min_frames`` and ``max_frames`` hold for each part, not for the joined result; a text that is one part
+        is spoken as given, with no cap from its text.
         Raises ``GenerationError`` (with the cause) if a step fails one of these requests.
         """
         single = isinstance(text, str)
@@ -458,13 +459,14 @@ class HiggsTalker:
             raise ValueError(f"split must be True, False or the most characters a part holds (>= 1), got {split!r}")
         texts = split_text(text, max_chars) if isinstance(text, str) else []
         if len(texts) <= 1:
-            # One part: the text as given (vllm-omni's speech endpoint tokenizes its input verbatim, leading and
-            # trailing whitespace included); empty or not a string: build_prompt says what is wrong with it
-            texts = [text]
+            # One part: the text and its sampling as given, no cap from the text (vllm-omni's speech endpoint
+            # tokenizes its input verbatim, whitespace included, and caps it only by its token limit); empty or not
+            # a string: build_prompt says what is wrong with it
+            return [(text, params)]
         seed = resolve_seed(params.seed)  # one seed for every part
         out = []
         for t in texts:
-            cap = min(params.max_frames, frame_budget(t.strip(), self.cfg.frame_rate) if isinstance(t, str) else 1)
+            cap = min(params.max_frames, frame_budget(t.strip(), self.cfg.frame_rate))
             out.append((t, replace(params, seed=seed, max_frames=cap, min_frames=min(params.min_frames, cap))))
         return out
 
@@ -601,7 +603,7 @@ def _checked_checkpoint(path, engine_config: EngineConfig, device: torch.device,
     needs on ``device``. Returns (directory, config, tokenizer, header)."""
     path = _checkpoint_dir(path)
     register_hf_config()
-    cfg = TalkerConfig.from_pretrained(path)
+    cfg = checkpoint.read_config(path)
     engine_config.model_len(cfg)
     tokenizer = TalkerTokenizer.from_pretrained(path, cfg)
     header = checkpoint.check_checkpoint(path, cfg)

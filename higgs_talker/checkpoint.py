@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -195,6 +196,31 @@ def read_header(files: list[Path]) -> Header:
 
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 _LAYER_KEY = re.compile(r"body\.layers\.(\d+)\.")
+
+
+def carries_text_head(directory: Path) -> bool | None:
+    """Whether the checkpoint in ``directory`` has a text head weight; None where its weights cannot be listed
+    (none there, or unreadable: loading them reports that)."""
+    try:
+        return TEXT_HEAD_KEY in read_header(checkpoint_files(directory))
+    except (OSError, ValueError):
+        return None
+
+
+def read_config(path: str | Path, overrides: dict[str, Any] | None = None) -> TalkerConfig:
+    """A checkpoint directory's config (``TalkerConfig.from_pretrained``), a text tie its ``config.json`` leaves
+    unsaid read from the weights' names (``carries_text_head``)."""
+    return TalkerConfig.from_pretrained(path, overrides, text_head=carries_text_head)
+
+
+def engine_config(path: str | Path, overrides: Any, loaded: Any) -> TalkerConfig:
+    """The config of a serving engine that read ``config.json`` into its own class (vLLM, vllm-omni): the file
+    itself (``read_config``) where ``path`` is a directory that has one and ``overrides`` is a dict or None, so a
+    field the file leaves out means what it means to the direct engine (vllm-omni's class writes its defaults into
+    ``to_dict()``: SPEC 1.1); else the engine's ``loaded`` config (a ``to_dict()`` or a mapping)."""
+    if (Path(str(path)) / "config.json").is_file() and isinstance(overrides or {}, dict):
+        return read_config(path, overrides)
+    return TalkerConfig.from_dict(loaded.to_dict() if hasattr(loaded, "to_dict") else dict(loaded))
 
 
 def check_checkpoint(path: str | Path, cfg: TalkerConfig) -> Header:

@@ -8,8 +8,8 @@ Types are strict: integer fields must be JSON integers (``64``, not ``64.0`` or 
 and every integer must fit int32 (``INT32_MAX``), the index type of the kernels. ``null`` means the same as
 leaving a field out: optional fields take their default (``head_dim``: 128, as transformers' ``Qwen3Config``,
 through which upstream reads the backbone's shape; ``num_key_value_heads``: ``num_attention_heads``;
-``tie_word_embeddings``: true, and ``from_pretrained`` decides it by the checkpoint: untied where it carries a text
-head; the rest: the defaults of ``TextConfig`` / ``TalkerConfig``), and a required field (``vocab_size``,
+``tie_word_embeddings``: true, and ``checkpoint.read_config`` decides it by the weights: untied where they carry a
+text head; the rest: the defaults of ``TextConfig`` / ``TalkerConfig``), and a required field (``vocab_size``,
 ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``) that is ``null`` is an
 error. The transformers view gets the resolved values, so no ``null`` and no transformers default (its
 ``tie_word_embeddings`` is false) ever differs from what the runtime uses. Where a top-level field and
@@ -24,6 +24,7 @@ import importlib.util
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -214,13 +215,19 @@ class TalkerConfig:
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> TalkerConfig:
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        overrides: dict[str, Any] | None = None,
+        text_head: Callable[[Path], bool | None] | None = None,
+    ) -> TalkerConfig:
         """Read ``<path>/config.json`` (or a path to the file itself), with ``overrides`` laid over it as vLLM lays
         its ``hf_overrides`` dict (a dict value updates that section, anything else replaces the field).
 
-        Where ``text_config`` does not say ``tie_word_embeddings``, the checkpoint in the directory does: a text
-        head among its weights means untied (upstream loads that head; its transformers default is false), none
-        means tied (the text logits come from the text embedding)."""
+        Where ``text_config`` does not say ``tie_word_embeddings``, ``text_head(directory)`` may: True (the
+        checkpoint carries a text head: untied, as upstream loads it; its transformers default is false), False
+        (tied: the text logits come from the text embedding), None (cannot tell: tied, the default).
+        ``checkpoint.read_config`` passes the one that reads the weights' names."""
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
         if not file.is_file():
@@ -236,21 +243,11 @@ class TalkerConfig:
                 both = isinstance(value, dict) and isinstance(raw.get(key), dict)
                 raw[key] = {**raw[key], **value} if both else value
         cfg = cls.from_dict(raw)
-        if raw["text_config"].get("tie_word_embeddings") is None and path.is_dir():
-            head = _carries_text_head(path)
+        if raw["text_config"].get("tie_word_embeddings") is None and path.is_dir() and text_head is not None:
+            head = text_head(path)
             if head is not None:
                 cfg = replace(cfg, text=replace(cfg.text, tie_word_embeddings=not head))
         return cfg
-
-    @classmethod
-    def from_engine(cls, path: str | Path, overrides: Any, loaded: Any) -> TalkerConfig:
-        """The config of a serving engine that read ``config.json`` into its own class (vLLM, vllm-omni): the file
-        itself (``from_pretrained``) where ``path`` is a directory that has one and ``overrides`` is a dict or None,
-        so a field the file leaves out means what it means here (vllm-omni's class writes its defaults into
-        ``to_dict()``: SPEC 1.1); else the engine's ``loaded`` config (a ``to_dict()`` or a mapping)."""
-        if (Path(str(path)) / "config.json").is_file() and isinstance(overrides or {}, dict):
-            return cls.from_pretrained(path, overrides)
-        return cls.from_dict(loaded.to_dict() if hasattr(loaded, "to_dict") else dict(loaded))
 
     def to_dict(self) -> dict[str, Any]:
         """The ``config.json`` form (inverse of ``from_dict``)."""
@@ -278,17 +275,6 @@ class TalkerConfig:
             out["eos_token_id"] = self.eos_token_id
         out.update(self.extra)
         return out
-
-
-def _carries_text_head(directory: Path) -> bool | None:
-    """Whether the checkpoint in ``directory`` has a text head weight; None where its weights cannot be listed
-    (none there, or unreadable: loading them reports that)."""
-    from .checkpoint import TEXT_HEAD_KEY, checkpoint_files, read_header
-
-    try:
-        return TEXT_HEAD_KEY in read_header(checkpoint_files(directory))
-    except (OSError, ValueError):
-        return None
 
 
 def _given(*places: tuple[dict[str, Any], str]) -> tuple[Any, str] | None:

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 
+from higgs_talker.checkpoint import engine_config, read_config
 from higgs_talker.config import (
     MODEL_TYPE,
     TalkerConfig,
@@ -432,8 +433,9 @@ def test_an_unsaid_text_tie_is_read_from_the_checkpoint(tmp_path, given):
         else:
             del raw["text_config"]["tie_word_embeddings"]
         (d / "config.json").write_text(json.dumps(raw))
-        assert TalkerConfig.from_pretrained(d).text.tie_word_embeddings is tied
-        assert TalkerConfig.from_dict(raw).text.tie_word_embeddings is True  # no checkpoint to read: the default
+        assert read_config(d).text.tie_word_embeddings is tied
+        assert TalkerConfig.from_pretrained(d).text.tie_word_embeddings is True  # weights unread: the default
+        assert TalkerConfig.from_dict(raw).text.tie_word_embeddings is True
 
 
 def test_overrides_lay_over_the_file_as_vllms_hf_overrides_do(tiny_dir):
@@ -519,13 +521,13 @@ class _EngineConfig:
         return self.raw
 
 
-def test_from_engine_reads_the_checkpoints_file_not_the_engines_defaults(tmp_path):
+def test_engine_config_reads_the_checkpoints_file_not_the_engines_defaults(tmp_path):
     raw = raw_cfg(num_codebooks=4, tie_modality_embeddings=False)
     (tmp_path / "config.json").write_text(json.dumps(raw))
     engine_view = _EngineConfig(raw | {"audio_encoder_config": {"num_codebooks": 8, "tie_word_embeddings": True}})
-    cfg = TalkerConfig.from_engine(tmp_path, None, engine_view)
+    cfg = engine_config(tmp_path, None, engine_view)
     assert (cfg.num_codebooks, cfg.tie_modality_embeddings) == (4, False)
-    assert TalkerConfig.from_engine(tmp_path, {"frame_rate": 50}, engine_view).frame_rate == 50
+    assert engine_config(tmp_path, {"frame_rate": 50}, engine_view).frame_rate == 50
     # no file to read (a hub id), or overrides only the engine can apply: the engine's view
-    assert TalkerConfig.from_engine("org/model", None, engine_view).num_codebooks == 8
-    assert TalkerConfig.from_engine(tmp_path, lambda c: c, engine_view).num_codebooks == 8
+    assert engine_config("org/model", None, engine_view).num_codebooks == 8
+    assert engine_config(tmp_path, lambda c: c, engine_view).num_codebooks == 8

@@ -47,6 +47,7 @@ LAYERS = {
     "serve": 8,
     "cli": 9,
     "__init__": 10,
+    "__main__": 10,
 }
 
 

@@ -357,6 +357,9 @@ def test_long_input_is_split_and_streamed_as_one_audio(served, solo, monkeypatch
     parts = caps[-len(texts) :]
     assert len(texts) == 2 and [s.max_frames for s in parts] == [frame_budget(t, 25) for t in texts]
     assert len(greedy.content) // 1920 <= sum(s.max_frames for s in parts)
+    # a short input is one part: only max_new_tokens caps it, as vllm-omni's endpoint (it was capped from its text)
+    short = speech(url, input="Hello world.", seed=4, response_format="pcm", max_new_tokens=200)
+    assert short.status_code == 200 and caps[-1].max_frames == 200 > frame_budget("Hello world.", 25)
     wait_until_idle(serving)
 
 

@@ -29,8 +29,8 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.qwen3 import Qwen3Model
 from vllm.model_executor.models.utils import maybe_prefix
 
-from ..checkpoint import WeightRouter
-from ..config import SpecialTokens, TalkerConfig
+from ..checkpoint import WeightRouter, engine_config
+from ..config import SpecialTokens
 from ..cuda_graphs.frame import FrameGraphs
 from ..cuda_graphs.local_mlp import LocalMLPPath
 from ..cuda_graphs.policy import decide
@@ -70,7 +70,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         compat.check_supported()
         mc = vllm_config.model_config  # config.json as the direct engine reads it, not vllm-omni's class's defaults
         path = getattr(mc, "hf_config_path", None) or mc.model
-        self.cfg = cfg = TalkerConfig.from_engine(path, getattr(mc, "hf_overrides", None), mc.hf_config)
+        self.cfg = cfg = engine_config(path, getattr(mc, "hf_overrides", None), mc.hf_config)
         t, self.vllm_config = cfg.text, vllm_config
         backbone = compat.backbone_config(vllm_config, t.to_qwen3_config())
         self.model = Qwen3Model(vllm_config=backbone, prefix=maybe_prefix(prefix, "model"))
