@@ -444,7 +444,7 @@ class HiggsTalker:
         the engine's max_model_len and KV cache too: ``PromptTooLong``, before anything is queued)."""
         parts = [PreparedPart(t, s, self.build_prompt(t, reference)) for t, s in self._parts(text, params, split)]
         for part in parts:
-            self.engine.scheduler.check_fits(part.prompt)
+            self.engine.scheduler.check_fits(part.prompt, part.sampling.min_frames)
         return PreparedText(text, tuple(parts))
 
     def _parts(self, text: str, params: SamplingParams, split: bool | int) -> list[tuple[str, SamplingParams]]:

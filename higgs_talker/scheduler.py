@@ -163,7 +163,7 @@ class Scheduler:
         request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.check_fits(prompt)
+        self.check_fits(prompt, params.min_frames)
         seed = params.resolved_seed()
         max_rows = params.max_frames + self.cfg.num_codebooks
         req = Request(request_id, prompt, params, seed, max_rows, submitted_at=time.perf_counter())
@@ -171,12 +171,20 @@ class Scheduler:
         self.waiting.append(req)
         return request_id
 
-    def check_fits(self, prompt: Prompt) -> None:
-        """PromptTooLong unless ``prompt`` leaves room for a row within max_model_len and the KV cache (``add``
-        checks it; ``HiggsTalker.prepare`` checks it before anything is queued)."""
+    def check_fits(self, prompt: Prompt, min_frames: int = 0) -> None:
+        """PromptTooLong unless ``prompt`` leaves room for a row, and for ``min_frames`` audio frames, within
+        max_model_len and the KV cache (``add`` checks it; ``HiggsTalker.prepare`` checks it before anything is
+        queued)."""
         if len(prompt) + 1 > self.max_model_len:
             raise PromptTooLong(
                 f"prompt of {len(prompt)} tokens leaves no room within max_model_len={self.max_model_len}"
+            )
+        # a request is cut once its prompt and rows fill max_model_len: its rows, less the ramp-up, are frames
+        room = self.max_model_len - len(prompt) - (self.cfg.num_codebooks - 1)
+        if min_frames > room:
+            raise PromptTooLong(
+                f"min_frames={min_frames} cannot be reached: the prompt of {len(prompt)} tokens leaves room for "
+                f"{max(room, 0)} audio frames within max_model_len={self.max_model_len}"
             )
         if self.blocks.blocks_for(len(prompt) + 1) > self.blocks.num_blocks:
             raise PromptTooLong(

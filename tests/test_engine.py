@@ -296,6 +296,18 @@ def test_max_frames_is_honoured(talker):
     assert reason == "eoc" and rows.shape[0] < 500
 
 
+def test_min_frames_that_max_model_len_cannot_hold_is_refused_before_anything_is_queued(tiny_dir):
+    """A request cut by max_model_len gives its rows less the ramp-up as frames: min_frames up to that is met,
+    one more is refused naming it (it was cut short of its minimum, silently)."""
+    talker = HiggsTalker.from_pretrained(tiny_dir, max_model_len=200, max_num_seqs=2)
+    room = 200 - len(talker.build_prompt("Hi.")) - (N - 1)
+    result = talker.generate("Hi.", SamplingParams(seed=1, min_frames=room, max_frames=10**4))
+    assert (result.num_frames, result.finish_reason) == (room, "max_model_len")
+    with pytest.raises(ValueError, match=re.escape(f"min_frames={room + 1} cannot be reached")):
+        talker.generate(["Hi.", "Hi."], [SamplingParams(seed=2), SamplingParams(min_frames=room + 1)])
+    assert not talker.engine.has_unfinished() and not talker.engine.requests
+
+
 def find_natural_endings(talker, count: int, max_frames: int = 250) -> list[tuple[int, torch.Tensor]]:
     found = []
     prompt = talker.build_prompt("Hello world")
