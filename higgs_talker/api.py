@@ -671,7 +671,7 @@ def _empty_model(
         model = TalkerModel(cfg).to(dtype)
     model = model.to_empty(device=device)
     model.tie_weights()
-    model.use_kernels(default_kernels(device, fuse_qk_rope, row_gemv))
+    model.use_kernels(default_kernels(device, fuse_qk_rope, row_gemv, cfg.text.head_dim))
     t = cfg.text
     model.rotary_emb.cos_sin = rope_cache(t.head_dim, t.max_position_embeddings, t.rope_theta, device)
     model.multimodal_embedding.offsets = torch.arange(cfg.num_codebooks, device=device) * cfg.codebook_size

@@ -24,6 +24,7 @@ from .heads.codebooks import embed_rows, feed_back
 from .heads.slots import SlotStore, sample_frame
 from .kv_cache import allocate_kv_caches
 from .model import PostAttention, TalkerModel, post_attention_block
+from .ops import FLASHINFER_HEAD_DIMS
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +32,11 @@ logger = logging.getLogger(__name__)
 def default_backend(
     kv_caches: list[Tensor], cfg: TalkerConfig, max_model_len: int, scratch_block: int, max_batch: int, kernel: str
 ) -> AttentionBackend:
-    """FlashInfer on CUDA when it is installed, else torch SDPA (CPU, or CUDA without FlashInfer)."""
+    """FlashInfer on CUDA when it is installed and serves the head size (``ops.FLASHINFER_HEAD_DIMS``), else torch
+    SDPA (CPU, CUDA without FlashInfer, or another head size)."""
     t = cfg.text
     args = (kv_caches, t.num_attention_heads, t.num_key_value_heads, t.head_dim, max_model_len, scratch_block)
-    if kv_caches[0].device.type == "cuda":
+    if kv_caches[0].device.type == "cuda" and t.head_dim in FLASHINFER_HEAD_DIMS:
         try:
             from .flashinfer_attention import FlashInferAttention
 

@@ -199,11 +199,22 @@ class FlashInferKernels:
         return self._fi.activation.silu_and_mul(x)
 
 
+# Head sizes FlashInfer's attention serves: its FA2 prefill kernels are right only at multiples of 64 (others give
+# an illegal memory access, or below a multiple of 16 silently wrong rows: flashinfer#4299, unchecked up to 0.6.18),
+# and 64 / 128 / 256 are the sizes it dispatches and tests
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
 def default_kernels(
-    device: torch.device | str, fuse_qk_rope: bool = False, row_gemv: str = "off"
+    device: torch.device | str, fuse_qk_rope: bool = False, row_gemv: str = "off", head_dim: int | None = None
 ) -> TorchKernels | FlashInferKernels:
-    """FlashInfer kernels on CUDA when FlashInfer is installed (``fuse_qk_rope``: with the Triton fusion, and
-    ``row_gemv``: the one-row Triton GEMV's option, where triton imports), else the torch reference."""
+    """FlashInfer kernels on CUDA when FlashInfer is installed and serves ``head_dim`` (``FLASHINFER_HEAD_DIMS``;
+    None: not asked) (``fuse_qk_rope``: with the Triton fusion, and ``row_gemv``: the one-row Triton GEMV's option,
+    where triton imports), else the torch reference, whose attention is SDPA (every graph mode captures over it)."""
+    if torch.device(device).type == "cuda" and head_dim is not None and head_dim not in FLASHINFER_HEAD_DIMS:
+        logger.warning("head_dim %d: FlashInfer's attention serves only %s; the torch kernels and SDPA run instead",
+                       head_dim, "/".join(map(str, FLASHINFER_HEAD_DIMS)))  # fmt: skip
+        return TorchKernels()
     if torch.device(device).type == "cuda":
         try:
             return FlashInferKernels(fuse_qk_rope, row_gemv)

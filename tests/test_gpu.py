@@ -963,6 +963,29 @@ def test_cuda_without_flashinfer_runs_sdpa_in_every_graph_mode(monkeypatch):
             assert torch.equal(a, b), mode
 
 
+def test_the_tiny_checkpoint_runs_on_cuda_over_sdpa_in_every_graph_mode(tiny_dir):
+    """The embedded default's heads are 32 wide, which FlashInfer's FA2 prefill does not serve (flashinfer#4299: an
+    illegal memory access): on CUDA it runs the torch kernels and SDPA, every graph mode gives the eager codes, and
+    those equal the float32 CPU engine's up to near ties (every row checked against the fp32 reference)."""
+    from higgs_talker.attention import SdpaAttention
+
+    texts = ["Hello there.", "A second, longer request.", "Third."]
+    params = SamplingParams(temperature=0.0)
+    out = {}
+    for mode in MODES:
+        t = HiggsTalker.from_pretrained(tiny_dir, device="cuda", dtype="float32", graph_mode=mode, max_num_seqs=4,
+                                        max_model_len=256, buckets=[1, 2, 4])  # fmt: skip
+        assert isinstance(t.engine.runner.attn, SdpaAttention) and t.model.kernels.name == "torch"
+        out[mode] = [r.rows for r in t.generate(texts, params, max_frames=12)]
+    for mode in MODES[1:]:
+        for a, b in zip(out["eager"], out[mode], strict=True):
+            assert torch.equal(a, b), mode
+    cpu = HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=4, max_model_len=256)
+    for text, rows in zip(texts, out["eager"], strict=True):
+        want = cpu.generate(text, params, max_frames=12).rows
+        assert rows.shape == want.shape and (rows.cpu() != want).sum() <= 1, text  # fp32 on both: at most a near tie
+
+
 @needs_flashinfer
 def test_concurrent_callers_on_a_cuda_talker(talkers):
     """Threads sharing one CUDA talker (graphs on): each gets the codes its requests get in one batched call."""

@@ -69,3 +69,21 @@ def test_the_runners_kernel_step_runs_the_whole_step_on_the_scratch_slot(tiny_di
     assert rows.shape == (4, c + 1) and rows[:, :c].min() >= 0 and rows[:, :c].max() <= talker.cfg.eoc_id
     after = [state.last_codes, state.has_codes, runner.slots.num_rows]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # no request slot was touched
+
+
+def test_flashinfer_is_not_asked_for_a_head_size_it_does_not_serve(monkeypatch, caplog):
+    """FlashInfer's FA2 prefill is right only at multiples of 64 (flashinfer#4299: an illegal memory access, or wrong
+    rows); the tiny checkpoint's heads are 32 wide. On CUDA such a model gets the torch kernels and SDPA, one
+    warning naming the size; a served size still asks for FlashInfer."""
+    import logging
+
+    from higgs_talker import ops
+
+    built = []
+    monkeypatch.setattr(ops, "FlashInferKernels", lambda *args: built.append(args) or "flashinfer kernels")
+    with caplog.at_level(logging.WARNING, logger="higgs_talker.ops"):
+        assert isinstance(ops.default_kernels("cuda", True, "auto", head_dim=32), ops.TorchKernels)
+    assert not built and "head_dim 32" in caplog.text and "64/128/256" in caplog.text
+    for head_dim in (64, 128, 256, None):
+        assert ops.default_kernels("cuda", True, "auto", head_dim=head_dim) == "flashinfer kernels"
+    assert ops.default_kernels("cpu", head_dim=128).name == "torch"
