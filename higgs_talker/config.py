@@ -349,19 +349,22 @@ def _check_unsupported_features(raw: dict[str, Any], ropes: dict[str, dict[str, 
                 f"text_config.{where}partial_rotary_factor is {value!r}; only full-head RoPE (1.0) is supported"
             )
     layer_types = _opt(raw, "layer_types", None)
-    if layer_types is not None:  # given explicitly, transformers uses it as is
-        if not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types):
+    use = _opt(raw, "use_sliding_window", False)
+    if use is not False:
+        _bool(use, "text_config.use_sliding_window")
+    window = raw.get("sliding_window", 4096) if use else None  # transformers' Qwen3Config drops it when not used
+    if layer_types is not None:  # given explicitly, transformers uses it as is; a sliding layer without a window is
+        if not isinstance(layer_types, list) or any(  # full attention there and in vLLM
+            t != "full_attention" and not (t == "sliding_attention" and window is None) for t in layer_types
+        ):
             raise ValueError(
                 f"text_config.layer_types must list only 'full_attention' layers (sliding-window attention is not "
-                f"supported), got {layer_types!r}"
+                f"supported; sliding_window {window}), got {layer_types!r}"
             )
         return
     # else transformers' Qwen3Config makes layer i sliding when use_sliding_window is true, sliding_window is set
     # (4096 when absent) and i >= max_window_layers (28 when absent)
-    use = _opt(raw, "use_sliding_window", False)
     if use is not False:
-        _bool(use, "text_config.use_sliding_window")
-        window = raw.get("sliding_window", 4096)
         first = _opt(raw, "max_window_layers", 28)
         layers = raw.get("num_hidden_layers")
         if window is not None and isinstance(first, int) and isinstance(layers, int) and first < layers:

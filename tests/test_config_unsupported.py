@@ -27,9 +27,10 @@ REFUSED = {
         "text_config.use_sliding_window",
     ),
     "layer_types_sliding": (
-        {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8},
+        {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8, "use_sliding_window": True},
         "text_config.layer_types",
     ),
+    "layer_types_not_a_list": ({"layer_types": "full_attention"}, "text_config.layer_types"),
     "partial_rotary_flat": ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     "partial_rotary_nested": (
         {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
@@ -82,6 +83,10 @@ ACCEPTED = {  # what real Qwen3 configs carry: full attention everywhere, SiLU, 
     "sliding_flag_but_no_layer_reaches_it": {"use_sliding_window": True, "max_window_layers": 2},
     "sliding_flag_without_window": {"use_sliding_window": True, "sliding_window": None, "max_window_layers": 0},
     "layer_types_full": {"layer_types": ["full_attention", "full_attention"]},
+    # transformers' Qwen3Config drops the window when use_sliding_window is false: "sliding" layers attend fully
+    "sliding_labels_without_a_window": {"layer_types": ["sliding_attention"] * 2, "sliding_window": 8},
+    "sliding_labels_with_a_null_window": {"layer_types": ["sliding_attention"] * 2, "use_sliding_window": True,
+                                          "sliding_window": None},  # fmt: skip
     "partial_rotary_one": {"partial_rotary_factor": 1.0},
     "theta_same_both_ways": {"rope_theta": 250.0, "rope_parameters": {"rope_type": "default", "rope_theta": 250}},
     "null_act": {"hidden_act": None},
