@@ -85,8 +85,11 @@ ACCEPTED = {  # what real Qwen3 configs carry: full attention everywhere, SiLU, 
     "layer_types_full": {"layer_types": ["full_attention", "full_attention"]},
     # transformers' Qwen3Config drops the window when use_sliding_window is false: "sliding" layers attend fully
     "sliding_labels_without_a_window": {"layer_types": ["sliding_attention"] * 2, "sliding_window": 8},
-    "sliding_labels_with_a_null_window": {"layer_types": ["sliding_attention"] * 2, "use_sliding_window": True,
-                                          "sliding_window": None},  # fmt: skip
+    "sliding_labels_with_a_null_window": {
+        "layer_types": ["sliding_attention"] * 2,
+        "use_sliding_window": True,
+        "sliding_window": None,
+    },  # fmt: skip
     "partial_rotary_one": {"partial_rotary_factor": 1.0},
     "theta_same_both_ways": {"rope_theta": 250.0, "rope_parameters": {"rope_type": "default", "rope_theta": 250}},
     "null_act": {"hidden_act": None},
