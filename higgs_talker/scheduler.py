@@ -181,7 +181,7 @@ class Scheduler:
             )
         # a request is cut once its prompt and rows fill max_model_len: its rows, less the ramp-up, are frames
         room = self.max_model_len - len(prompt) - (self.cfg.num_codebooks - 1)
-        if min_frames > room:
+        if min_frames > max(room, 0):
             raise PromptTooLong(
                 f"min_frames={min_frames} cannot be reached: the prompt of {len(prompt)} tokens leaves room for "
                 f"{max(room, 0)} audio frames within max_model_len={self.max_model_len}"

@@ -322,7 +322,8 @@ def test_context_limit_with_a_step_in_flight(talker, extra):
             return run(batch)
 
         engine.runner.run = recording
-        rid = engine.add_request(prompt, SamplingParams(seed=9, max_frames=100, min_frames=100))
+        room = limit - len(prompt) - (talker.cfg.num_codebooks - 1)  # the most frames the context holds: no EOC before
+        rid = engine.add_request(prompt, SamplingParams(seed=9, max_frames=100, min_frames=room))
         while engine.has_unfinished():
             engine.step()
         req = engine.pop_finished(rid)
