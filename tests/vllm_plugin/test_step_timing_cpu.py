@@ -340,6 +340,30 @@ def test_a_stalled_entry_point_leaves_every_stack_and_its_time(probe, tmp_path):
     assert probe.parse_slow("") is None and probe.parse_slow(None) is None
 
 
+def test_a_sigterm_writes_the_final_record_then_runs_the_handler_it_replaced(probe, tmp_path):
+    """vLLM stops its engine process with SIGTERM (then SIGKILL): the recorder, started in the main thread, writes
+    its final record on the signal and then calls the handler that was there before (vLLM's)."""
+    import signal
+
+    original, seen = signal.getsignal(signal.SIGTERM), []
+    signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))  # stands in for vLLM's handler
+    try:
+
+        class Model(StandIn):
+            pass
+
+        probe.patch(Model, probe.Target("Model", probe.RUNNER_CONTRACT, names_requests=True))
+        model = Model()
+        for counts in ([3], [1], [1]):
+            omni_step(model, counts)
+        out = tmp_path / f"steps_{os.getpid()}.json"
+        out.unlink()  # the periodic writes' file: the signal must write it again, as final
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+        assert json.loads(out.read_text())["final"] is True and seen == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, original)
+
+
 def test_sync_debug_is_turned_on_at_the_first_entry_point_only_when_asked(probe, monkeypatch):
     """``HIGGS_STEP_TIMING_SYNC_DEBUG`` reaches ``torch.cuda.set_sync_debug_mode`` when the recorder starts (the
     first entry point, after start-up), on a CUDA machine; unset, or without CUDA, nothing is changed."""

@@ -41,8 +41,9 @@ call returns: where a step that stalls (a compile on first use, a lock, a wait f
 
 Output: ``$HIGGS_STEP_TIMING_DIR/steps_<pid>.json`` (atomically replaced) after the first real step, then when
 ``HIGGS_STEP_TIMING_EVERY`` (100) real steps and ``HIGGS_STEP_TIMING_FLUSH_S`` (2 s) have passed since the last
-write, and at exit (atexit and multiprocessing's finalizers; a process killed outright loses the steps since its
-last write, ``"final": false``; ``higgs_step_record`` keeps the steps and writes). Left to interpreter exit,
+write, on SIGTERM (before the handler it replaces) and at exit (atexit and multiprocessing's finalizers; a process
+killed outright with no SIGTERM first loses the steps since its last write, ``"final": false``;
+``higgs_step_record`` keeps the steps and writes). Left to interpreter exit,
 vLLM's client SIGKILLs its engine process and the workers under it (the talker's) 5 s after asking them to stop:
 a worker slower to end loses its final write. To keep it, shut the engine down explicitly with a longer timeout
 (``llm.llm_engine.engine_core.shutdown(timeout=...)``) and raise ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` below it,
@@ -62,7 +63,9 @@ import atexit
 import faulthandler
 import functools
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -152,6 +155,7 @@ def _get_recorder() -> Recorder:
                              _settings.setdefault("classes", []), *windows)  # fmt: skip
         atexit.register(_final_flush)
         multiprocessing.util.Finalize(None, _final_flush, exitpriority=100)  # a multiprocessing child's exit
+        _flush_on_sigterm()
         _watch_syncs(os.environ.get("HIGGS_STEP_TIMING_SYNC_DEBUG"))
         if _settings.get("slow_s"):
             os.makedirs(_settings["dir"], exist_ok=True)
@@ -169,6 +173,26 @@ def _watch_syncs(mode: str | None) -> None:
 
         if torch.cuda.is_available():
             torch.cuda.set_sync_debug_mode(mode)
+
+
+def _flush_on_sigterm() -> None:
+    """Write the final record when the process is asked to stop (vLLM's client SIGTERMs its engine process, then
+    SIGKILLs it after its timeout), then do what SIGTERM did before: the exit hooks may not get to run (a CI run
+    under load lost the final write of an engine process that was asked to stop with 150 s to spare). Only the main
+    thread may set a handler; elsewhere the exit hooks alone write."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum, frame):
+        _final_flush()
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def _final_flush() -> None:
