@@ -303,3 +303,19 @@ def test_bf16_model_stays_close_to_fp32_reference():
     reductions, roundings = qwen3_chain(pair.case, 10)
     tol = chain_rel_tol(reductions, 1 + roundings + 8 * pair.case.layers, torch.float32, torch.bfloat16)
     assert err <= tol, (err, tol)
+
+
+def test_token_ids_embed_as_their_own_rows_and_rms_norm_keeps_its_epsilon(talker):
+    """Every id, 0 included (``!`` in the tiny tokenizer), embeds as its own row of the table (a placeholder, < 0, as
+    row 0 until it is replaced); RMSNorm adds its epsilon inside the root, which a row of tiny values shows (float64
+    reference: without eps the row would normalise to unit scale)."""
+    from higgs_talker.ops import TorchKernels
+
+    table = talker.model.model.embed_tokens.weight
+    ids = torch.tensor([0, 1, 7, talker.cfg.text.vocab_size - 1, -1])
+    assert torch.equal(talker.model.embed_text(ids), table[[0, 1, 7, talker.cfg.text.vocab_size - 1, 0]])
+    x = torch.full((1, 8), 1e-4, dtype=torch.float32)
+    weight, eps = torch.ones(8), 1e-6
+    want = (x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)).float()
+    assert torch.allclose(TorchKernels.rms_norm(x, weight, eps), want, rtol=1e-6, atol=0)
+    assert not torch.allclose(want, torch.ones_like(want), rtol=1e-2)  # eps matters at this scale

@@ -148,9 +148,18 @@ def assert_rows_equal(got: list, want: list) -> None:
         assert torch.equal(rows, want_rows), f"request {i}: rows differ from the engine without the cache"
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_repeated_prompt_prefills_only_its_last_block(talker, monkeypatch, temperature):
-    prompt = talker.build_prompt("Hello there, this prompt is long enough to fill several blocks.")
+@pytest.mark.parametrize(
+    ("temperature", "text"),
+    [
+        (0.0, "Hello there, this prompt is long enough to fill several blocks."),
+        (1.0, "Hello there, this prompt is long enough to fill several blocks."),
+        (1.0, "Hello there, this prompt is long enough to fill whole blocks."),  # 64 tokens: block-aligned
+    ],
+)
+def test_a_repeated_prompt_prefills_only_its_last_block(talker, monkeypatch, temperature, text):
+    """A block-aligned prompt still prefills its last block (its last token is sampled from): a lookup that took
+    every full block left a prefill of 0 tokens, and the engine failed on it."""
+    prompt = talker.build_prompt(text)
     params = [SamplingParams(temperature=temperature, seed=11 + i, max_frames=24) for i in range(3)]
     engine = engine_for(talker, True)
     remember_idle(_Idle(engine))

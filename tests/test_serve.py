@@ -804,3 +804,33 @@ def test_every_refusal_is_an_openai_invalid_request_error_with_a_code(served):
     assert missing.status_code == 404
     error = missing.json()["error"]
     assert (error["type"], error["code"]) == ("invalid_request_error", "not_found") and "nobody" in error["message"]
+
+
+def test_the_wire_formats_match_independent_writers_and_the_sse_framing():
+    """The WAV header equals what Python's ``wave`` module writes for the same samples (RIFF size 36 + data, byte
+    rate 2 x rate, block align 2), the streamed one differs only in its two sizes (0xFFFFFFFF), and each server-sent
+    event is one ``data:`` line closed by a blank line, so a stream of them splits on blank lines (SSE's framing)."""
+    import io
+    import wave
+
+    from higgs_talker.serve.encoding import UNKNOWN_SIZE, sse_event, wav_header
+    from higgs_talker.serve.protocol import SpeechAudioDelta
+
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(24000)
+        w.writeframes(b"\x01\x02" * 500)
+    written = buf.getvalue()
+    assert wav_header(24000, 1000) == written[:44] and len(written) == 44 + 1000
+    streamed = bytearray(written[:44])
+    streamed[4:8] = streamed[40:44] = UNKNOWN_SIZE.to_bytes(4, "little")
+    assert wav_header(24000) == bytes(streamed)
+    events = [SpeechAudioDelta(audio=a) for a in ("AAEC", "AwQF")]
+    stream = b"".join(sse_event(e) for e in events)
+    blocks = [b for b in stream.split(b"\n\n") if b]
+    assert stream.endswith(b"\n\n") and len(blocks) == 2
+    for block, event in zip(blocks, events, strict=True):
+        (line,) = block.split(b"\n")
+        assert line.startswith(b"data: ") and json.loads(line[6:]) == event.model_dump()
