@@ -640,7 +640,10 @@ def test_cpu_kv_cache_is_sized_from_a_memory_budget(talker, monkeypatch):
     full-length sequence fits."""
     import higgs_talker.kv_cache as kv_cache
 
+    # the budget's unit, against what one block of the allocated cache really holds (K and V, every layer)
+    one_block = kv_cache.allocate_kv_caches(talker.cfg.text, 1, 16, torch.float32, "cpu")
     per_block = kv_cache.kv_bytes_per_token(talker.cfg.text, torch.float32) * 16
+    assert per_block == sum(t.numel() * t.element_size() for t in one_block)
     monkeypatch.setattr(kv_cache, "free_memory_bytes", lambda device: int(100 * per_block / 0.6) + 1)
     engine = make_engine(talker, max_num_seqs=8, max_model_len=1024)  # 8 x 64 blocks wanted, 100 fit
     assert engine.scheduler.blocks.num_blocks == 100
