@@ -414,3 +414,17 @@ def test_load_into_returns_the_filled_parameter_names():
     model = fresh_model(TIED)
     names = load_into(model, iter(_good_items(TIED)), TIED)
     assert names == {n for n, _ in model.named_parameters()}
+
+
+def test_the_router_alone_refuses_an_untied_checkpoint_without_its_text_head():
+    """The vLLM adapter's load_weights has only ``WeightRouter.finish()`` (no header check before it): an untied
+    checkpoint that lacks its text head must fail there, naming the key and the parameter left unfilled, not load
+    with an uninitialised text head."""
+    cfg = tiny_config(text={"tie_word_embeddings": False})
+    model = TalkerModel(cfg)
+    router = ckpt.WeightRouter(dict(model.named_parameters()), cfg)
+    for key, tensor in tiny_weights(cfg, codec=False).items():
+        if key != ckpt.TEXT_HEAD_KEY:
+            router.route(key, tensor)
+    with pytest.raises(ValueError, match=r"tied\.head\.text_head\.weight.*does not fill model parameter\(s\): lm_head"):
+        router.finish()

@@ -135,9 +135,11 @@ def assert_spec_structure(rows: torch.Tensor) -> None:
     [
         ("Hello world", SamplingParams(seed=3, max_frames=200)),
         ("Hi", SamplingParams(seed=11, temperature=0.8, top_k=50, top_p=0.9, max_frames=24)),
+        ("Hi", SamplingParams(seed=13, top_p=0.5, max_frames=24)),  # top-p alone: the filter must still run
+        ("Hi", SamplingParams(seed=17, top_k=3, max_frames=24)),  # top-k alone
         ("Hi", SamplingParams(temperature=0.0, max_frames=12)),
     ],
-    ids=["sampled_natural_end", "top_k_top_p", "greedy"],
+    ids=["sampled_natural_end", "top_k_top_p", "top_p_only", "top_k_only", "greedy"],
 )
 def test_engine_matches_naive_recompute_loop(talker, text, params):
     prompt = talker.build_prompt(text)
