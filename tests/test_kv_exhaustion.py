@@ -172,3 +172,20 @@ def test_request_that_can_never_fit_fails_clearly(tiny_dir: Path) -> None:
     e.pop_finished(big)
     assert_idle(talker)
     assert torch.equal(talker.generate("Fine.", fits).rows, alone)
+
+
+def test_block_counts_and_the_context_limit_at_their_edges(talker):
+    """At the limits themselves: a block count at exact multiples of the block size, and a prompt that leaves
+    exactly one row (admitted) or none (refused, naming max_model_len)."""
+    from higgs_talker.engine import Engine, EngineConfig
+    from higgs_talker.kv_cache import BlockAllocator
+
+    blocks = BlockAllocator(4, 16)
+    assert [blocks.blocks_for(n) for n in (0, 1, 15, 16, 17, 32, 33)] == [0, 1, 1, 1, 2, 2, 3]
+    prompt = talker.build_prompt("Hello there.")
+    sp = talker.tokenizer.specials
+    fits = Engine(talker.model, talker.cfg, sp, EngineConfig(max_num_seqs=1, max_model_len=len(prompt) + 1))
+    fits.scheduler.check_fits(prompt)
+    full = Engine(talker.model, talker.cfg, sp, EngineConfig(max_num_seqs=1, max_model_len=len(prompt)))
+    with pytest.raises(ValueError, match=f"leaves no room within max_model_len={len(prompt)}"):
+        full.scheduler.check_fits(prompt)
