@@ -447,7 +447,7 @@ BAD = [
     ({"input": "Hi.", "seed": -1}, 400, "seed"),
     ({"input": "Hi.", "seed": 2**63}, 400, "seed"),
     ({"input": "Hi.", "max_new_tokens": 0}, 400, "max_new_tokens"),
-    ({"input": "Hi.", "max_new_tokens": 5000}, 400, "max_new_tokens"),
+    ({"input": "Hi.", "max_new_tokens": 2049}, 400, "max_new_tokens"),  # one past the limit
     ({"input": "Hi.", "max_new_tokens": "many"}, 400, "max_new_tokens"),
     ({"input": "Hi.", "max_new_tokens": "10"}, 400, "max_new_tokens"),  # strict types, as OpenAI's schema
     ({"input": "Hi.", "seed": 7.0}, 400, "seed"),
@@ -834,3 +834,13 @@ def test_the_wire_formats_match_independent_writers_and_the_sse_framing():
     for block, event in zip(blocks, events, strict=True):
         (line,) = block.split(b"\n")
         assert line.startswith(b"data: ") and json.loads(line[6:]) == event.model_dump()
+
+
+def test_a_request_at_the_limits_is_taken(solo):
+    """The limits themselves are allowed: an input of exactly max_input_chars and max_new_tokens equal to the
+    server's limit (one more of either is a 400: BAD)."""
+    serving = SpeechServing(solo, CONFIG)
+    text = ("Word. " * 1000)[: CONFIG.max_input_chars]
+    job = asyncio.run(serving.prepare(SpeechRequest(input=text, max_new_tokens=CONFIG.max_new_tokens, seed=1)))
+    assert len(text) == CONFIG.max_input_chars and job.prepared.text == text
+    assert all(part.sampling.max_frames <= CONFIG.max_new_tokens for part in job.prepared.parts)
