@@ -297,15 +297,13 @@ def _generate(args) -> int:
     elif args.reference_text is not None:
         raise ValueError("--reference-text needs --reference")
     talker = _load(args)
-    from .scheduler import PromptTooLong
+    from .prompt import PromptTooLong
 
     # said once the first row is made (every check passed), not after a generation that may be long
-    kept = (
-        None
-        if args.out is not None
-        else f"no --out: the audio is made and summed up, not kept (--out FILE: {', '.join(OUT_FORMATS)})"
-    )
-    progress = _Progress(params.max_frames, talker.cfg.num_codebooks, not args.no_progress, kept)
+    note = None
+    if args.out is None:
+        note = f"no --out: the audio is made and summed up, not kept (--out FILE: {', '.join(OUT_FORMATS)})"
+    progress = _Progress(params.max_frames, talker.cfg.num_codebooks, not args.no_progress, note)
     try:
         result = talker.generate(text, params, reference=reference, progress=progress, split=args.split or False)
     except PromptTooLong as exc:

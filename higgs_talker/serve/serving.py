@@ -25,8 +25,8 @@ from ..api import HiggsTalker, PreparedText
 from ..audio import decode_wav, pcm16
 from ..codec.streaming import UPSTREAM_CHUNKING, AudioChunking
 from ..heads.sampling import SamplingParams
+from ..prompt import PromptTooLong
 from ..results import GenerationCancelled, Reference
-from ..scheduler import PromptTooLong
 from ..splitting import DEFAULT_PART_CHARS
 from .encoding import FORMATS, b64, sse_event, wav_header
 from .protocol import (
