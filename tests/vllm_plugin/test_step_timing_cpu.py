@@ -175,6 +175,9 @@ def probe(tmp_path, monkeypatch):
     module._settings.update(dir=str(tmp_path), every=1, flush_s=0.0, idle_s=0.05)
     yield module
     module._recorder = None  # its exit hooks find nothing to write
+    windows = sys.modules.get("higgs_kernel_window")
+    if windows is not None:
+        windows._holder = None  # a profiler a failing test left open holds no slot in the next test
 
 
 def test_the_omni_runner_order_with_cuda_events(probe, tmp_path):
@@ -307,6 +310,52 @@ def test_the_prefill_trace_profiles_whole_prefill_steps_of_its_batch(probe, tmp_
         events = json.loads((tmp_path / f"prefill_{os.getpid()}_{n}.json").read_text())["traceEvents"]
         assert sum(e.get("name") == "aten::gelu" for e in events) == 1  # one forward: the step's own
     assert not (tmp_path / f"prefill_{os.getpid()}_3.txt").exists()
+
+
+def test_one_profiler_at_a_time_a_trace_due_inside_a_window_waits_for_the_next_prefill(probe, tmp_path, monkeypatch):
+    """``KERNELS=1,3`` and ``PREFILL=0,2``: the first one-request prefill is traced; the kernel window opens after
+    the first decode step; the prefill that falls inside the window is not traced (two profilers at once lose one's
+    events on CPU, and on the H200 a run with overlapping windows lost its worker); the next prefill after the
+    window is."""
+    monkeypatch.setenv("HIGGS_STEP_TIMING_KERNELS", "1,3")
+    monkeypatch.setenv("HIGGS_STEP_TIMING_PREFILL", "0,2")
+    probe.patch(StandIn, probe.Target("StandIn", probe.RUNNER_CONTRACT, names_requests=True))
+    model = StandIn()
+    for counts in ([5], [1], [1], [7], [1], [1], [6], [1]):
+        omni_step(model, counts)
+    (window,), (trace,) = probe._recorder.windows, probe._recorder.traces
+    assert window.done and window.inside == {"decode b=1": 3, "prefill b=1": 1}
+    table = (tmp_path / f"kernels_{os.getpid()}.txt").read_text()
+    assert table.startswith("kernel window: 3 decode steps (b=1) after 1")
+    assert (trace.seen, trace.traced) == (3, 2) and trace.profiler is None
+    for n, tokens in ((1, 5), (2, 6)):  # not the 7-token prefill inside the window
+        assert f"batch 1, tokens {tokens}," in (tmp_path / f"prefill_{os.getpid()}_{n}.txt").read_text()
+
+
+def test_a_window_that_fails_is_closed_written_down_and_the_worker_goes_on(probe, tmp_path, monkeypatch):
+    """The host window's profiler raising as it opens (after the kernel window, which held the one slot, closed):
+    no entry point raises, the window is done, ``host_<pid>.txt`` says what failed, and the steps go on being
+    recorded."""
+    windows = pytest.importorskip("higgs_kernel_window")
+
+    def broken_start(self):
+        raise RuntimeError("another profiling tool is active")
+
+    monkeypatch.setattr(windows.HostWindow, "_start", broken_start)
+    monkeypatch.setenv("HIGGS_STEP_TIMING_KERNELS", "1,2")
+    monkeypatch.setenv("HIGGS_STEP_TIMING_HOST", "1,2")
+    probe.patch(StandIn, probe.Target("StandIn", probe.RUNNER_CONTRACT, names_requests=True))
+    model = StandIn()
+    for counts in ([5], [1], [1], [1], [1], [1], [1]):
+        omni_step(model, counts)
+    kernels, host = probe._recorder.windows
+    assert kernels.done and host.done and host.profiler is None and windows._holder is None
+    assert (tmp_path / f"kernels_{os.getpid()}.txt").read_text().startswith("kernel window: 2 decode steps")
+    assert (tmp_path / f"host_{os.getpid()}.txt").read_text() == (
+        "host window (cProfile, this thread) failed: RuntimeError: another profiling tool is active\n"
+    )
+    probe._recorder.flush(final=True)
+    assert the_summary(tmp_path)["categories"]["decode b=1"]["steps"] == 6
 
 
 def _stall_in_a_compile():

@@ -23,15 +23,37 @@ request's token count) to the step's close, and written as ``prefill_<pid>_<n>.j
 device timelines side by side) and ``prefill_<pid>_<n>.txt`` (the step's wall time, then ops and kernels by their own
 time).
 
+One profiler runs at a time in a process: a window or trace that comes due while another's profiler is open waits
+(a window for its next step of its kind, a trace for its next prefill). A tool that raises is closed and writes
+what failed to its file; the process it probes goes on (the probe must never take a worker down).
+
 Off by default (nothing profiled; ``torch.profiler`` and ``cProfile`` are imported only when asked).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
 from higgs_step_record import batch_label
+
+_holder = None  # the window or trace whose profiler is open in this process (one at a time)
+
+
+def claim(tool) -> bool:
+    """Whether ``tool`` may open its profiler now (none other is open); it then holds the process's one slot."""
+    global _holder
+    if _holder is None or _holder is tool:
+        _holder = tool
+        return True
+    return False
+
+
+def release(tool) -> None:
+    global _holder
+    if _holder is tool:
+        _holder = None
 
 
 def parse(spec: str | None, name: str = "HIGGS_STEP_TIMING_KERNELS") -> tuple[int, int, int] | None:
@@ -60,7 +82,7 @@ class KernelWindow:
         self.skip, self.steps, self.cuda = skip, steps, cuda
         self.label = batch_label(batch)
         self.path = os.path.join(out_dir, f"{self.prefix}_{os.getpid()}.txt")
-        self.seen = 0  # steps of the window's kind closed so far
+        self.seen = self.counted = self.opened_after = 0  # its kind's steps closed: all, inside, before it opened
         self.inside: dict[str, int] = {}  # categories of the steps closed inside the window
         self.profiler = None
         self.started = 0.0
@@ -74,12 +96,23 @@ class KernelWindow:
         counted = kind in ("decode", "replayed") and label == self.label
         if self.profiler is not None:
             self.inside[category] = self.inside.get(category, 0) + 1
+            self.counted += counted
+            if self.counted == self.steps:
+                self._stop()
+            return
         self.seen += counted
-        start = max(self.skip, 1)  # a window opens after a step of its kind closed
-        if self.profiler is None and counted and self.seen == start:
+        if counted and self.seen >= max(self.skip, 1) and claim(self):  # after a step of its kind closed
+            self.opened_after = self.seen
             self._start()
-        elif self.profiler is not None and self.seen == start + self.steps:
-            self._stop()
+
+    def fail(self, exc: BaseException) -> None:
+        """Close the window after ``exc`` (best effort) and write what failed in place of its table."""
+        if self.profiler is not None:
+            with contextlib.suppress(Exception):  # already failing: the first error is the one to report
+                self._finish()
+        self.profiler, self.done = None, True
+        release(self)
+        _write_failure(self.path, self.what, exc)
 
     def _start(self) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -100,9 +133,10 @@ class KernelWindow:
         wall = time.perf_counter() - self.started
         self._finish()
         self.done = True
+        release(self)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        head = (f"{self.what}: {self.steps} decode steps ({self.label}) after {self.skip}; steps closed in it: "
-                f"{self.inside}\nwall {wall * 1e6 / self.steps:.0f} us a step")  # fmt: skip
+        head = (f"{self.what}: {self.steps} decode steps ({self.label}) after {self.opened_after}; steps closed in "
+                f"it: {self.inside}\nwall {wall * 1e6 / self.steps:.0f} us a step")  # fmt: skip
         with open(self.path, "w", encoding="utf-8") as f:
             f.write(head + self.report())
 
@@ -177,7 +211,7 @@ class PrefillTrace:
         if step.batch < 1 or not step.longest or step.longest < 2 or batch_label(step.batch) != self.label:
             return  # not a prefill of the category (a dummy run names no request)
         self.last, self.seen = step, self.seen + 1
-        if self.seen > self.skip:
+        if self.seen > self.skip and claim(self):  # else another profiler is open: the next prefill may be traced
             from torch.profiler import ProfilerActivity, profile
 
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
@@ -207,3 +241,19 @@ class PrefillTrace:
             if self.cuda:
                 f.write(averages.table(sort_by="self_device_time_total", row_limit=40) + "\n")
         self.step = self.profiler = None
+        release(self)
+
+    def fail(self, exc: BaseException) -> None:
+        """Stop tracing after ``exc`` (best effort): no more prefill steps are traced; what failed is written."""
+        profiler, self.step, self.profiler, self.traced = self.profiler, None, None, self.count
+        release(self)
+        if profiler is not None:
+            with contextlib.suppress(Exception):  # already failing: the first error is the one to report
+                profiler.__exit__(None, None, None)
+        _write_failure(os.path.join(self.out_dir, f"prefill_{os.getpid()}_failed.txt"), "prefill trace", exc)
+
+
+def _write_failure(path: str, what: str, exc: BaseException) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"{what} failed: {type(exc).__name__}: {exc}\n")

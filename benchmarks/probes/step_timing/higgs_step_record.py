@@ -55,6 +55,14 @@ def batch_label(batch: int) -> str:
     return f"b={low}" if high == low else f"b={low}-{high or ''}"
 
 
+def _safely(tool, call, arg) -> None:
+    """``call(arg)``; an exception closes ``tool`` (its ``fail`` writes it down) instead of reaching the worker."""
+    try:
+        call(arg)
+    except Exception as exc:  # noqa: BLE001 - a profiler that breaks must not take the probed process down
+        tool.fail(exc)
+
+
 class Recorder:
     """This process's steps: opens and closes them, records CUDA events, writes the summary."""
 
@@ -104,9 +112,9 @@ class Recorder:
         self.steps.setdefault(step.category, []).append(step)
         self.dirty.add(step.category)
         for window in self.windows if now is not None else ():
-            window.step_closed(step.category)
+            _safely(window, window.step_closed, step.category)
         for trace in self.traces:
-            trace.step_closed(step)
+            _safely(trace, trace.step_closed, step)
         if "start" in step.events and "end" in step.events:
             self.pending.append(step)
         else:
@@ -122,7 +130,7 @@ class Recorder:
     def observed(self, step: Step) -> None:
         """An entry point's arguments told more about ``step`` (its requests, their token counts)."""
         for trace in self.traces:
-            trace.step_known(step)
+            _safely(trace, trace.step_known, step)
 
     def record(self, step: Step, key: str) -> None:
         """Record a CUDA event on the current stream (not while it captures a graph); no sync."""
