@@ -358,6 +358,29 @@ def test_a_window_that_fails_is_closed_written_down_and_the_worker_goes_on(probe
     assert the_summary(tmp_path)["categories"]["decode b=1"]["steps"] == 6
 
 
+def test_the_stage_1_codec_gets_one_step_per_forward_call(probe, tmp_path):
+    """vllm-omni's ``HiggsAudioV3Code2Wav`` target wraps its ``forward`` alone: each call is an ``other`` step of
+    the codec's process (no logits, no requests), so its count, host time and intervals are the codec's calls."""
+
+    class HiggsAudioV3Code2Wav(torch.nn.Module):
+        def forward(self, input_ids=None, positions=None, **_):
+            time.sleep(0.002)
+            return torch.nn.functional.gelu(input_ids.float())
+
+    target = probe.TARGETS["vllm_omni.model_executor.models.higgs_audio_v3.higgs_audio_v3_code2wav"]
+    assert (target.cls, target.methods) == ("HiggsAudioV3Code2Wav", ("forward",))
+    probe.patch(HiggsAudioV3Code2Wav, target)
+    codec = HiggsAudioV3Code2Wav()
+    for _ in range(5):
+        codec(torch.arange(16), torch.arange(16))
+    probe._recorder.flush(final=True)
+    data = the_summary(tmp_path)
+    assert data["instances"] == 1 and set(data["categories"]) == {"other"}
+    other = data["categories"]["other"]
+    assert other["steps"] == 5 and other["methods"]["forward"]["calls"] == 5
+    assert other["methods"]["forward"]["mean_us"] >= 2000 and other["interval_us"]["n"] == 4
+
+
 def _stall_in_a_compile():
     time.sleep(0.8)
 

@@ -4,8 +4,10 @@ Installed in every Python process by this folder's ``sitecustomize.py`` when ``H
 the folder is on ``PYTHONPATH`` (inherited by the processes vLLM and vllm-omni spawn: engine core, Stage-0
 worker). An import hook on ``sys.meta_path`` wraps the entry points of the classes in ``TARGETS`` when their
 module is imported: our talker (``higgs_talker.vllm_plugin.talker``), the text-only bridge that drives it under
-plain vLLM, and vllm-omni's in-tree talker (``bench_omni.py --talkers upstream``). Nothing is imported eagerly; a
-process that never imports those modules only pays one dict lookup per import.
+plain vLLM, vllm-omni's in-tree talker (``bench_omni.py --talkers upstream``) and vllm-omni's Stage-1 codec
+(``HiggsAudioV3Code2Wav``: its ``forward`` alone, so every call is an ``other`` step of its own process, with its
+interval and device span: what the codec costs a call, at 64 streams a loop over the requests' chunks). Nothing is
+imported eagerly; a process that never imports those modules only pays one dict lookup per import.
 
 Per step of the worker, wall clock (``time.perf_counter``):
 - ``interval``: from the step's first entry point to the next step's: one turn of the worker's loop, runner and
@@ -98,6 +100,9 @@ TARGETS = {
     "higgs_talker.vllm_plugin.bridge": Target("TextOnlyBridge", ("update_state", "apply"), True, is_model=False),
     "vllm_omni.model_executor.models.higgs_audio_v3.higgs_audio_v3_talker": Target(
         "HiggsAudioV3TalkerForConditionalGeneration", RUNNER_CONTRACT, False
+    ),
+    "vllm_omni.model_executor.models.higgs_audio_v3.higgs_audio_v3_code2wav": Target(
+        "HiggsAudioV3Code2Wav", ("forward",), False
     ),
 }
 # the order of the once-a-step entry points within a step (vllm-omni's AR runner, plain vLLM with the bridge);
