@@ -71,6 +71,11 @@ def wav_bytes(tag: int, channels: int, rate: int, bits: int, payload: bytes, ext
     return b"RIFF" + struct.pack("<I", 4 + len(chunks)) + b"WAVE" + chunks
 
 
+def with_block_align(wav: bytes, align: int) -> bytes:
+    """``wav`` (as ``wav_bytes`` lays it out: fmt chunk first) with its header's block_align field replaced."""
+    return wav[:32] + struct.pack("<H", align) + wav[34:]
+
+
 @pytest.mark.parametrize(
     ("tag", "bits", "pack", "values", "expected"),
     [
@@ -115,6 +120,7 @@ def test_write_wav_is_16_bit_mono_and_clipped(tmp_path: Path) -> None:
         (b"RIFF\x04\x00\x00\x00WAVE", "no fmt"),
         (wav_bytes(2, 1, 8000, 4, b"\x00\x00"), "format tag 0x0002"),
         (wav_bytes(1, 1, 8000, 16, b"")[:-8], "no data"),
+        (with_block_align(wav_bytes(1, 1, 8000, 16, b"\x00\x01" * 4), 4), "inconsistent WAV header.*align 4"),
     ],
 )
 def test_read_wav_refuses_what_it_cannot_read(tmp_path: Path, content: bytes, match: str) -> None:
@@ -291,6 +297,12 @@ def test_reference_audio_length_is_checked(talker: HiggsTalker, seconds: float, 
         talker.build_prompt("Hi.", Reference(audio=noise(seconds), sample_rate=24000))
 
 
+@pytest.mark.parametrize("seconds", [1.0, 30.0])
+def test_reference_audio_at_the_length_limits_is_taken(talker: HiggsTalker, seconds: float) -> None:
+    prompt = talker.build_prompt("Hi.", Reference(audio=noise(seconds), sample_rate=24000))
+    assert prompt.audio_codes is not None and prompt.audio_codes.shape[0] > 0
+
+
 def test_reference_that_is_not_audio(talker: HiggsTalker, tmp_path: Path) -> None:
     (tmp_path / "notes.wav").write_text("these are my notes")
     with pytest.raises(ValueError, match="notes.wav is not a WAV file"):
@@ -353,6 +365,11 @@ def test_reference_cache_is_lru() -> None:
     assert cache.get(keys[0]) is not None  # 0 is now the most recent
     cache.put(keys[2], torch.full((1, 8), 2))
     assert cache.get(keys[1]) is None and cache.get(keys[0]) is not None and len(cache) == 2
+    stored = torch.full((1, 8), 5)
+    cache.put(keys[1], stored)
+    stored.fill_(6)  # the caller's tensors are its own: neither what it put nor what it got edits the cache
+    cache.get(keys[1]).fill_(7)
+    assert torch.equal(cache.get(keys[1]), torch.full((1, 8), 5))
 
 
 # ---------------------------------------------------------------------------------------------------------

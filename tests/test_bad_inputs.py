@@ -266,6 +266,11 @@ CONFIG_VS_HEADER = [
         "cfg-layers-500",
     ),
     (
+        dict(text_config__num_hidden_layers=2),  # fewer than the checkpoint holds: its layer 2 would go unused
+        E("text_config.num_hidden_layers is 2, but the checkpoint holds 3 (layers 0..2)"),
+        "cfg-layers-fewer",
+    ),
+    (
         # matches every tensor, but its RoPE table (2e9 x 32 x 28 bytes while built) fits no machine
         dict(text_config__max_position_embeddings=2 * 10**9),
         "does not fit on cpu: .* largest part: RoPE table: max_position_embeddings x head_dim = 2000000000 x 32",

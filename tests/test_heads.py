@@ -214,6 +214,23 @@ def test_delay_rows_for_any_eoc_step(s):
     assert frames[s, 0] == EOC and (frames[s, 1:] < 1024).all()
 
 
+@pytest.mark.parametrize("s", [0, 3, 12])
+def test_the_delay_state_through_an_utterance_and_at_its_terminal_row(s):
+    """``delay`` counts the started codebooks after each row, 1 up to C-1 and never C; ``has_codes`` holds from the
+    first row until the terminal row, which leaves the row as a fresh stream reads: delay 0, countdown -1, no
+    codes (the vLLM adapter's active flag and the feedback mask read ``has_codes``)."""
+    state, active = DelayState.allocate(1, N, BOC), torch.ones(1, dtype=torch.bool)
+    delays, has_codes = [], []
+    for t in range(s + 8):
+        logits = apply_delay_mask(preference_logits(t, [s]), state.delay, state.countdown, BOC, EOC)
+        _, state = update_state(logits.argmax(dim=-1), state, active, BOC, EOC)
+        delays.append(int(state.delay[0]))
+        has_codes.append(bool(state.has_codes[0]))
+    assert delays == [min(t + 1, N - 1) for t in range(s + 7)] + [0]
+    assert has_codes == [True] * (s + 7) + [False]
+    assert (int(state.countdown[0]), bool(state.done[0])) == (-1, True)
+
+
 def test_short_utterance_s0_hand_worked():
     """EOC at the very first (prefill) step: not-started codebooks stay BOC until their turn."""
     rows, dones, _ = drive([0], 8)

@@ -94,6 +94,9 @@ def test_a_prefix_hash_names_every_token_and_code_up_to_its_block():
     a, b = (prefix_hashes(prompt_of(ids, v), BS) for v in (voice, {6: [1, 2, 3], 7: [4, 5, 7]}))
     assert a[0] == base[0] and a[1] != base[1]  # reference codes are part of the prefix
     assert a[0] == b[0] and a[1] != b[1] and a[2] != b[2]  # another voice, the same text: block 0 only
+    # the same code row one position later in the same block (same ids): another prompt, another K/V
+    moved = prefix_hashes(prompt_of(ids, {5: [1, 2, 3], 7: [4, 5, 6]}), BS)
+    assert moved[0] == base[0] and moved[1] not in (a[1], base[1])
 
 
 # --------------------------------------------------------------------------------------------- the engine
@@ -266,6 +269,18 @@ def test_an_evicted_tail_is_recomputed_and_the_head_still_shared(talker, monkeyp
     full_hit = (len(a) - 1) // BS * BS
     assert 0 < got[2][2] < full_hit, f"A's head should survive B and its tail not: {got[2][2]} of {full_hit}"
     assert_idle(_Idle(engine))
+
+
+@pytest.mark.parametrize("short", [0, 1])
+def test_admission_takes_the_prompts_blocks_and_room_for_its_first_decode(talker, short):
+    """A prompt of k whole blocks is admitted with k + 1 (its first decoded token starts block k + 1); one token
+    shorter, with k."""
+    ids = talker.build_prompt("Hello there, a prompt cut to whole blocks.").input_ids
+    k = len(ids) // BS
+    s = engine_for(talker, False).scheduler
+    rid = s.add(Prompt(ids[: k * BS - short]), SamplingParams(seed=1, max_frames=4))
+    assert s.schedule([]) is not None
+    assert len(s.requests[rid].blocks) == k + 1 - short
 
 
 def check_block_accounting(engine: Engine) -> None:

@@ -121,3 +121,10 @@ def test_nucleus_keeps_what_vllm_keeps(dtype):
         checked += 1
     assert not wrong, f"{len(wrong)} rows keep other codes than vLLM's rule (row, top_p, codes): {wrong[:8]}"
     assert checked >= 0.9 * m
+
+
+def test_a_code_whose_tail_mass_is_exactly_one_minus_p_is_dropped():
+    """vLLM's nucleus rule at its edge, on masses fp32 holds exactly: four equal codes (0.25 each) under top_p 0.5
+    keep two -- the tail from the third code up weighs exactly 0.5 = 1 - p and is dropped (``<=``, not ``<``)."""
+    kept = torch.isfinite(top_k_top_p_filter(torch.zeros(1, 4), torch.tensor([0]), torch.tensor([0.5])))
+    assert kept.tolist() == [[True, True, False, False]]  # the stable order: the lower indices count as likelier
