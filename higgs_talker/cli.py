@@ -144,7 +144,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
 
     c = add_command("deploy-config", help="print the path of a vLLM deploy profile")
-    c.add_argument("profile", help="high-throughput, low-latency or default")
+    c.add_argument("profile", help="high-throughput, low-latency, full-decode or default")
 
     # serve: the OpenAI-compatible speech server (higgs_talker/serve; needs the 'serve' extra)
     from .serve.options import add_arguments as add_serve_arguments

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 DEPLOY_DIR = Path(__file__).with_name("deploy")
-PROFILES = {"high-throughput": "high_throughput.yaml", "low-latency": "low_latency.yaml", "default": "default.yaml"}
+PROFILES = {n: n.replace("-", "_") + ".yaml" for n in ("high-throughput", "low-latency", "full-decode", "default")}
 
 
 def deploy_config_path(name: str) -> Path:
-    """Path of a profile's YAML: ``high-throughput``, ``low-latency`` or ``default`` (underscores also accepted)."""
+    """Path of a profile's YAML: a name of ``PROFILES`` (underscores also accepted)."""
     key = str(name).strip().lower().replace("_", "-")
     if key not in PROFILES:
         raise ValueError(f"unknown deploy profile {name!r}; choose one of {', '.join(PROFILES)}")

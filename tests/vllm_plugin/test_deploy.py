@@ -24,6 +24,12 @@ def _stage(cfg, stage_id: int):
     return stage
 
 
+def _field(stage, key: str):
+    """A stage key, where this vllm-omni keeps it: a field of the stage config or its engine extras."""
+    value = getattr(stage, key, None)
+    return stage.engine_extras.get(key) if value is None else value
+
+
 @pytest.mark.parametrize("name", list(PROFILES))
 def test_every_profile_parses_and_pins_stage0(name):
     cfg = _load(name)
@@ -63,6 +69,31 @@ def test_low_latency_uses_vllm_full_decode_graphs():
     assert max(s0.compilation_config["cudagraph_capture_sizes"]) <= s0.max_num_seqs
 
 
+def test_full_decode_is_the_profile_bench_omni_measured(tmp_path):
+    """The packaged ``full-decode`` YAML loads equal to ``bench_omni.py``'s ``full_decode_64_async_frame_graphs``
+    (the low-latency YAML with 64 streams, FULL decode graphs up to 64, async scheduling, frame graphs and our
+    hand-over): the figures in its header are this file's."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    try:
+        from bench_omni import profile_yaml
+    finally:
+        sys.path.pop(0)
+    from vllm_omni.config.stage_config import load_deploy_config
+
+    measured = load_deploy_config(profile_yaml("ours", "full_decode_64_async_frame_graphs", tmp_path))
+    cfg = _load("full-decode")
+    assert cfg == measured
+    s0 = _stage(cfg, 0)
+    assert s0.enforce_eager is False and s0.max_num_seqs == 64 and _stage(cfg, 1).max_num_seqs == 64
+    assert s0.compilation_config["cudagraph_capture_sizes"] == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert _field(s0, "async_scheduling") is True
+    assert _field(s0, "hf_overrides") == {"higgs_frame_graphs": True}
+    hand_over = _field(s0, "custom_process_next_stage_input_func")
+    assert hand_over == "higgs_talker.vllm_plugin.deploy.talker2code2wav_async_chunk"
+
+
 def test_deploy_config_path_names_and_errors():
     for name in PROFILES:
         assert deploy_config_path(name).is_file()
@@ -71,7 +102,7 @@ def test_deploy_config_path_names_and_errors():
         deploy_config_path("fastest")
 
 
-@pytest.mark.parametrize("name", ["high-throughput", "low-latency"])
+@pytest.mark.parametrize("name", ["high-throughput", "low-latency", "full-decode"])
 def test_cli_prints_an_existing_path(name, capsys):
     from higgs_talker.cli import main
 
