@@ -402,8 +402,9 @@ def test_4b_offline_requests_match_the_float32_reference_and_the_direct_engine(t
 
 
 # served in the packaged low-latency profile, and with async scheduling and our hand-over (a client that leaves
-# mid-stream aborts its request: the hand-over's one case where the live status still counts)
-SERVED = ("low_latency", "low_latency_async_frame_graphs")
+# mid-stream aborts its request: the hand-over's one case where the live status still counts), at 16 streams and in
+# the packaged full-decode profile (bench_omni's full_decode_64_async_frame_graphs: test_deploy holds them equal)
+SERVED = ("low_latency", "low_latency_async_frame_graphs", "full_decode_64_async_frame_graphs")
 
 
 @pytest.fixture(scope="module", params=SERVED)
