@@ -78,7 +78,14 @@ PROFILES = (
     "full_decode_64_async_frame_graphs_no_prefix_cache",
     "full_decode_64_async_mp",
     "full_decode_64_async_frame_graphs_mp",
+    "full_decode_64_async_stage1_batches",
+    "full_decode_64_async_frame_graphs_stage1_batches",
 )
+# a profile named ..._stage1_batches is its base profile with vllm-omni's Stage-1 codec decoding each step's chunks
+# of one length as one batch (benchmarks/probes/stage1_batches, put in the worker's processes; vllm-omni 0.26 decodes
+# each request's chunk alone, and at 64 streams both talkers ended near the same audio s/s: h200_20261205b)
+STAGE1_BATCHES = "_stage1_batches"
+STAGE1_PROBE = Path(__file__).resolve().parent / "probes" / "stage1_batches"
 # Profiles measured beside the two packaged ones (issue #28): each talker's low-latency YAML (vLLM's FULL decode
 # graphs) with 64 streams and graphs up to 64, prefix caching as it is or off; and with vLLM's async scheduling
 # asked for (vLLM turns it off, with a warning, where the stage's scheduler cannot do it); and with our frame graphs
@@ -128,6 +135,7 @@ DERIVED = {"full_decode_64": _full_64(),
            "full_decode_64_async_frame_graphs_no_prefix_cache": _full_64(ASYNC_FRAME_GRAPHS, NO_PREFIX_CACHE),
            "full_decode_64_async_mp": _full_64(ASYNC, MP),
            "full_decode_64_async_frame_graphs_mp": _full_64(ASYNC_FRAME_GRAPHS, MP)}  # fmt: skip
+DERIVED |= {p: DERIVED[p.removesuffix(STAGE1_BATCHES)] for p in PROFILES if p.endswith(STAGE1_BATCHES)}
 # vllm-omni's talker ignores higgs_frame_graphs and runs with its own hand-over: asked for a profile with our frame
 # graphs, it runs the same profile without them (listed under that name; once where both are asked for)
 UPSTREAM_SAME = {p: p.replace("_frame_graphs", "") for p in PROFILES if "_frame_graphs" in p}
@@ -174,12 +182,16 @@ def upstream_profile(profile: str) -> str:
     return UPSTREAM_SAME.get(profile, profile)
 
 
-def talker_env(talker: str) -> dict[str, str]:
-    """The environment a process of ``talker`` runs in (upstream: only vllm-omni's plugin loads)."""
+def talker_env(talker: str, profile: str = "") -> dict[str, str]:
+    """The environment a process of ``talker`` runs in (upstream: only vllm-omni's plugin loads); a
+    ``..._stage1_batches`` profile's also batches Stage 1's decodes."""
     env = dict(os.environ)
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # its JIT takes minutes on a fresh machine
     if talker == "upstream":
         env |= UPSTREAM_ONLY
+    if profile.endswith(STAGE1_BATCHES):
+        path = os.pathsep.join(p for p in (str(STAGE1_PROBE), env.get("PYTHONPATH", "")) if p)
+        env |= {"HIGGS_STAGE1_BATCHES": "1", "PYTHONPATH": path}
     return env
 
 
@@ -430,7 +442,8 @@ def run_http(args: argparse.Namespace, base: dict) -> None:
 
     t0 = time.perf_counter()
     log_path = Path(args.out_dir) / f"server_{base['talker']}_{base['profile']}.log"
-    proc, url = start_server(args.model, Path(args.yaml), talker_env(base["talker"]), log_path, args.worker_timeout)
+    proc, url = start_server(args.model, Path(args.yaml), talker_env(base["talker"], base["profile"]), log_path,
+                             args.worker_timeout)  # fmt: skip
     base = base | {"start_s": time.perf_counter() - t0}
     rows_out = []
     try:
@@ -584,7 +597,7 @@ def main(argv: list[str] | None = None):
         with open(log_path, "w", encoding="utf-8") as sink:
             try:
                 # its own session: a timed-out worker is ended with the stage processes it started
-                proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=talker_env(talker),
+                proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=talker_env(talker, profile),
                                         start_new_session=True)  # fmt: skip
                 limit = worker_limit(args.worker_timeout + 60 * len(args.levels) * 5, deadline, len(configs) - index)
                 code = wait_worker(proc, log_path, limit)

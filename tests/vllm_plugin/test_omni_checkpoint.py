@@ -20,7 +20,7 @@ pytest.importorskip("vllm.config")
 pytest.importorskip("vllm_omni")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_omni import PROFILES  # noqa: E402
+from bench_omni import PROFILES, talker_env  # noqa: E402
 from omni_checkpoint import CODEC_SHARD, write_omni_checkpoint  # noqa: E402
 
 from higgs_talker import HiggsTalker, SamplingParams  # noqa: E402
@@ -43,12 +43,10 @@ def omni_ckpt(tmp_path_factory) -> Path:
     return write_omni_checkpoint(tmp_path_factory.mktemp("omni") / "ckpt", shape="tiny")
 
 
-@pytest.fixture(scope="module")
-def code2wav(omni_ckpt):
-    """vllm-omni's Stage-1 module with the checkpoint's weights, fed as vLLM's loader feeds them (the index's
+def _stage1(cls, omni_ckpt: Path):
+    """A Stage-1 module of ``cls`` with the checkpoint's weights, fed as vLLM's loader feeds them (the index's
     shards, every key)."""
     from safetensors import safe_open
-    from vllm_omni.model_executor.models.higgs_audio_v3.higgs_audio_v3_code2wav import HiggsAudioV3Code2Wav
     from vllm_omni.transformers_utils.configs.higgs_audio_v3 import HiggsAudioV3Config
 
     files = sorted(set(json.loads((omni_ckpt / INDEX_FILE).read_text())["weight_map"].values()))
@@ -59,9 +57,17 @@ def code2wav(omni_ckpt):
                 for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                     yield key, f.get_tensor(key)
 
-    module = HiggsAudioV3Code2Wav(HiggsAudioV3Config.from_pretrained(str(omni_ckpt)))
+    module = cls(HiggsAudioV3Config.from_pretrained(str(omni_ckpt)))
     module.load_weights(weights(), device=torch.device("cpu"))  # raises on a missing or unexpected decoder key
     return module
+
+
+@pytest.fixture(scope="module")
+def code2wav(omni_ckpt):
+    """vllm-omni's own Stage-1 module."""
+    from vllm_omni.model_executor.models.higgs_audio_v3.higgs_audio_v3_code2wav import HiggsAudioV3Code2Wav
+
+    return _stage1(HiggsAudioV3Code2Wav, omni_ckpt)
 
 
 @pytest.fixture
@@ -92,6 +98,74 @@ def test_vllm_omni_code2wav_loads_the_codec_and_decodes_like_ours(code2wav, omni
     assert theirs.shape == ours.shape == (24 * 960,)
     assert torch.equal(theirs, ours)  # float32 both, same modules and order of operations
     assert ours.abs().max() > 1e-3  # random weights, not a silent decoder
+
+
+def _stage1_step(module, chunks: list[torch.Tensor], metas: list[dict]) -> list[torch.Tensor]:
+    """One Stage-1 step as vllm-omni's runner calls it: every request's codes [8, T] flattened into one id row,
+    their counts, and each request's trims in its info dict."""
+    ids = torch.cat([c.reshape(-1) for c in chunks])
+    infos = [{"meta": m} for m in metas]
+    out = module.forward(ids, None, seq_token_counts=[c.numel() for c in chunks], runtime_additional_information=infos)
+    return out.multimodal_outputs["model_outputs"]
+
+
+def test_the_stage_1_batches_experiment_decodes_a_steps_chunks_together_with_vllm_omnis_audio(
+    code2wav, omni_ckpt, no_capture_check, monkeypatch
+):
+    """``benchmarks/probes/stage1_batches`` on a subclass of vllm-omni's code2wav: the chunks of one length decode as
+    one batch (two decoder calls for four requests of two lengths, where vllm-omni's makes four), each request's
+    audio equal to vllm-omni's to float rounding with its own trims; a request with a code out of range gets
+    vllm-omni's empty audio (its batch falls back to one decode a chunk) and the others theirs."""
+    from vllm_omni.model_executor.models.higgs_audio_v3.higgs_audio_v3_code2wav import HiggsAudioV3Code2Wav
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "probes"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "probes" / "stage1_batches"))
+    try:
+        from higgs_stage1_batches import batch_decodes
+    finally:
+        del sys.path[:2]
+
+    g = torch.Generator().manual_seed(3)
+    chunks = [torch.randint(0, 1024, (8, t), generator=g) for t in (54, 30, 54, 54)]
+    metas = [{"left_context_size": 25, "right_holdback_size": 4}, {"right_holdback_size": 4},
+             {"left_context_size": 25, "right_holdback_size": 4}, {}]  # fmt: skip
+    calls = []
+    parent = HiggsAudioV3Code2Wav.decode_codes
+    monkeypatch.setattr(
+        HiggsAudioV3Code2Wav, "decode_codes", lambda self, c: calls.append(c.shape[0]) or parent(self, c)
+    )
+    ours = _stage1(batch_decodes(type("Batched", (HiggsAudioV3Code2Wav,), {})), omni_ckpt)  # over the counting one
+    want = _stage1_step(code2wav, chunks, metas)
+    assert calls == [1, 1, 1, 1]
+    calls.clear()
+    got = _stage1_step(ours, chunks, metas)
+    assert sorted(calls) == [1, 3]  # one batch a length
+    assert [w.numel() for w in got] == [w.numel() for w in want] == [25 * 960, 26 * 960, 25 * 960, 54 * 960]
+    for a, b in zip(got, want, strict=True):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max(), float((a - b).abs().max())
+    bad = [c.clone() for c in chunks]
+    bad[2][0, 5] = 1024  # out of range
+    calls.clear()
+    got, want = _stage1_step(ours, bad, metas), _stage1_step(code2wav, bad, metas)
+    assert got[2].numel() == want[2].numel() == 0
+    for i in (0, 1, 3):
+        assert (got[i] - want[i]).abs().max() <= 1e-5 * want[i].abs().max()
+
+
+def test_a_stage1_batches_profile_patches_vllm_omnis_code2wav_in_the_processes_it_starts():
+    """``bench_omni.py``'s ``..._stage1_batches`` profiles: a process started with their environment has vllm-omni's
+    code2wav patched once its module is imported; the base profile's has not."""
+    import subprocess
+
+    module = "vllm_omni.model_executor.models.higgs_audio_v3.higgs_audio_v3_code2wav"
+    code = f"import {module} as m; print(m.HiggsAudioV3Code2Wav.forward.__name__)"
+    names = []
+    for profile in ("full_decode_64_async_frame_graphs", "full_decode_64_async_frame_graphs_stage1_batches"):
+        done = subprocess.run([sys.executable, "-c", code], env=talker_env("ours", profile), capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        names.append(done.stdout.split()[-1])
+    assert names == ["forward", "batched_forward"]
 
 
 def test_our_prompt_equals_vllm_omnis(omni_ckpt):
