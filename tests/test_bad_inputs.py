@@ -636,6 +636,12 @@ CALL_CASES = [
         E("[0, 3), got 1..5"),
         id="prompt-ref-positions",
     ),
+    pytest.param(  # one past the end
+        lambda t: Prompt(torch.arange(6), torch.zeros(1, 8, dtype=torch.long), torch.tensor([6])),
+        ValueError,
+        E("[0, 6), got 6..6"),
+        id="prompt-ref-position-at-end",
+    ),
     pytest.param(
         lambda t: EngineConfig(block_size=0), ValueError, "block_size must be an integer > 0, got 0", id="engine-cfg"
     ),
@@ -691,9 +697,11 @@ def test_generate_rejected_prompt_queues_nothing(own_talker: HiggsTalker) -> Non
 
 def test_engine_rejects_token_outside_vocab(own_talker: HiggsTalker) -> None:
     e = own_talker.engine
+    vocab = own_talker.cfg.text.vocab_size
     try:
-        with pytest.raises(ValueError, match="5000"):
-            e.add_request(Prompt(torch.tensor([257, 258, 5000, 259])), SamplingParams(max_frames=4))
+        for bad in (5000, vocab):  # far out, and the first id past the vocabulary
+            with pytest.raises(ValueError, match=f"{bad}.*outside the text vocabulary"):
+                e.add_request(Prompt(torch.tensor([257, 258, bad, 259])), SamplingParams(max_frames=4))
         assert_idle(own_talker)
     finally:
         for rid in list(e.requests):

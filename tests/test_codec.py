@@ -478,6 +478,14 @@ def test_bad_chunking_is_refused(kwargs, match) -> None:
         AudioChunking(**kwargs)
 
 
+def test_unset_context_sizes_take_the_codecs_reach_before_and_after() -> None:
+    """Left context covers the frames before (reach[0]), the holdback the frames after (reach[1]): an asymmetric
+    reach shows which is which (the real codec's is (10, 10))."""
+    assert AudioChunking().resolved((3, 7)) == AudioChunking(25, 1, 3, 7)
+    assert AudioChunking(left_context_frames=2).resolved((3, 7)) == AudioChunking(25, 1, 2, 7)
+    assert AudioChunking(holdback_frames=0).resolved((3, 7)) == AudioChunking(25, 1, 3, 0)
+
+
 def test_finished_stream_refuses_frames(codec) -> None:
     decoder = codec.stream()
     decoder.push(random_codes(3))

@@ -345,6 +345,8 @@ def test_dataclasses_check_types_too():
         TalkerConfig(text=TextConfig(320, 64.0, 128, 2, 4, 2, 16))
     with pytest.raises(ValueError, match=re.escape("text_config.num_hidden_layers must be at most 1024, got 1025")):
         TalkerConfig(text=TextConfig(320, 64, 128, 1025, 4, 2, 16))
+    assert TalkerConfig(text=TextConfig(320, 64, 128, 1024, 4, 2, 16)).text.num_hidden_layers == 1024  # the limit
+    assert TextConfig(320, 64, 128, 2, 4, 2, 16).rms_norm_eps == 1e-6  # Qwen3's default, as from_dict's
     with pytest.raises(ValueError, match=re.escape("tie_modality_embeddings must be true or false, got 1")):
         TalkerConfig(text=TextConfig(320, 64, 128, 2, 4, 2, 16), tie_modality_embeddings=1)
 

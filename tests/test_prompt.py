@@ -221,6 +221,9 @@ def test_prompt_longer_than_context_rejected(tiny_dir):
     small = tiny_config(text={"max_position_embeddings": 32})
     tok = TalkerTokenizer.from_pretrained(tiny_dir, small)
     tok.build("x" * 20)  # 23 tokens fit
+    assert len(tok.build("x" * 28).input_ids) == 31  # one short of the limit: fits
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        tok.build("x" * 29)  # exactly 32 tokens: no room for a generated one
     with pytest.raises(ValueError, match="max_position_embeddings"):
         tok.build("x" * 40)
     with pytest.raises(ValueError, match="max_position_embeddings"):

@@ -27,6 +27,7 @@ def test_split_text_cuts_at_sentence_ends_and_packs_them() -> None:
     quoted = 'He said "stop." Then he left. (Quietly.) End.'
     assert split_text(quoted, 20) == ['He said "stop."', "Then he left.", "(Quietly.) End."]
     assert split_text("Mr. Smith is here.", 10) == ["Mr.", "Smith is", "here."]  # abbreviations are no guard
+    assert split_text("Is it? Yes it is.", 12) == ["Is it?", "Yes it is."]  # a question ends a sentence
 
 
 def test_split_text_falls_back_to_clauses_spaces_and_hard_cuts() -> None:
@@ -54,6 +55,8 @@ def test_frame_budget() -> None:
     assert frame_budget("", 25) == 50  # the 2 s of slack
     assert frame_budget("x" * 80, 25) == 50 + 250  # 1/8 s a character
     assert frame_budget("字" * 10, 25) == 50 + 100  # 2/5 s a CJK character
+    assert frame_budget("x", 25) == 50 + 4  # ceil(3.125) frames: a part of a character rounds up
+    assert frame_budget("가" * 10, 25) == 50 + 100  # Hangul syllables are wide too
     english = "The quick brown fox jumps over the lazy dog."
     assert frame_budget(english, 25) >= 2 * 25 * len(english) / 15  # twice a reader's 15 characters a second
 
