@@ -1001,6 +1001,23 @@ def test_slot_state_exports_and_loads_into_another_slot():
     assert int(store.num_rows[3]) == 5 and int(store.seeds[3]) == 9 and int(store.min_rows[3]) == 3
 
 
+def test_a_stream_that_starts_over_in_a_used_slot_samples_as_in_a_new_one():
+    """``fresh``: the slot's row count restarts with its state, so the stream's first frame has the noise of step 0
+    and counts as one row (a stream that starts over in a vLLM slot that already produced rows)."""
+    from higgs_talker.heads.slots import SlotInit, SlotStore, sample_frame
+
+    store = SlotStore(4, N, V, BOC, EOC, torch.device("cpu"))
+    store.reset([SlotInit(1, seed=9, temperature=1.0), SlotInit(2, seed=9, temperature=1.0)])
+    g = torch.Generator().manual_seed(4)
+    for _ in range(5):  # slot 1 has produced rows; slot 2 is new
+        sample_frame(store, torch.tensor([1]), torch.randn(1, N, V, generator=g))
+    logits = torch.randn(1, N, V, generator=g)
+    reused, _ = sample_frame(store, torch.tensor([1]), logits.clone(), fresh=torch.tensor([True]))
+    new, _ = sample_frame(store, torch.tensor([2]), logits.clone(), fresh=torch.tensor([True]))
+    assert torch.equal(reused, new)
+    assert int(store.num_rows[1]) == int(store.num_rows[2]) == 1
+
+
 def test_seeds_fold_into_range_and_unseeded_draws_follow_the_generator():
     import random
 
@@ -1306,10 +1323,11 @@ def test_reference_rows_read_a_voice_clone_info():
     rows, where = torch.arange(3 * N).reshape(3, N), torch.tensor([4, 5, 6])
     mask = torch.tensor([True, False, True])
     infos = [{"audio_input_ids": [rows], "audio_placeholder_positions": where, "audio_input_ids_mask": mask},
-             {"audio_input_ids": rows, "audio_placeholder_positions": where[:2]}, "not a dict", {}]  # fmt: skip
+             {"audio_input_ids": rows, "audio_placeholder_positions": where[:2]}, "not a dict", {},
+             {"audio_input_ids": rows[:2], "audio_placeholder_positions": where}]  # fmt: skip
     got_where, got_rows = reference_rows(infos, N, 0)
     assert got_where.tolist() == [4, 6] and torch.equal(got_rows, rows[[0, 2]]) and got_rows.dtype == torch.long
-    assert all(reference_rows(infos, N, i) is None for i in (1, 2, 3, 4))
+    assert all(reference_rows(infos, N, i) is None for i in (1, 2, 3, 4, 5))  # fewer positions; more; none
 
 
 def test_placeholder_prompts_place_reference_rows_as_explicit_positions_do(caplog):
