@@ -284,6 +284,13 @@ def test_tokenizer_without_ref_text_token(tmp_path):
         tok.build("hello", ref_codes(1), reference_text="world", cfg=CFG)
 
 
+def test_the_tokenizers_eos_comes_before_the_configs(tmp_path):
+    """The tokenizer's end token comes first; config.json's eos_token_id only stands in where it has none."""
+    write_tokenizer(tmp_path, ["<|eos|>", "<|tts|>", "<|text|>", "<|audio|>"], "<|eos|>")
+    tok = TalkerTokenizer.from_pretrained(tmp_path, CFG)  # CFG.eos_token_id == 256; the tokenizer's <|eos|> is 3
+    assert tok.specials.eos == tok.tokenizer.convert_tokens_to_ids("<|eos|>") != CFG.eos_token_id
+
+
 def test_eos_falls_back_to_config_then_errors(tmp_path):
     write_tokenizer(tmp_path, ["<|tts|>", "<|text|>", "<|audio|>"], None)
     tok = TalkerTokenizer.from_pretrained(tmp_path, CFG)  # CFG.eos_token_id == 256
