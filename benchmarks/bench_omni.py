@@ -13,7 +13,9 @@ decode graphs up to 64 streams), ``full_decode_64_no_prefix_cache`` (the same, p
 asked for in Stage 0's ``hf_overrides``; vllm-omni's talker ignores the key), ``full_decode_64_frame_graphs``
 (both) and ``low_latency_async_frame_graphs`` (async scheduling, frame graphs and our Stage 0 -> code2wav hand-over,
 ``HAND_OVER``), ``full_decode_64_async`` and ``full_decode_64_async_frame_graphs``, and the last two on vLLM's
-FlashAttention backend instead of FlashInfer (``..._flash_attn``). vllm-omni's talker, asked for a
+FlashAttention backend instead of FlashInfer (``..._flash_attn``); ``..._stage1_batches``: the same with vllm-omni's
+Stage-1 codec decoding a step's chunks of one length as one batch (``probes/stage1_batches``), for either talker.
+``full_decode_64_async_frame_graphs`` is the packaged ``full-decode`` profile. vllm-omni's talker, asked for a
 profile with our frame graphs, runs the one without them and with its own hand-over (``UPSTREAM_SAME``), so one run
 compares each of ours with vllm-omni's nearest. Each
 (talker, profile, path) runs in its own process (a fresh CUDA context; ``Omni`` and ``vllm-omni serve`` start their
