@@ -197,6 +197,12 @@ def talker_env(talker: str, profile: str = "") -> dict[str, str]:
     return env
 
 
+def jit_verbose_yaml(base: Path, out: Path) -> Path:
+    """``base`` with Stage 0's ``jit_monitor_verbose`` on (vLLM 0.26+: every Triton kernel compiled after warm-up is
+    logged with its specialization key, where the default logs the first one's name once)."""
+    return derived_yaml(base, out, {0: {"jit_monitor_verbose": True}})
+
+
 def derived_yaml(base: Path, out: Path, stage_overrides: dict[int, dict]) -> Path:
     """``base`` with keys of stages replaced (``{stage_id: {key: value}}``; value None drops the key), at ``out``.
     vllm-omni reads ``base_config`` relative to the YAML, so that is resolved to an absolute path."""
@@ -544,6 +550,11 @@ def main(argv: list[str] | None = None):
                    help="end the run after this many seconds, each configuration (talker x profile x path) getting "
                         "an equal share of what is left when it starts: a worker over its share is stopped and keeps "
                         "the levels it finished; configurations not started are recorded as skipped")  # fmt: skip
+    p.add_argument(
+        "--jit-verbose",
+        action="store_true",
+        help="Stage 0 with jit_monitor_verbose: vLLM logs each kernel compiled while serving, with its key",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -588,6 +599,8 @@ def main(argv: list[str] | None = None):
             writer.add({"talker": talker, "profile": profile, "path": path, "status": "skipped", "error": "--budget-s"})
             continue
         yaml_path = "" if path == "direct" else str(profile_yaml(talker, profile, writer.dir))
+        if yaml_path and args.jit_verbose:
+            yaml_path = str(jit_verbose_yaml(Path(yaml_path), writer.dir / f"{talker}_{profile}_jit_verbose.yaml"))
         cmd = [sys.executable, __file__, "--worker", "--talkers", talker, "--profiles", profile, "--paths", path,
                "--model", args.model, "--yaml", yaml_path, "--out-dir", str(writer.dir), "--frames", str(frames),
                "--levels", ",".join(map(str, args.levels)), "--seed", str(args.seed),

@@ -94,13 +94,14 @@ def backbone_config(vllm_config: Any, text_config: Any) -> Any:
 def text_sampler(vllm_config: Any, vocab_size: int, device: torch.device):
     """vLLM's sampler for the text token (the model config's logprobs mode). vLLM 0.26 compiles its top-k/top-p filter
     per class of batch (8+ rows: a multiple of 16 or not, each filter on or off) and its unseeded sampler for 1 row or
-    more; a class first met in serving stalls that step (9.9 s for 38 rows, h200_20261204e; 1, 8 and 16 rows warmed
-    here still left one at 36-64 rows, h200_20261205b). Off the CPU every batch size up to max_num_seqs runs here."""
+    more; a class first met in serving stalls that step (9.9 s for 38 rows, h200_20261204e). Off the CPU, 1, 8 and 16
+    rows (up to max_num_seqs) run once here, unseeded; one compile at 36-64 rows remained (h200_20261205b: not a batch
+    class, what differs is not known yet: ``jit_monitor_verbose`` in the stage's engine arguments logs it)."""
     from vllm.v1.sample.sampler import Sampler
 
     mode = getattr(getattr(vllm_config, "model_config", None), "logprobs_mode", None)
     sampler, started = Sampler(logprobs_mode=mode) if mode is not None else Sampler(), time.perf_counter()
-    batches = list(range(1, max_num_seqs(vllm_config) + 1)) if device.type != "cpu" else []
+    batches = [n for n in (1, 8, 16) if n <= max_num_seqs(vllm_config)] if device.type != "cpu" else []
     try:
         for n, top_k, top_p in itertools.product(batches, (50, None), (0.95, None)):
             k = None if top_k is None else torch.full((n,), top_k, dtype=torch.int32, device=device)  # as vLLM's
@@ -110,7 +111,7 @@ def text_sampler(vllm_config: Any, vocab_size: int, device: torch.device):
         warn_once("warm-sampler", "vLLM's text sampler was not warmed up (%s: %s)", type(exc).__name__, exc)
     else:
         if batches:  # none on the CPU
-            logger.info("higgs talker: vLLM's text sampler warmed up for batches 1-%d in %.1f s", batches[-1],
+            logger.info("higgs talker: vLLM's text sampler warmed up for batches %s in %.1f s", batches,
                         time.perf_counter() - started)  # fmt: skip
     return sampler
 

@@ -286,6 +286,15 @@ def test_bench_omnis_deploy_yamls_and_their_test_variants_parse(talker, profile,
 
         args = merge_pipeline_deploy(HIGGS_AUDIO_V3_PIPELINE, load_deploy_config(base))[0].yaml_engine_args
         assert args["distributed_executor_backend"] == "mp", args
+    if profile == "full_decode_64_async_frame_graphs":  # --jit-verbose: vLLM's engine argument reaches Stage 0
+        from bench_omni import jit_verbose_yaml
+        from vllm_omni.config.stage_config import merge_pipeline_deploy
+        from vllm_omni.model_executor.models.higgs_audio_v3.pipeline import HIGGS_AUDIO_V3_PIPELINE
+
+        verbose = load_deploy_config(jit_verbose_yaml(base, tmp_path / "jit.yaml"))
+        stages = merge_pipeline_deploy(HIGGS_AUDIO_V3_PIPELINE, verbose)
+        assert stages[0].yaml_engine_args["jit_monitor_verbose"] is True
+        assert "jit_monitor_verbose" not in stages[1].yaml_engine_args
     derived = derived_yaml(base, tmp_path / "derived.yaml", {0: {"max_model_len": 1024}, 1: {"dtype": "float32"}})
     for path in (base, derived):
         cfg = load_deploy_config(path)

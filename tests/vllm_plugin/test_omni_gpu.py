@@ -273,8 +273,7 @@ def test_the_adapter_takes_the_graph_path_its_profile_calls_for(offline):
             "high_throughput": "local MLP graphs on: vLLM enforce_eager=True"}[profile]  # fmt: skip
     assert want in log, [x for x in log.splitlines() if "higgs" in x.lower() or "frame graphs" in x][:20]
     assert "capture failed" not in log
-    seqs = 64 if profile.startswith(("full_decode_64", "high_throughput")) else 16  # Stage 0's max_num_seqs
-    assert f"vLLM's text sampler warmed up for batches 1-{seqs} in" in log
+    assert "vLLM's text sampler warmed up for batches [1, 8, 16]" in log  # max_num_seqs 16 or 64: every class
     if "frame_graphs" not in profile:  # the eager frame instead: each class its kernels compile for, at load
         assert "eager frame warmed up for batches [1, 2, 16]" in log
     if "async" in profile:  # vLLM kept it on for Stage 0 (it says so when it turns it off)
