@@ -276,6 +276,7 @@ def test_the_host_window_profiles_the_thread_over_the_steps_of_its_batch(probe, 
     assert cpu_ms < wall_us / 1e3 - 3  # the sleeping (4.4 ms a step of the window's) is waiting, not CPU time
     own = text.split("by own time:")[1].split("by cumulative time:")[0].splitlines()[2]
     assert own.endswith("<built-in method time.sleep>") and 3.0 <= float(own.split()[0]) < 100  # the stand-in's too
+    assert "json" not in text and "_iterencode" not in text  # the probe's summary writes (every step) are not counted
     (work,) = [line for line in text.split("by cumulative time:")[1].splitlines() if "_host_work_of" in line]
     assert 3.0 <= float(work.split()[0]) < 100 and float(work.split()[2]) == 1.0  # its sleep (or longer), once a step
     with pytest.raises(ValueError, match="HIGGS_STEP_TIMING_HOST .*'1'"):
@@ -387,8 +388,8 @@ def _stall_in_a_compile():
 
 def test_a_stalled_entry_point_leaves_every_stack_and_its_time(probe, tmp_path):
     """``HIGGS_STEP_TIMING_SLOW_S=0.2``: the one ``sample`` that stalls (0.8 s) leaves each thread's stack as it was
-    0.2 s in, the stalling frame named, then its SLOW line with its step's batch; steps that do not stall (a few ms
-    each) leave nothing; a bad value is refused with the value."""
+    about 0.2 s in (the watchdog looks every 0.05 s), the stalling frame named, then its SLOW line with its step's
+    batch; steps that do not stall (a few ms each) leave nothing; a bad value is refused with the value."""
 
     class Model(StandIn):
         def sample(self, logits, sampling_metadata):
@@ -405,7 +406,8 @@ def test_a_stalled_entry_point_leaves_every_stack_and_its_time(probe, tmp_path):
     stack, slow, after = text.partition("SLOW ")
     assert slow and "SLOW" not in after and after.startswith("sample 0.8")
     assert "(after 2 real steps; batch 3, tokens 3)" in after
-    assert "Timeout (0:00:00.200000)!" in stack and "_stall_in_a_compile" in stack and "in sample" in stack
+    assert stack.count("every thread's stack") == 1 and "_stall_in_a_compile" in stack and "in sample" in stack
+    assert 0.2 <= float(stack.split("Running ")[1].split()[0]) < 0.8
     for bad in ("0", "-1", "soon"):
         with pytest.raises(ValueError, match=f"HIGGS_STEP_TIMING_SLOW_S .*{bad!r}"):
             probe.parse_slow(bad)

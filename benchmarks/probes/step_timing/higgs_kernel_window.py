@@ -105,6 +105,11 @@ class KernelWindow:
             self.opened_after = self.seen
             self._start()
 
+    def paused(self):
+        """A context in which the window does not count what runs (the probe's own summary writes); torch's
+        profiler records kernels only, which those do not launch, so nothing to pause here."""
+        return contextlib.nullcontext()
+
     def fail(self, exc: BaseException) -> None:
         """Close the window after ``exc`` (best effort) and write what failed in place of its table."""
         if self.profiler is not None:
@@ -174,6 +179,18 @@ class HostWindow(KernelWindow):
     def _finish(self) -> None:
         self.profiler.disable()
         self.cpu = time.thread_time() - self.cpu  # this thread's CPU time: the wall minus it is waiting (GIL, GPU)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """cProfile off while the probe writes its summary (the probe's time, not the worker's)."""
+        profiler = self.profiler
+        if profiler is not None:
+            profiler.disable()
+        try:
+            yield
+        finally:
+            if profiler is not None and self.profiler is profiler:
+                profiler.enable()
 
     def report(self) -> str:
         """The ``top`` functions by own time, then by cumulative time: ms per step, share of the window's wall, calls

@@ -3,6 +3,7 @@ category, their CUDA events read when a summary is written, and the summary (``s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -172,6 +173,12 @@ class Recorder:
             if self.step is not None:
                 self.close(self.step, None)
                 self.step = None
+        with contextlib.ExitStack() as paused:
+            for window in self.windows:  # a host window profiles the worker, not the probe's bookkeeping
+                paused.enter_context(window.paused())
+            self._write(final)
+
+    def _write(self, final: bool) -> None:
         try:
             self.read_events(wait=final)
         except Exception as exc:  # a CUDA context torn down before the exit hook: keep the host times

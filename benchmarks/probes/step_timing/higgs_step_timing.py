@@ -37,9 +37,11 @@ traces whole prefill steps (``prefill_<pid>_<n>.json`` / ``.txt``). All three: `
 GPU from the first entry point on (``_watch_syncs``): where a step's host waits, in our code or vLLM's.
 
 ``HIGGS_STEP_TIMING_SLOW_S=SECONDS`` (e.g. ``0.5``) also writes, for every top-level entry point call still running
-after SECONDS, every thread's Python stack at that moment (``faulthandler.dump_traceback_later``) to
-``slow_<pid>.txt``, then a line ``SLOW <entry point> <seconds> s (after N real steps; batch B, tokens T)`` once the
-call returns: where a step that stalls (a compile on first use, a lock, a wait for the GPU) spends its time.
+after SECONDS, every thread's Python stack at that moment to ``slow_<pid>.txt``, then a line ``SLOW <entry point>
+<seconds> s (after N real steps; batch B, tokens T)`` once the call returns: where a step that stalls (a compile on
+first use, a lock, a wait for the GPU) spends its time. The stacks are read by a watchdog thread holding the GIL
+(``_Watchdog``): ``faulthandler.dump_traceback_later`` reads them without it, and a Stage-0 worker died in the middle
+of such a dump while its main thread ran Triton's code generator (h200_20261205b).
 
 Output: ``$HIGGS_STEP_TIMING_DIR/steps_<pid>.json`` (atomically replaced) after the first real step, then when
 ``HIGGS_STEP_TIMING_EVERY`` (100) real steps and ``HIGGS_STEP_TIMING_FLUSH_S`` (2 s) have passed since the last
@@ -62,13 +64,13 @@ time).
 from __future__ import annotations
 
 import atexit
-import faulthandler
 import functools
 import os
 import signal
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +117,7 @@ MODEL_END = frozenset(("compute_logits", "sample", "sample_codes", "apply"))  # 
 _settings: dict[str, Any] = {}
 _recorder: Recorder | None = None  # this process's; None until its first entry point, and again after a fork
 _slow_file = None  # this process's slow_<pid>.txt where HIGGS_STEP_TIMING_SLOW_S is set (opened with the recorder)
+_watchdog: _Watchdog | None = None  # its watchdog thread (started with the file)
 
 
 def install(out_dir: str) -> None:
@@ -144,13 +147,44 @@ def parse_slow(value: str | None) -> float | None:
     return seconds
 
 
+class _Watchdog:
+    """A daemon thread that writes every thread's Python stack to ``file`` once a watched call has run ``seconds``:
+    a call sets ``started`` (its ``perf_counter``) and clears it when it returns, two attribute writes; the thread
+    looks four times a ``seconds`` and reads the stacks with ``sys._current_frames`` under the GIL, so the threads it
+    reads are stopped between bytecodes."""
+
+    def __init__(self, file, seconds: float) -> None:
+        self.file, self.seconds = file, seconds
+        self.started: float | None = None
+        self.call = 0  # the watched call's number: one dump per call
+        threading.Thread(target=self._run, name="higgs-step-timing-watchdog", daemon=True).start()
+
+    def _run(self) -> None:
+        dumped = -1
+        while True:
+            time.sleep(self.seconds / 4)
+            started, call = self.started, self.call
+            if started is not None and call != dumped and time.perf_counter() - started >= self.seconds:
+                dumped = call
+                self._dump(time.perf_counter() - started)
+
+    def _dump(self, running: float) -> None:
+        names = {t.ident: t.name for t in threading.enumerate()}
+        me = threading.get_ident()
+        parts = [f"Running {running:.3f} s, every thread's stack (most recent call last):"]
+        for ident, frame in sys._current_frames().items():
+            if ident != me:
+                parts.append(f"Thread {ident:#x} ({names.get(ident, '?')}):\n" + "".join(traceback.format_stack(frame)))
+        print("\n".join(parts), file=self.file, flush=True)
+
+
 def _forget() -> None:
-    global _recorder, _slow_file
-    _recorder = _slow_file = None  # a forked child starts its own record (the patched classes stay patched)
+    global _recorder, _slow_file, _watchdog
+    _recorder = _slow_file = _watchdog = None  # a forked child starts its own record (the patched classes stay patched)
 
 
 def _get_recorder() -> Recorder:
-    global _recorder, _slow_file
+    global _recorder, _slow_file, _watchdog
     if _recorder is None:
         import multiprocessing.util
 
@@ -165,6 +199,7 @@ def _get_recorder() -> Recorder:
         if _settings.get("slow_s"):
             os.makedirs(_settings["dir"], exist_ok=True)
             _slow_file = open(os.path.join(_settings["dir"], f"slow_{os.getpid()}.txt"), "a", encoding="utf-8")  # noqa: SIM115
+            _watchdog = _Watchdog(_slow_file, _settings["slow_s"])
     return _recorder
 
 
@@ -249,17 +284,17 @@ def _timed(name: str, fn, names_requests: bool):
             step.forward = True
             rec.record(step, "forward")
         rec.depth = 1
-        slow = _slow_file is not None
-        if slow:
-            faulthandler.dump_traceback_later(_settings["slow_s"], file=_slow_file)
+        watchdog = _watchdog
         t1 = time.perf_counter()
+        if watchdog is not None:
+            watchdog.call, watchdog.started = watchdog.call + 1, t1
         try:
             return fn(*args, **kwargs)
         finally:
             t2 = time.perf_counter()
             rec.depth = 0
-            if slow:
-                faulthandler.cancel_dump_traceback_later()
+            if watchdog is not None:
+                watchdog.started = None
                 if t2 - t1 >= _settings["slow_s"]:
                     print(f"SLOW {name} {t2 - t1:.3f} s (after {rec.real_steps} real steps; batch {step.batch}, "
                           f"tokens {step.tokens})", file=_slow_file, flush=True)  # fmt: skip
