@@ -94,7 +94,7 @@ def test_a_prefix_hash_names_every_token_and_code_up_to_its_block():
     a, b = (prefix_hashes(prompt_of(ids, v), BS) for v in (voice, {6: [1, 2, 3], 7: [4, 5, 7]}))
     assert a[0] == base[0] and a[1] != base[1]  # reference codes are part of the prefix
     assert a[0] == b[0] and a[1] != b[1] and a[2] != b[2]  # another voice, the same text: block 0 only
-    # the same code row one position later in the same block (same ids): another prompt, another K/V
+    # the same code row one position earlier in the same block (same ids): another prompt, another K/V
     moved = prefix_hashes(prompt_of(ids, {5: [1, 2, 3], 7: [4, 5, 6]}), BS)
     assert moved[0] == base[0] and moved[1] not in (a[1], base[1])
 

@@ -124,7 +124,8 @@ def test_nucleus_keeps_what_vllm_keeps(dtype):
 
 
 def test_a_code_whose_tail_mass_is_exactly_one_minus_p_is_dropped():
-    """vLLM's nucleus rule at its edge, on masses fp32 holds exactly: four equal codes (0.25 each) under top_p 0.5
-    keep two -- the tail from the third code up weighs exactly 0.5 = 1 - p and is dropped (``<=``, not ``<``)."""
+    """The nucleus rule at its edge (vLLM's: drop while the tail mass is at most 1 - p), on masses fp32 holds exactly:
+    four equal codes (0.25 each) under top_p 0.5 keep two, the tail of two weighing exactly 0.5 (``<=``, not ``<``).
+    Which two of the equal codes stay is our stable order's choice (the lower indices), not vLLM's."""
     kept = torch.isfinite(top_k_top_p_filter(torch.zeros(1, 4), torch.tensor([0]), torch.tensor([0.5])))
     assert kept.tolist() == [[True, True, False, False]]  # the stable order: the lower indices count as likelier

@@ -24,7 +24,8 @@ sampler ranked at every row it published.
   recomputes requests), each held to the same checks; Stage 0's log names the graph path its profile calls for;
   the 4B shape (random bf16 weights), two requests in the low-latency profile, held to the same checks with the
   bounds measured at that depth, and one layer's o_proj x 1.25 in the reference as their mutation test;
-- ``vllm-omni serve`` (the low-latency profile, and with async scheduling and our hand-over): the ``openai``
+- ``vllm-omni serve`` (the low-latency profile, with async scheduling and our hand-over, and the packaged
+  full-decode profile): the ``openai``
   client's ``audio.speech.create`` (its ``voice`` sent as null through ``extra_body``: vllm-omni refuses a voice
   nobody uploaded) and httpx streaming (PCM and WAV) give the offline audio of the same seed; a client that leaves
   mid-stream does not block the next request; bad requests get a 4xx with a message.

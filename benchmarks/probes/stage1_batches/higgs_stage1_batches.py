@@ -11,11 +11,11 @@ float rounding only (the decoder treats each batch row alone).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import after_import
-import torch
-from torch import Tensor
 
 MODULE = "vllm_omni.model_executor.models.higgs_audio_v3.higgs_audio_v3_code2wav"
 
@@ -25,10 +25,13 @@ def install() -> None:
     after_import.install("stage1_batches", {MODULE: lambda module: batch_decodes(module.HiggsAudioV3Code2Wav)})
 
 
-def decode_by_length(decode: Callable[[Tensor], Tensor], chunks: Sequence[Tensor]) -> list[Tensor | None]:
+def decode_by_length(decode: Callable[[Any], Any], chunks: Sequence[Any]) -> list[Any]:
     """Each chunk of codes [Q, T] decoded, the chunks of one length T as one batch: ``decode`` [B, Q, T] -> [B, ...]
-    (which checks its codes), one result [1, ...] per chunk in order; None for each chunk of a batch that raised."""
-    out: list[Tensor | None] = [None] * len(chunks)
+    (which checks its codes), one result [1, ...] per chunk in order; None for each chunk of a batch that raised
+    (said on stderr: an out-of-memory batch would otherwise measure the unbatched path unseen)."""
+    import torch  # here, not at import: sitecustomize imports this module in every process
+
+    out: list[Any] = [None] * len(chunks)
     by_length: dict[int, list[int]] = {}
     for i, codes in enumerate(chunks):
         if codes.numel():
@@ -36,7 +39,9 @@ def decode_by_length(decode: Callable[[Tensor], Tensor], chunks: Sequence[Tensor
     for rows in by_length.values():
         try:
             decoded = decode(torch.stack([chunks[i] for i in rows])).split(1)
-        except Exception:  # noqa: BLE001 - decoded again chunk by chunk by the original loop
+        except Exception as exc:  # noqa: BLE001 - decoded again chunk by chunk by the original loop
+            print(f"higgs_stage1_batches: a batch of {len(rows)} chunks raised {type(exc).__name__}: {exc}; decoded "
+                  "one by one", file=sys.stderr)  # fmt: skip
             continue
         for i, result in zip(rows, decoded, strict=True):
             out[i] = result
@@ -48,7 +53,9 @@ def batch_decodes(cls: type) -> type:
     forward, decode_codes = cls.forward, cls.decode_codes
 
     def batched_forward(self, input_ids=None, *args, **kwargs):
-        if isinstance(input_ids, Tensor) and input_ids.ndim < 3 and input_ids.numel():
+        import torch
+
+        if isinstance(input_ids, torch.Tensor) and input_ids.ndim < 3 and input_ids.numel():
             c = self.num_codebooks
             parts = self._split_request_ids(input_ids.reshape(-1).long(), kwargs.get("seq_token_counts"))
             chunks = [p.reshape(c, -1) for p in parts if p.numel() and p.numel() % c == 0]  # the ones it decodes
@@ -59,7 +66,7 @@ def batch_decodes(cls: type) -> type:
         finally:
             self._higgs_ready = None
 
-    def queued_decode_codes(self, audio_codes: Tensor) -> Tensor:
+    def queued_decode_codes(self, audio_codes):
         ready = getattr(self, "_higgs_ready", None)
         done = ready.pop(0) if ready else None
         return decode_codes(self, audio_codes) if done is None else done
