@@ -1192,9 +1192,12 @@ def test_span_step_classifies_rows_opens_streams_and_forces_the_text_token():
     chunk.sample(slots, head, frame, (torch.ones(2), torch.full((2,), V), torch.ones(2)))
     assert slots.settle() == [None, None]
     assert slots.rows_for("a").shape == (1, N) and slots.requests["a"].active
-    slots.store.state.done[step.slots[1]] = True  # "a" emitted its terminal row
+    assert int(slots.store.num_rows[step.slots[1]]) == 1  # the chunk that produced no frame counts no row
+    slots.store.state.done[step.slots[1]] = True  # "a" emitted its terminal row, which also ends its codes
+    slots.store.state.has_codes[step.slots[1]] = False  # (update_state: has_codes = not done)
     m = _span_step(slots, ["t", "a"], [text, audio], [4, 14]).row_modes(slots, audio, eos)
     assert m.forced.tolist() == [audio, eos] and m.code_rows.tolist() == [False, False] and m.audio[1]
+    assert m.seed.tolist() == [False, False]  # its <|audio|> tail after the end opens no new stream
     logits = torch.randn(2, 64)
     want_text = logits[0].clone()
     out = force_text_logits(logits, m)
