@@ -41,7 +41,7 @@ from higgs_step_record import batch_label
 _holder = None  # the window or trace whose profiler is open in this process (one at a time)
 
 
-def claim(tool) -> bool:
+def claim(tool: object) -> bool:
     """Whether ``tool`` may open its profiler now (none other is open); it then holds the process's one slot."""
     global _holder
     if _holder is None or _holder is tool:
@@ -50,7 +50,8 @@ def claim(tool) -> bool:
     return False
 
 
-def release(tool) -> None:
+def release(tool: object) -> None:
+    """Give the slot back if ``tool`` holds it (its profiler closed, or it failed)."""
     global _holder
     if _holder is tool:
         _holder = None
