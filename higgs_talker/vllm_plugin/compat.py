@@ -92,21 +92,18 @@ def backbone_config(vllm_config: Any, text_config: Any) -> Any:
 
 
 def text_sampler(vllm_config: Any, vocab_size: int, device: torch.device):
-    """vLLM's sampler for the text token (the model config's logprobs mode). vLLM 0.26 compiles its top-k/top-p filter
-    per class of batch (8+ rows: a multiple of 16 or not, each filter on or off) and its unseeded sampler for 1 row or
-    more; a class first met in serving stalls that step (9.9 s for 38 rows, h200_20261204e). Off the CPU, 1, 8 and 16
-    rows (up to max_num_seqs) run once here, unseeded; one compile at 36-64 rows remained (h200_20261205b: not a batch
-    class, what differs is not known yet: ``jit_monitor_verbose`` in the stage's engine arguments logs it)."""
+    """vLLM's sampler for the text token (the model config's logprobs mode), its top-k/top-p kernel compiled here for
+    what serving meets: float32 logits (``Sampler`` casts them; a warm-up in the loader's bf16 default compiled only
+    bf16 ones: the 36-row compile of h200_20261205b), 1, 8 and 16 rows (up to max_num_seqs: Triton specializes the
+    batch on 1 and on multiples of 16), each filter on or off, unseeded and seeded (a seeded batch takes vLLM's native
+    path where its FlashInfer sampler is on). A class first met in serving stalled its step 9.9 s (h200_20261204e)."""
     from vllm.v1.sample.sampler import Sampler
 
     mode = getattr(getattr(vllm_config, "model_config", None), "logprobs_mode", None)
     sampler, started = Sampler(logprobs_mode=mode) if mode is not None else Sampler(), time.perf_counter()
     batches = [n for n in (1, 8, 16) if n <= max_num_seqs(vllm_config)] if device.type != "cpu" else []
     try:
-        for n, top_k, top_p in itertools.product(batches, (50, None), (0.95, None)):
-            k = None if top_k is None else torch.full((n,), top_k, dtype=torch.int32, device=device)  # as vLLM's
-            p = None if top_p is None else torch.full((n,), top_p, device=device)
-            sampler.topk_topp_sampler(torch.randn(n, vocab_size, device=device), {}, k, p)
+        warm_up(sampler, batches, vocab_size, device)
     except Exception as exc:  # noqa: BLE001 - a later vLLM's sampler: serving goes on, maybe with a compile stall
         warn_once("warm-sampler", "vLLM's text sampler was not warmed up (%s: %s)", type(exc).__name__, exc)
     else:
@@ -114,6 +111,15 @@ def text_sampler(vllm_config: Any, vocab_size: int, device: torch.device):
             logger.info("higgs talker: vLLM's text sampler warmed up for batches %s in %.1f s", batches,
                         time.perf_counter() - started)  # fmt: skip
     return sampler
+
+
+def warm_up(sampler: Any, batches: list[int], vocab_size: int, device: torch.device) -> None:
+    """``sampler``'s top-k/top-p on batches of ``batches`` rows as serving calls it (see ``text_sampler``)."""
+    seeded = {0: torch.Generator(device=device).manual_seed(0)}
+    for n, top_k, top_p, gens in itertools.product(batches, (50, None), (0.95, None), ({}, seeded)):
+        k = None if top_k is None else torch.full((n,), top_k, dtype=torch.int32, device=device)  # as vLLM's
+        p = None if top_p is None else torch.full((n,), top_p, dtype=torch.float32, device=device)
+        sampler.topk_topp_sampler(torch.randn(n, vocab_size, dtype=torch.float32, device=device), gens, k, p)
 
 
 def sampler_output(token_ids: Tensor):

@@ -54,3 +54,33 @@ def test_vllms_sampler_takes_the_warm_up_call_the_adapter_makes():
         allowed = logits.topk(50 if k is not None else v).indices  # before the sampler may filter in place
         tokens = sampler.topk_topp_sampler(logits, {}, k, p)[0]
         assert tokens.shape == (8,) and (allowed == tokens[:, None]).any(1).all(), (k, p, tokens)
+
+
+def test_the_warm_up_launches_what_serving_launches_under_the_loaders_bf16_default():
+    """vLLM builds and loads the model under a bf16 default dtype, and its ``Sampler`` casts the logits to float32: the
+    warm-up (``compat.warm_up``, run from ``load_weights``) gives float32 logits and top-p and int32 top-k whatever the
+    default (a bf16 warm-up compiled none of serving's kernels: h200_20261205b), every batch with each filter on and off,
+    unseeded and seeded; and vLLM's own sampler takes each of those calls."""
+    from vllm.v1.sample.sampler import Sampler
+
+    from higgs_talker.vllm_plugin.compat import warm_up
+
+    calls = []
+
+    class Recording:
+        def topk_topp_sampler(self, logits, generators, k, p):
+            calls.append((tuple(logits.shape), logits.dtype, bool(generators), k is not None and k.dtype,
+                          p is not None and p.dtype))  # fmt: skip
+            return Sampler().topk_topp_sampler(logits, generators, k, p)
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        warm_up(Recording(), [1, 8], 300, torch.device("cpu"))
+    finally:
+        torch.set_default_dtype(default)
+    assert len(calls) == 2 * 2 * 2 * 2
+    assert {c[0] for c in calls} == {(1, 300), (8, 300)}
+    assert {c[1] for c in calls} == {torch.float32}
+    assert {c[2] for c in calls} == {False, True}  # unseeded and seeded
+    assert {c[3] for c in calls} == {False, torch.int32} and {c[4] for c in calls} == {False, torch.float32}
