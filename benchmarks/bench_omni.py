@@ -13,11 +13,11 @@ decode graphs up to 64 streams), ``full_decode_64_no_prefix_cache`` (the same, p
 asked for in Stage 0's ``hf_overrides``; vllm-omni's talker ignores the key), ``full_decode_64_frame_graphs``
 (both) and ``low_latency_async_frame_graphs`` (async scheduling, frame graphs and our Stage 0 -> code2wav hand-over,
 ``HAND_OVER``), ``full_decode_64_async`` and ``full_decode_64_async_frame_graphs``, and the last two on vLLM's
-FlashAttention backend instead of FlashInfer (``..._flash_attn``); ``..._stage1_batches``: the same with vllm-omni's
-Stage-1 codec decoding a step's chunks of one length as one batch (``probes/stage1_batches``), for either talker.
+FlashAttention backend instead of FlashInfer (``..._flash_attn``); ``..._stage1_batches``: the same with our Stage 1
+(``higgs_talker.vllm_plugin.code2wav``: vllm-omni's code2wav decoding a step's chunks of one length as one batch).
 ``full_decode_64_async_frame_graphs`` is the packaged ``full-decode`` profile. vllm-omni's talker, asked for a
-profile with our frame graphs, runs the one without them and with its own hand-over (``UPSTREAM_SAME``), so one run
-compares each of ours with vllm-omni's nearest. Each
+profile with our frame graphs or our Stage 1, runs the one without them, with its own hand-over and Stage 1
+(``UPSTREAM_SAME``), so one run compares each of ours with vllm-omni's nearest. Each
 (talker, profile, path) runs in its own process (a fresh CUDA context; ``Omni`` and ``vllm-omni serve`` start their
 own stage processes), on one checkpoint: ``omni_checkpoint.py``'s (4B shape, random bf16 weights, EOC suppressed,
 the real-layout random codec). Lengths are forced (``max_tokens = min_tokens`` =
@@ -62,6 +62,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from higgs_talker.vllm_plugin import CODEC_ARCH
+
 TALKERS = ("ours", "upstream")
 PROFILES = (
     "low_latency",
@@ -83,11 +85,11 @@ PROFILES = (
     "full_decode_64_async_stage1_batches",
     "full_decode_64_async_frame_graphs_stage1_batches",
 )
-# a profile named ..._stage1_batches is its base profile with vllm-omni's Stage-1 codec decoding each step's chunks
-# of one length as one batch (benchmarks/probes/stage1_batches, put in the worker's processes; vllm-omni 0.26 decodes
-# each request's chunk alone, and at 64 streams both talkers ended near the same audio s/s: h200_20261205b)
+# a profile named ..._stage1_batches is its base profile with our Stage 1, which decodes each step's chunks of one
+# length as one batch (vllm-omni 0.26 decodes each request's chunk alone, and at 64 streams both talkers ended near
+# the same audio s/s: h200_20261205b)
 STAGE1_BATCHES = "_stage1_batches"
-STAGE1_PROBE = Path(__file__).resolve().parent / "probes" / "stage1_batches"
+OUR_STAGE1 = {"model_arch": CODEC_ARCH}
 # Profiles measured beside the two packaged ones (issue #28): each talker's low-latency YAML (vLLM's FULL decode
 # graphs) with 64 streams and graphs up to 64, prefix caching as it is or off; and with vLLM's async scheduling
 # asked for (vLLM turns it off, with a warning, where the stage's scheduler cannot do it); and with our frame graphs
@@ -117,6 +119,10 @@ HAND_OVER = {"custom_process_next_stage_input_func": "higgs_talker.vllm_plugin.d
 ASYNC_FRAME_GRAPHS = ASYNC | FRAME_GRAPHS | HAND_OVER  # frame graphs under async scheduling: with our hand-over
 
 
+def _with_our_stage1(base: str, stages: dict[int, dict]) -> tuple[str, dict]:
+    return base, stages | {1: stages.get(1, {}) | OUR_STAGE1}
+
+
 def _full_64(*stage0: dict) -> tuple[str, dict]:
     """The low-latency YAML with 64 streams and FULL decode graphs up to 64 (``FULL_64``; Stage 1 takes 64 too), and
     ``stage0``'s keys on Stage 0."""
@@ -137,10 +143,13 @@ DERIVED = {"full_decode_64": _full_64(),
            "full_decode_64_async_frame_graphs_no_prefix_cache": _full_64(ASYNC_FRAME_GRAPHS, NO_PREFIX_CACHE),
            "full_decode_64_async_mp": _full_64(ASYNC, MP),
            "full_decode_64_async_frame_graphs_mp": _full_64(ASYNC_FRAME_GRAPHS, MP)}  # fmt: skip
-DERIVED |= {p: DERIVED[p.removesuffix(STAGE1_BATCHES)] for p in PROFILES if p.endswith(STAGE1_BATCHES)}
-# vllm-omni's talker ignores higgs_frame_graphs and runs with its own hand-over: asked for a profile with our frame
-# graphs, it runs the same profile without them (listed under that name; once where both are asked for)
-UPSTREAM_SAME = {p: p.replace("_frame_graphs", "") for p in PROFILES if "_frame_graphs" in p}
+DERIVED |= {p: _with_our_stage1(*DERIVED[p.removesuffix(STAGE1_BATCHES)])
+            for p in PROFILES if p.endswith(STAGE1_BATCHES)}  # fmt: skip
+# vllm-omni's talker ignores higgs_frame_graphs, runs with its own hand-over, and (our plugin not loaded) its own Stage
+# 1: asked for a profile with our frame graphs or Stage 1, it runs the same profile without them (listed under that
+# name; once where several are asked for)
+UPSTREAM_SAME = {p: p.replace("_frame_graphs", "").removesuffix(STAGE1_BATCHES) for p in PROFILES
+                 if "_frame_graphs" in p or p.endswith(STAGE1_BATCHES)}  # fmt: skip
 PATHS = ("offline", "http", "direct")
 LEVELS = (1, 4, 16, 64)
 LEVELS_DONE = "LEVELS DONE"  # a worker's last line of results: what follows is its shutdown
@@ -184,16 +193,12 @@ def upstream_profile(profile: str) -> str:
     return UPSTREAM_SAME.get(profile, profile)
 
 
-def talker_env(talker: str, profile: str = "") -> dict[str, str]:
-    """The environment a process of ``talker`` runs in (upstream: only vllm-omni's plugin loads); a
-    ``..._stage1_batches`` profile's also batches Stage 1's decodes."""
+def talker_env(talker: str) -> dict[str, str]:
+    """The environment a process of ``talker`` runs in (upstream: only vllm-omni's plugin loads)."""
     env = dict(os.environ)
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # its JIT takes minutes on a fresh machine
     if talker == "upstream":
         env |= UPSTREAM_ONLY
-    if profile.endswith(STAGE1_BATCHES):
-        path = os.pathsep.join(p for p in (str(STAGE1_PROBE), env.get("PYTHONPATH", "")) if p)
-        env |= {"HIGGS_STAGE1_BATCHES": "1", "PYTHONPATH": path}
     return env
 
 
@@ -450,7 +455,7 @@ def run_http(args: argparse.Namespace, base: dict) -> None:
 
     t0 = time.perf_counter()
     log_path = Path(args.out_dir) / f"server_{base['talker']}_{base['profile']}.log"
-    proc, url = start_server(args.model, Path(args.yaml), talker_env(base["talker"], base["profile"]), log_path,
+    proc, url = start_server(args.model, Path(args.yaml), talker_env(base["talker"]), log_path,
                              args.worker_timeout)  # fmt: skip
     base = base | {"start_s": time.perf_counter() - t0}
     rows_out = []
@@ -612,7 +617,7 @@ def main(argv: list[str] | None = None):
         with open(log_path, "w", encoding="utf-8") as sink:
             try:
                 # its own session: a timed-out worker is ended with the stage processes it started
-                proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=talker_env(talker, profile),
+                proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=talker_env(talker),
                                         start_new_session=True)  # fmt: skip
                 limit = worker_limit(args.worker_timeout + 60 * len(args.levels) * 5, deadline, len(configs) - index)
                 code = wait_worker(proc, log_path, limit)

@@ -871,3 +871,29 @@ def test_a_built_checkpoint_of_another_codebook_shape_bundles_a_codec_that_fits_
     assert result.codes.shape[1] == cfg.num_codebooks and result.num_frames > 0
     assert result.audio.shape == (result.num_frames * 960,) and torch.isfinite(result.audio).all()
     assert int(result.codes.max()) < cfg.num_real_codes
+
+
+def test_decode_by_length_batches_one_length_together_and_leaves_a_failed_batch_to_be_decoded_alone():
+    """``decode_by_length``: one ``decode`` call per chunk length, each chunk's result in its place (the float64
+    row sums recomputed alone), None for an empty chunk and for each chunk of a batch that raised one of ``skip``;
+    any other exception goes to the caller."""
+    from higgs_talker.codec.codec import decode_by_length
+
+    chunks = [torch.arange(t * 2, dtype=torch.float64).reshape(1, 2, t) + i for i, t in enumerate((3, 5, 3, 0, 5, 3))]
+    calls = []
+
+    def decode(batch):
+        calls.append(tuple(batch.shape))
+        if (batch < 0).any():
+            raise ValueError("negative")
+        return batch.sum(dim=1)  # [B, T]: each row alone
+
+    out = decode_by_length(decode, chunks)
+    assert calls == [(3, 2, 3), (2, 2, 5)]
+    for chunk, got in zip(chunks, out, strict=True):
+        assert (got is None) if not chunk.numel() else torch.equal(got, chunk.sum(dim=1))
+    chunks[2] = -chunks[2]
+    out = decode_by_length(decode, chunks)
+    assert [o is None for o in out] == [True, False, True, True, False, True]  # the length-3 batch raised
+    with pytest.raises(ValueError, match="negative"):
+        decode_by_length(decode, chunks, skip=())

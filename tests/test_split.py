@@ -262,3 +262,12 @@ def test_a_run_without_spaces_is_cut_between_clusters(cluster: str) -> None:
         parts = split_text(text, max_chars)
         assert "".join(parts) == text and all(len(p) <= max_chars for p in parts)
         assert all(len(p) % len(cluster) == 0 for p in parts), [len(p) for p in parts]  # whole clusters only
+
+
+def test_a_cluster_longer_than_max_chars_is_cut_at_max_chars() -> None:
+    """Where one displayed character is longer than ``max_chars`` (a 7-code-point family emoji, 3 allowed), no cut
+    can avoid it: each is cut every ``max_chars`` code points (3 + 3 + 1), not into single code points."""
+    family = "\U0001f468\u200d\U0001f469\u200d\U0001f467\u200d\U0001f466"
+    parts = split_text(family * 2, 3)
+    assert "".join(parts) == family * 2
+    assert [len(p) for p in parts] == [3, 3, 1, 3, 3, 1]

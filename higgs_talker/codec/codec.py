@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -129,19 +129,15 @@ class Codec:
     @torch.inference_mode()
     def decode_windows(self, windows: Sequence[tuple[Tensor, int, int]]) -> list[Tensor]:
         """Decode windows (checked codes [T, Q], trim_front, trim_back), each without the samples of its first
-        ``trim_front`` and last ``trim_back`` frames; the windows of one length T decode as one batch [B, Q, T]
-        (the decoder treats each batch row alone). One waveform per window."""
-        hop, out = self.hop_length, [torch.zeros(0, dtype=torch.float32, device=self.device)] * len(windows)
-        by_length: dict[int, list[int]] = {}
-        for i, (codes, _, _) in enumerate(windows):
-            if codes.shape[0]:
-                by_length.setdefault(codes.shape[0], []).append(i)
-        for rows in by_length.values():
-            codes = torch.stack([windows[i][0] for i in rows]).to(self.device).transpose(1, 2)  # [B, Q, T]
-            wav = self.model.decode(codes).reshape(len(rows), -1).float()  # [B, T * hop]
-            for i, samples in zip(rows, wav, strict=True):
-                _, front, back = windows[i]
-                out[i] = samples[front * hop : samples.shape[0] - back * hop]
+        ``trim_front`` and last ``trim_back`` frames; the windows of one length T decode as one batch
+        (``decode_by_length``). One waveform per window."""
+        hop, empty = self.hop_length, torch.zeros(0, dtype=torch.float32, device=self.device)
+        chunks = [codes.t()[None] for codes, _, _ in windows]  # [1, Q, T]
+        decoded = decode_by_length(lambda batch: self.model.decode(batch.to(self.device)), chunks, ())
+        out = []
+        for (_, front, back), wav in zip(windows, decoded, strict=True):
+            samples = empty if wav is None else wav.reshape(-1).float()
+            out.append(samples[front * hop : samples.shape[0] - back * hop])
         return out
 
     def check_codes(self, codes: Tensor | np.ndarray) -> Tensor:
@@ -192,6 +188,27 @@ class Codec:
         from .streaming import StreamingDecoder
 
         return StreamingDecoder(self, chunking)
+
+
+def decode_by_length(
+    decode: Callable[[Tensor], Tensor], chunks: Sequence[Tensor], skip: tuple[type[Exception], ...] = (ValueError,)
+) -> list[Tensor | None]:
+    """Each chunk [1, ..., T] decoded, the chunks of one length T as one batch (``decode`` [B, ..., T] -> [B, ...]; a
+    decoder that treats each batch row alone): one result [1, ...] per chunk, in order. None for an empty chunk and
+    for each chunk of a batch whose decode raised one of ``skip`` (left to be decoded alone)."""
+    out: list[Tensor | None] = [None] * len(chunks)
+    groups: dict[int, list[int]] = {}
+    for i, chunk in enumerate(chunks):
+        if chunk.numel():
+            groups.setdefault(chunk.shape[-1], []).append(i)
+    for rows in groups.values():
+        try:
+            decoded = decode(torch.cat([chunks[i] for i in rows])).split(1)
+        except skip:
+            continue
+        for i, result in zip(rows, decoded, strict=True):
+            out[i] = result
+    return out
 
 
 def check_waveform(waveform: Tensor | np.ndarray, sample_rate: int) -> Tensor:

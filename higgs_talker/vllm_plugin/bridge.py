@@ -16,7 +16,7 @@ import itertools
 import logging
 
 import torch
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, process_dict_updates
 
 from ..heads.slots import merge_rows
 from . import ROWS_EXTENSION
@@ -79,39 +79,15 @@ class TextOnlyBridge(LogitsProcessor):
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         model = talker_for(self.vllm_config)
-        resume: set[str] = set()
+        resume: set[str] = set()  # keys of added requests with generated tokens already: preempted ones come back
         if batch_update is not None:
-            new: list[_Row] = []  # added by this update
-            gone = (self.rows.pop(index, None) for index in batch_update.removed)
-            finished = [row.key for row in gone if row is not None]
-            for index, params, _prompt, output in batch_update.added:
-                old = self.rows.get(index)
-                if old is not None:
-                    finished.append(old.key)
-                extra = params.extra_args or {}
-                if not extra.get(REQUEST_KEY):
-                    warn_once("bridge-no-key", "TextOnlyBridge: a request without extra_args[%r] (bridge.request_args):"
-                              " its codes are kept under an internal key (vllm-bridge-N)", REQUEST_KEY)  # fmt: skip
-                key = str(extra.get(REQUEST_KEY) or f"vllm-bridge-{next(self._ids)}")
-                min_rows = int(getattr(params, "min_tokens", 0) or 0)
-                ref, info = extra.get(REFERENCE), None
-                if isinstance(ref, dict):  # in the keys of vllm-omni's info; heads.spans.reference_rows reads both
-                    info = {"audio_input_ids": ref.get("rows"), "audio_placeholder_positions": ref.get("positions")}
-                self.rows[index] = row = _Row(key, float(params.temperature), int(params.top_k),
-                                              float(params.top_p), params.seed, min_rows, info)  # fmt: skip
-                new.append(row)
-                if output:  # generated tokens already: a preempted request comes back
-                    resume.add(key)
-            for a, b, direction in batch_update.moved:
-                ra, rb = self.rows.pop(a, None), self.rows.pop(b, None)
-                if ra is not None:
-                    self.rows[b] = ra
-                if rb is not None:
-                    if direction == MoveDirectionality.SWAP:
-                        self.rows[a] = rb
-                    else:  # vLLM condensed a live row into a removed one's place and reports that removal
-                        finished.append(rb.key)  # only through this move (vLLM 0.26 does)
-            self.batch_size = batch_update.batch_size
+            before = {id(row): row for row in self.rows.values()}
+            process_dict_updates(self.rows, batch_update, lambda params, _, output: self._row(params, output, resume))
+            self.batch_size, kept = batch_update.batch_size, {id(row) for row in self.rows.values()}
+            # gone: removed, replaced by an added request, or dropped by a one-way move (vLLM 0.26 condenses a live
+            # row into a removed one's place and reports that removal only through the move)
+            finished = [row.key for i, row in before.items() if i not in kept]
+            new = [row for row in self.rows.values() if id(row) not in before]
             if new:
                 self._unique_keys(new)
             if model is not None and finished:
@@ -128,6 +104,21 @@ class TextOnlyBridge(LogitsProcessor):
         refs = [r.reference or {} for r in batch]
         model.set_bridge_requests([r.key for r in batch], seeds, min_rows, refs, resume)
         self.armed = True
+
+    def _row(self, params, output: list[int] | None, resume: set[str]) -> _Row:
+        """An added request's row (its key in ``resume`` where it has generated tokens)."""
+        extra = params.extra_args or {}
+        if not extra.get(REQUEST_KEY):
+            warn_once("bridge-no-key", "TextOnlyBridge: a request without extra_args[%r] (bridge.request_args): its"
+                      " codes are kept under an internal key (vllm-bridge-N)", REQUEST_KEY)  # fmt: skip
+        key, ref = str(extra.get(REQUEST_KEY) or f"vllm-bridge-{next(self._ids)}"), extra.get(REFERENCE)
+        if output:
+            resume.add(key)
+        info = None
+        if isinstance(ref, dict):  # in the keys of vllm-omni's info; heads.spans.reference_rows reads both
+            info = {"audio_input_ids": ref.get("rows"), "audio_placeholder_positions": ref.get("positions")}
+        return _Row(key, float(params.temperature), int(params.top_k), float(params.top_p), params.seed,
+                    int(getattr(params, "min_tokens", 0) or 0), info)  # fmt: skip
 
     def _unique_keys(self, new: list[_Row]) -> None:
         """Give a request added with a key that another live request holds a unique one (warned): the model keys

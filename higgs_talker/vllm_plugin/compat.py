@@ -92,11 +92,7 @@ def backbone_config(vllm_config: Any, text_config: Any) -> Any:
 
 
 def text_sampler(vllm_config: Any, vocab_size: int, device: torch.device):
-    """vLLM's sampler for the text token (the model config's logprobs mode), its top-k/top-p kernel compiled here for
-    what serving meets: float32 logits (``Sampler`` casts them; a warm-up in the loader's bf16 default compiled only
-    bf16 ones: the 36-row compile of h200_20261205b), 1, 8 and 16 rows (up to max_num_seqs: Triton specializes the
-    batch on 1 and on multiples of 16), each filter on or off, unseeded and seeded (a seeded batch takes vLLM's native
-    path where its FlashInfer sampler is on). A class first met in serving stalled its step 9.9 s (h200_20261204e)."""
+    """vLLM's sampler for the text token (the model config's logprobs mode), warmed up off the CPU (``warm_up``)."""
     from vllm.v1.sample.sampler import Sampler
 
     mode = getattr(getattr(vllm_config, "model_config", None), "logprobs_mode", None)
@@ -114,7 +110,10 @@ def text_sampler(vllm_config: Any, vocab_size: int, device: torch.device):
 
 
 def warm_up(sampler: Any, batches: list[int], vocab_size: int, device: torch.device) -> None:
-    """``sampler``'s top-k/top-p on batches of ``batches`` rows as serving calls it (see ``text_sampler``)."""
+    """Compile ``sampler``'s top-k/top-p filter for what serving meets (a class first met there stalled its step 9.9 s,
+    h200_20261204e): float32 logits (``Sampler`` casts them; this runs under the loader's bf16 default), ``batches``
+    rows (Triton specializes on 1 and on multiples of 16), each filter on or off, unseeded and seeded (a seeded
+    batch takes vLLM's native path where its FlashInfer sampler is on)."""
     seeded = {0: torch.Generator(device=device).manual_seed(0)}
     for n, top_k, top_p, gens in itertools.product(batches, (50, None), (0.95, None), ({}, seeded)):
         k = None if top_k is None else torch.full((n,), top_k, dtype=torch.int32, device=device)  # as vLLM's

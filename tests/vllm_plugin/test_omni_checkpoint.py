@@ -20,7 +20,7 @@ pytest.importorskip("vllm.config")
 pytest.importorskip("vllm_omni")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_omni import PROFILES, talker_env  # noqa: E402
+from bench_omni import PROFILES  # noqa: E402
 from omni_checkpoint import CODEC_SHARD, write_omni_checkpoint  # noqa: E402
 
 from higgs_talker import HiggsTalker, SamplingParams  # noqa: E402
@@ -109,21 +109,16 @@ def _stage1_step(module, chunks: list[torch.Tensor], metas: list[dict]) -> list[
     return out.multimodal_outputs["model_outputs"]
 
 
-def test_the_stage_1_batches_experiment_decodes_a_steps_chunks_together_with_vllm_omnis_audio(
+def test_our_stage_1_decodes_a_steps_chunks_together_with_vllm_omnis_audio(
     code2wav, omni_ckpt, no_capture_check, monkeypatch
 ):
-    """``benchmarks/probes/stage1_batches`` on a subclass of vllm-omni's code2wav: the chunks of one length decode as
-    one batch (two decoder calls for four requests of two lengths, where vllm-omni's makes four), each request's
-    audio equal to vllm-omni's to float rounding with its own trims; a request with a code out of range gets
-    vllm-omni's empty audio (its batch falls back to one decode a chunk) and the others theirs."""
+    """Our Stage 1 (``HiggsTalkerCode2Wav``): the chunks of one length decode as one batch (two decoder calls for four
+    requests of two lengths, where vllm-omni's makes four), each request's audio equal to vllm-omni's to float rounding
+    with its own trims; a request with a code out of range gets vllm-omni's empty audio (its batch falls back to one
+    decode a chunk) and the others theirs; a chunk whose shape is not the one the batch decoded is decoded alone."""
     from vllm_omni.model_executor.models.higgs_audio_v3.higgs_audio_v3_code2wav import HiggsAudioV3Code2Wav
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "probes"))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "probes" / "stage1_batches"))
-    try:
-        from higgs_stage1_batches import batch_decodes
-    finally:
-        del sys.path[:2]
+    from higgs_talker.vllm_plugin.code2wav import HiggsTalkerCode2Wav
 
     g = torch.Generator().manual_seed(3)
     chunks = [torch.randint(0, 1024, (8, t), generator=g) for t in (54, 30, 54, 54)]
@@ -134,7 +129,7 @@ def test_the_stage_1_batches_experiment_decodes_a_steps_chunks_together_with_vll
     monkeypatch.setattr(
         HiggsAudioV3Code2Wav, "decode_codes", lambda self, c: calls.append(c.shape[0]) or parent(self, c)
     )
-    ours = _stage1(batch_decodes(type("Batched", (HiggsAudioV3Code2Wav,), {})), omni_ckpt)  # over the counting one
+    ours = _stage1(HiggsTalkerCode2Wav, omni_ckpt)
     want = _stage1_step(code2wav, chunks, metas)
     assert calls == [1, 1, 1, 1]
     calls.clear()
@@ -143,29 +138,38 @@ def test_the_stage_1_batches_experiment_decodes_a_steps_chunks_together_with_vll
     assert [w.numel() for w in got] == [w.numel() for w in want] == [25 * 960, 26 * 960, 25 * 960, 54 * 960]
     for a, b in zip(got, want, strict=True):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max(), float((a - b).abs().max())
+    assert not ours._decoded  # nothing left over for the next step
     bad = [c.clone() for c in chunks]
     bad[2][0, 5] = 1024  # out of range
     calls.clear()
-    got, want = _stage1_step(ours, bad, metas), _stage1_step(code2wav, bad, metas)
+    got = _stage1_step(ours, bad, metas)
+    assert sorted(calls) == [1, 1, 1, 1, 3]  # the batch of one, the failed batch of three, then each of these alone
+    want = _stage1_step(code2wav, bad, metas)
     assert got[2].numel() == want[2].numel() == 0
     for i in (0, 1, 3):
         assert (got[i] - want[i]).abs().max() <= 1e-5 * want[i].abs().max()
+    # vllm-omni's loop asking for a chunk the step did not decode (a later vllm-omni splitting otherwise): decoded alone
+    ours._decoded = [(chunks[1][None], torch.zeros(1, 1, 30 * 960)), (chunks[0][None], torch.zeros(1, 1, 54 * 960))]
+    alone = ours.decode_codes(chunks[0][None])
+    assert not ours._decoded  # the rest is dropped too: the list is out of step
+    assert torch.equal(alone, code2wav.decode_codes(chunks[0][None]))
 
 
-def test_a_stage1_batches_profile_patches_vllm_omnis_code2wav_in_the_processes_it_starts():
-    """``bench_omni.py``'s ``..._stage1_batches`` profiles: a process started with their environment has vllm-omni's
-    code2wav patched once its module is imported; the base profile's has not."""
-    import subprocess
+def test_the_stage1_batches_profiles_run_our_stage_1_and_upstream_runs_its_own(tmp_path):
+    """``bench_omni.py``'s ``..._stage1_batches`` profiles: ours is its base profile with our Stage 1's architecture
+    on stage 1 (registered by the plugin: test_registration.py), and nothing else changed; vllm-omni's talker, whose
+    processes do not load our plugin, runs the base profile."""
+    import yaml
+    from bench_omni import CODEC_ARCH, profile_yaml, upstream_profile
 
-    module = "vllm_omni.model_executor.models.higgs_audio_v3.higgs_audio_v3_code2wav"
-    code = f"import {module} as m; print(m.HiggsAudioV3Code2Wav.forward.__name__)"
-    names = []
-    for profile in ("full_decode_64_async_frame_graphs", "full_decode_64_async_frame_graphs_stage1_batches"):
-        done = subprocess.run([sys.executable, "-c", code], env=talker_env("ours", profile), capture_output=True,
-                              text=True, timeout=300)  # fmt: skip
-        assert done.returncode == 0, done.stderr[-2000:]
-        names.append(done.stdout.split()[-1])
-    assert names == ["forward", "batched_forward"]
+    base = "full_decode_64_async_frame_graphs"
+    plain, batched = (
+        yaml.safe_load(profile_yaml("ours", p, tmp_path).read_text()) for p in (base, f"{base}_stage1_batches")
+    )
+    assert batched["stages"][1].pop("model_arch") == CODEC_ARCH
+    assert batched == plain
+    assert upstream_profile(base + "_stage1_batches") == "full_decode_64_async"
+    assert upstream_profile("full_decode_64_async_stage1_batches") == "full_decode_64_async"
 
 
 def test_our_prompt_equals_vllm_omnis(omni_ckpt):

@@ -12,9 +12,10 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from importlib.metadata import entry_points  # noqa: E402
 
-from higgs_talker.vllm_plugin import ARCHITECTURES, TALKER_CLASS  # noqa: E402
+from higgs_talker.vllm_plugin import ARCHITECTURES, CODEC_ARCH, CODEC_CLASS, TALKER_CLASS  # noqa: E402
 
 MODULE, CLASS = TALKER_CLASS.split(":")
+OURS = dict.fromkeys(ARCHITECTURES, TALKER_CLASS) | {CODEC_ARCH: CODEC_CLASS}  # Stage 0's and Stage 1's
 
 
 def _run(code: str) -> dict:
@@ -32,7 +33,8 @@ def test_entry_points_are_in_installed_metadata(group):
     assert eps["higgs_talker"].load().__module__ == "higgs_talker.vllm_plugin"
 
 
-def test_fresh_process_resolves_both_registries_to_our_class():
+def test_fresh_process_resolves_both_registries_to_our_classes():
+    """Each of our architectures (the talker's, our Stage 1's) names and loads our class in both registries."""
     code = f"""
 import json, logging
 from higgs_talker.vllm_plugin import register
@@ -41,17 +43,17 @@ from vllm.model_executor.models import ModelRegistry
 from vllm_omni.model_executor.models.registry import OmniModelRegistry
 out = {{"first": list(first), "second": list(second)}}
 for name, reg in (("vllm", ModelRegistry), ("omni", OmniModelRegistry)):
-    out[name] = {{a: [reg.models[a].module_name, reg.models[a].class_name] for a in {list(ARCHITECTURES)!r}}}
-    out[name + "_cls"] = {{a: reg._try_load_model_cls(a).__qualname__ for a in {list(ARCHITECTURES)!r}}}
+    out[name] = {{a: [reg.models[a].module_name, reg.models[a].class_name] for a in {list(OURS)!r}}}
+    out[name + "_cls"] = {{a: reg._try_load_model_cls(a).__qualname__ for a in {list(OURS)!r}}}
 print("JSON:" + json.dumps(out))
 """
     out = _run(code)
     assert "vllm.ModelRegistry" in out["first"] and "vllm_omni.OmniModelRegistry" in out["first"]
     assert out["first"] == out["second"]  # idempotent
     for reg in ("vllm", "omni"):
-        for arch in ARCHITECTURES:
-            assert out[reg][arch] == [MODULE, CLASS], (reg, arch)
-            assert out[reg + "_cls"][arch] == CLASS
+        for arch, path in OURS.items():
+            assert out[reg][arch] == path.split(":"), (reg, arch)
+            assert out[reg + "_cls"][arch] == path.split(":")[1]
 
 
 def test_vllm_plugin_loading_keeps_our_class_whatever_the_entry_point_order():

@@ -59,8 +59,8 @@ def test_vllms_sampler_takes_the_warm_up_call_the_adapter_makes():
 def test_the_warm_up_launches_what_serving_launches_under_the_loaders_bf16_default():
     """vLLM builds and loads the model under a bf16 default dtype, and its ``Sampler`` casts the logits to float32: the
     warm-up (``compat.warm_up``, run from ``load_weights``) gives float32 logits and top-p and int32 top-k whatever the
-    default (a bf16 warm-up compiled none of serving's kernels: h200_20261205b), every batch with each filter on and off,
-    unseeded and seeded; and vLLM's own sampler takes each of those calls."""
+    default (a bf16 warm-up compiled none of serving's kernels: h200_20261205b), every batch with each filter on and
+    off, unseeded and seeded; and vLLM's own sampler takes each of those calls."""
     from vllm.v1.sample.sampler import Sampler
 
     from higgs_talker.vllm_plugin.compat import warm_up

@@ -1,0 +1,41 @@
+"""Stage 1 for vllm-omni: its code2wav codec with a step's chunks of one length decoded as one batch.
+
+vllm-omni (0.26 - 0.30) decodes each request's chunk of a Stage-1 step alone, one after another, each with a range
+check that syncs the host twice. Here the step's chunks decode first, one batch per length (``decode_by_length``),
+and vllm-omni's own ``forward`` then runs, its per-chunk decodes taking those results in order: its splits, checks,
+trims and output stay its own. A batch that fails the check (a code out of range) is left to the per-chunk decodes,
+where only the request at fault gets vllm-omni's empty audio.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+from vllm_omni.model_executor.models.higgs_audio_v3.higgs_audio_v3_code2wav import HiggsAudioV3Code2Wav
+
+from ..codec.codec import decode_by_length
+
+
+class HiggsTalkerCode2Wav(HiggsAudioV3Code2Wav):
+    """vllm-omni's Higgs-Audio V3 Stage 1 with batched decodes (a deploy YAML's Stage-1 ``model_arch``: CODEC_ARCH)."""
+
+    _decoded: list[tuple[Tensor, Tensor | None]] | tuple = ()  # the step's (chunk, audio or None), in loop order
+
+    def forward(self, input_ids: Tensor | None = None, *args: Any, **kwargs: Any):
+        if isinstance(input_ids, Tensor) and input_ids.ndim < 3 and input_ids.numel():
+            c, ids = self.num_codebooks, input_ids.reshape(-1).long()
+            parts = self._split_request_ids(ids, kwargs.get("seq_token_counts"))
+            chunks = [p.reshape(1, c, -1) for p in parts if p.numel() and p.numel() % c == 0]  # the ones it decodes
+            self._decoded = list(zip(chunks, decode_by_length(super().decode_codes, chunks), strict=True))
+        try:
+            return super().forward(input_ids, *args, **kwargs)
+        finally:
+            self._decoded = ()
+
+    def decode_codes(self, audio_codes: Tensor) -> Tensor:
+        """The step's batched decode of ``audio_codes`` [1, Q, T] where one waits, else vllm-omni's own."""
+        chunk, audio = self._decoded.pop(0) if self._decoded else (None, None)
+        if chunk is not None and chunk.shape != audio_codes.shape:  # out of step with the loop: the rest decode alone
+            self._decoded, audio = (), None
+        return audio if audio is not None else super().decode_codes(audio_codes)
