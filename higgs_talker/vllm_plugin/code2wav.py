@@ -3,18 +3,21 @@
 vllm-omni (0.26 - 0.30) decodes each request's chunk of a Stage-1 step alone, one after another, each with a range
 check that syncs the host twice. Here the step's chunks decode first, one batch per length (``decode_by_length``),
 and vllm-omni's own ``forward`` then runs, its per-chunk decodes taking those results in order: its splits, checks,
-trims and output stay its own. A batch that fails the check (a code out of range) is left to the per-chunk decodes,
-where only the request at fault gets vllm-omni's empty audio.
+trims and output stay its own. A batch that fails the check (a code out of range) or runs out of memory is left to
+the per-chunk decodes, where only a request at fault gets vllm-omni's empty audio.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 from vllm_omni.model_executor.models.higgs_audio_v3.higgs_audio_v3_code2wav import HiggsAudioV3Code2Wav
 
 from ..codec.codec import decode_by_length
+
+_LEFT_TO_THE_LOOP = (ValueError, torch.OutOfMemoryError)  # what a batch may raise: its chunks then decode alone
 
 
 class HiggsTalkerCode2Wav(HiggsAudioV3Code2Wav):
@@ -27,7 +30,8 @@ class HiggsTalkerCode2Wav(HiggsAudioV3Code2Wav):
             c, ids = self.num_codebooks, input_ids.reshape(-1).long()
             parts = self._split_request_ids(ids, kwargs.get("seq_token_counts"))
             chunks = [p.reshape(1, c, -1) for p in parts if p.numel() and p.numel() % c == 0]  # the ones it decodes
-            self._decoded = list(zip(chunks, decode_by_length(super().decode_codes, chunks), strict=True))
+            decoded = decode_by_length(super().decode_codes, chunks, _LEFT_TO_THE_LOOP)
+            self._decoded = list(zip(chunks, decoded, strict=True))
         try:
             return super().forward(input_ids, *args, **kwargs)
         finally:

@@ -155,6 +155,35 @@ def test_our_stage_1_decodes_a_steps_chunks_together_with_vllm_omnis_audio(
     assert torch.equal(alone, code2wav.decode_codes(chunks[0][None]))
 
 
+def test_our_stage_1_decodes_alone_what_runs_out_of_memory_as_a_batch(
+    code2wav, omni_ckpt, no_capture_check, monkeypatch
+):
+    """A batch that runs out of device memory is not the step's failure: its chunks decode one by one, as vllm-omni's
+    own loop decodes them, with the same audio."""
+    from vllm_omni.model_executor.models.higgs_audio_v3.higgs_audio_v3_code2wav import HiggsAudioV3Code2Wav
+
+    from higgs_talker.vllm_plugin.code2wav import HiggsTalkerCode2Wav
+
+    parent = HiggsAudioV3Code2Wav.decode_codes
+
+    def small_memory(self, codes):
+        if codes.shape[0] > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (a batch of several chunks)")
+        return parent(self, codes)
+
+    monkeypatch.setattr(HiggsAudioV3Code2Wav, "decode_codes", small_memory)
+    g = torch.Generator().manual_seed(4)
+    chunks = [torch.randint(0, 1024, (8, 30), generator=g) for _ in range(3)]
+    metas = [{"right_holdback_size": 4}] * 3
+    got, want = (
+        _stage1_step(_stage1(HiggsTalkerCode2Wav, omni_ckpt), chunks, metas),
+        _stage1_step(code2wav, chunks, metas),
+    )
+    assert [w.numel() for w in got] == [w.numel() for w in want] == [26 * 960] * 3
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)  # each decoded alone, as vllm-omni's
+
+
 def test_the_stage1_batches_profiles_run_our_stage_1_and_upstream_runs_its_own(tmp_path):
     """``bench_omni.py``'s ``..._stage1_batches`` profiles: ours is its base profile with our Stage 1's architecture
     on stage 1 (registered by the plugin: test_registration.py), and nothing else changed; vllm-omni's talker, whose
