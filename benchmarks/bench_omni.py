@@ -13,8 +13,9 @@ decode graphs up to 64 streams), ``full_decode_64_no_prefix_cache`` (the same, p
 asked for in Stage 0's ``hf_overrides``; vllm-omni's talker ignores the key), ``full_decode_64_frame_graphs``
 (both) and ``low_latency_async_frame_graphs`` (async scheduling, frame graphs and our Stage 0 -> code2wav hand-over,
 ``HAND_OVER``), ``full_decode_64_async`` and ``full_decode_64_async_frame_graphs``, and the last two on vLLM's
-FlashAttention backend instead of FlashInfer (``..._flash_attn``); ``..._stage1_batches``: the same with our Stage 1
-(``higgs_talker.vllm_plugin.code2wav``: vllm-omni's code2wav decoding a step's chunks of one length as one batch).
+FlashAttention backend instead of FlashInfer (``..._flash_attn``); ``..._our_stage1``: the same with our Stage 1
+(``higgs_talker.vllm_plugin.code2wav``: vllm-omni's code2wav decoding a step's chunks of one length as one batch, each
+chunk with the codec's reach of left context instead of 25 frames: ``OUR_STAGE1``).
 ``full_decode_64_async_frame_graphs`` is the packaged ``full-decode`` profile. vllm-omni's talker, asked for a
 profile with our frame graphs or our Stage 1, runs the one without them, with its own hand-over and Stage 1
 (``UPSTREAM_SAME``), so one run compares each of ours with vllm-omni's nearest. Each
@@ -82,14 +83,18 @@ PROFILES = (
     "full_decode_64_async_frame_graphs_no_prefix_cache",
     "full_decode_64_async_mp",
     "full_decode_64_async_frame_graphs_mp",
-    "full_decode_64_async_stage1_batches",
-    "full_decode_64_async_frame_graphs_stage1_batches",
+    "full_decode_64_async_our_stage1",
+    "full_decode_64_async_frame_graphs_our_stage1",
 )
-# a profile named ..._stage1_batches is its base profile with our Stage 1, which decodes each step's chunks of one
-# length as one batch (vllm-omni 0.26 decodes each request's chunk alone, and at 64 streams both talkers ended near
-# the same audio s/s: h200_20261205b)
-STAGE1_BATCHES = "_stage1_batches"
-OUR_STAGE1 = {"model_arch": CODEC_ARCH}
+# a profile named ..._our_stage1 is its base profile with our Stage 1 (vllm-omni 0.26 decodes each request's chunk
+# alone, and at 64 streams both talkers ended near the same audio s/s: h200_20261205b): a step's chunks of one length
+# decoded as one batch, and each chunk's left context cut from vllm-omni's 25 frames to the codec's reach, 10 (the
+# most frames before a frame whose codes change its samples: codec.model.decoder_reach), which gives the same audio
+# (tests/vllm_plugin/test_omni_checkpoint.py) from 39 decoded frames a chunk instead of 54
+OUR_STAGE1_SUFFIX = "_our_stage1"
+CONNECTORS = "connectors"  # derived_yaml: keys of every connector's extra
+CODEC_REACH = 10
+OUR_STAGE1 = {1: {"model_arch": CODEC_ARCH}, CONNECTORS: {"codec_left_context_frames": CODEC_REACH}}
 # Profiles measured beside the two packaged ones (issue #28): each talker's low-latency YAML (vLLM's FULL decode
 # graphs) with 64 streams and graphs up to 64, prefix caching as it is or off; and with vLLM's async scheduling
 # asked for (vLLM turns it off, with a warning, where the stage's scheduler cannot do it); and with our frame graphs
@@ -119,8 +124,8 @@ HAND_OVER = {"custom_process_next_stage_input_func": "higgs_talker.vllm_plugin.d
 ASYNC_FRAME_GRAPHS = ASYNC | FRAME_GRAPHS | HAND_OVER  # frame graphs under async scheduling: with our hand-over
 
 
-def _with_our_stage1(base: str, stages: dict[int, dict]) -> tuple[str, dict]:
-    return base, stages | {1: stages.get(1, {}) | OUR_STAGE1}
+def _with_our_stage1(base: str, overrides: dict) -> tuple[str, dict]:
+    return base, overrides | {k: overrides.get(k, {}) | v for k, v in OUR_STAGE1.items()}
 
 
 def _full_64(*stage0: dict) -> tuple[str, dict]:
@@ -143,13 +148,13 @@ DERIVED = {"full_decode_64": _full_64(),
            "full_decode_64_async_frame_graphs_no_prefix_cache": _full_64(ASYNC_FRAME_GRAPHS, NO_PREFIX_CACHE),
            "full_decode_64_async_mp": _full_64(ASYNC, MP),
            "full_decode_64_async_frame_graphs_mp": _full_64(ASYNC_FRAME_GRAPHS, MP)}  # fmt: skip
-DERIVED |= {p: _with_our_stage1(*DERIVED[p.removesuffix(STAGE1_BATCHES)])
-            for p in PROFILES if p.endswith(STAGE1_BATCHES)}  # fmt: skip
+DERIVED |= {p: _with_our_stage1(*DERIVED[p.removesuffix(OUR_STAGE1_SUFFIX)])
+            for p in PROFILES if p.endswith(OUR_STAGE1_SUFFIX)}  # fmt: skip
 # vllm-omni's talker ignores higgs_frame_graphs, runs with its own hand-over, and (our plugin not loaded) its own Stage
 # 1: asked for a profile with our frame graphs or Stage 1, it runs the same profile without them (listed under that
 # name; once where several are asked for)
-UPSTREAM_SAME = {p: p.replace("_frame_graphs", "").removesuffix(STAGE1_BATCHES) for p in PROFILES
-                 if "_frame_graphs" in p or p.endswith(STAGE1_BATCHES)}  # fmt: skip
+UPSTREAM_SAME = {p: p.replace("_frame_graphs", "").removesuffix(OUR_STAGE1_SUFFIX) for p in PROFILES
+                 if "_frame_graphs" in p or p.endswith(OUR_STAGE1_SUFFIX)}  # fmt: skip
 PATHS = ("offline", "http", "direct")
 LEVELS = (1, 4, 16, 64)
 LEVELS_DONE = "LEVELS DONE"  # a worker's last line of results: what follows is its shutdown
@@ -208,20 +213,25 @@ def jit_verbose_yaml(base: Path, out: Path) -> Path:
     return derived_yaml(base, out, {0: {"jit_monitor_verbose": True}})
 
 
-def derived_yaml(base: Path, out: Path, stage_overrides: dict[int, dict]) -> Path:
-    """``base`` with keys of stages replaced (``{stage_id: {key: value}}``; value None drops the key), at ``out``.
-    vllm-omni reads ``base_config`` relative to the YAML, so that is resolved to an absolute path."""
+def derived_yaml(base: Path, out: Path, stage_overrides: dict) -> Path:
+    """``base`` with keys of stages replaced (``{stage_id: {key: value}}``; value None drops the key; the key
+    ``CONNECTORS`` replaces keys of every connector's ``extra``), at ``out``. A ``base_config`` the YAML names (read
+    relative to it by vllm-omni) is merged in."""
     import yaml
 
     data = yaml.safe_load(base.read_text())
     if "base_config" in data:
         data = yaml.safe_load((base.parent / data.pop("base_config")).read_text()) | data
-    for stage in data["stages"]:
-        for key, value in stage_overrides.get(stage["stage_id"], {}).items():
+    sections = [(stage, stage_overrides.get(stage["stage_id"], {})) for stage in data["stages"]]
+    sections += [
+        (c.setdefault("extra", {}), stage_overrides.get(CONNECTORS, {})) for c in data.get("connectors", {}).values()
+    ]
+    for section, overrides in sections:
+        for key, value in overrides.items():
             if value is None:
-                stage.pop(key, None)
+                section.pop(key, None)
             else:
-                stage[key] = value
+                section[key] = value
     out.write_text(yaml.safe_dump(data, sort_keys=False))
     return out
 

@@ -184,21 +184,56 @@ def test_our_stage_1_decodes_alone_what_runs_out_of_memory_as_a_batch(
         assert torch.equal(a, b)  # each decoded alone, as vllm-omni's
 
 
-def test_the_stage1_batches_profiles_run_our_stage_1_and_upstream_runs_its_own(tmp_path):
-    """``bench_omni.py``'s ``..._stage1_batches`` profiles: ours is its base profile with our Stage 1's architecture
-    on stage 1 (registered by the plugin: test_registration.py), and nothing else changed; vllm-omni's talker, whose
-    processes do not load our plugin, runs the base profile."""
+def test_the_our_stage1_profiles_run_our_stage_1_with_the_codecs_reach_of_context(tmp_path):
+    """``bench_omni.py``'s ``..._our_stage1`` profiles: ours is its base profile with our Stage 1's architecture on
+    stage 1 (registered by the plugin: test_registration.py) and the codec's reach of left context on the connector,
+    nothing else changed; vllm-omni's talker, whose processes do not load our plugin, runs the base profile."""
     import yaml
-    from bench_omni import CODEC_ARCH, profile_yaml, upstream_profile
+    from bench_omni import CODEC_ARCH, CODEC_REACH, profile_yaml, upstream_profile
 
     base = "full_decode_64_async_frame_graphs"
-    plain, batched = (
-        yaml.safe_load(profile_yaml("ours", p, tmp_path).read_text()) for p in (base, f"{base}_stage1_batches")
+    plain, ours = (yaml.safe_load(profile_yaml("ours", p, tmp_path).read_text()) for p in (base, f"{base}_our_stage1"))
+    assert ours["stages"][1].pop("model_arch") == CODEC_ARCH
+    for name, connector in ours["connectors"].items():
+        assert connector["extra"]["codec_left_context_frames"] == CODEC_REACH
+        connector["extra"]["codec_left_context_frames"] = plain["connectors"][name]["extra"][
+            "codec_left_context_frames"
+        ]
+    assert ours == plain
+    assert upstream_profile(base + "_our_stage1") == "full_decode_64_async"
+    assert upstream_profile("full_decode_64_async_our_stage1") == "full_decode_64_async"
+
+
+def test_the_codecs_reach_of_left_context_gives_vllm_omnis_audio_and_one_frame_less_does_not(
+    code2wav, no_capture_check
+):
+    """The real codec's decoder reaches ``CODEC_REACH`` frames back (``decoder_reach``, the 4B codec's config and the
+    test checkpoint's vllm-omni decoder alike): vllm-omni's hand-over + code2wav with that much left context give the
+    audio of its 25 frames (the profiles'), to float32 rounding, from 39 decoded frames a chunk instead of 54; one
+    frame less changes it."""
+    from bench_omni import CODEC_REACH
+
+    from higgs_talker.codec import HIGGS_V3_CODEC, build_config
+    from higgs_talker.codec.model import CodecModel, decoder_reach
+    from higgs_talker.heads.delay import apply_delay_pattern
+
+    assert (
+        decoder_reach(CodecModel(build_config(HIGGS_V3_CODEC), encoder=False).acoustic_decoder, 960)[0] == CODEC_REACH
     )
-    assert batched["stages"][1].pop("model_arch") == CODEC_ARCH
-    assert batched == plain
-    assert upstream_profile(base + "_stage1_batches") == "full_decode_64_async"
-    assert upstream_profile("full_decode_64_async_stage1_batches") == "full_decode_64_async"
+    assert decoder_reach(code2wav.acoustic_decoder, 960)[0] == CODEC_REACH
+    frames = torch.randint(0, 1024, (90, 8), generator=torch.Generator().manual_seed(5))
+    rows = apply_delay_pattern(frames, 1024, 1025)
+    extra = _connector_extra()
+    assert extra["codec_left_context_frames"] == 25
+
+    def audio(left: int) -> torch.Tensor:
+        return torch.cat(_upstream_stream(code2wav, rows, extra=extra | {"codec_left_context_frames": left}))
+
+    stock, peak = audio(25), float(audio(25).abs().max())
+    assert stock.numel() == 89 * 960 and peak > 1e-3
+    # float32 rounding of the decoder's convolutions over other lengths: 1.3e-6 of peak seen; one frame less, 3.5e-4
+    assert float((audio(CODEC_REACH) - stock).abs().max()) <= 2e-5 * peak
+    assert float((audio(CODEC_REACH - 1) - stock).abs().max()) > 2e-5 * peak
 
 
 def test_our_prompt_equals_vllm_omnis(omni_ckpt):
@@ -215,17 +250,17 @@ def test_our_prompt_equals_vllm_omnis(omni_ckpt):
 
 
 def _upstream_stream(
-    code2wav, rows: torch.Tensor, processor=None, late: bool = False, ended: str = "FINISHED_STOPPED"
+    code2wav, rows: torch.Tensor, processor=None, late: bool = False, ended: str = "FINISHED_STOPPED", extra=None
 ) -> list[torch.Tensor]:
     """vllm-omni's Stage-0 -> Stage-1 hand-over on ``rows`` [N, 8] (one row per step, the last with the finish),
     each chunk decoded by its code2wav with the trims the chunk's meta asks for. ``processor``: the hand-over
     (default vllm-omni's); ``late``: the next-to-last step's call runs after the request finished (queued before,
     so told not finished: vLLM's async scheduling past an EOS, as seen on the H200); ``ended``: the request's status
-    once finished (vLLM's ``RequestStatus`` name)."""
+    once finished (vLLM's ``RequestStatus`` name); ``extra``: the connector's chunk settings (default the profiles')."""
     from vllm_omni.model_executor.stage_input_processors.higgs_audio_v3 import talker2code2wav_async_chunk
 
     processor = processor or talker2code2wav_async_chunk
-    connector = SimpleNamespace(config={"extra": _connector_extra()})
+    connector = SimpleNamespace(config={"extra": extra or _connector_extra()})
     manager = SimpleNamespace(code_prompt_token_ids={"r": []}, connector=connector)
     chunks = []
     for i, row in enumerate(rows):

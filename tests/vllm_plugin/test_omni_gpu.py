@@ -90,9 +90,12 @@ SMALL_KV = {"keys": ["greedy", "topkp", "deploy"], "max_tokens": 120, "alone": F
 # 2026-12-04) its rows and scores passed but an EOS-ended request's audio came out twice (116160 samples for 58560):
 # a step's hand-over that runs after the request finished flushes it as if last, and the last one sends every row
 # again (higgs_talker.vllm_plugin.deploy; bench_omni's requests end by length, where it does not show). And the
-# same with 64 streams, on FlashInfer and on vLLM's FlashAttention backend (bench_omni's FULL_64, FLASH_ATTN).
+# same with 64 streams, on FlashInfer and on vLLM's FlashAttention backend (bench_omni's FULL_64, FLASH_ATTN), and
+# with our Stage 1 (bench_omni's OUR_STAGE1: batched decodes, the codec's reach of left context, whose audio equals
+# the 25-frame context's to rounding: the expected audio below keeps UPSTREAM_CHUNKING).
 PROFILES = ("low_latency", "high_throughput", "low_latency_frame_graphs", "low_latency_async_frame_graphs",
-            "full_decode_64_async_frame_graphs", "full_decode_64_async_frame_graphs_flash_attn")  # fmt: skip
+            "full_decode_64_async_frame_graphs", "full_decode_64_async_frame_graphs_flash_attn",
+            "full_decode_64_async_frame_graphs_our_stage1")  # fmt: skip
 # Stage 0 sized for the small checkpoint; Stage 1 in float32, as our codec decodes
 STAGES = {0: {"gpu_memory_utilization": 0.3, "max_model_len": 1024, "max_num_batched_tokens": 1024,
               "dtype": "bfloat16"},
