@@ -93,13 +93,25 @@ def _engine_config(max_num_seqs: int) -> NS:
     return NS(model_config=NS(logprobs_mode="raw_logits"), scheduler_config=NS(max_num_seqs=max_num_seqs))
 
 
+class _Generator:
+    """Stands in for ``torch.Generator`` on the ``meta`` device (which has none)."""
+
+    def __init__(self, device=None) -> None:
+        self.device, self.seed = device, None
+
+    def manual_seed(self, seed: int) -> _Generator:
+        self.seed = seed
+        return self
+
+
 @pytest.fixture
 def sampler_class(monkeypatch):
-    """Put a stand-in ``Sampler`` where ``compat.text_sampler`` imports vLLM's from."""
+    """Put a stand-in ``Sampler`` where ``compat.text_sampler`` imports vLLM's from (and a stand-in generator)."""
 
     def use(cls):
         monkeypatch.setitem(sys.modules, "vllm.v1.sample.sampler", NS(Sampler=cls))
         monkeypatch.setattr(compat, "_warned", set())
+        monkeypatch.setattr(torch, "Generator", _Generator)
 
     return use
 
@@ -108,13 +120,22 @@ def sampler_class(monkeypatch):
 def test_the_text_sampler_meets_every_batch_class_vllm_compiles_for_before_serving(
     sampler_class, max_num_seqs, batches
 ):
-    """Off the CPU, each batch of 1, 8 and 16 rows up to max_num_seqs, unseeded, top-k and top-p each on and off
-    (``meta`` tensors: shapes and dtypes, no device); the sampler keeps the config's logprobs mode."""
+    """Off the CPU, each batch of 1, 8 and 16 rows up to max_num_seqs, top-k and top-p each on and off, unseeded and
+    seeded (``meta`` tensors: shapes and dtypes, no device), in float32 under vLLM's loader's bf16 default dtype (a
+    warm-up in bf16 compiled none of the kernels serving runs: h200_20261205b); the sampler keeps the config's
+    logprobs mode."""
     sampler_class(_RecordingSampler)
-    sampler = compat.text_sampler(_engine_config(max_num_seqs), 1000, torch.device("meta"))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # as vLLM's loader has it while load_weights runs
+    try:
+        sampler = compat.text_sampler(_engine_config(max_num_seqs), 1000, torch.device("meta"))
+    finally:
+        torch.set_default_dtype(default)
     assert sampler.logprobs_mode == "raw_logits"
-    got = [(shape, generators, k is None, p is None) for shape, _, generators, k, p in sampler.calls]
-    assert got == [((n, 1000), {}, k_off, p_off) for n in batches for k_off in (False, True) for p_off in (False, True)]
+    got = [(shape, sorted(gens), k is None, p is None) for shape, _, gens, k, p in sampler.calls]
+    assert got == [((n, 1000), gens, k_off, p_off) for n in batches for k_off in (False, True)
+                   for p_off in (False, True) for gens in ([], [0])]  # fmt: skip
+    assert all(g[0].seed == 0 for _, _, g, _, _ in sampler.calls if g)
     for (n, _), dtype, _, k, p in sampler.calls:
         assert dtype == torch.float32  # what vLLM's sampler filters (it casts the logits first)
         assert k is None or (k.shape == (n,) and k.dtype == torch.int32)  # vLLM's batch: int32 top-k, fp32 top-p
