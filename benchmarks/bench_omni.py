@@ -15,7 +15,8 @@ asked for in Stage 0's ``hf_overrides``; vllm-omni's talker ignores the key), ``
 ``HAND_OVER``), ``full_decode_64_async`` and ``full_decode_64_async_frame_graphs``, and the last two on vLLM's
 FlashAttention backend instead of FlashInfer (``..._flash_attn``); ``..._our_stage1``: the same with our Stage 1
 (``higgs_talker.vllm_plugin.code2wav``: vllm-omni's code2wav decoding a step's chunks of one length as one batch, each
-chunk with the codec's reach of left context instead of 25 frames: ``OUR_STAGE1``).
+chunk with the codec's reach of left context instead of 25 frames: ``OUR_STAGE1``); ``..._reach_context``: the left
+context alone, for either talker.
 ``full_decode_64_async_frame_graphs`` is the packaged ``full-decode`` profile. vllm-omni's talker, asked for a
 profile with our frame graphs or our Stage 1, runs the one without them, with its own hand-over and Stage 1
 (``UPSTREAM_SAME``), so one run compares each of ours with vllm-omni's nearest. Each
@@ -85,16 +86,20 @@ PROFILES = (
     "full_decode_64_async_frame_graphs_mp",
     "full_decode_64_async_our_stage1",
     "full_decode_64_async_frame_graphs_our_stage1",
+    "full_decode_64_async_reach_context",
+    "full_decode_64_async_frame_graphs_reach_context",
 )
 # a profile named ..._our_stage1 is its base profile with our Stage 1 (vllm-omni 0.26 decodes each request's chunk
 # alone, and at 64 streams both talkers ended near the same audio s/s: h200_20261205b): a step's chunks of one length
 # decoded as one batch, and each chunk's left context cut from vllm-omni's 25 frames to the codec's reach, 10 (the
 # most frames before a frame whose codes change its samples: codec.model.decoder_reach), which gives the same audio
-# (tests/vllm_plugin/test_omni_checkpoint.py) from 39 decoded frames a chunk instead of 54
-OUR_STAGE1_SUFFIX = "_our_stage1"
+# (tests/vllm_plugin/test_omni_checkpoint.py) from 39 decoded frames a chunk instead of 54. ..._reach_context: the
+# left context alone (a plain YAML setting, so vllm-omni's talker runs it too), which tells the two apart.
 CONNECTORS = "connectors"  # derived_yaml: keys of every connector's extra
 CODEC_REACH = 10
-OUR_STAGE1 = {1: {"model_arch": CODEC_ARCH}, CONNECTORS: {"codec_left_context_frames": CODEC_REACH}}
+REACH_CONTEXT = {CONNECTORS: {"codec_left_context_frames": CODEC_REACH}}
+OUR_STAGE1 = REACH_CONTEXT | {1: {"model_arch": CODEC_ARCH}}
+STAGE1_VARIANTS = {"_our_stage1": OUR_STAGE1, "_reach_context": REACH_CONTEXT}  # profile suffix -> what it adds
 # Profiles measured beside the two packaged ones (issue #28): each talker's low-latency YAML (vLLM's FULL decode
 # graphs) with 64 streams and graphs up to 64, prefix caching as it is or off; and with vLLM's async scheduling
 # asked for (vLLM turns it off, with a warning, where the stage's scheduler cannot do it); and with our frame graphs
@@ -124,8 +129,10 @@ HAND_OVER = {"custom_process_next_stage_input_func": "higgs_talker.vllm_plugin.d
 ASYNC_FRAME_GRAPHS = ASYNC | FRAME_GRAPHS | HAND_OVER  # frame graphs under async scheduling: with our hand-over
 
 
-def _with_our_stage1(base: str, overrides: dict) -> tuple[str, dict]:
-    return base, overrides | {k: overrides.get(k, {}) | v for k, v in OUR_STAGE1.items()}
+def _plus(derived: tuple[str, dict], more: dict) -> tuple[str, dict]:
+    """A derived profile (base YAML, overrides) with ``more`` overrides merged in, section by section."""
+    base, overrides = derived
+    return base, overrides | {k: overrides.get(k, {}) | v for k, v in more.items()}
 
 
 def _full_64(*stage0: dict) -> tuple[str, dict]:
@@ -148,13 +155,13 @@ DERIVED = {"full_decode_64": _full_64(),
            "full_decode_64_async_frame_graphs_no_prefix_cache": _full_64(ASYNC_FRAME_GRAPHS, NO_PREFIX_CACHE),
            "full_decode_64_async_mp": _full_64(ASYNC, MP),
            "full_decode_64_async_frame_graphs_mp": _full_64(ASYNC_FRAME_GRAPHS, MP)}  # fmt: skip
-DERIVED |= {p: _with_our_stage1(*DERIVED[p.removesuffix(OUR_STAGE1_SUFFIX)])
-            for p in PROFILES if p.endswith(OUR_STAGE1_SUFFIX)}  # fmt: skip
+DERIVED |= {p: _plus(DERIVED[p.removesuffix(suffix)], more) for p in PROFILES
+            for suffix, more in STAGE1_VARIANTS.items() if p.endswith(suffix)}  # fmt: skip
 # vllm-omni's talker ignores higgs_frame_graphs, runs with its own hand-over, and (our plugin not loaded) its own Stage
 # 1: asked for a profile with our frame graphs or Stage 1, it runs the same profile without them (listed under that
 # name; once where several are asked for)
-UPSTREAM_SAME = {p: p.replace("_frame_graphs", "").removesuffix(OUR_STAGE1_SUFFIX) for p in PROFILES
-                 if "_frame_graphs" in p or p.endswith(OUR_STAGE1_SUFFIX)}  # fmt: skip
+UPSTREAM_SAME = {p: p.replace("_frame_graphs", "").removesuffix("_our_stage1") for p in PROFILES
+                 if "_frame_graphs" in p or p.endswith("_our_stage1")}  # fmt: skip
 PATHS = ("offline", "http", "direct")
 LEVELS = (1, 4, 16, 64)
 LEVELS_DONE = "LEVELS DONE"  # a worker's last line of results: what follows is its shutdown
@@ -223,9 +230,10 @@ def derived_yaml(base: Path, out: Path, stage_overrides: dict) -> Path:
     if "base_config" in data:
         data = yaml.safe_load((base.parent / data.pop("base_config")).read_text()) | data
     sections = [(stage, stage_overrides.get(stage["stage_id"], {})) for stage in data["stages"]]
-    sections += [
-        (c.setdefault("extra", {}), stage_overrides.get(CONNECTORS, {})) for c in data.get("connectors", {}).values()
-    ]
+    connectors = list((data.get("connectors") or {}).values())
+    if stage_overrides.get(CONNECTORS) and not connectors:
+        raise ValueError(f"{base} has no connectors to set {sorted(stage_overrides[CONNECTORS])} on")
+    sections += [(c.setdefault("extra", {}), stage_overrides.get(CONNECTORS, {})) for c in connectors]
     for section, overrides in sections:
         for key, value in overrides.items():
             if value is None:

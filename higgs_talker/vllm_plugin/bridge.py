@@ -49,6 +49,7 @@ class _Row:
     seed: int | None
     min_rows: int  # vLLM's min_tokens: codebook 0 may not end the stream before this many rows
     reference: dict | None  # extra_args[REFERENCE], in the form the adapter substitutes
+    resumed: bool  # added with generated tokens: a preempted request come back
 
 
 class TextOnlyBridge(LogitsProcessor):
@@ -82,14 +83,13 @@ class TextOnlyBridge(LogitsProcessor):
         resume: set[str] = set()  # keys of added requests with generated tokens already: preempted ones come back
         if batch_update is not None:
             before = {id(row): row for row in self.rows.values()}
-            process_dict_updates(self.rows, batch_update, lambda params, _, output: self._row(params, output, resume))
+            process_dict_updates(self.rows, batch_update, lambda params, _, output: self._row(params, output))
             self.batch_size, kept = batch_update.batch_size, {id(row) for row in self.rows.values()}
             # gone: removed, replaced by an added request, or dropped by a one-way move (vLLM 0.26 condenses a live
             # row into a removed one's place and reports that removal only through the move)
             finished = [row.key for i, row in before.items() if i not in kept]
-            new = [row for row in self.rows.values() if id(row) not in before]
-            if new:
-                self._unique_keys(new)
+            new = self._unique_keys([row for row in self.rows.values() if id(row) not in before])
+            resume = {row.key for row in new if row.resumed}
             if model is not None and finished:
                 model.on_requests_removed(finished)
         self.armed = False
@@ -105,34 +105,35 @@ class TextOnlyBridge(LogitsProcessor):
         model.set_bridge_requests([r.key for r in batch], seeds, min_rows, refs, resume)
         self.armed = True
 
-    def _row(self, params, output: list[int] | None, resume: set[str]) -> _Row:
-        """An added request's row (its key in ``resume`` where it has generated tokens)."""
+    def _row(self, params, output: list[int] | None) -> _Row:
+        """An added request's row (resumed: it has generated tokens, a preempted request come back)."""
         extra = params.extra_args or {}
         if not extra.get(REQUEST_KEY):
             warn_once("bridge-no-key", "TextOnlyBridge: a request without extra_args[%r] (bridge.request_args): its"
                       " codes are kept under an internal key (vllm-bridge-N)", REQUEST_KEY)  # fmt: skip
         key, ref = str(extra.get(REQUEST_KEY) or f"vllm-bridge-{next(self._ids)}"), extra.get(REFERENCE)
-        if output:
-            resume.add(key)
         info = None
         if isinstance(ref, dict):  # in the keys of vllm-omni's info; heads.spans.reference_rows reads both
             info = {"audio_input_ids": ref.get("rows"), "audio_placeholder_positions": ref.get("positions")}
         return _Row(key, float(params.temperature), int(params.top_k), float(params.top_p), params.seed,
-                    int(getattr(params, "min_tokens", 0) or 0), info)  # fmt: skip
+                    int(getattr(params, "min_tokens", 0) or 0), info, bool(output))  # fmt: skip
 
-    def _unique_keys(self, new: list[_Row]) -> None:
+    def _unique_keys(self, new: list[_Row]) -> list[_Row]:
         """Give a request added with a key that another live request holds a unique one (warned): the model keys
-        decode-state slots by it, and two requests on one slot corrupt each other's codes."""
-        fresh = {id(r) for r in new}
+        decode-state slots by it, and two requests on one slot corrupt each other's codes. Returns the new rows."""
+        fresh, out = {id(r) for r in new}, []
         seen = {r.key for r in self.rows.values() if id(r) not in fresh}
         for index in sorted(self.rows):
             row = self.rows[index]
-            if id(row) in fresh and row.key in seen:
-                unique = f"{row.key}#{next(self._ids)}"
-                logger.warning("TextOnlyBridge: request key %r is already live in the batch; this request's codes "
-                               "are kept under %r", row.key, unique)  # fmt: skip
-                row = self.rows[index] = dataclasses.replace(row, key=unique)
+            if id(row) in fresh:
+                if row.key in seen:
+                    unique = f"{row.key}#{next(self._ids)}"
+                    logger.warning("TextOnlyBridge: request key %r is already live in the batch; this request's "
+                                   "codes are kept under %r", row.key, unique)  # fmt: skip
+                    row = self.rows[index] = dataclasses.replace(row, key=unique)
+                out.append(row)
             seen.add(row.key)
+        return out
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         model = talker_for(self.vllm_config)

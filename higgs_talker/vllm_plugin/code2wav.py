@@ -40,6 +40,11 @@ class HiggsTalkerCode2Wav(HiggsAudioV3Code2Wav):
     def decode_codes(self, audio_codes: Tensor) -> Tensor:
         """The step's batched decode of ``audio_codes`` [1, Q, T] where one waits, else vllm-omni's own."""
         chunk, audio = self._decoded.pop(0) if self._decoded else (None, None)
-        if chunk is not None and chunk.shape != audio_codes.shape:  # out of step with the loop: the rest decode alone
+        if chunk is not None and _place(chunk) != _place(audio_codes):  # out of step with the loop: the rest alone
             self._decoded, audio = (), None
         return audio if audio is not None else super().decode_codes(audio_codes)
+
+
+def _place(codes: Tensor) -> tuple:
+    """A chunk's shape and where it starts in the step's flat ids (vllm-omni's loop and ours slice the same row)."""
+    return codes.shape, codes.storage_offset()

@@ -23,6 +23,7 @@ class FakeTalker:
     def __init__(self) -> None:
         self.removed: list[str] = []
         self.batches: list[list[str]] = []
+        self.resumed: list[set[str]] = []
         self.slots = type("Slots", (), {"keep_finished": 0})()
 
     def on_requests_removed(self, keys) -> None:
@@ -30,6 +31,7 @@ class FakeTalker:
 
     def set_bridge_requests(self, keys, seeds, min_rows, refs, resume) -> None:
         self.batches.append(list(keys))
+        self.resumed.append(set(resume or ()))
 
 
 def added(index: int, key: str):
@@ -241,3 +243,18 @@ def test_a_key_already_live_in_the_batch_gets_a_unique_one(bridge, caplog):
     assert third.startswith("a#") and len(set(talker.batches[-1])) == 3
     b.update_state(BatchUpdate(1, [1, 2], [added(0, "a")], []))  # the first left; a new "a" takes its place
     assert sorted(talker.removed) == sorted([second, third, "a"]) and talker.batches[-1] == ["a"]
+
+
+def test_a_request_back_from_preemption_resumes_under_its_own_key_even_when_renamed(bridge):
+    """A request added with generated tokens (a preempted one come back) resumes its slot; when its key is live in
+    the batch, it gets a unique one, and the resume goes with it, not to the live request that holds the key."""
+    b, talker = bridge
+    b.update_state(BatchUpdate(1, [], [added(0, "a")], []))
+    assert talker.resumed[-1] == set()
+    back = (1, SamplingParams(max_tokens=4, extra_args={REQUEST_KEY: "a"}), [1, 2], [7, 8])  # two tokens generated
+    b.update_state(BatchUpdate(2, [], [back], []))
+    first, second = talker.batches[-1]
+    assert first == "a" and second.startswith("a#")
+    assert talker.resumed[-1] == {second}
+    b.update_state(BatchUpdate(2, [], [], []))  # nothing added: nothing resumes
+    assert talker.resumed[-1] == set()

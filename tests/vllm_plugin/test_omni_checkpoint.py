@@ -153,6 +153,10 @@ def test_our_stage_1_decodes_a_steps_chunks_together_with_vllm_omnis_audio(
     alone = ours.decode_codes(chunks[0][None])
     assert not ours._decoded  # the rest is dropped too: the list is out of step
     assert torch.equal(alone, code2wav.decode_codes(chunks[0][None]))
+    flat = torch.cat([chunks[0].reshape(-1), chunks[2].reshape(-1)])  # two chunks of one shape, at other places
+    first, second = flat[: chunks[0].numel()].reshape(1, 8, 54), flat[chunks[0].numel() :].reshape(1, 8, 54)
+    ours._decoded = [(second, torch.zeros(1, 1, 54 * 960))]
+    assert torch.equal(ours.decode_codes(first), code2wav.decode_codes(first))
 
 
 def test_our_stage_1_decodes_alone_what_runs_out_of_memory_as_a_batch(
@@ -202,6 +206,15 @@ def test_the_our_stage1_profiles_run_our_stage_1_with_the_codecs_reach_of_contex
     assert ours == plain
     assert upstream_profile(base + "_our_stage1") == "full_decode_64_async"
     assert upstream_profile("full_decode_64_async_our_stage1") == "full_decode_64_async"
+    # the context alone (..._reach_context), which vllm-omni's talker runs too
+    for talker in ("ours", "upstream"):
+        plain, reach = (yaml.safe_load(profile_yaml(talker, p, tmp_path).read_text())
+                        for p in ("full_decode_64_async", "full_decode_64_async_reach_context"))  # fmt: skip
+        for name, connector in reach["connectors"].items():
+            assert connector["extra"].pop("codec_left_context_frames") == CODEC_REACH
+            plain["connectors"][name]["extra"].pop("codec_left_context_frames")
+        assert reach == plain, talker
+    assert upstream_profile(base + "_reach_context") == "full_decode_64_async_reach_context"
 
 
 def test_the_codecs_reach_of_left_context_gives_vllm_omnis_audio_and_one_frame_less_does_not(
@@ -363,6 +376,16 @@ def test_bench_omnis_deploy_yamls_and_their_test_variants_parse(talker, profile,
         stages = merge_pipeline_deploy(HIGGS_AUDIO_V3_PIPELINE, verbose)
         assert stages[0].yaml_engine_args["jit_monitor_verbose"] is True
         assert "jit_monitor_verbose" not in stages[1].yaml_engine_args
+    if profile.endswith(("_our_stage1", "_reach_context")):  # vllm-omni's loader hands stage 1 its architecture
+        from bench_omni import CODEC_ARCH, CODEC_REACH
+        from vllm_omni.config.stage_config import merge_pipeline_deploy
+        from vllm_omni.model_executor.models.higgs_audio_v3.pipeline import HIGGS_AUDIO_V3_PIPELINE
+
+        loaded = load_deploy_config(base)
+        arch = merge_pipeline_deploy(HIGGS_AUDIO_V3_PIPELINE, loaded)[1].yaml_engine_args["model_arch"]
+        assert (arch == CODEC_ARCH) == profile.endswith("_our_stage1"), arch
+        contexts = {c.get("extra", {}).get("codec_left_context_frames") for c in loaded.connectors.values()}
+        assert contexts == {CODEC_REACH}
     derived = derived_yaml(base, tmp_path / "derived.yaml", {0: {"max_model_len": 1024}, 1: {"dtype": "float32"}})
     for path in (base, derived):
         cfg = load_deploy_config(path)
