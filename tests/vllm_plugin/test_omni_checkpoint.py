@@ -8,6 +8,7 @@ pipeline end to end is ``test_omni_gpu.py``'s.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -249,6 +250,22 @@ def test_the_codecs_reach_of_left_context_gives_vllm_omnis_audio_and_one_frame_l
     assert float((audio(CODEC_REACH - 1) - stock).abs().max()) > 2e-5 * peak
 
 
+def test_the_expected_audio_is_decoded_with_the_chunking_each_profile_asks_for(tmp_path):
+    """test_omni_gpu's ``chunking_of`` (what its expected audio is decoded with) reads a profile's connector as
+    vllm-omni's hand-over does: the packaged profiles ask for vllm-omni's own chunking, ``..._our_stage1`` for the
+    codec's reach of left context."""
+    from bench_omni import CODEC_REACH, profile_yaml
+    from test_omni_gpu import chunking_of
+
+    from higgs_talker.codec import AudioChunking
+
+    assert chunking_of(profile_yaml("ours", "low_latency", tmp_path)) == UPSTREAM_CHUNKING
+    ours = chunking_of(profile_yaml("ours", "full_decode_64_async_frame_graphs_our_stage1", tmp_path))
+    assert ours == AudioChunking(
+        chunk_frames=25, first_chunk_frames=1, left_context_frames=CODEC_REACH, holdback_frames=4
+    )
+
+
 def test_our_prompt_equals_vllm_omnis(omni_ckpt):
     from transformers import AutoTokenizer
     from vllm_omni.model_executor.models.higgs_audio_v3.higgs_audio_v3_tokenizer import HiggsAudioV3TokenizerAdapter
@@ -298,6 +315,16 @@ def test_vllm_omnis_chunked_hand_over_gives_our_upstream_chunking_audio(code2wav
     assert result.codes.shape == (frames, 8)  # the EOC is pushed down: the cap sets the length
     theirs = _upstream_stream(code2wav, result.rows.long())
     ours = list(talker.stream_audio("Hello there, streaming.", params, chunking=UPSTREAM_CHUNKING))
+    assert [c.numel() for c in theirs] == [c.numel() for c in ours]
+    assert torch.equal(torch.cat(theirs), torch.cat(ours))
+    # the same with the codec's reach of left context (bench_omni's ..._our_stage1 connector; test_omni_gpu's
+    # expected audio decodes with it)
+    from bench_omni import CODEC_REACH
+
+    reach = dataclasses.replace(UPSTREAM_CHUNKING, left_context_frames=CODEC_REACH)
+    theirs = _upstream_stream(code2wav, result.rows.long(), extra=_connector_extra() | {"codec_left_context_frames":
+                              CODEC_REACH})  # fmt: skip
+    ours = list(talker.stream_audio("Hello there, streaming.", params, chunking=reach))
     assert [c.numel() for c in theirs] == [c.numel() for c in ours]
     assert torch.equal(torch.cat(theirs), torch.cat(ours))
 

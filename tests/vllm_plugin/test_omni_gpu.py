@@ -55,11 +55,11 @@ from _reference_check import (  # noqa: E402
     score_bound,
 )
 from _served import run_served  # noqa: E402
-from bench_omni import derived_yaml, profile_yaml, start_server, stop_server, talker_env  # noqa: E402
+from bench_omni import CODEC_ARCH, derived_yaml, profile_yaml, start_server, stop_server, talker_env  # noqa: E402
 from omni_checkpoint import write_omni_checkpoint  # noqa: E402
 
 from higgs_talker import HiggsTalker, Reference, SamplingParams  # noqa: E402
-from higgs_talker.codec import UPSTREAM_CHUNKING, Codec  # noqa: E402
+from higgs_talker.codec import UPSTREAM_CHUNKING, AudioChunking, Codec  # noqa: E402
 from higgs_talker.heads.delay import codec_frames  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).with_name("score_probe")))
@@ -91,8 +91,8 @@ SMALL_KV = {"keys": ["greedy", "topkp", "deploy"], "max_tokens": 120, "alone": F
 # a step's hand-over that runs after the request finished flushes it as if last, and the last one sends every row
 # again (higgs_talker.vllm_plugin.deploy; bench_omni's requests end by length, where it does not show). And the
 # same with 64 streams, on FlashInfer and on vLLM's FlashAttention backend (bench_omni's FULL_64, FLASH_ATTN), and
-# with our Stage 1 (bench_omni's OUR_STAGE1: batched decodes, the codec's reach of left context, whose audio equals
-# the 25-frame context's to rounding: the expected audio below keeps UPSTREAM_CHUNKING).
+# with our Stage 1 (bench_omni's OUR_STAGE1: batched decodes, the codec's reach of left context; the expected audio
+# is decoded with the chunking each profile's connector asks for: chunking_of).
 PROFILES = ("low_latency", "high_throughput", "low_latency_frame_graphs", "low_latency_async_frame_graphs",
             "full_decode_64_async_frame_graphs", "full_decode_64_async_frame_graphs_flash_attn",
             "full_decode_64_async_frame_graphs_our_stage1")  # fmt: skip
@@ -110,6 +110,7 @@ def ckpt(tmp_path_factory) -> Path:
 
 
 _OFFLINE: dict[str, dict[str, torch.Tensor]] = {}
+_CHUNKING: dict[str, AudioChunking] = {}  # by run: the chunking its connector asks Stage 1 for
 _RECORDS: dict[str, dict[str, dict]] = {}
 _LOGS: dict[str, str] = {}
 
@@ -129,6 +130,7 @@ def offline_audio(
         small = {"num_gpu_blocks_override": SMALL_KV["blocks"], "max_model_len": SMALL_KV["blocks"] * 16}
         stages = STAGES | {0: STAGES[0] | small} if small_kv else STAGES
         yaml_path = derived_yaml(profile_yaml("ours", profile, tmp), tmp / f"{name}.yaml", stages)
+        _CHUNKING[name] = chunking_of(yaml_path)
         out, scores = tmp / name, tmp / f"{name}_scores"
         out.mkdir()
         log = Path(os.environ.get("HIGGS_VLLM_LOG_DIR") or tmp, f"omni_{name}.log")
@@ -201,15 +203,31 @@ def params_of(spec: dict, solo: HiggsTalker) -> SamplingParams:
                           seed=spec.get("seed"), max_frames=spec["max_tokens"] - solo.cfg.num_codebooks)  # fmt: skip
 
 
-def decoded(codec: Codec, rows: torch.Tensor, max_tokens: int, num_real_codes: int) -> torch.Tensor:
+def chunking_of(yaml_path: Path) -> AudioChunking:
+    """The chunking a deploy YAML's connector asks vllm-omni's hand-over for (every profile has one connector)."""
+    import yaml
+
+    (connector,) = yaml.safe_load(Path(yaml_path).read_text())["connectors"].values()
+    extra = connector["extra"]
+    return AudioChunking(
+        chunk_frames=extra["codec_chunk_frames"],
+        first_chunk_frames=extra["initial_codec_chunk_frames"],
+        left_context_frames=extra["codec_left_context_frames"],
+        holdback_frames=extra["codec_right_holdback_frames"],
+    )
+
+
+def decoded(
+    codec: Codec, rows: torch.Tensor, max_tokens: int, num_real_codes: int, chunking: AudioChunking = UPSTREAM_CHUNKING
+) -> torch.Tensor:
     """The audio Stage 1 makes of a request's rows [T, C]: their codec frames (SPEC 8.2) streamed through our codec
-    with vllm-omni's chunking (equal to vllm-omni's hand-over + code2wav: test_omni_checkpoint.py). A request cut
+    with the profile's ``chunking`` (equal to vllm-omni's hand-over + code2wav: test_omni_checkpoint.py). A request cut
     by ``max_tokens`` loses its last row: vllm-omni's runner (0.26-0.30) publishes a step's row on the request's
     next forward, so the row sampled on the step that reaches ``max_tokens`` never reaches Stage 1 (SPEC 4.10;
     seen on the H200: 70 / 40 / 45 / 12 tokens gave 61 / 31 / 36 / 3 frames). Those requests never end on EOC here
     (the checkpoint pushes EOC down), so each is cut."""
     rows = rows[:-1] if len(rows) == max_tokens else rows
-    decoder, chunks = codec.stream(UPSTREAM_CHUNKING), []
+    decoder, chunks = codec.stream(chunking), []
     for frame in codec_frames(rows.long(), num_real_codes):
         chunks.append(decoder.push(frame))
     chunks.append(decoder.finish())
@@ -246,7 +264,9 @@ def assert_rows_match_up_to_a_near_tie(got: torch.Tensor, want: torch.Tensor, fo
     )
 
 
-def check_stage_0(record: dict, spec: dict, solo, reference, codec, audio, check: ScoreCheck, what: str) -> None:
+def check_stage_0(
+    record: dict, spec: dict, solo, reference, codec, audio, check: ScoreCheck, what: str, chunking: AudioChunking
+) -> None:
     """One Omni request against independent evaluations: (1) Stage 0's own scores at every row against the float32
     reference teacher-forced on its rows (``ScoreCheck.check_scores``: row, overall and per-code bounds measured
     for this shape); (2) its rows against the direct engine's for the same request (equal, or parting at a near
@@ -256,7 +276,7 @@ def check_stage_0(record: dict, spec: dict, solo, reference, codec, audio, check
     forced = check.check_scores(prompt, params, rows, record["scaled"], what)
     want = solo.generate(spec["text"], params, reference=reference_of(spec)).rows.long().cpu()
     assert_rows_match_up_to_a_near_tie(rows, want, forced, check.bound, what)
-    expected = decoded(codec, rows, spec["max_tokens"], solo.cfg.num_real_codes)
+    expected = decoded(codec, rows, spec["max_tokens"], solo.cfg.num_real_codes, chunking)
     assert_same_audio(audio, expected, what)
 
 
@@ -265,8 +285,8 @@ def test_the_adapter_takes_the_graph_path_its_profile_calls_for(offline):
     decode graphs and our local MLP graphs stay off; under the high-throughput one (enforce_eager) they are on and
     every bucket captured; with frame graphs asked for, every bucket of those is captured and the requests' decode
     steps replayed them (the probe's count), and without, none ran; with async scheduling asked for, vLLM kept it;
-    with FlashAttention asked for, vLLM took it; vLLM's text sampler and (without frame graphs) our eager frame met
-    each batch class they compile for at load."""
+    with FlashAttention asked for, vLLM took it; with our Stage 1 asked for, Stage 1 resolved our architecture; vLLM's
+    text sampler and (without frame graphs) our eager frame met each batch class they compile for at load."""
     profile, _ = offline
     log = _LOGS[profile]
     frames = "frame graphs captured for batch buckets (1, 2, 4, 8, 16) (failed: none)"
@@ -274,7 +294,8 @@ def test_the_adapter_takes_the_graph_path_its_profile_calls_for(offline):
     want = {"low_latency": "local MLP graphs off: vLLM captures CUDA graphs",
             "low_latency_frame_graphs": frames, "low_latency_async_frame_graphs": frames,
             "full_decode_64_async_frame_graphs": frames_64, "full_decode_64_async_frame_graphs_flash_attn": frames_64,
-            "high_throughput": "local MLP graphs on: vLLM enforce_eager=True"}[profile]  # fmt: skip
+            "high_throughput": "local MLP graphs on: vLLM enforce_eager=True"}  # fmt: skip
+    want = want[profile.removesuffix("_our_stage1")]
     assert want in log, [x for x in log.splitlines() if "higgs" in x.lower() or "frame graphs" in x][:20]
     assert "capture failed" not in log
     assert "vLLM's text sampler warmed up for batches [1, 8, 16]" in log  # max_num_seqs 16 or 64: every class
@@ -284,6 +305,8 @@ def test_the_adapter_takes_the_graph_path_its_profile_calls_for(offline):
         assert "Asynchronous scheduling is enabled" in log
     if profile.endswith("flash_attn"):
         assert "Using AttentionBackendEnum.FLASH_ATTN backend" in log
+    if profile.endswith("_our_stage1"):  # Stage 1 built our class (vLLM names the architecture it resolved)
+        assert f"Resolved architecture: {CODEC_ARCH}" in log
     replays = {key: record["frame_replays"] for key, record in _RECORDS[profile].items()}
     if "frame_graphs" in profile:  # decode steps ran from the graphs (a step past its prefill)
         assert all(n > 0 for n in replays.values()), replays
@@ -302,7 +325,8 @@ def test_offline_requests_match_the_float32_reference_and_the_direct_engine(offl
         if log_dir:  # what was compared, for a look after the GPU run
             torch.save({"omni": audio[spec["key"]], "rows": record["rows"]},
                        Path(log_dir, f"omni_audio_{profile}_{spec['key']}.pt"))  # fmt: skip
-        check_stage_0(record, spec, solo, reference, codec, audio[spec["key"]], check, f"{profile} {spec['key']}")
+        check_stage_0(record, spec, solo, reference, codec, audio[spec["key"]], check, f"{profile} {spec['key']}",
+                      _CHUNKING[profile])  # fmt: skip
     print(
         f"\n[omni scores] {profile}: worst row {check.worst_row:.4f}, overall {check.overall:.4f} "
         f"(bounds {check.bound.row} / {check.bound.overall})"
@@ -343,7 +367,8 @@ def test_requests_batched_in_stage_0_each_match_the_reference_and_the_direct_eng
     check = ScoreCheck(reference, score_bound(solo))
     for key in BATCH["keys"]:
         spec, name = greedy_spec(key, BATCH["max_tokens"]), f"batched_{key}"
-        check_stage_0(_RECORDS[profile][name], spec, solo, reference, codec, audio[name], check, f"{profile} {name}")
+        check_stage_0(_RECORDS[profile][name], spec, solo, reference, codec, audio[name], check, f"{profile} {name}",
+                      _CHUNKING[profile])  # fmt: skip
 
 
 def test_requests_preempted_for_kv_blocks_each_match_the_reference_and_the_direct_engine(
@@ -358,7 +383,8 @@ def test_requests_preempted_for_kv_blocks_each_match_the_reference_and_the_direc
     for key in SMALL_KV["keys"]:
         spec, name = greedy_spec(key, SMALL_KV["max_tokens"]), f"batched_{key}"
         record = _RECORDS["low_latency_small_kv"][name]
-        check_stage_0(record, spec, solo, reference, codec, audio[name], check, f"small KV {name}")
+        check_stage_0(record, spec, solo, reference, codec, audio[name], check, f"small KV {name}",
+                      _CHUNKING["low_latency_small_kv"])  # fmt: skip
 
 
 # the 4B shape: two requests, greedy and the deploy sampling, low-latency profile
@@ -385,9 +411,8 @@ def test_4b_offline_requests_match_the_float32_reference_and_the_direct_engine(t
     bound, unbounded = score_bound(solo), ScoreBound(row=float("inf"), overall=float("inf"), code=float("inf"))
     check = ScoreCheck(reference, bound)
     for spec in SPEC_4B:
-        check_stage_0(
-            records[spec["key"]], spec, solo, reference, codec, audio[spec["key"]], check, f"4B {spec['key']}"
-        )
+        check_stage_0(records[spec["key"]], spec, solo, reference, codec, audio[spec["key"]], check,
+                      f"4B {spec['key']}", _CHUNKING["4b_low_latency"])  # fmt: skip
     broken = ScoreCheck(break_projection(reference, "o_proj", 17, 1.25), unbounded)
     for spec in SPEC_4B:
         prompt, params = solo.build_prompt(spec["text"], reference_of(spec)), params_of(spec, solo)
