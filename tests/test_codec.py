@@ -888,12 +888,12 @@ def test_decode_by_length_batches_one_length_together_and_leaves_a_failed_batch_
             raise ValueError("negative")
         return batch.sum(dim=1)  # [B, T]: each row alone
 
-    out = decode_by_length(decode, chunks)
+    out = decode_by_length(decode, chunks, skip=(ValueError,))
     assert calls == [(3, 2, 3), (2, 2, 5)]
     for chunk, got in zip(chunks, out, strict=True):
         assert (got is None) if not chunk.numel() else torch.equal(got, chunk.sum(dim=1))
     chunks[2] = -chunks[2]
-    out = decode_by_length(decode, chunks)
+    out = decode_by_length(decode, chunks, skip=(ValueError,))
     assert [o is None for o in out] == [True, False, True, True, False, True]  # the length-3 batch raised
     with pytest.raises(ValueError, match="negative"):
-        decode_by_length(decode, chunks, skip=())
+        decode_by_length(decode, chunks)  # nothing skipped by default

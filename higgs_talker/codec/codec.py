@@ -133,10 +133,10 @@ class Codec:
         (``decode_by_length``). One waveform per window."""
         hop, empty = self.hop_length, torch.zeros(0, dtype=torch.float32, device=self.device)
         chunks = [codes.t()[None] for codes, _, _ in windows]  # [1, Q, T]
-        decoded = decode_by_length(lambda batch: self.model.decode(batch.to(self.device)), chunks, ())
+        decoded = decode_by_length(lambda batch: self.model.decode(batch.to(self.device)).float(), chunks)
         out = []
         for (_, front, back), wav in zip(windows, decoded, strict=True):
-            samples = empty if wav is None else wav.reshape(-1).float()
+            samples = empty if wav is None else wav.reshape(-1)
             out.append(samples[front * hop : samples.shape[0] - back * hop])
         return out
 
@@ -191,7 +191,7 @@ class Codec:
 
 
 def decode_by_length(
-    decode: Callable[[Tensor], Tensor], chunks: Sequence[Tensor], skip: tuple[type[Exception], ...] = (ValueError,)
+    decode: Callable[[Tensor], Tensor], chunks: Sequence[Tensor], skip: tuple[type[Exception], ...] = ()
 ) -> list[Tensor | None]:
     """Each chunk [1, ..., T] decoded, the chunks of one length T as one batch (``decode`` [B, ..., T] -> [B, ...]; a
     decoder that treats each batch row alone): one result [1, ...] per chunk, in order. None for an empty chunk and

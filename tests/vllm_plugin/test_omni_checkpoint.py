@@ -116,7 +116,8 @@ def test_our_stage_1_decodes_a_steps_chunks_together_with_vllm_omnis_audio(
     """Our Stage 1 (``HiggsTalkerCode2Wav``): the chunks of one length decode as one batch (two decoder calls for four
     requests of two lengths, where vllm-omni's makes four), each request's audio equal to vllm-omni's to float rounding
     with its own trims; a request with a code out of range gets vllm-omni's empty audio (its batch falls back to one
-    decode a chunk) and the others theirs; a chunk whose shape is not the one the batch decoded is decoded alone."""
+    decode a chunk) and the others theirs; a chunk whose shape or place in the step's ids is not the one the batch
+    decoded is decoded alone."""
     from vllm_omni.model_executor.models.higgs_audio_v3.higgs_audio_v3_code2wav import HiggsAudioV3Code2Wav
 
     from higgs_talker.vllm_plugin.code2wav import HiggsTalkerCode2Wav
@@ -243,7 +244,8 @@ def test_the_codecs_reach_of_left_context_gives_vllm_omnis_audio_and_one_frame_l
     def audio(left: int) -> torch.Tensor:
         return torch.cat(_upstream_stream(code2wav, rows, extra=extra | {"codec_left_context_frames": left}))
 
-    stock, peak = audio(25), float(audio(25).abs().max())
+    stock = audio(25)
+    peak = float(stock.abs().max())
     assert stock.numel() == 89 * 960 and peak > 1e-3
     # float32 rounding of the decoder's convolutions over other lengths: 1.3e-6 of peak seen; one frame less, 3.5e-4
     assert float((audio(CODEC_REACH) - stock).abs().max()) <= 2e-5 * peak
