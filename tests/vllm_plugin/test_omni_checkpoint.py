@@ -219,6 +219,20 @@ def test_the_our_stage1_profiles_run_our_stage_1_with_the_codecs_reach_of_contex
     assert upstream_profile(base + "_reach_context") == "full_decode_64_async_reach_context"
 
 
+def test_derived_yaml_refuses_connector_settings_where_there_is_no_connector(tmp_path):
+    """A connector setting asked of a YAML without connectors (or ``connectors: null``) is an error naming the
+    setting, not a YAML silently without it; without such a setting, ``connectors: null`` is fine."""
+    from bench_omni import CONNECTORS, derived_yaml
+
+    for text in ("stages:\n  - stage_id: 0\n", "connectors: null\nstages:\n  - stage_id: 0\n"):
+        base = tmp_path / "base.yaml"
+        base.write_text(text)
+        with pytest.raises(ValueError, match="codec_left_context_frames"):
+            derived_yaml(base, tmp_path / "out.yaml", {CONNECTORS: {"codec_left_context_frames": 10}})
+        derived_yaml(base, tmp_path / "out.yaml", {0: {"max_num_seqs": 4}})
+        assert "max_num_seqs: 4" in (tmp_path / "out.yaml").read_text()
+
+
 def test_the_codecs_reach_of_left_context_gives_vllm_omnis_audio_and_one_frame_less_does_not(
     code2wav, no_capture_check
 ):
