@@ -8,6 +8,8 @@ whole 201M) in fp32 and bf16. Per dtype:
   ``AudioChunking`` (first chunk 1 frame, then 25; left context and holdback = the decoder's 10-frame reach):
   total and per-chunk time, the wait before the first chunk, and the difference from the one-shot audio;
 - ``stream_upstream``: the same with ``UPSTREAM_CHUNKING`` (holdback 4: upstream's schedule and deviations);
+- ``stream_exact_graphs``, ``stream_upstream_graphs`` (CUDA): the same with the windows' decodes captured as CUDA
+  graphs first (``Codec.capture_stream_graphs``: ``capture_s``, the shapes kept, each shape's eager and graph ms);
 - ``encode``: a ``--ref-seconds`` reference at 24 kHz (HuBERT, the encoders and the quantizer).
 
 Timing: one warm-up call (excluded; reported as ``warmup_ms``, because on CPU the first call at a new length
@@ -42,8 +44,10 @@ from common import (
 )
 
 from higgs_talker.codec import HIGGS_V3_CODEC, TINY_CODEC, UPSTREAM_CHUNKING, AudioChunking, Codec
+from higgs_talker.codec.streaming import window_lengths
 
-MODES = ("decode", "stream_exact", "stream_upstream", "encode")
+MODES = ("decode", "stream_exact", "stream_exact_graphs", "stream_upstream", "stream_upstream_graphs", "encode")
+CPU_MODES = tuple(m for m in MODES if not m.endswith("_graphs"))  # graphs are CUDA's
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -85,7 +89,19 @@ def row_decode(codec: Codec, codes: torch.Tensor, device: torch.device, args) ->
     return {"ms": median(ms), "warmup_ms": warm}
 
 
-def row_stream(codec: Codec, codes: torch.Tensor, chunking: AudioChunking, device: torch.device, args) -> dict:
+def row_stream(
+    codec: Codec, codes: torch.Tensor, chunking: AudioChunking, device: torch.device, args, graphs: bool = False
+) -> dict:
+    """A streamed decode; ``graphs``: its windows' decodes captured first (``Codec.capture_stream_graphs``, kept
+    where checked equal to eager and faster), else every window decoded eagerly."""
+    rule = chunking.resolved(codec.context_frames)
+    captured, codec.graphs = codec.graphs, None
+    report = {}
+    if graphs:
+        codec.graphs = captured
+        t0 = time.perf_counter()
+        report = codec.capture_stream_graphs(window_lengths(rule)) or {}
+        capture_s = time.perf_counter() - t0
     whole = codec.decode(codes)
     chunks, waited = stream_once(codec, codes, chunking)  # warm-up: every window length once
     sync(device)
@@ -100,8 +116,14 @@ def row_stream(codec: Codec, codes: torch.Tensor, chunking: AudioChunking, devic
     diff = (streamed - whole).abs()
     emitting = [i for i in range(len(per_push[0])) if i + 1 in waited]  # pushes that decoded a window
     first = emitting[0] if emitting else None
-    rule = chunking.resolved(codec.context_frames)
-    return {
+    if not graphs:
+        codec.graphs = captured  # kept for a later row that asks for them
+    graph_rows = {"graphs": "on" if graphs else "off"}
+    if graphs:
+        kept = [] if codec.graphs is None else codec.graphs.captured
+        graph_rows |= {"capture_s": capture_s, "graph_shapes": [f"{b}x{t}" for b, t in kept],
+                       "capture_report": {f"{b}x{t}": v for (b, t), v in sorted(report.items())}}  # fmt: skip
+    return graph_rows | {
         "ms": median(totals),
         "chunks": len(chunks),
         "chunk_ms": median([per_push[r][i] for r in range(args.repeats) for i in emitting[1:-1]] or [float("nan")]),
@@ -145,10 +167,9 @@ def run_dtype(name: str, args, device: torch.device, writer: ResultFile) -> None
         try:
             if mode == "decode":
                 row |= row_decode(codec, codes, device, args)
-            elif mode == "stream_exact":
-                row |= row_stream(codec, codes, AudioChunking(), device, args)
-            elif mode == "stream_upstream":
-                row |= row_stream(codec, codes, UPSTREAM_CHUNKING, device, args)
+            elif mode.startswith("stream_"):
+                chunking = AudioChunking() if mode.startswith("stream_exact") else UPSTREAM_CHUNKING
+                row |= row_stream(codec, codes, chunking, device, args, graphs=mode.endswith("_graphs"))
             else:
                 row |= row_encode(codec, device, args)
                 row["audio_s"] = args.ref_seconds
@@ -171,12 +192,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=None, help="audio decoded per call (default 10, quick 2)")
     p.add_argument("--ref-seconds", type=float, default=None, help="reference length encoded (default 10, quick 2)")
     p.add_argument("--dtypes", type=strs_arg, default=list(DTYPES), help="fp32,bf16")
-    p.add_argument("--modes", type=strs_arg, default=list(MODES), help=",".join(MODES))
+    p.add_argument("--modes", type=strs_arg, default=None, help=",".join(MODES) + " (default: all; on CPU no _graphs)")
     p.add_argument("--repeats", type=int, default=None, help="timed calls per row (default 10, quick 3)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output directory (default benchmarks/results)")
     args = p.parse_args(argv)
+    cpu = args.device == "cpu" or not torch.cuda.is_available()
+    args.modes = args.modes or list(CPU_MODES if cpu else MODES)
+    if cpu and any(m.endswith("_graphs") for m in args.modes):
+        p.error("the _graphs modes capture CUDA graphs: they need --device cuda")
     bad = [m for m in args.modes if m not in MODES] + [d for d in args.dtypes if d not in DTYPES]
     if bad:
         p.error(f"unknown mode(s)/dtype(s) {bad}; modes {list(MODES)}, dtypes {list(DTYPES)}")
@@ -201,8 +226,9 @@ def main(argv: Sequence[str] | None = None) -> ResultFile:
         run_dtype(name, args, device, writer)
     writer.meta["wall_s"] = time.perf_counter() - t0
     writer.save()
-    columns = ["dtype", "mode", "status", "audio_s", "ms", "ms_per_audio_s", "x_realtime", "warmup_ms", "chunks",
-               "chunk_ms", "first_chunk_after_ms_audio", "first_chunk_ms", "exact", "max_diff_over_peak"]  # fmt: skip
+    columns = ["dtype", "mode", "graphs", "status", "audio_s", "ms", "ms_per_audio_s", "x_realtime", "warmup_ms",
+               "chunks", "chunk_ms", "first_chunk_after_ms_audio", "first_chunk_ms", "exact",
+               "max_diff_over_peak"]  # fmt: skip
     print_table(writer.rows, columns, title=f"\ncodec ({meta['codec']}) on {device}, {meta['threads']} threads")
     return writer
 

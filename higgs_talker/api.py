@@ -406,6 +406,7 @@ class HiggsTalker:
         """
         _check_cancel_event(cancel)
         decoder = self.codec.stream(chunking)  # a bad chunking fails here, before anything is queued
+        self._capture_stream_graphs(decoder)
         frames = self.stream(text, sampling, reference, max_frames, split=split, cancel=cancel)
         try:
             for frame in frames:
@@ -417,6 +418,20 @@ class HiggsTalker:
         chunk = decoder.finish()
         if chunk is not None:
             yield chunk.cpu()
+
+    def prepare_audio(self, chunking=None) -> dict | None:
+        """Load the codec now and, on CUDA with graphs on (``graph_mode`` not eager), capture the decodes of the
+        windows ``stream_audio`` cuts under ``chunking`` as CUDA graphs (``Codec.capture_stream_graphs``), so that
+        a first streamed request waits for neither. ``stream_audio`` does the same on first use. Returns the
+        report of the shapes captured now ((batch, frames) -> what decodes it), or None where nothing is."""
+        return self._capture_stream_graphs(self.codec.stream(chunking))
+
+    def _capture_stream_graphs(self, decoder) -> dict | None:
+        if self.graph_mode is GraphMode.EAGER or decoder.codec.device.type != "cuda":
+            return None
+        from .codec.streaming import window_lengths
+
+        return decoder.codec.capture_stream_graphs(window_lengths(decoder.rule))
 
     def _prepared(
         self,

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,8 @@ class Codec:
         self.spec: CodecSpec = model.spec
         self.context_frames: tuple[int, int] = decoder_reach(model.acoustic_decoder, self.spec.hop_length)
         self.windows = WindowBatcher(self)  # the streams' decodes, batched while one runs
+        self.graphs = None  # CUDA graphs of streamed window decodes (``capture_stream_graphs``), when captured
+        self._graphs_lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------------ building
 
@@ -133,12 +136,37 @@ class Codec:
         (``decode_by_length``). One waveform per window."""
         hop, empty = self.hop_length, torch.zeros(0, dtype=torch.float32, device=self.device)
         chunks = [codes.t()[None] for codes, _, _ in windows]  # [1, Q, T]
-        decoded = decode_by_length(lambda batch: self.model.decode(batch.to(self.device)).float(), chunks)
+        decoded = decode_by_length(self._decode_batch, chunks)
         out = []
         for (_, front, back), wav in zip(windows, decoded, strict=True):
             samples = empty if wav is None else wav.reshape(-1)
             out.append(samples[front * hop : samples.shape[0] - back * hop])
         return out
+
+    def _decode_batch(self, codes: Tensor) -> Tensor:
+        """codes [B, Q, T] -> [B, 1, T * hop] float32: a captured graph's replay where one fits, else eager."""
+        codes = codes.to(self.device)
+        wav = None if self.graphs is None else self.graphs.decode(codes)
+        return (wav if wav is not None else self.model.decode(codes)).float()
+
+    def capture_stream_graphs(self, lengths: Iterable[int], batches: Iterable[int] | None = None) -> dict | None:
+        """On CUDA, CUDA graphs of ``decode_windows``' decodes of windows of ``lengths`` frames, in batches of up to
+        8 (``cuda_graphs.codec``: each checked equal to eager and kept where faster); shapes captured before are
+        not tried again. Returns the report of the shapes tried now: (batch, frames) -> what decodes it. None
+        on the CPU."""
+        if self.device.type != "cuda":
+            return None
+        from ..cuda_graphs.codec import BATCHES, CodecGraphs
+
+        with self._graphs_lock:
+            if self.graphs is None:
+                self.graphs = CodecGraphs(self.model.decode, self.num_quantizers, self.codebook_size, self.device)
+            report = self.graphs.capture(lengths, BATCHES if batches is None else batches)
+        if report:
+            logger.info("codec graphs for streamed windows of %s frames: %d of %d shapes replay a graph",
+                        sorted({t for _, t in report}), sum(v.startswith("graph") for v in report.values()),
+                        len(report))  # fmt: skip
+        return report
 
     def check_codes(self, codes: Tensor | np.ndarray) -> Tensor:
         """Codes as an int64 CPU or device tensor [T, Q]; ``TypeError`` / ``ValueError`` naming what is wrong."""

@@ -89,6 +89,21 @@ def next_window(available: int, emitted: int, finished: bool, rule: AudioChunkin
     return Window(max(0, emitted - rule.left_context_frames), available, emitted, emit_end)
 
 
+def window_lengths(rule: AudioChunking) -> list[int]:
+    """The lengths (frames) of the windows a resolved ``rule`` decodes while a stream runs, in order of first use:
+    the first few, then the steady one (pure). The last window of a stream, cut by its end, may have any other."""
+    lengths: list[int] = []
+    emitted, steady = 0, rule.left_context_frames + rule.chunk_frames + rule.holdback_frames
+    for available in range(1, steady + 1):  # a window fires each chunk: one has started past the context by then
+        window = next_window(available, emitted, False, rule)
+        if window is not None:
+            lengths.append(window.end - window.start)
+            emitted = window.emit_end
+        if emitted > rule.left_context_frames:  # every later window starts after the stream's start: all steady
+            break
+    return list(dict.fromkeys([*lengths, steady]))
+
+
 class StreamingDecoder:
     """Push aligned frames [Q] (or [k, Q]) as they arrive; each push returns a waveform chunk or None.
 

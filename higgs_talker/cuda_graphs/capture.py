@@ -15,17 +15,18 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
-def capture_graph(fn: Callable[[], T], pool=None) -> tuple[torch.cuda.CUDAGraph, T]:
+def capture_graph(fn: Callable[[], T], pool=None, mode: str = "global") -> tuple[torch.cuda.CUDAGraph, T]:
     """Run ``fn`` once on a side stream (lazy initialisation and autotuning stay out of the graph), then capture
     it. Returns the graph and what ``fn`` returned during the capture: tensors in the graph's memory, written by
-    each replay and not before the first one (capturing records work, it does not run it)."""
+    each replay and not before the first one (capturing records work, it does not run it). ``mode``: CUDA's
+    capture mode; ``"thread_local"`` for a capture while other threads may use the GPU (they are not refused)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
         out = fn()
     return graph, out
 

@@ -110,6 +110,7 @@ class SpeechServing:
         self.voices = VoiceStore(self.config.max_voices)
         self.sample_rate, self.frame_rate = talker.cfg.sample_rate, talker.cfg.frame_rate
         self.chunking = CHUNKINGS[self.config.chunking]
+        talker.prepare_audio(self.chunking)  # the codec and, on CUDA, its stream decodes' graphs: not on a request
         self.created = int(time.time())
         self._active: set[threading.Event] = set()
         self._lock = threading.Lock()
