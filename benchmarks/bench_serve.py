@@ -22,6 +22,7 @@ asked for.
 
     python benchmarks/bench_serve.py --out $OUT                      # H200: 4B shape, levels 1,4,16,64
     python benchmarks/bench_serve.py --chunking both --levels 1,16   # exact vs vllm-omni's chunk cuts
+    python benchmarks/bench_serve.py --chunking exact,fast-start --levels 1 --paths direct  # first audio
     python benchmarks/bench_serve.py --device cpu --tiny             # smoke test, seconds
     python benchmarks/bench_serve.py --paths frames,direct --levels 16,64   # the engine's frames vs + the codec
 """
@@ -233,7 +234,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="the tiny shape (CPU smoke test)")
     p.add_argument("--paths", type=strs_arg, default=["direct", "http"],
                    help="direct,http (default both); frames: the direct engine with no codec")  # fmt: skip
-    p.add_argument("--chunking", choices=("exact", "upstream", "both"), default="exact")
+    p.add_argument("--chunking", type=strs_arg, default=["exact"],
+                   help="exact, upstream, fast-start (a comma list; both = exact,upstream)")  # fmt: skip
     add_sampling_option(p, "level")
     p.add_argument("--levels", type=ints_arg, default=None, help="concurrency levels (default 1,4,16,64)")
     p.add_argument("--requests", type=int, default=None, help="requests per level (default max(2C, 8))")
@@ -296,7 +298,9 @@ def main(argv: Sequence[str] | None = None):
     talker.codec  # noqa: B018 - load the decoder before timing
     writer.meta["build_s"] = time.perf_counter() - t0
     deadline = t_start + args.budget_s
-    chunkings = ["exact", "upstream"] if args.chunking == "both" else [args.chunking]
+    chunkings = list(dict.fromkeys(n for c in args.chunking for n in (["exact", "upstream"] if c == "both" else [c])))
+    if unknown := [c for c in chunkings if c not in CHUNKINGS]:
+        raise SystemExit(f"bench_serve.py: unknown --chunking {unknown}; choose from {', '.join(CHUNKINGS)}, both")
     for name in chunkings:
         config = ServeConfig(model_name="bench", part_chars=args.part_chars, chunking=name, max_new_tokens=1 << 16)
         serving = SpeechServing(talker, config)

@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from higgs_talker.checkpoint import CODEC_PREFIX
 from higgs_talker.codec import (
     CODEC_CONFIG_FILE,
+    FAST_START_CHUNKING,
     HIGGS_V3_CODEC,
     TINY_CODEC,
     UPSTREAM_CHUNKING,
@@ -464,6 +465,25 @@ def test_upstream_chunking_differs_where_its_holdback_is_short(codec, tensors) -
     assert {0, 25, 50, 75} <= bad  # the last frame before each cut has the least future context
 
 
+def test_fast_start_sends_its_first_frames_at_once_and_every_later_chunk_exact(codec, tensors) -> None:
+    """``FAST_START_CHUNKING``: the first chunk (3 frames) comes with the third frame, decoded without its future
+    context, so it differs from one-shot audio (most at its end); every later chunk holds back the codec's reach
+    and equals one-shot audio. A first holdback of the reach is exact again."""
+    codes = random_codes(81, seed=6)
+    decoder = codec.stream(FAST_START_CHUNKING)
+    pushed = [decoder.push(codes[i]) for i in range(codes.shape[0])]
+    chunks = [c for c in [*pushed, decoder.finish()] if c is not None]
+    assert [i for i, c in enumerate(pushed) if c is not None] == [2, 37, 62]  # frames 3, 38 (3 + 10 + 25), 63
+    assert [c.shape[0] // HOP for c in chunks] == [3, 25, 25, 28] and not decoder.exact
+    whole = codec.decode(codes)
+    tol = 2 * decode_tolerance(tensors, torch.float32)
+    per_frame = [rel_err(g, w) for g, w in zip(chunks[0].reshape(-1, HOP), whole.reshape(-1, HOP), strict=False)]
+    assert per_frame[2] > 100 * tol, per_frame  # the last frame of the first chunk: no future context
+    rest = torch.cat(chunks[1:])
+    assert rel_err(rest, whole[3 * HOP :]) <= tol
+    assert codec.stream(AudioChunking(first_chunk_frames=3, first_holdback_frames=10)).exact
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -471,6 +491,7 @@ def test_upstream_chunking_differs_where_its_holdback_is_short(codec, tensors) -
         (dict(first_chunk_frames=30), "first_chunk_frames"),
         (dict(holdback_frames=-1), "holdback_frames"),
         (dict(left_context_frames=2.5), "left_context_frames"),
+        (dict(first_holdback_frames=-1), "first_holdback_frames"),
     ],
 )
 def test_bad_chunking_is_refused(kwargs, match) -> None:
@@ -481,9 +502,10 @@ def test_bad_chunking_is_refused(kwargs, match) -> None:
 def test_unset_context_sizes_take_the_codecs_reach_before_and_after() -> None:
     """Left context covers the frames before (reach[0]), the holdback the frames after (reach[1]): an asymmetric
     reach shows which is which (the real codec's is (10, 10))."""
-    assert AudioChunking().resolved((3, 7)) == AudioChunking(25, 1, 3, 7)
-    assert AudioChunking(left_context_frames=2).resolved((3, 7)) == AudioChunking(25, 1, 2, 7)
-    assert AudioChunking(holdback_frames=0).resolved((3, 7)) == AudioChunking(25, 1, 3, 0)
+    assert AudioChunking().resolved((3, 7)) == AudioChunking(25, 1, 3, 7, 7)
+    assert AudioChunking(left_context_frames=2).resolved((3, 7)) == AudioChunking(25, 1, 2, 7, 7)
+    assert AudioChunking(holdback_frames=0).resolved((3, 7)) == AudioChunking(25, 1, 3, 0, 0)  # the first's too
+    assert AudioChunking(first_holdback_frames=2).resolved((3, 7)) == AudioChunking(25, 1, 3, 7, 2)
 
 
 def test_finished_stream_refuses_frames(codec) -> None:

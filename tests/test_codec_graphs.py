@@ -18,7 +18,7 @@ from test_codec import decode_tolerance, rel_err
 
 from higgs_talker import HiggsTalker, SamplingParams
 from higgs_talker.checkpoint import CODEC_PREFIX
-from higgs_talker.codec import UPSTREAM_CHUNKING, AudioChunking, Codec, next_window
+from higgs_talker.codec import FAST_START_CHUNKING, UPSTREAM_CHUNKING, AudioChunking, Codec, next_window
 from higgs_talker.codec.streaming import window_lengths
 from higgs_talker.cuda_graphs.codec import CodecGraphs
 
@@ -111,14 +111,18 @@ def _lengths_of_a_long_stream(rule: AudioChunking, frames: int = 400) -> list[in
 
 
 def test_window_lengths_are_the_ones_a_stream_decodes():
-    """The default rule decodes windows of 11, 36, then 45 frames; upstream's 5, 30, then 54; for random rules
+    """The default rule decodes windows of 11, 36, then 45 frames; upstream's 5, 30, then 54; fast start's 3, 38,
+    then 45; for random rules
     the list holds exactly the lengths a long stream's windows have (its last one aside), first ones first."""
     assert window_lengths(AudioChunking().resolved((10, 10))) == [11, 36, 45]
     assert window_lengths(UPSTREAM_CHUNKING.resolved((10, 10))) == [5, 30, 54]
+    assert window_lengths(FAST_START_CHUNKING.resolved((10, 10))) == [3, 38, 45]
     rng = random.Random(0)
     for _ in range(300):
         chunk = rng.randint(1, 30)
-        rule = AudioChunking(chunk, rng.randint(1, chunk), rng.randint(0, 30), rng.randint(0, 12))
+        first_hold = rng.choice([None, rng.randint(0, 12)])
+        rule = AudioChunking(chunk, rng.randint(1, chunk), rng.randint(0, 30), rng.randint(0, 12), first_hold)
+        rule = rule.resolved((10, 10))
         seen = _lengths_of_a_long_stream(rule)
         assert window_lengths(rule) == list(dict.fromkeys(seen)), rule
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -233,6 +234,24 @@ def test_streamed_bytes_arrive_chunk_by_chunk(served, solo) -> None:
     data = b"".join(chunks)
     assert data[:4] == b"RIFF" and data[40:44] == b"\xff\xff\xff\xff"  # data size unknown while streaming
     assert wav_data(data) == want
+
+
+@pytest.mark.parametrize(("chunking", "first_frames"), [("upstream", 1), ("fast-start", 3)])
+def test_a_server_streams_with_the_chunking_it_was_started_with(solo, chunking, first_frames) -> None:
+    """``--chunking``: the first raw chunk holds the rule's first frames, and the audio is the API's streamed
+    audio under the same rule (neither rule is exact: each differs from the default's audio)."""
+    from higgs_talker.serve.serving import CHUNKINGS
+
+    text, params = "Cut as the server was told.", SamplingParams(seed=9, temperature=0.0, max_frames=80)
+    want = pcm16(torch.cat(list(solo.stream_audio(text, params, chunking=CHUNKINGS[chunking], split=PART_CHARS))))
+    assert want != expected_pcm(solo, text, params)
+    serving = SpeechServing(solo, dataclasses.replace(CONFIG, chunking=chunking))
+    body = {"input": text, "seed": 9, "temperature": 0.0, "max_new_tokens": 80, "response_format": "pcm",
+            "stream_format": "audio"}  # fmt: skip
+    with running(serving) as url, httpx.stream("POST", url + "/v1/audio/speech", json=body, timeout=TIMEOUT) as r:
+        assert r.status_code == 200
+        chunks = list(r.iter_raw())
+    assert len(chunks[0]) == first_frames * 960 * 2 and b"".join(chunks) == want
 
 
 @pytest.mark.parametrize("select", [{"stream_format": "sse"}, {"stream": True}], ids=["stream_format", "stream"])

@@ -6,11 +6,12 @@ Building a codec (or its config) imports transformers' DAC and HuBERT code, neve
 
 from .codec import Codec, check_waveform, random_tensors
 from .config import CODEC_CONFIG_FILE, HIGGS_V3_CODEC, TINY_CODEC, CodecSpec, build_config, config_to_dict
-from .streaming import UPSTREAM_CHUNKING, AudioChunking, StreamingDecoder, Window, next_window
+from .streaming import FAST_START_CHUNKING, UPSTREAM_CHUNKING, AudioChunking, StreamingDecoder, Window, next_window
 from .weights import find_source
 
 __all__ = [
     "CODEC_CONFIG_FILE",
+    "FAST_START_CHUNKING",
     "HIGGS_V3_CODEC",
     "TINY_CODEC",
     "UPSTREAM_CHUNKING",

@@ -12,8 +12,10 @@ that reach, every kept sample sees all of its inputs, and the concatenated chunk
 to float rounding (the same arithmetic on a shorter window). That is the default. Upstream's deploy
 profiles hold back 4 frames, so the last ~6 frames of each of their chunks are decoded without all of
 their future context and differ from the one-shot audio (by up to 39-47 % of peak with random weights,
-SPEC_codec 4.4); ``UPSTREAM_CHUNKING`` reproduces that schedule. Each holdback frame costs 40 ms before
-the first chunk: the default waits for 11 frames, upstream's for 5.
+SPEC_codec 4.4); ``UPSTREAM_CHUNKING`` reproduces that schedule. Each frame held back is one more talker step
+before the first chunk: the default waits for 11 frames, upstream's for 5. ``first_holdback_frames`` sets the
+first chunk's holdback alone: ``FAST_START_CHUNKING`` sends its first 3 frames at once (not exact), every later
+chunk exact.
 
 Many streams of one codec share its decodes (``WindowBatcher``): windows queued while a decode runs are decoded
 together in the next one, so a chunk's samples can differ by float rounding from the same window decoded alone.
@@ -36,6 +38,7 @@ class AudioChunking:
     first_chunk_frames: int = 1  # frames of the first chunk (a low time to first audio), at most chunk_frames
     left_context_frames: int | None = None  # already-emitted frames decoded again in front of the new ones
     holdback_frames: int | None = None  # newest frames decoded as future context but not emitted yet
+    first_holdback_frames: int | None = None  # the first chunk's holdback (None: holdback_frames), for earlier audio
 
     def __post_init__(self) -> None:
         for name in ("chunk_frames", "first_chunk_frames"):
@@ -47,7 +50,7 @@ class AudioChunking:
                 f"AudioChunking.first_chunk_frames ({self.first_chunk_frames}) exceeds chunk_frames "
                 f"({self.chunk_frames})"
             )
-        for name in ("left_context_frames", "holdback_frames"):
+        for name in ("left_context_frames", "holdback_frames", "first_holdback_frames"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"AudioChunking.{name} must be None or an integer >= 0, got {value!r}")
@@ -56,12 +59,17 @@ class AudioChunking:
         """The same rule with ``None`` context sizes replaced by the codec's reach (before, after)."""
         left = reach[0] if self.left_context_frames is None else self.left_context_frames
         hold = reach[1] if self.holdback_frames is None else self.holdback_frames
-        return AudioChunking(self.chunk_frames, self.first_chunk_frames, left, hold)
+        first_hold = hold if self.first_holdback_frames is None else self.first_holdback_frames
+        return AudioChunking(self.chunk_frames, self.first_chunk_frames, left, hold, first_hold)
 
 
 # vllm-omni's deploy profiles (codec_chunk_frames 25, codec_left_context_frames 25, codec_right_holdback_frames 4,
 # initial_codec_chunk_frames 1): the same chunk boundaries as upstream, and the same deviations from one-shot audio
 UPSTREAM_CHUNKING = AudioChunking(chunk_frames=25, first_chunk_frames=1, left_context_frames=25, holdback_frames=4)
+# The first 3 frames (120 ms of audio) decoded as soon as they exist, without their future context (so they differ
+# from one-shot audio, the more the nearer their end), every later chunk exact. A first chunk of 3 frames lasts
+# while the talker makes the 35 frames the next chunk needs at up to 3.4 ms a step; one of 1 frame would not.
+FAST_START_CHUNKING = AudioChunking(first_chunk_frames=3, first_holdback_frames=0)
 
 
 @dataclass(frozen=True)
@@ -77,10 +85,11 @@ class Window:
 def next_window(available: int, emitted: int, finished: bool, rule: AudioChunking) -> Window | None:
     """The chunk due now under a resolved ``rule``, or None (pure: the whole schedule in one function)."""
     assert rule.left_context_frames is not None and rule.holdback_frames is not None, "resolve the rule first"
+    first_hold = rule.holdback_frames if rule.first_holdback_frames is None else rule.first_holdback_frames
     if finished:
         emit_end = available
     else:
-        emit_end = available - rule.holdback_frames
+        emit_end = available - (first_hold if emitted == 0 else rule.holdback_frames)
         due = rule.first_chunk_frames if emitted == 0 else rule.chunk_frames
         if emit_end - emitted < due:
             return None
@@ -94,7 +103,9 @@ def window_lengths(rule: AudioChunking) -> list[int]:
     the first few, then the steady one (pure). The last window of a stream, cut by its end, may have any other."""
     lengths: list[int] = []
     emitted, steady = 0, rule.left_context_frames + rule.chunk_frames + rule.holdback_frames
-    for available in range(1, steady + 1):  # a window fires each chunk: one has started past the context by then
+    first_hold = rule.holdback_frames if rule.first_holdback_frames is None else rule.first_holdback_frames
+    # the first window, then one per chunk: by then one has started past the left context
+    for available in range(1, rule.first_chunk_frames + first_hold + steady + 1):
         window = next_window(available, emitted, False, rule)
         if window is not None:
             lengths.append(window.end - window.start)
@@ -118,7 +129,8 @@ class StreamingDecoder:
         self.codec = codec
         self.rule = (chunking or AudioChunking()).resolved(codec.context_frames)
         before, after = codec.context_frames
-        self.exact = self.rule.left_context_frames >= before and self.rule.holdback_frames >= after
+        hold = min(self.rule.holdback_frames, self.rule.first_holdback_frames)
+        self.exact = self.rule.left_context_frames >= before and hold >= after
         self._codes = torch.zeros(0, codec.num_quantizers, dtype=torch.long)
         self._offset = 0  # frame index of self._codes[0]
         self.available = self.emitted = 0

@@ -26,10 +26,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", metavar="NAME", help="the name 'model' must give (default: MODEL's name)")
     p.add_argument(
         "--chunking",
-        choices=("exact", "upstream"),
+        choices=("exact", "upstream", "fast-start"),
         default="exact",
-        help="streamed audio: exact (equal to one-shot audio; first audio after 11 frames) or upstream "
-        "(vllm-omni's cuts: first audio after 5 frames, not exact)",
+        help="streamed audio: exact (equal to one-shot audio; first audio after 11 frames), upstream (vllm-omni's "
+        "cuts: first audio after 5 frames, not exact) or fast-start (the first 3 frames at once, not exact; then "
+        "exact)",
     )
     p.add_argument("--max-input-chars", type=int, default=20_000, metavar="N", help="longest input (default 20000)")
     p.add_argument(

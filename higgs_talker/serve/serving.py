@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ..api import HiggsTalker, PreparedText
 from ..audio import decode_wav, pcm16
-from ..codec.streaming import UPSTREAM_CHUNKING, AudioChunking
+from ..codec.streaming import FAST_START_CHUNKING, UPSTREAM_CHUNKING, AudioChunking
 from ..heads.sampling import SamplingParams
 from ..prompt import PromptTooLong
 from ..results import GenerationCancelled, Reference
@@ -46,7 +46,7 @@ from .voices import DEFAULT_VOICE, VoiceStore, check_voice_name
 
 logger = logging.getLogger(__name__)
 
-CHUNKINGS = {"exact": AudioChunking(), "upstream": UPSTREAM_CHUNKING}
+CHUNKINGS = {"exact": AudioChunking(), "upstream": UPSTREAM_CHUNKING, "fast-start": FAST_START_CHUNKING}
 _SAMPLING_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "seed",
                     "max_frames": "max_new_tokens", "min_frames": "max_new_tokens"}  # fmt: skip
 _ids = itertools.count(1)
@@ -64,7 +64,7 @@ class ServeConfig:
     # long input is spoken in parts of at most this many characters, each capped from its text; 0: one prompt of
     # any length, capped only by max_new_tokens (vllm-omni's endpoint)
     part_chars: int = DEFAULT_PART_CHARS
-    chunking: str = "exact"  # streamed audio cuts: exact (equal to one-shot audio) or upstream (earlier first audio)
+    chunking: str = "exact"  # streamed audio cuts: exact (one-shot audio), upstream or fast-start (CHUNKINGS)
     max_voices: int = 64
     # the sampling of a request that names none: the deploy profiles', with which vllm-omni's speech endpoint
     # samples Stage 0 (its deploy YAMLs); a request's temperature / top_p / top_k override each
