@@ -9,7 +9,8 @@ whole 201M) in fp32 and bf16. Per dtype:
   total and per-chunk time, the wait before the first chunk, and the difference from the one-shot audio;
 - ``stream_upstream``: the same with ``UPSTREAM_CHUNKING`` (holdback 4: upstream's schedule and deviations);
 - ``stream_exact_graphs``, ``stream_upstream_graphs`` (CUDA): the same with the windows' decodes captured as CUDA
-  graphs first (``Codec.capture_stream_graphs``: ``capture_s``, the shapes kept, each shape's eager and graph ms);
+  graphs first (``cuda_graphs.codec.capture_stream_graphs``: ``capture_s``, the shapes kept, each shape's eager
+  and graph ms);
 - ``encode``: a ``--ref-seconds`` reference at 24 kHz (HuBERT, the encoders and the quantizer).
 
 Timing: one warm-up call (excluded; reported as ``warmup_ms``, because on CPU the first call at a new length
@@ -45,6 +46,7 @@ from common import (
 
 from higgs_talker.codec import HIGGS_V3_CODEC, TINY_CODEC, UPSTREAM_CHUNKING, AudioChunking, Codec
 from higgs_talker.codec.streaming import window_lengths
+from higgs_talker.cuda_graphs.codec import capture_stream_graphs
 
 MODES = ("decode", "stream_exact", "stream_exact_graphs", "stream_upstream", "stream_upstream_graphs", "encode")
 CPU_MODES = tuple(m for m in MODES if not m.endswith("_graphs"))  # graphs are CUDA's
@@ -92,15 +94,15 @@ def row_decode(codec: Codec, codes: torch.Tensor, device: torch.device, args) ->
 def row_stream(
     codec: Codec, codes: torch.Tensor, chunking: AudioChunking, device: torch.device, args, graphs: bool = False
 ) -> dict:
-    """A streamed decode; ``graphs``: its windows' decodes captured first (``Codec.capture_stream_graphs``, kept
-    where checked equal to eager and faster), else every window decoded eagerly."""
+    """A streamed decode; ``graphs``: its windows' decodes captured first (``capture_stream_graphs``, kept where
+    checked equal to eager and faster), else every window decoded eagerly."""
     rule = chunking.resolved(codec.context_frames)
     captured, codec.graphs = codec.graphs, None
     report = {}
     if graphs:
         codec.graphs = captured
         t0 = time.perf_counter()
-        report = codec.capture_stream_graphs(window_lengths(rule)) or {}
+        report = capture_stream_graphs(codec, window_lengths(rule)) or {}
         capture_s = time.perf_counter() - t0
     whole = codec.decode(codes)
     chunks, waited = stream_once(codec, codes, chunking)  # warm-up: every window length once

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import operator
@@ -64,7 +65,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from higgs_talker.vllm_plugin import CODEC_ARCH
+from higgs_talker.codec.streaming import UPSTREAM_CHUNKING, window_lengths
+from higgs_talker.vllm_plugin import CODEC_ARCH, CODEC_GRAPH_FRAMES
 
 TALKERS = ("ours", "upstream")
 PROFILES = (
@@ -98,7 +100,9 @@ PROFILES = (
 CONNECTORS = "connectors"  # derived_yaml: keys of every connector's extra
 CODEC_REACH = 10
 REACH_CONTEXT = {CONNECTORS: {"codec_left_context_frames": CODEC_REACH}}
-OUR_STAGE1 = REACH_CONTEXT | {1: {"model_arch": CODEC_ARCH}}
+# our Stage 1 also decodes the windows of the profiles' chunking (vllm-omni's, with that left context) in CUDA graphs
+STAGE1_WINDOWS = window_lengths(dataclasses.replace(UPSTREAM_CHUNKING, left_context_frames=CODEC_REACH))
+OUR_STAGE1 = REACH_CONTEXT | {1: {"model_arch": CODEC_ARCH, "hf_overrides": {CODEC_GRAPH_FRAMES: STAGE1_WINDOWS}}}
 STAGE1_VARIANTS = {"_our_stage1": OUR_STAGE1, "_reach_context": REACH_CONTEXT}  # profile suffix -> what it adds
 # Profiles measured beside the two packaged ones (issue #28): each talker's low-latency YAML (vLLM's FULL decode
 # graphs) with 64 streams and graphs up to 64, prefix caching as it is or off; and with vLLM's async scheduling

@@ -421,7 +421,7 @@ class HiggsTalker:
 
     def prepare_audio(self, chunking=None) -> dict | None:
         """Load the codec now and, on CUDA with graphs on (``graph_mode`` not eager), capture the decodes of the
-        windows ``stream_audio`` cuts under ``chunking`` as CUDA graphs (``Codec.capture_stream_graphs``), so that
+        windows ``stream_audio`` cuts under ``chunking`` as CUDA graphs (``cuda_graphs.codec``), so that
         a first streamed request waits for neither. ``stream_audio`` does the same on first use. Returns the
         report of the shapes captured now ((batch, frames) -> what decodes it), or None where nothing is."""
         return self._capture_stream_graphs(self.codec.stream(chunking))
@@ -430,8 +430,9 @@ class HiggsTalker:
         if self.graph_mode is GraphMode.EAGER or decoder.codec.device.type != "cuda":
             return None
         from .codec.streaming import window_lengths
+        from .cuda_graphs.codec import capture_stream_graphs
 
-        return decoder.codec.capture_stream_graphs(window_lengths(decoder.rule))
+        return capture_stream_graphs(decoder.codec, window_lengths(decoder.rule))
 
     def _prepared(
         self,

@@ -20,7 +20,7 @@ from higgs_talker import HiggsTalker, SamplingParams
 from higgs_talker.checkpoint import CODEC_PREFIX
 from higgs_talker.codec import FAST_START_CHUNKING, UPSTREAM_CHUNKING, AudioChunking, Codec, next_window
 from higgs_talker.codec.streaming import window_lengths
-from higgs_talker.cuda_graphs.codec import CodecGraphs
+from higgs_talker.cuda_graphs.codec import CodecGraphs, capture_stream_graphs
 
 HOP = 960
 
@@ -168,11 +168,15 @@ def test_a_batch_is_padded_to_its_bucket_and_split_above_the_largest(with_graphs
 
 
 def test_a_decode_returns_a_copy_that_the_next_replay_leaves_alone(with_graphs):
+    """Also outside inference mode (vllm-omni's Stage 1 decodes under no_grad): the static inputs take the codes."""
     codec, _, _ = with_graphs
     a, b = random_codes(45, seed=1), random_codes(45, seed=2)
     first = codec.decode_windows([(a, 0, 0)])[0]
     codec.decode_windows([(b, 0, 0)])
     assert torch.equal(first, codec.decode(a))
+    with torch.no_grad():
+        again = codec.graphs.decode(a.t()[None])
+    assert again is not None and torch.equal(again.reshape(-1), first)
 
 
 # ----------------------------------------------------------------------------------------- left to eager
@@ -216,7 +220,7 @@ def test_a_capture_that_raises_leaves_its_shape_to_eager_decodes(codec, caplog):
 
 def test_nothing_is_captured_on_the_cpu_or_in_eager_mode(talker):
     """``capture_stream_graphs`` is for CUDA; the CPU talker (graph mode eager) prepares its codec only."""
-    assert talker.codec.capture_stream_graphs([11]) is None
+    assert capture_stream_graphs(talker.codec, [11]) is None
     assert talker.prepare_audio() is None and talker.codec.graphs is None
 
 
@@ -255,7 +259,7 @@ def test_real_graphs_replay_the_eager_decodes_of_the_full_codec(cuda_codec):
     codec = cuda_codec
     codec.graphs = CodecGraphs(codec.model.decode, 8, 1024, codec.device, timer=_prefer_graphs)
     try:
-        report = codec.capture_stream_graphs([11, 36, 45])
+        report = capture_stream_graphs(codec, [11, 36, 45])
         assert set(report) == {(b, t) for b in (1, 2, 4, 8) for t in (11, 36, 45)}
         assert codec.graphs.captured == sorted(report), report
         for t in (11, 36, 45):
@@ -268,7 +272,7 @@ def test_real_graphs_replay_the_eager_decodes_of_the_full_codec(cuda_codec):
         assert all(torch.equal(g, w.reshape(-1)) for g, w in zip(got, want, strict=True))
     finally:
         codec.graphs = None
-    report = codec.capture_stream_graphs([11, 45], batches=(1, 4))  # timed for real
+    report = capture_stream_graphs(codec, [11, 45], batches=(1, 4))  # timed for real
     print("\n".join(f"{b} x {t} frames: {v}" for (b, t), v in sorted(report.items())))
     assert all(v.startswith(("graph (", "eager (faster")) for v in report.values()), report
     codec.graphs = None

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +38,8 @@ class Codec:
         self.spec: CodecSpec = model.spec
         self.context_frames: tuple[int, int] = decoder_reach(model.acoustic_decoder, self.spec.hop_length)
         self.windows = WindowBatcher(self)  # the streams' decodes, batched while one runs
-        self.graphs = None  # CUDA graphs of streamed window decodes (``capture_stream_graphs``), when captured
-        self._graphs_lock = threading.Lock()
+        # graphs of the streamed window decodes, once captured (``cuda_graphs.codec``): ``decode(codes) -> wav or None``
+        self.graphs = None
 
     # ------------------------------------------------------------------------------------------ building
 
@@ -148,25 +147,6 @@ class Codec:
         codes = codes.to(self.device)
         wav = None if self.graphs is None else self.graphs.decode(codes)
         return (wav if wav is not None else self.model.decode(codes)).float()
-
-    def capture_stream_graphs(self, lengths: Iterable[int], batches: Iterable[int] | None = None) -> dict | None:
-        """On CUDA, CUDA graphs of ``decode_windows``' decodes of windows of ``lengths`` frames, in batches of up to
-        8 (``cuda_graphs.codec``: each checked equal to eager and kept where faster); shapes captured before are
-        not tried again. Returns the report of the shapes tried now: (batch, frames) -> what decodes it. None
-        on the CPU."""
-        if self.device.type != "cuda":
-            return None
-        from ..cuda_graphs.codec import BATCHES, CodecGraphs
-
-        with self._graphs_lock:
-            if self.graphs is None:
-                self.graphs = CodecGraphs(self.model.decode, self.num_quantizers, self.codebook_size, self.device)
-            report = self.graphs.capture(lengths, BATCHES if batches is None else batches)
-        if report:
-            logger.info("codec graphs for streamed windows of %s frames: %d of %d shapes replay a graph",
-                        sorted({t for _, t in report}), sum(v.startswith("graph") for v in report.values()),
-                        len(report))  # fmt: skip
-        return report
 
     def check_codes(self, codes: Tensor | np.ndarray) -> Tensor:
         """Codes as an int64 CPU or device tensor [T, Q]; ``TypeError`` / ``ValueError`` naming what is wrong."""

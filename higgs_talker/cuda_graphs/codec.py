@@ -28,6 +28,19 @@ from .capture import capture_graph, graph_pool, median_ms
 logger = logging.getLogger(__name__)
 
 BATCHES = (1, 2, 4, 8)  # batch buckets: windows that a codec's streams queued together (``WindowBatcher``)
+_ATTACH = threading.Lock()
+
+
+def capture_stream_graphs(codec, lengths: Iterable[int], batches: Iterable[int] = BATCHES) -> dict | None:
+    """On CUDA, graphs of ``codec.decode_windows``' decodes of windows of ``lengths`` frames in batches of
+    ``batches`` (``CodecGraphs``, attached to the codec as ``codec.graphs``); shapes tried before are not tried
+    again. Returns the report of the shapes tried now, (batch, frames) -> what decodes it; None on the CPU."""
+    if codec.device.type != "cuda":
+        return None
+    with _ATTACH:
+        if codec.graphs is None:
+            codec.graphs = CodecGraphs(codec.model.decode, codec.num_quantizers, codec.codebook_size, codec.device)
+    return codec.graphs.capture(lengths, batches)
 
 
 class CodecGraphs:
@@ -47,6 +60,7 @@ class CodecGraphs:
         self.num_quantizers, self.codebook_size = num_quantizers, codebook_size
         self._capture, self._timer = capture, timer
         self._graphs: dict[tuple[int, int], tuple[object, Tensor, Tensor]] = {}  # (bucket, T) -> graph, in, out
+        self._buckets: dict[int, list[int]] = {}  # T -> its buckets, ascending; replaced whole (read without lock)
         self.report: dict[tuple[int, int], str] = {}  # every (bucket, T) tried: what decodes it, and why
         self._pool = None
         self._lock = threading.Lock()  # one replay at a time: the graphs share their static inputs and pool
@@ -57,7 +71,7 @@ class CodecGraphs:
         wanted = {(b, t) for t in lengths for b in batches}
         if wanted <= self.report.keys():  # every later stream asks again: no lock then
             return {}
-        with self._lock, torch.inference_mode():
+        with self._lock, torch.no_grad():  # not inference mode: the static inputs are written in and out of it
             new = sorted(wanted - self.report.keys(), reverse=True)
             for key in new:
                 try:
@@ -66,7 +80,11 @@ class CodecGraphs:
                     self.report[key] = f"eager (capture failed: {type(exc).__name__}: {exc})"
                     logger.warning("codec graph for %d window(s) of %d frames: capture failed (%s: %s); that shape "
                                    "decodes eagerly", *key, type(exc).__name__, exc)  # fmt: skip
-        return {key: self.report[key] for key in new}
+        report = {key: self.report[key] for key in new}
+        kept = sum(v.startswith("graph") for v in report.values())
+        logger.info("codec graphs for windows of %s frames: %d of %d shapes replay a graph (batches %s)",
+                    sorted({t for _, t in new}), kept, len(new), sorted({b for b, _ in new}))  # fmt: skip
+        return report
 
     def _capture_one(self, batch: int, frames: int) -> str:
         g = torch.Generator(device=self.device).manual_seed(batch * 100_003 + frames)
@@ -86,13 +104,13 @@ class CodecGraphs:
         if graph_ms >= eager_ms:
             return f"eager (faster: {eager_ms:.3f} ms, graph {graph_ms:.3f} ms)"
         self._graphs[(batch, frames)] = (graph, static, out)
+        self._buckets = {**self._buckets, frames: sorted([*self._buckets.get(frames, []), batch])}
         return f"graph ({graph_ms:.3f} ms, eager {eager_ms:.3f} ms)"
 
     def decode(self, codes: Tensor) -> Tensor | None:
         """codes [B, Q, T] int64 on the device -> the decoder's output [B, 1, T * hop] (a copy, not the graph's
         memory), or None where no graph was kept for T."""
-        frames = codes.shape[-1]
-        buckets = sorted(b for b, t in self._graphs if t == frames)
+        buckets = self._buckets.get(codes.shape[-1])
         if not buckets or codes.shape[0] == 0:
             return None
         pieces = codes.split(buckets[-1])  # above the largest bucket: its graph replayed per piece

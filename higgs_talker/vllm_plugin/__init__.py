@@ -20,6 +20,7 @@ ARCHITECTURES = ("HiggsAudioV3TalkerForConditionalGeneration", "HiggsMultimodalQ
                  "HiggsTalkerForConditionalGeneration")  # fmt: skip
 # Stage 1 with a step's codec chunks decoded in batches (code2wav.py), for a deploy YAML's Stage-1 model_arch
 CODEC_ARCH, CODEC_CLASS = "HiggsTalkerCode2Wav", "higgs_talker.vllm_plugin.code2wav:HiggsTalkerCode2Wav"
+CODEC_GRAPH_FRAMES = "higgs_codec_graph_frames"  # its hf_overrides key: window lengths it decodes in CUDA graphs
 # The text-only bridge for plain vLLM: pass ``logits_processors=[TEXT_ONLY_BRIDGE]`` to ``vllm.LLM``.
 TEXT_ONLY_BRIDGE = "higgs_talker.vllm_plugin.bridge:TextOnlyBridge"
 # ``vllm.LLM(..., worker_extension_cls=ROWS_EXTENSION)``: ``bridge.request_rows`` asks workers by method name
@@ -70,5 +71,5 @@ def register() -> tuple[str, ...]:
     return _touched
 
 
-__all__ = ["ARCHITECTURES", "CODEC_ARCH", "CODEC_CLASS", "ROWS_EXTENSION", "TALKER_CLASS", "TEXT_ONLY_BRIDGE",
-           "register"]  # fmt: skip
+__all__ = ["ARCHITECTURES", "CODEC_ARCH", "CODEC_CLASS", "CODEC_GRAPH_FRAMES", "ROWS_EXTENSION", "TALKER_CLASS",
+           "TEXT_ONLY_BRIDGE", "register"]  # fmt: skip

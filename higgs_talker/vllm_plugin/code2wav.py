@@ -4,7 +4,9 @@ vllm-omni (0.26 - 0.30) decodes each request's chunk of a Stage-1 step alone, on
 check that syncs the host twice. Here the step's chunks decode first, one batch per length (``decode_by_length``),
 and vllm-omni's own ``forward`` then runs, its per-chunk decodes taking those results in order: its splits, checks,
 trims and output stay its own. A batch that fails the check (a code out of range) or runs out of memory is left to
-the per-chunk decodes, where only a request at fault gets vllm-omni's empty audio.
+the per-chunk decodes, where only a request at fault gets vllm-omni's empty audio. Stage 1 runs eagerly: the window
+lengths a deploy YAML names in Stage 1's ``hf_overrides`` (``CODEC_GRAPH_FRAMES``) decode through CUDA graphs
+(``cuda_graphs.codec``, captured at load, each checked against eager), their codes range-checked once a batch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from torch import Tensor
 from vllm_omni.model_executor.models.higgs_audio_v3.higgs_audio_v3_code2wav import HiggsAudioV3Code2Wav
 
 from ..codec.codec import decode_by_length
+from ..cuda_graphs.codec import CodecGraphs
+from . import CODEC_GRAPH_FRAMES
 
 _LEFT_TO_THE_LOOP = (ValueError, torch.OutOfMemoryError)  # what a batch may raise: its chunks then decode alone
 
@@ -24,13 +28,34 @@ class HiggsTalkerCode2Wav(HiggsAudioV3Code2Wav):
     """vllm-omni's Higgs-Audio V3 Stage 1 with batched decodes (a deploy YAML's Stage-1 ``model_arch``: CODEC_ARCH)."""
 
     _decoded: list[tuple[Tensor, Tensor | None]] | tuple = ()  # the step's (chunk, audio or None), in loop order
+    _graphs: CodecGraphs | None = None
+
+    def load_weights(self, *args: Any, **kwargs: Any):
+        loaded = super().load_weights(*args, **kwargs)
+        device = next(self.parameters()).device
+        if self.graph_frames() and device.type == "cuda" and self._graphs is None:
+            self._graphs = CodecGraphs(super().decode_codes, self.num_codebooks, self.num_real_codes, device)
+            self._graphs.capture(self.graph_frames())
+        return loaded
+
+    def graph_frames(self) -> list[int]:
+        """The window lengths Stage 1's ``hf_overrides`` names under ``CODEC_GRAPH_FRAMES`` (none: no graphs)."""
+        overrides = getattr(getattr(getattr(self, "vllm_config", None), "model_config", None), "hf_overrides", None)
+        return [int(t) for t in (overrides.get(CODEC_GRAPH_FRAMES) or [])] if isinstance(overrides, dict) else []
+
+    def _decode_batch(self, codes: Tensor) -> Tensor:
+        """vllm-omni's decode of chunks [B, Q, T], replayed from a graph where one was captured for T."""
+        if self._graphs is None:
+            return super().decode_codes(codes)
+        wav = self._graphs.decode(self._validate_codes(codes))  # a replay runs no Python: the range check first
+        return wav if wav is not None else super().decode_codes(codes)
 
     def forward(self, input_ids: Tensor | None = None, *args: Any, **kwargs: Any):
         if isinstance(input_ids, Tensor) and input_ids.ndim < 3 and input_ids.numel():
             c, ids = self.num_codebooks, input_ids.reshape(-1).long()
             parts = self._split_request_ids(ids, kwargs.get("seq_token_counts"))
             chunks = [p.reshape(1, c, -1) for p in parts if p.numel() and p.numel() % c == 0]  # the ones it decodes
-            decoded = decode_by_length(super().decode_codes, chunks, _LEFT_TO_THE_LOOP)
+            decoded = decode_by_length(self._decode_batch, chunks, _LEFT_TO_THE_LOOP)
             self._decoded = list(zip(chunks, decoded, strict=True))
         try:
             return super().forward(input_ids, *args, **kwargs)

@@ -161,6 +161,81 @@ def test_our_stage_1_decodes_a_steps_chunks_together_with_vllm_omnis_audio(
     assert torch.equal(ours.decode_codes(first), code2wav.decode_codes(first))
 
 
+def test_our_stage_1_replays_graphs_of_the_windows_its_yaml_names_after_one_range_check_a_batch(
+    code2wav, omni_ckpt, no_capture_check, monkeypatch
+):
+    """Our Stage 1 with graphs of its windows (here a stand-in capture whose replays, like a CUDA graph's, run no
+    range check; on CUDA ``load_weights`` captures the lengths Stage 1's ``hf_overrides`` names): each length's
+    batch replays one graph and every request's audio is vllm-omni's to float rounding; a code out of range is
+    caught before any replay (only its request gets empty audio; replayed unchecked, it would index past the
+    codebook and fail the whole step)."""
+    import itertools
+    from functools import partial
+
+    from _stand_in_graphs import stand_in_capture
+    from vllm_omni.model_executor.models.higgs_audio_v3.higgs_audio_v3_code2wav import HiggsAudioV3Code2Wav
+
+    from higgs_talker.cuda_graphs.codec import CodecGraphs
+    from higgs_talker.vllm_plugin import CODEC_GRAPH_FRAMES
+    from higgs_talker.vllm_plugin.code2wav import HiggsTalkerCode2Wav
+
+    ours = _stage1(HiggsTalkerCode2Wav, omni_ckpt)
+    ours.vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_overrides={CODEC_GRAPH_FRAMES: [30, 54]}))
+    assert ours.graph_frames() == [30, 54] and ours._graphs is None  # on CPU load_weights captures nothing
+    replays = []
+
+    def capture(fn, pool=None, mode="global"):
+        def replay():
+            replays.append(1)
+            with monkeypatch.context() as m:
+                m.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+                return fn()
+
+        graph, out = stand_in_capture(replay, pool)
+        # vllm-omni's decode_codes runs in inference mode, so its output is an inference tensor, which a CUDA graph's
+        # replay overwrites directly, and the stand-in's copy only inside inference mode
+        graph.replay = torch.inference_mode()(graph.replay)
+        return graph, out
+
+    times = itertools.cycle([1.0, 0.0])  # eager timed first, then the graph: every graph is kept
+    ours._graphs = CodecGraphs(partial(HiggsAudioV3Code2Wav.decode_codes, ours), 8, 1024, torch.device("cpu"),
+                               capture=capture, timer=lambda fn: next(times))  # fmt: skip
+    ours._graphs.capture(ours.graph_frames())
+    assert ours._graphs.captured == [(b, t) for b in (1, 2, 4, 8) for t in (30, 54)]
+    g = torch.Generator().manual_seed(5)
+    chunks = [torch.randint(0, 1024, (8, t), generator=g) for t in (54, 30, 54, 54)]
+    metas = [{"left_context_size": 25, "right_holdback_size": 4}, {"right_holdback_size": 4},
+             {"left_context_size": 25, "right_holdback_size": 4}, {}]  # fmt: skip
+    replays.clear()
+    got, want = _stage1_step(ours, chunks, metas), _stage1_step(code2wav, chunks, metas)
+    assert len(replays) == 2  # the three 54-frame chunks in the 4-window graph, the 30-frame one alone
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and (a - b).abs().max() <= 1e-5 * b.abs().max()
+    bad = [c.clone() for c in chunks]
+    bad[2][0, 5] = 1024
+    replays.clear()
+    got, want = _stage1_step(ours, bad, metas), _stage1_step(code2wav, bad, metas)
+    assert len(replays) == 1 and got[2].numel() == want[2].numel() == 0
+    for i in (0, 1, 3):
+        assert (got[i] - want[i]).abs().max() <= 1e-5 * want[i].abs().max()
+
+
+def test_the_our_stage1_profiles_name_the_windows_of_their_own_chunking(tmp_path):
+    """``bench_omni``'s ``..._our_stage1`` profiles ask Stage 1 for graphs of exactly the window lengths their
+    connector's chunking decodes (the first ones and the steady one)."""
+    import yaml
+    from bench_omni import profile_yaml
+    from test_omni_gpu import chunking_of
+
+    from higgs_talker.codec.streaming import window_lengths
+    from higgs_talker.vllm_plugin import CODEC_GRAPH_FRAMES
+
+    path = profile_yaml("ours", "full_decode_64_async_frame_graphs_our_stage1", tmp_path)
+    stage1 = yaml.safe_load(path.read_text())["stages"][1]
+    want = window_lengths(chunking_of(path).resolved((10, 10)))
+    assert stage1["hf_overrides"][CODEC_GRAPH_FRAMES] == want == [5, 30, 39]
+
+
 def test_our_stage_1_decodes_alone_what_runs_out_of_memory_as_a_batch(
     code2wav, omni_ckpt, no_capture_check, monkeypatch
 ):
@@ -191,15 +266,20 @@ def test_our_stage_1_decodes_alone_what_runs_out_of_memory_as_a_batch(
 
 
 def test_the_our_stage1_profiles_run_our_stage_1_with_the_codecs_reach_of_context(tmp_path):
-    """``bench_omni.py``'s ``..._our_stage1`` profiles: ours is its base profile with our Stage 1's architecture on
-    stage 1 (registered by the plugin: test_registration.py) and the codec's reach of left context on the connector,
-    nothing else changed; vllm-omni's talker, whose processes do not load our plugin, runs the base profile."""
+    """``bench_omni.py``'s ``..._our_stage1`` profiles: ours is its base profile with our Stage 1's architecture and
+    graphs of its windows on stage 1 (registered by the plugin: test_registration.py) and the codec's reach of left
+    context on the connector, nothing else changed; vllm-omni's talker, whose processes do not load our plugin, runs
+    the base profile."""
     import yaml
-    from bench_omni import CODEC_ARCH, CODEC_REACH, profile_yaml, upstream_profile
+    from bench_omni import CODEC_ARCH, CODEC_REACH, STAGE1_WINDOWS, profile_yaml, upstream_profile
+
+    from higgs_talker.vllm_plugin import CODEC_GRAPH_FRAMES
 
     base = "full_decode_64_async_frame_graphs"
     plain, ours = (yaml.safe_load(profile_yaml("ours", p, tmp_path).read_text()) for p in (base, f"{base}_our_stage1"))
     assert ours["stages"][1].pop("model_arch") == CODEC_ARCH
+    assert ours["stages"][1].pop("hf_overrides") == {CODEC_GRAPH_FRAMES: STAGE1_WINDOWS}
+    assert "hf_overrides" not in plain["stages"][1]
     for name, connector in ours["connectors"].items():
         assert connector["extra"]["codec_left_context_frames"] == CODEC_REACH
         connector["extra"]["codec_left_context_frames"] = plain["connectors"][name]["extra"][

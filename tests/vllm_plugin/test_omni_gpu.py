@@ -285,8 +285,9 @@ def test_the_adapter_takes_the_graph_path_its_profile_calls_for(offline):
     decode graphs and our local MLP graphs stay off; under the high-throughput one (enforce_eager) they are on and
     every bucket captured; with frame graphs asked for, every bucket of those is captured and the requests' decode
     steps replayed them (the probe's count), and without, none ran; with async scheduling asked for, vLLM kept it;
-    with FlashAttention asked for, vLLM took it; with our Stage 1 asked for, Stage 1 resolved our architecture; vLLM's
-    text sampler and (without frame graphs) our eager frame met each batch class they compile for at load."""
+    with FlashAttention asked for, vLLM took it; with our Stage 1 asked for, Stage 1 resolved our architecture and
+    captured its windows' graphs; vLLM's text sampler and (without frame graphs) our eager frame met each batch class
+    they compile for at load."""
     profile, _ = offline
     log = _LOGS[profile]
     frames = "frame graphs captured for batch buckets (1, 2, 4, 8, 16) (failed: none)"
@@ -307,6 +308,7 @@ def test_the_adapter_takes_the_graph_path_its_profile_calls_for(offline):
         assert "Using AttentionBackendEnum.FLASH_ATTN backend" in log
     if profile.endswith("_our_stage1"):  # Stage 1 built our class (vLLM names the architecture it resolved)
         assert f"Resolved architecture: {CODEC_ARCH}" in log
+        assert "codec graphs for windows of [5, 30, 39] frames:" in log  # each checked, none failed (above)
     replays = {key: record["frame_replays"] for key, record in _RECORDS[profile].items()}
     if "frame_graphs" in profile:  # decode steps ran from the graphs (a step past its prefill)
         assert all(n > 0 for n in replays.values()), replays
