@@ -390,9 +390,10 @@ def level_row(base: dict, level: int, records: list[dict], wall: float) -> dict:
 
     row = base | {"concurrency": level, "requests": len(records), "wall_s": wall,
                   "audio_s_per_s": sum(r["audio_s"] for r in records) / wall if wall else None}  # fmt: skip
-    for m in ("ttfa_ms", "rtf"):
-        for q in (50, 90):
-            row[f"{m}_p{q}"] = percentile([r[m] for r in records if r.get(m) is not None], q)
+    for m in ("ttfa_ms", "rtf", "stall_ms"):  # stall_ms: streamed paths only (a player's waits after the first byte)
+        if any(r.get(m) is not None for r in records):
+            for q in (50, 90):
+                row[f"{m}_p{q}"] = percentile([r[m] for r in records if r.get(m) is not None], q)
     row["audio_s_min"] = min((r["audio_s"] for r in records), default=None)
     row["status"] = "ok"
     return row
@@ -462,10 +463,10 @@ async def _http_level(url: str, todo: list[dict], level: int, rows: int) -> tupl
                 # stream_format "audio": raw PCM (vllm-omni 0.26-0.30 answer a bare "stream": true with SSE events)
                 body = {"input": job["text"], "response_format": "pcm", "stream": True, "stream_format": "audio",
                         "seed": job["seed"], "max_new_tokens": rows}  # fmt: skip
-                t0, first, end, size = await stream_speech(client, body)
+                t0, first, end, size, stall = await stream_speech(client, body, bytes_per_second=2 * SAMPLE_RATE)
                 seconds = size / 2 / SAMPLE_RATE
                 records.append({"ttfa_ms": (first - t0) * 1e3 if first else None, "audio_s": seconds,
-                                "rtf": (end - t0) / seconds if seconds else None})  # fmt: skip
+                                "rtf": (end - t0) / seconds if seconds else None, "stall_ms": stall * 1e3})  # fmt: skip
 
         wall0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(min(level, len(todo)))))

@@ -7,8 +7,10 @@ load generator in a child process (this script with ``--client``: httpx, asyncio
 does not compete with the server for the interpreter. Each level is a closed loop: C requests at once, the next
 one sent as one ends, until ``--requests`` (default max(2C, 8)) have run; streamed 16-bit PCM.
 
-Per request: TTFA (sent -> first audio byte; the direct API: called -> first chunk), RTF = wall / audio seconds.
-Per level: p50/p90 of both, and audio seconds per wall second. Targets (issue #29): at one stream TTFA <= 60 ms
+Per request: TTFA (sent -> first audio byte; the direct API: called -> first chunk), RTF = wall / audio seconds,
+and ``stall_ms``: how long a player that starts with the first audio and never pauses would wait for audio after
+that (``http_load.Playback``; the gaps a listener hears, such as the one after a one-frame first chunk).
+Per level: p50/p90 of each, and audio seconds per wall second. Targets (issue #29): at one stream TTFA <= 60 ms
 and RTF <= 0.1; at 16 streams >= 100 audio s/s.
 
 Each level runs once per ``--sampling`` name (default ``deploy,greedy``; rows labelled ``sampling``): ``deploy``
@@ -43,6 +45,8 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
+from http_load import Playback
+
 SAMPLE_BYTES = 2  # 16-bit PCM
 TARGETS = {"ttfa_ms_p50 at 1": 60.0, "rtf_p50 at 1": 0.1, "audio_s_per_s at 16": 100.0}
 
@@ -64,15 +68,17 @@ async def _client_level(url: str, jobs: list[dict], concurrency: int, sample_rat
                 job = queue.popleft()
                 body = {"input": job["text"], "response_format": "pcm", "seed": job["seed"],
                         "max_new_tokens": job["frames"], **job["sampling"]}  # fmt: skip
-                t0, first, end, size = await stream_speech(client, body)
-                records.append(_record(job, t0, first, end, size / SAMPLE_BYTES / sample_rate))
+                t0, first, end, size, stall = await stream_speech(
+                    client, body, bytes_per_second=SAMPLE_BYTES * sample_rate
+                )
+                records.append(_record(job, t0, first, end, size / SAMPLE_BYTES / sample_rate, stall))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(min(concurrency, len(jobs)))))
     return {"records": records, "wall_s": time.perf_counter() - t0}
 
 
-def _record(job: dict, t0: float, first: float | None, end: float, audio_s: float) -> dict:
+def _record(job: dict, t0: float, first: float | None, end: float, audio_s: float, stall_s: float | None) -> dict:
     return {
         "prompt_chars": len(job["text"]),
         "frames": job["frames"],
@@ -80,6 +86,7 @@ def _record(job: dict, t0: float, first: float | None, end: float, audio_s: floa
         "ttfa_ms": (first - t0) * 1e3 if first is not None else None,
         "total_s": end - t0,
         "rtf": (end - t0) / audio_s if audio_s else None,
+        "stall_ms": stall_s * 1e3 if stall_s is not None else None,  # a player's waits after the first audio
     }
 
 
@@ -132,16 +139,18 @@ def run_direct(
                         return
                     job = queue.popleft()
                 params = SamplingParams(**job["sampling"], seed=job["seed"], max_frames=job["frames"])
-                t0, first, samples = time.perf_counter(), None, 0
+                t0, first, samples, player = time.perf_counter(), None, 0, Playback()
                 if codec:
                     chunks = talker.stream_audio(job["text"], params, chunking=chunking, split=part_chars)
                 else:
                     chunks = talker.stream(job["text"], params, split=part_chars)  # one frame [C] at a time
                 for chunk in chunks:
+                    now, n = time.perf_counter(), chunk.numel() if codec else 1
                     if first is None and chunk.numel():
-                        first = time.perf_counter()
-                    samples += chunk.numel() if codec else 1
-                rec = _record(job, t0, first, time.perf_counter(), samples / rate)
+                        first = now
+                    samples += n
+                    player.arrive(now, n / rate)
+                rec = _record(job, t0, first, time.perf_counter(), samples / rate, player.stall_s)
                 with lock:
                     records.append(rec)
         except BaseException as exc:  # noqa: BLE001 - reported by the caller
@@ -176,7 +185,7 @@ def summarize(records: list[dict], wall_s: float) -> dict:
     from common import percentile
 
     row = {"requests": len(records), "wall_s": wall_s}
-    for m in ("ttfa_ms", "rtf"):
+    for m in ("ttfa_ms", "rtf", "stall_ms"):
         vals = [r[m] for r in records if r.get(m) is not None]
         row[f"{m}_p50"], row[f"{m}_p90"] = percentile(vals, 50), percentile(vals, 90)
     audio = sum(r["audio_s"] for r in records)
@@ -343,7 +352,7 @@ def main(argv: Sequence[str] | None = None):
     writer.meta["wall_s"] = time.perf_counter() - t_start
     writer.save()
     cols = ["path", "chunking", "sampling", "concurrency", "requests", "ttfa_ms_p50", "ttfa_ms_p90", "rtf_p50",
-            "rtf_p90", "audio_s_per_s", "status"]  # fmt: skip
+            "rtf_p90", "stall_ms_p50", "stall_ms_p90", "audio_s_per_s", "status"]  # fmt: skip
     print_table(writer.rows, cols, title="\nspeech server over HTTP vs the direct API (TTFA ms, RTF = wall / audio)")
     print(f"\ntargets (HTTP, {args.sampling[0]}): {json.dumps(writer.data['targets_met'])}")
     print(f"wrote {writer.path} ({writer.meta['wall_s']:.0f} s)")

@@ -287,6 +287,18 @@ def test_plot_picks_the_newest_result_by_when_it_was_measured(bench, tmp_path: P
     assert plot.measured_at(tmp_path / "attention_old.json") == "20261129-233012"
 
 
+def test_a_player_waits_only_where_audio_comes_after_what_it_has_ends(bench) -> None:
+    """``http_load.Playback``: a first chunk of 40 ms at t = 0 and the next at 100 ms leave a 60 ms gap; audio that
+    comes while the player still has some adds none; a second gap adds to the first."""
+    player = bench("http_load").Playback()
+    player.arrive(0.0, 0.04)
+    player.arrive(0.1, 1.0)  # plays until 1.1
+    player.arrive(0.5, 0.2)  # until 1.3
+    assert (player.stall_s, player.stalls) == (pytest.approx(0.06), 1)
+    player.arrive(1.5, 0.04)
+    assert (player.stall_s, player.stalls, player.until) == (pytest.approx(0.26), 2, pytest.approx(1.54))
+
+
 def test_codec_smoke(bench, tmp_path: Path) -> None:
     mod = bench("bench_codec")
     argv = ["--device", "cpu", "--tiny", "--quick", "--seconds", "1.2", "--ref-seconds", "1", "--repeats", "1",
