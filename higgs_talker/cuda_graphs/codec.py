@@ -81,9 +81,10 @@ class CodecGraphs:
                     logger.warning("codec graph for %d window(s) of %d frames: capture failed (%s: %s); that shape "
                                    "decodes eagerly", *key, type(exc).__name__, exc)  # fmt: skip
         report = {key: self.report[key] for key in new}
-        kept = sum(v.startswith("graph") for v in report.values())
-        logger.info("codec graphs for windows of %s frames: %d of %d shapes replay a graph (batches %s)",
-                    sorted({t for _, t in new}), kept, len(new), sorted({b for b, _ in new}))  # fmt: skip
+        if new:  # (another thread may have captured them meanwhile)
+            kept = sum(v.startswith("graph") for v in report.values())
+            logger.info("codec graphs for windows of %s frames: %d of %d shapes replay a graph (batches %s)",
+                        sorted({t for _, t in new}), kept, len(new), sorted({b for b, _ in new}))  # fmt: skip
         return report
 
     def _capture_one(self, batch: int, frames: int) -> str:
