@@ -75,6 +75,8 @@ class HiggsTalker:
         if self.engine.device.type == "cuda":
             self.engine.warm_up(self.graph_mode, buckets, prefill_buckets, choice_cache)
         self._driver = Driver(self.engine)
+        self._audio = threading.Condition()  # guards _audio_streams: stream_audio calls decoding now
+        self._audio_streams = 0
 
     @classmethod
     def from_pretrained(
@@ -406,33 +408,52 @@ class HiggsTalker:
         """
         _check_cancel_event(cancel)
         decoder = self.codec.stream(chunking)  # a bad chunking fails here, before anything is queued
-        self._capture_stream_graphs(decoder)
-        frames = self.stream(text, sampling, reference, max_frames, split=split, cancel=cancel)
+        self._capture_stream_graphs(decoder, wait=False)  # on first use, where the talker is idle
+        with self._audio:
+            self._audio_streams += 1
         try:
-            for frame in frames:
-                chunk = decoder.push(frame)
-                if chunk is not None:
-                    yield chunk.cpu()
+            frames = self.stream(text, sampling, reference, max_frames, split=split, cancel=cancel)
+            try:
+                for frame in frames:
+                    chunk = decoder.push(frame)
+                    if chunk is not None:
+                        yield chunk.cpu()
+            finally:
+                frames.close()  # a consumer that stops early cancels the request at once
+            chunk = decoder.finish()
+            if chunk is not None:
+                yield chunk.cpu()
         finally:
-            frames.close()  # a consumer that stops early cancels the request at once
-        chunk = decoder.finish()
-        if chunk is not None:
-            yield chunk.cpu()
+            with self._audio:
+                self._audio_streams -= 1
+                self._audio.notify_all()
 
     def prepare_audio(self, chunking=None) -> dict | None:
         """Load the codec now and, on CUDA with graphs on (``graph_mode`` not eager), capture the decodes of the
-        windows ``stream_audio`` cuts under ``chunking`` as CUDA graphs (``cuda_graphs.codec``), so that
-        a first streamed request waits for neither. ``stream_audio`` does the same on first use. Returns the
-        report of the shapes captured now ((batch, frames) -> what decodes it), or None where nothing is."""
-        return self._capture_stream_graphs(self.codec.stream(chunking))
+        windows ``stream_audio`` cuts under ``chunking`` as CUDA graphs (``cuda_graphs.codec``), so that a first
+        streamed request waits for neither. A capture needs the GPU to itself: this waits until the talker's
+        requests and streams have ended, and takes no new one until it is done. ``stream_audio`` captures on
+        first use too, where the talker is idle then. Returns the report of the shapes captured now ((batch,
+        frames) -> what decodes it), or None where nothing is."""
+        return self._capture_stream_graphs(self.codec.stream(chunking), wait=True)
 
-    def _capture_stream_graphs(self, decoder) -> dict | None:
+    def _capture_stream_graphs(self, decoder, wait: bool) -> dict | None:
+        """``prepare_audio``'s capture; ``wait``: for the talker to be idle, else none unless it is idle now."""
         if self.graph_mode is GraphMode.EAGER or decoder.codec.device.type != "cuda":
             return None
         from .codec.streaming import window_lengths
-        from .cuda_graphs.codec import capture_stream_graphs
+        from .cuda_graphs.codec import capture_stream_graphs, missing_stream_graphs
 
-        return capture_stream_graphs(decoder.codec, window_lengths(decoder.rule))
+        lengths = window_lengths(decoder.rule)
+        if not missing_stream_graphs(decoder.codec, lengths):
+            return {}
+        with self._audio:  # no stream starts meanwhile; then no request is taken (held_idle)
+            while wait and self._audio_streams:
+                self._audio.wait()
+            if self._audio_streams:
+                return None
+            with self._driver.held_idle(wait) as idle:
+                return capture_stream_graphs(decoder.codec, lengths) if idle else None
 
     def _prepared(
         self,

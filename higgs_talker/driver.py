@@ -3,8 +3,10 @@ one thread (started on demand, gone when idle) steps the engine for all of them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -64,6 +66,15 @@ class Driver:
         with self._lock:
             while self._thread not in (None, threading.current_thread()) and not self._tickets:
                 self._changed.wait()
+
+    @contextlib.contextmanager
+    def held_idle(self, wait: bool) -> Iterator[bool]:
+        """Keep the engine idle for the block: yields True once no worker thread runs and no caller waits (``wait``:
+        until then; else False at once where one does), and no request is taken until the block ends."""
+        with self._lock:
+            while wait and (self._thread is not None or self._tickets):
+                self._changed.wait()
+            yield self._thread is None and not self._tickets
 
     def _loop(self) -> None:
         try:

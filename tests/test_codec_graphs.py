@@ -37,9 +37,9 @@ def random_codes(frames: int, seed: int = 0) -> torch.Tensor:
 class Recorder:
     """A stand-in capture that keeps its graphs (to count replays) and may perturb what a replay computes."""
 
-    def __init__(self, perturb: float = 0.0, raises: BaseException | None = None) -> None:
+    def __init__(self, perturb: float = 0.0, raises: BaseException | None = None, empty: bool = False) -> None:
         self.graphs: dict[tuple, ReplayedGraph] = {}
-        self.perturb, self.raises = perturb, raises
+        self.perturb, self.raises, self.empty = perturb, raises, empty  # empty: replays change nothing
         self.marks: dict[tuple, int] = {}
 
     def __call__(self, fn, pool=None, mode="global"):
@@ -47,6 +47,8 @@ class Recorder:
         if self.raises is not None:
             raise self.raises
         graph, out = stand_in_capture(lambda: fn() + self.perturb if self.perturb else fn(), pool)
+        if self.empty:  # a capture that recorded nothing (the work ran eagerly elsewhere): out keeps what it holds
+            graph.replay = lambda: None
         self.graphs[tuple(out.shape)] = graph
         return graph, out
 
@@ -199,6 +201,39 @@ def test_a_replay_unlike_eager_leaves_its_shape_to_eager_decodes_with_one_warnin
         codec.graphs = None
 
 
+def test_a_graph_that_recorded_nothing_is_not_kept(codec):
+    """A capture whose replay computes nothing (its output still holds what the capture's run left there) is
+    caught: the check replays it on other codes than the capture saw."""
+    graphs = graphs_for(codec, Recorder(empty=True))
+    report = graphs.capture([11], batches=(1, 2))
+    assert graphs.captured == [] and all("replay differs" in v for v in report.values()), report
+
+
+def test_the_talker_is_held_idle_for_a_capture(talker):
+    """``Driver.held_idle`` (what a codec capture holds): False at once while another caller's request runs; with
+    ``wait``, True once it has ended, and a request asked for during the block waits until the block ends."""
+    import threading
+    import time
+
+    first = threading.Thread(target=lambda: talker.generate("held idle", SamplingParams(seed=1, min_frames=60,
+                                                                                           max_frames=60)))  # fmt: skip
+    first.start()
+    while talker._driver._thread is None and first.is_alive():
+        time.sleep(0.001)
+    with talker._driver.held_idle(wait=False) as idle:
+        assert not idle
+    done = []
+    with talker._driver.held_idle(wait=True) as idle:
+        assert idle
+        later = threading.Thread(target=lambda: done.append(talker.generate("later", SamplingParams(max_frames=3))))
+        later.start()
+        time.sleep(0.5)
+        assert not done  # waits for the block
+    later.join(60)
+    first.join(60)
+    assert done and done[0].codes.shape[0] >= 1
+
+
 def test_a_graph_slower_than_eager_is_not_kept(codec):
     graphs = graphs_for(codec, Recorder(), graph_faster=False)
     report = graphs.capture([11], batches=(1,))
@@ -279,12 +314,13 @@ def test_real_graphs_replay_the_eager_decodes_of_the_full_codec(cuda_codec):
 
 
 @pytest.mark.gpu
-def test_stream_audio_through_codec_graphs_equals_eager_decodes_and_captures_beside_a_stepping_engine(tiny_dir):
+def test_stream_audio_through_codec_graphs_equals_eager_decodes_and_captures_wait_for_an_idle_talker(tiny_dir):
     """A CUDA talker's streamed audio is the same with its codec's window decodes replayed from graphs as decoded
-    eagerly (one stream: the same batch of one); graphs of another chunking's windows are captured while another
-    thread's requests step on the engine (CUDA's thread-local capture), and those requests' codes are the ones a
-    quiet run gives."""
+    eagerly (one stream: the same batch of one); ``prepare_audio`` for another chunking, asked for while another
+    thread's requests step, waits for them to end (a capture needs the GPU to itself) and then captures, and those
+    requests' codes are the ones a quiet run gives."""
     import threading
+    import time
 
     talker = HiggsTalker.from_pretrained(tiny_dir, device="cuda")
     codec = talker.codec
@@ -322,8 +358,12 @@ def test_stream_audio_through_codec_graphs_equals_eager_decodes_and_captures_bes
 
     worker = threading.Thread(target=step)
     worker.start()
+    while talker._driver._thread is None and worker.is_alive():
+        time.sleep(0.001)
+    assert worker.is_alive()
     report = talker.prepare_audio(AudioChunking(chunk_frames=7))  # windows of 11, 18, 25 and 27 frames: new ones
+    assert len(got) == 6  # the requests had ended before the capture began
     worker.join(timeout=300)
-    assert not errors and len(got) == 6 and report, (errors, report)
+    assert not errors and report, (errors, report)
     assert not [v for v in report.values() if "failed" in v], report
     assert all(torch.equal(g, q) for g, q in zip(got, quiet, strict=True))

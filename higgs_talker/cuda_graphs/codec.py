@@ -6,16 +6,18 @@ convolutions and Snake activations: 423 aten calls at any length), so on the H20
 long as a one-shot decode of 250 (7.8 vs 7.6 ms, ``codec_20261201-122637.json``) and held the interpreter, and
 with it the engine's thread, all that time. A graph replays them in one launch.
 
-Each graph is captured, replayed and compared with an eager decode of the same random codes (kept only if
-equal), then both are timed (CUDA events) and the graph is kept only where it was faster; anything else decodes
-eagerly, with one warning for a failure. A batch between buckets fills the bucket's first rows; the rest keep the
-codes they held before (the decoder treats each batch row alone, so they change nothing in the others). A batch
-above the largest bucket replays that bucket's graph piece by piece. Captures run in CUDA's thread-local mode, so
-an engine thread stepping meanwhile is not disturbed.
+Each graph is captured, then replayed on other random codes and compared with an eager decode of those (kept only
+if equal: a graph that recorded nothing would return stale audio), then both are timed (CUDA events) and the graph
+is kept only where it was faster; anything else decodes eagerly, with one warning for a failure. A batch between
+buckets fills the bucket's first rows; the rest keep the codes they held before (the decoder treats each batch row
+alone, so they change nothing in the others). A batch above the largest bucket replays that bucket's graph piece
+by piece. Captures and replays run on the codec's device, in CUDA's thread-local capture mode; ``HiggsTalker``
+captures only while nothing else uses the talker (``HiggsTalker.prepare_audio``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -41,6 +43,12 @@ def capture_stream_graphs(codec, lengths: Iterable[int], batches: Iterable[int] 
         if codec.graphs is None:
             codec.graphs = CodecGraphs(codec.model.decode, codec.num_quantizers, codec.codebook_size, codec.device)
     return codec.graphs.capture(lengths, batches)
+
+
+def missing_stream_graphs(codec, lengths: Iterable[int], batches: Iterable[int] = BATCHES) -> bool:
+    """Whether ``capture_stream_graphs`` would try a shape for these lengths (none tried yet)."""
+    graphs = codec.graphs
+    return graphs is None or not {(b, t) for t in lengths for b in batches} <= graphs.report.keys()
 
 
 class CodecGraphs:
@@ -72,7 +80,7 @@ class CodecGraphs:
         if wanted <= self.report.keys():  # every later stream asks again: no lock then
             return {}
         with self._lock, torch.no_grad():  # not inference mode: the static inputs are written in and out of it
-            new = sorted(wanted - self.report.keys(), reverse=True)
+            new = sorted(wanted - self.report.keys(), key=lambda k: (k[0] * k[1], k), reverse=True)  # largest first
             for key in new:
                 try:
                     self.report[key] = self._capture_one(*key)
@@ -87,17 +95,26 @@ class CodecGraphs:
                         sorted({t for _, t in new}), kept, len(new), sorted({b for b, _ in new}))  # fmt: skip
         return report
 
+    def _on_device(self):
+        """The codec's device as the current one (a codec on another GPU than the current one would run eagerly
+        there while its graph recorded nothing)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     def _capture_one(self, batch: int, frames: int) -> str:
+        with self._on_device():
+            return self._capture_on_device(batch, frames)
+
+    def _capture_on_device(self, batch: int, frames: int) -> str:
         g = torch.Generator(device=self.device).manual_seed(batch * 100_003 + frames)
-        codes = torch.randint(0, self.codebook_size, (batch, self.num_quantizers, frames), generator=g,
-                              device=self.device)  # fmt: skip
-        static = codes.clone()
+        shape = (batch, self.num_quantizers, frames)
+        static, codes = (torch.randint(0, self.codebook_size, shape, generator=g, device=self.device) for _ in "ab")
         if self._pool is None:
             self._pool = graph_pool() if self.device.type == "cuda" else None
         pool = None if self._pool is None else self._pool.id
         graph, out = self._capture(lambda: self._decode(static), pool=pool, mode="thread_local")
-        want = self._decode(codes)
+        static.copy_(codes)  # other codes than the capture saw: a replay that recorded nothing fails the check
         graph.replay()
+        want = self._decode(codes)
         if not torch.equal(out, want):
             diff = (out.float() - want.float()).abs().max().item()
             raise RuntimeError(f"its replay differs from an eager decode of the same codes (max |diff| {diff:.3g})")
@@ -115,7 +132,7 @@ class CodecGraphs:
         if not buckets or codes.shape[0] == 0:
             return None
         pieces = codes.split(buckets[-1])  # above the largest bucket: its graph replayed per piece
-        with self._lock:
+        with self._lock, self._on_device():
             outs = [self._replay(piece, next(b for b in buckets if b >= piece.shape[0])) for piece in pieces]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
