@@ -39,9 +39,13 @@ class HiggsTalkerCode2Wav(HiggsAudioV3Code2Wav):
         return loaded
 
     def graph_frames(self) -> list[int]:
-        """The window lengths Stage 1's ``hf_overrides`` names under ``CODEC_GRAPH_FRAMES`` (none: no graphs)."""
-        overrides = getattr(getattr(getattr(self, "vllm_config", None), "model_config", None), "hf_overrides", None)
-        return [int(t) for t in (overrides.get(CODEC_GRAPH_FRAMES) or [])] if isinstance(overrides, dict) else []
+        """The window lengths Stage 1's ``hf_overrides`` names under ``CODEC_GRAPH_FRAMES``; none (no graphs) unless
+        Stage 1 runs eagerly (``enforce_eager``: where vLLM captures graphs of its own, ours stay out of them)."""
+        mc = getattr(getattr(self, "vllm_config", None), "model_config", None)
+        overrides = getattr(mc, "hf_overrides", None)
+        if not isinstance(overrides, dict) or not getattr(mc, "enforce_eager", False):
+            return []
+        return [int(t) for t in overrides.get(CODEC_GRAPH_FRAMES) or []]
 
     def _decode_batch(self, codes: Tensor) -> Tensor:
         """vllm-omni's decode of chunks [B, Q, T], replayed from a graph where one was captured for T."""

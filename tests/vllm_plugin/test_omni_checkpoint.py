@@ -180,7 +180,10 @@ def test_our_stage_1_replays_graphs_of_the_windows_its_yaml_names_after_one_rang
     from higgs_talker.vllm_plugin.code2wav import HiggsTalkerCode2Wav
 
     ours = _stage1(HiggsTalkerCode2Wav, omni_ckpt)
-    ours.vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_overrides={CODEC_GRAPH_FRAMES: [30, 54]}))
+    overrides = {CODEC_GRAPH_FRAMES: [30, 54]}
+    ours.vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_overrides=overrides, enforce_eager=False))
+    assert ours.graph_frames() == []  # vLLM captures graphs of its own: ours stay out
+    ours.vllm_config.model_config.enforce_eager = True
     assert ours.graph_frames() == [30, 54] and ours._graphs is None  # on CPU load_weights captures nothing
     replays = []
 
