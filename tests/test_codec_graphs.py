@@ -6,6 +6,7 @@ and every way a shape is left to eager decodes (a replay unlike eager, a slower 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 from pathlib import Path
@@ -119,6 +120,11 @@ def test_window_lengths_are_the_ones_a_stream_decodes():
     assert window_lengths(AudioChunking().resolved((10, 10))) == [11, 36, 45]
     assert window_lengths(UPSTREAM_CHUNKING.resolved((10, 10))) == [5, 30, 54]
     assert window_lengths(FAST_START_CHUNKING.resolved((10, 10))) == [3, 38, 45]
+    small = itertools.product(range(1, 6), range(1, 6), range(5), range(4), [None, *range(6)])
+    for chunk, first, left, hold, first_hold in small:  # every small rule: a longer first holdback catches up
+        if first <= chunk:
+            rule = AudioChunking(chunk, first, left, hold, first_hold).resolved((10, 10))
+            assert window_lengths(rule) == list(dict.fromkeys(_lengths_of_a_long_stream(rule, 120))), rule
     rng = random.Random(0)
     for _ in range(300):
         chunk = rng.randint(1, 30)

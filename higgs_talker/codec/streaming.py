@@ -104,14 +104,13 @@ def window_lengths(rule: AudioChunking) -> list[int]:
     lengths: list[int] = []
     emitted, steady = 0, rule.left_context_frames + rule.chunk_frames + rule.holdback_frames
     first_hold = rule.holdback_frames if rule.first_holdback_frames is None else rule.first_holdback_frames
-    # the first window, then one per chunk: by then one has started past the left context
-    for available in range(1, rule.first_chunk_frames + first_hold + steady + 1):
+    # the first window (and one that catches up after it where the first holdback is the longer), then one a chunk:
+    # within two steady windows' frames one starts past the left context, and every later one is steady
+    for available in range(1, rule.first_chunk_frames + first_hold + 3 * steady + 1):
         window = next_window(available, emitted, False, rule)
         if window is not None:
             lengths.append(window.end - window.start)
             emitted = window.emit_end
-        if emitted > rule.left_context_frames:  # every later window starts after the stream's start: all steady
-            break
     return list(dict.fromkeys([*lengths, steady]))
 
 
