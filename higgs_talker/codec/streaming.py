@@ -55,6 +55,11 @@ class AudioChunking:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"AudioChunking.{name} must be None or an integer >= 0, got {value!r}")
 
+    @property
+    def first_chunk_holdback(self) -> int | None:
+        """The first chunk's holdback: ``first_holdback_frames``, else ``holdback_frames``."""
+        return self.holdback_frames if self.first_holdback_frames is None else self.first_holdback_frames
+
     def resolved(self, reach: tuple[int, int]) -> AudioChunking:
         """The same rule with ``None`` context sizes replaced by the codec's reach (before, after)."""
         left = reach[0] if self.left_context_frames is None else self.left_context_frames
@@ -85,11 +90,10 @@ class Window:
 def next_window(available: int, emitted: int, finished: bool, rule: AudioChunking) -> Window | None:
     """The chunk due now under a resolved ``rule``, or None (pure: the whole schedule in one function)."""
     assert rule.left_context_frames is not None and rule.holdback_frames is not None, "resolve the rule first"
-    first_hold = rule.holdback_frames if rule.first_holdback_frames is None else rule.first_holdback_frames
     if finished:
         emit_end = available
     else:
-        emit_end = available - (first_hold if emitted == 0 else rule.holdback_frames)
+        emit_end = available - (rule.first_chunk_holdback if emitted == 0 else rule.holdback_frames)
         due = rule.first_chunk_frames if emitted == 0 else rule.chunk_frames
         if emit_end - emitted < due:
             return None
@@ -103,10 +107,9 @@ def window_lengths(rule: AudioChunking) -> list[int]:
     the first few, then the steady one (pure). The last window of a stream, cut by its end, may have any other."""
     lengths: list[int] = []
     emitted, steady = 0, rule.left_context_frames + rule.chunk_frames + rule.holdback_frames
-    first_hold = rule.holdback_frames if rule.first_holdback_frames is None else rule.first_holdback_frames
     # the first window (and one that catches up after it where the first holdback is the longer), then one a chunk:
     # within two steady windows' frames one starts past the left context, and every later one is steady
-    for available in range(1, rule.first_chunk_frames + first_hold + 3 * steady + 1):
+    for available in range(1, rule.first_chunk_frames + rule.first_chunk_holdback + 3 * steady + 1):
         window = next_window(available, emitted, False, rule)
         if window is not None:
             lengths.append(window.end - window.start)
@@ -128,7 +131,7 @@ class StreamingDecoder:
         self.codec = codec
         self.rule = (chunking or AudioChunking()).resolved(codec.context_frames)
         before, after = codec.context_frames
-        hold = min(self.rule.holdback_frames, self.rule.first_holdback_frames)
+        hold = min(self.rule.holdback_frames, self.rule.first_chunk_holdback)
         self.exact = self.rule.left_context_frames >= before and hold >= after
         self._codes = torch.zeros(0, codec.num_quantizers, dtype=torch.long)
         self._offset = 0  # frame index of self._codes[0]

@@ -47,8 +47,7 @@ def capture_stream_graphs(codec, lengths: Iterable[int], batches: Iterable[int] 
 
 def missing_stream_graphs(codec, lengths: Iterable[int], batches: Iterable[int] = BATCHES) -> bool:
     """Whether ``capture_stream_graphs`` would try a shape for these lengths (none tried yet)."""
-    graphs = codec.graphs
-    return graphs is None or not {(b, t) for t in lengths for b in batches} <= graphs.report.keys()
+    return codec.graphs is None or bool(codec.graphs.untried(lengths, batches))
 
 
 class CodecGraphs:
@@ -76,11 +75,11 @@ class CodecGraphs:
     def capture(self, lengths: Iterable[int], batches: Iterable[int] = BATCHES) -> dict[tuple[int, int], str]:
         """Capture, check and time a graph for each (batch, length) not tried before, largest first (the smaller
         ones then reuse the pool's memory). Returns the report of the ones tried now."""
-        wanted = {(b, t) for t in lengths for b in batches}
-        if wanted <= self.report.keys():  # every later stream asks again: no lock then
+        lengths, batches = list(lengths), list(batches)
+        if not self.untried(lengths, batches):  # every later stream asks again: no lock then
             return {}
         with self._lock, torch.no_grad():  # not inference mode: the static inputs are written in and out of it
-            new = sorted(wanted - self.report.keys(), key=lambda k: (k[0] * k[1], k), reverse=True)  # largest first
+            new = sorted(self.untried(lengths, batches), key=lambda k: (k[0] * k[1], k), reverse=True)  # biggest first
             for key in new:
                 try:
                     self.report[key] = self._capture_one(*key)
@@ -95,30 +94,31 @@ class CodecGraphs:
                         sorted({t for _, t in new}), kept, len(new), sorted({b for b, _ in new}))  # fmt: skip
         return report
 
+    def untried(self, lengths: Iterable[int], batches: Iterable[int]) -> set[tuple[int, int]]:
+        """The (batch, length) shapes no capture has tried yet."""
+        return {(b, t) for t in lengths for b in batches} - self.report.keys()
+
     def _on_device(self):
         """The codec's device as the current one (a codec on another GPU than the current one would run eagerly
         there while its graph recorded nothing)."""
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _capture_one(self, batch: int, frames: int) -> str:
-        with self._on_device():
-            return self._capture_on_device(batch, frames)
-
-    def _capture_on_device(self, batch: int, frames: int) -> str:
         g = torch.Generator(device=self.device).manual_seed(batch * 100_003 + frames)
         shape = (batch, self.num_quantizers, frames)
         static, codes = (torch.randint(0, self.codebook_size, shape, generator=g, device=self.device) for _ in "ab")
         if self._pool is None:
             self._pool = graph_pool() if self.device.type == "cuda" else None
         pool = None if self._pool is None else self._pool.id
-        graph, out = self._capture(lambda: self._decode(static), pool=pool, mode="thread_local")
-        static.copy_(codes)  # other codes than the capture saw: a replay that recorded nothing fails the check
-        graph.replay()
-        want = self._decode(codes)
-        if not torch.equal(out, want):
-            diff = (out.float() - want.float()).abs().max().item()
-            raise RuntimeError(f"its replay differs from an eager decode of the same codes (max |diff| {diff:.3g})")
-        eager_ms, graph_ms = self._timer(lambda: self._decode(codes)), self._timer(graph.replay)
+        with self._on_device():
+            graph, out = self._capture(lambda: self._decode(static), pool=pool, mode="thread_local")
+            static.copy_(codes)  # other codes than the capture saw: a replay that recorded nothing fails the check
+            graph.replay()
+            want = self._decode(codes)
+            if not torch.equal(out, want):
+                diff = (out.float() - want.float()).abs().max().item()
+                raise RuntimeError(f"its replay differs from an eager decode of the same codes (max |diff| {diff:.3g})")
+            eager_ms, graph_ms = self._timer(lambda: self._decode(codes)), self._timer(graph.replay)
         if graph_ms >= eager_ms:
             return f"eager (faster: {eager_ms:.3f} ms, graph {graph_ms:.3f} ms)"
         self._graphs[(batch, frames)] = (graph, static, out)

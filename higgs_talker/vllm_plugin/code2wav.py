@@ -32,10 +32,10 @@ class HiggsTalkerCode2Wav(HiggsAudioV3Code2Wav):
 
     def load_weights(self, *args: Any, **kwargs: Any):
         loaded = super().load_weights(*args, **kwargs)
-        device = next(self.parameters()).device
-        if self.graph_frames() and device.type == "cuda" and self._graphs is None:
+        device, frames = next(self.parameters()).device, self.graph_frames()
+        if frames and device.type == "cuda" and self._graphs is None:
             self._graphs = CodecGraphs(super().decode_codes, self.num_codebooks, self.num_real_codes, device)
-            self._graphs.capture(self.graph_frames())
+            self._graphs.capture(frames)
         return loaded
 
     def graph_frames(self) -> list[int]:
