@@ -17,8 +17,9 @@ Each level runs once per ``--sampling`` name (default ``deploy,greedy``; rows la
 is the deploy profiles' temperature 1.0, top_p 0.95, top_k 50 (seeded requests), the headline that the targets
 are read from; ``greedy`` the argmax beside it.
 
-Random weights at the 4B shape (EOC suppressed, so ``max_new_tokens`` sets every length) with the
-tiny checkpoint's codec, which is cheaper than the real one; ``--model DIR`` runs a checkpoint with its own codec.
+Random weights at the 4B shape (EOC suppressed, so ``max_new_tokens`` sets every length) with the real codec's shape
+(``codec.HIGGS_V3_CODEC``, random weights; ``--codec tiny``: the tiny checkpoint's, much cheaper, as runs before
+2026-12-05 had); ``--model DIR`` runs a checkpoint with its own codec.
 Texts are random words, long enough that the server's frame cap (``splitting.frame_budget``) is above the length
 asked for.
 
@@ -203,6 +204,7 @@ def build_talker(args: argparse.Namespace):
     from higgs_talker.audio import CodecLoader
     from higgs_talker.tiny import tiny_checkpoint, tiny_config
 
+    RandomCodecLoader = _random_codec_loader()
     frames = round(args.audio_s[1] * 25)
     chars = max(args.prompt_chars[1], math.ceil((frames - 50) / 3.125)) + 20  # make_jobs' longest text, about
     longest = 2 * chars + 8 + frames + 16  # tokens of one request (two a character: a byte-level tokenizer's worst)
@@ -213,8 +215,30 @@ def build_talker(args: argparse.Namespace):
     cfg = tiny_config() if args.tiny else TalkerConfig(text=TextConfig(**SHAPE_4B))
     talker = HiggsTalker.from_config(cfg, device=args.device, dtype=args.dtype, seed=args.seed, **options)
     suppress_eoc(talker)
-    talker.codec_loader = CodecLoader(tiny_checkpoint(), torch.device(args.device), talker=cfg)
+    loader = CodecLoader if args.codec == "tiny" else RandomCodecLoader
+    talker.codec_loader = loader(tiny_checkpoint(), torch.device(args.device), talker=cfg)
     return talker
+
+
+CODECS = {"4b": "the real codec's shape, random weights", "tiny": "the tiny checkpoint's (cheaper than the real one)"}
+
+
+def _random_codec_loader():
+    from higgs_talker.audio import CodecLoader
+
+    class RandomCodecLoader(CodecLoader):
+        """Decodes with the real codec's shape and random weights (``HIGGS_V3_CODEC``) instead of ``path``'s codec."""
+
+        def decoder(self):
+            from higgs_talker.codec import HIGGS_V3_CODEC, Codec
+
+            with self._lock:
+                if self._decoder is None:
+                    codec = Codec.from_config(HIGGS_V3_CODEC, encoder=False, device=self.device, dtype=self.dtype)
+                    self._decoder = self._check_fits(codec, self.path)
+                return self._decoder
+
+    return RandomCodecLoader
 
 
 def warm_up(talker, url: str, args: argparse.Namespace, chunking) -> float:
@@ -241,6 +265,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--graph-mode", default=None, help="default: auto on CUDA, eager on CPU")
     p.add_argument("--model", default=None, help="checkpoint directory with its codec (default: random weights)")
     p.add_argument("--tiny", action="store_true", help="the tiny shape (CPU smoke test)")
+    p.add_argument("--codec", choices=("4b", "tiny"), default="4b",
+                   help="without --model: the real codec shape (random weights; default) or the tiny one")  # fmt: skip
     p.add_argument("--paths", type=strs_arg, default=["direct", "http"],
                    help="direct,http (default both); frames: the direct engine with no codec")  # fmt: skip
     p.add_argument("--chunking", type=strs_arg, default=["exact"],
@@ -260,6 +286,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="output directory (default benchmarks/results)")
     args = p.parse_args(argv)
     if args.tiny:
+        args.codec = "tiny"
         args.levels = args.levels or [1, 2]
         args.requests = args.requests or 2
         args.audio_s = args.audio_s or [0.4, 0.8]
@@ -293,7 +320,7 @@ def main(argv: Sequence[str] | None = None):
     meta = environment(device, "bench_serve.py", argv)
     meta |= {
         "model": args.model or ("tiny shape (random)" if args.tiny else "4B shape (random)"),
-        "codec": "the checkpoint's" if args.model else "the tiny checkpoint's (cheaper than the real codec)",
+        "codec": "the checkpoint's" if args.model else CODECS[args.codec],
         "eoc_suppressed": not args.model, "samplings": {n: SAMPLINGS[n] for n in args.sampling},
         "headline_sampling": args.sampling[0], "audio_s": args.audio_s,
         "prompt_chars": args.prompt_chars, "targets": TARGETS,
