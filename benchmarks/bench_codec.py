@@ -5,7 +5,7 @@ whole 201M) in fp32 and bf16. Per dtype:
 
 - ``decode``: one call decoding ``--seconds`` of audio (``--seconds`` x 25 frames);
 - ``stream_exact``: the same frames pushed one at a time through ``StreamingDecoder`` with the default
-  ``AudioChunking`` (first chunk 1 frame, then 25; left context and holdback = the decoder's 10-frame reach):
+  ``AudioChunking`` (chunks of 1, 1, 2, 4, 8, 16, then 25 frames; left context and holdback = the decoder's reach):
   total and per-chunk time, the wait before the first chunk, and the difference from the one-shot audio;
 - ``stream_upstream``: the same with ``UPSTREAM_CHUNKING`` (holdback 4: upstream's schedule and deviations);
 - ``stream_exact_graphs``, ``stream_upstream_graphs`` (CUDA): the same with the windows' decodes captured as CUDA

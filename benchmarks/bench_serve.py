@@ -270,7 +270,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--paths", type=strs_arg, default=["direct", "http"],
                    help="direct,http (default both); frames: the direct engine with no codec")  # fmt: skip
     p.add_argument("--chunking", type=strs_arg, default=["exact"],
-                   help="exact, upstream, fast-start (a comma list; both = exact,upstream)")  # fmt: skip
+                   help="exact, upstream, fast-start, exact-no-ramp (a comma list; both = exact,upstream)")  # fmt: skip
     add_sampling_option(p, "level")
     p.add_argument("--levels", type=ints_arg, default=None, help="concurrency levels (default 1,4,16,64)")
     p.add_argument("--requests", type=int, default=None, help="requests per level (default max(2C, 8))")
@@ -309,6 +309,7 @@ def main(argv: Sequence[str] | None = None):
         return client_main(c.parse_args())
     from common import SAMPLINGS, ResultFile, environment, error_text, log, print_table, resolve_device
 
+    from higgs_talker.codec.streaming import AudioChunking
     from higgs_talker.serve.app import make_server
     from higgs_talker.serve.serving import CHUNKINGS, ServeConfig, SpeechServing
 
@@ -335,11 +336,16 @@ def main(argv: Sequence[str] | None = None):
     writer.meta["build_s"] = time.perf_counter() - t0
     deadline = t_start + args.budget_s
     chunkings = list(dict.fromkeys(n for c in args.chunking for n in (["exact", "upstream"] if c == "both" else [c])))
-    if unknown := [c for c in chunkings if c not in CHUNKINGS]:
-        raise SystemExit(f"bench_serve.py: unknown --chunking {unknown}; choose from {', '.join(CHUNKINGS)}, both")
+    rules = CHUNKINGS | {"exact-no-ramp": AudioChunking(ramp=False)}  # + the default before its ramp (2026-12-05)
+    if unknown := [c for c in chunkings if c not in rules]:
+        raise SystemExit(f"bench_serve.py: unknown --chunking {unknown}; choose from {', '.join(rules)}, both")
     for name in chunkings:
-        config = ServeConfig(model_name="bench", part_chars=args.part_chars, chunking=name, max_new_tokens=1 << 16)
+        config = ServeConfig(model_name="bench", part_chars=args.part_chars, chunking=name if name in CHUNKINGS
+                             else "exact", max_new_tokens=1 << 16)  # fmt: skip
         serving = SpeechServing(talker, config)
+        if name not in CHUNKINGS:  # a rule the server has no name for: served all the same
+            serving.chunking = rules[name]
+            talker.prepare_audio(rules[name])
         server, sock = make_server(serving, "127.0.0.1", 0, log_level="warning")
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
@@ -347,7 +353,7 @@ def main(argv: Sequence[str] | None = None):
             time.sleep(0.01)
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         try:
-            writer.meta[f"warmup_s_{name}"] = warm_up(talker, url, args, CHUNKINGS[name])
+            writer.meta[f"warmup_s_{name}"] = warm_up(talker, url, args, rules[name])
             for c, sampling in ((c, s) for c in args.levels for s in args.sampling):
                 n = args.requests or max(2 * c, 8)
                 jobs = make_jobs(n, args, args.seed + 1000 * c, talker.cfg.frame_rate, sampling)
@@ -358,7 +364,7 @@ def main(argv: Sequence[str] | None = None):
                         continue
                     try:
                         if path in ("direct", "frames"):
-                            records, wall = run_direct(talker, jobs, c, CHUNKINGS[name], args.part_chars,
+                            records, wall = run_direct(talker, jobs, c, rules[name], args.part_chars,
                                                        codec=path == "direct")  # fmt: skip
                         else:
                             records, wall = run_http(url, jobs, c, talker.cfg.sample_rate)

@@ -44,6 +44,7 @@ from higgs_talker.codec import (
     AudioChunking,
     Codec,
     build_config,
+    chunk_due,
     config_to_dict,
     next_window,
     random_tensors,
@@ -468,13 +469,14 @@ def test_upstream_chunking_differs_where_its_holdback_is_short(codec, tensors) -
 def test_fast_start_sends_its_first_frames_at_once_and_every_later_chunk_exact(codec, tensors) -> None:
     """``FAST_START_CHUNKING``: the first chunk (3 frames) comes with the third frame, decoded without its future
     context, so it differs from one-shot audio (most at its end); every later chunk holds back the codec's reach
-    and equals one-shot audio. A first holdback of the reach is exact again."""
+    and equals one-shot audio, each as long as the audio sent before it up to 25 frames (the ramp). A first
+    holdback of the reach is exact again."""
     codes = random_codes(81, seed=6)
     decoder = codec.stream(FAST_START_CHUNKING)
     pushed = [decoder.push(codes[i]) for i in range(codes.shape[0])]
     chunks = [c for c in [*pushed, decoder.finish()] if c is not None]
-    assert [i for i, c in enumerate(pushed) if c is not None] == [2, 37, 62]  # frames 3, 38 (3 + 10 + 25), 63
-    assert [c.shape[0] // HOP for c in chunks] == [3, 25, 25, 28] and not decoder.exact
+    assert [i for i, c in enumerate(pushed) if c is not None] == [2, 15, 21, 33, 57]  # frame 16 = 3 + 3 + 10, ...
+    assert [c.shape[0] // HOP for c in chunks] == [3, 3, 6, 12, 24, 33] and not decoder.exact
     whole = codec.decode(codes)
     tol = 2 * decode_tolerance(tensors, torch.float32)
     per_frame = [rel_err(g, w) for g, w in zip(chunks[0].reshape(-1, HOP), whole.reshape(-1, HOP), strict=False)]
@@ -484,9 +486,43 @@ def test_fast_start_sends_its_first_frames_at_once_and_every_later_chunk_exact(c
     assert codec.stream(AudioChunking(first_chunk_frames=3, first_holdback_frames=10)).exact
 
 
+def _player_wait_ms(rule: AudioChunking, step_ms: float, frames: int = 400) -> float:
+    """How long a player that starts with the first chunk waits for audio afterwards, where the talker makes a frame
+    every ``step_ms`` and decoding takes no time (40 ms of audio a frame)."""
+    rule, emitted, play_end, waited = rule.resolved((10, 10)), 0, None, 0.0
+    for available in range(1, frames + 1):
+        window = next_window(available, emitted, available == frames, rule)
+        if window is not None:
+            now = available * step_ms
+            waited += 0.0 if play_end is None else max(0.0, now - play_end)
+            play_end = max(now, play_end or now) + 40.0 * (window.emit_end - emitted)
+            emitted = window.emit_end
+    return waited
+
+
+def test_ramped_chunks_never_starve_a_player_while_the_talker_runs_twice_real_time():
+    """Each ramped chunk is as long as the audio sent before it (1, 1, 2, 4, 8, 16, then 25 frames), so a player
+    never waits while a frame takes under 20 ms (half of its 40 ms of audio); without the ramp a one-frame first
+    chunk plays out before the next 25 frames exist, so it waits wherever a frame takes over 1.6 ms (25 in 40 ms):
+    32.5 ms at 2.9 ms a step (the H200's one stream)."""
+    assert [chunk_due(e, AudioChunking()) for e in (0, 1, 2, 4, 8, 16, 32, 57)] == [1, 1, 2, 4, 8, 16, 25, 25]
+    assert [chunk_due(e, AudioChunking(first_chunk_frames=3)) for e in (0, 1, 3, 6)] == [3, 3, 3, 6]
+    assert chunk_due(7, AudioChunking(ramp=False)) == 25 and chunk_due(0, AudioChunking(ramp=False)) == 1
+    for step_ms in (0.5, 2.9, 10.0, 19.0):
+        for rule in (AudioChunking(), AudioChunking(chunk_frames=40, first_chunk_frames=2)):
+            assert _player_wait_ms(rule, step_ms) == 0.0, (rule, step_ms)
+    # fast start's first 3 frames (120 ms) cover the 13 frames its second chunk needs (3 and the holdback of 10)
+    # up to 9.2 ms a frame; past that the ramp again
+    assert [_player_wait_ms(FAST_START_CHUNKING, ms) for ms in (0.5, 2.9, 9.0, 10.0)] == [0.0, 0.0, 0.0, 10.0]
+    assert _player_wait_ms(AudioChunking(ramp=False), 2.9) == pytest.approx(25 * 2.9 - 40.0)
+    assert _player_wait_ms(AudioChunking(ramp=False), 1.5) == 0.0
+    assert _player_wait_ms(AudioChunking(), 30.0) > 0.0  # slower than twice real time: the ramp cannot keep up
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
+        (dict(ramp=1), "ramp"),
         (dict(chunk_frames=0), "chunk_frames"),
         (dict(first_chunk_frames=30), "first_chunk_frames"),
         (dict(holdback_frames=-1), "holdback_frames"),

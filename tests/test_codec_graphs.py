@@ -87,7 +87,8 @@ def graphs_for(codec: Codec, capture, graph_faster: bool = True) -> CodecGraphs:
 
 @pytest.fixture
 def with_graphs(codec):
-    """The codec with stand-in graphs for windows of 11, 36 and 45 frames (the default chunking's), batches 1-8."""
+    """The codec with stand-in graphs for windows of 11, 36 and 45 frames (the default chunking's without its ramp),
+    batches 1-8."""
     recorder = Recorder()
     codec.graphs = graphs_for(codec, recorder)
     report = codec.graphs.capture([11, 36, 45])
@@ -114,22 +115,25 @@ def _lengths_of_a_long_stream(rule: AudioChunking, frames: int = 400) -> list[in
 
 
 def test_window_lengths_are_the_ones_a_stream_decodes():
-    """The default rule decodes windows of 11, 36, then 45 frames; upstream's 5, 30, then 54; fast start's 3, 38,
-    then 45; for random rules
-    the list holds exactly the lengths a long stream's windows have (its last one aside), first ones first."""
-    assert window_lengths(AudioChunking().resolved((10, 10))) == [11, 36, 45]
+    """The default rule (ramped chunks of 1, 1, 2, 4, 8, 16, then 25 frames) decodes windows of 11, 12, 14, 18, 26,
+    36, then 45 frames; without the ramp 11, 36, 45; upstream's 5, 30, then 54; fast start's 3, 16, 22, 32, 44, 45;
+    for small and random rules, ramped or not, the list holds exactly the lengths a long stream's windows have (its
+    last one aside), first ones first."""
+    assert window_lengths(AudioChunking().resolved((10, 10))) == [11, 12, 14, 18, 26, 36, 45]
+    assert window_lengths(AudioChunking(ramp=False).resolved((10, 10))) == [11, 36, 45]
     assert window_lengths(UPSTREAM_CHUNKING.resolved((10, 10))) == [5, 30, 54]
-    assert window_lengths(FAST_START_CHUNKING.resolved((10, 10))) == [3, 38, 45]
-    small = itertools.product(range(1, 6), range(1, 6), range(5), range(4), [None, *range(6)])
-    for chunk, first, left, hold, first_hold in small:  # every small rule: a longer first holdback catches up
+    assert window_lengths(FAST_START_CHUNKING.resolved((10, 10))) == [3, 16, 22, 32, 44, 45]
+    small = itertools.product(range(1, 6), range(1, 6), range(5), range(4), [None, *range(6)], [False, True])
+    for chunk, first, left, hold, first_hold, ramp in small:  # every small rule: a longer first holdback catches up
         if first <= chunk:
-            rule = AudioChunking(chunk, first, left, hold, first_hold).resolved((10, 10))
+            rule = AudioChunking(chunk, first, left, hold, first_hold, ramp).resolved((10, 10))
             assert window_lengths(rule) == list(dict.fromkeys(_lengths_of_a_long_stream(rule, 120))), rule
     rng = random.Random(0)
-    for _ in range(300):
-        chunk = rng.randint(1, 30)
+    for _ in range(400):
+        chunk = rng.randint(1, 40)
         first_hold = rng.choice([None, rng.randint(0, 12)])
-        rule = AudioChunking(chunk, rng.randint(1, chunk), rng.randint(0, 30), rng.randint(0, 12), first_hold)
+        rule = AudioChunking(chunk, rng.randint(1, chunk), rng.randint(0, 30), rng.randint(0, 12), first_hold,
+                             rng.random() < 0.5)  # fmt: skip
         rule = rule.resolved((10, 10))
         seen = _lengths_of_a_long_stream(rule)
         assert window_lengths(rule) == list(dict.fromkeys(seen)), rule
@@ -139,15 +143,15 @@ def test_window_lengths_are_the_ones_a_stream_decodes():
 
 
 def test_streamed_chunks_replay_graphs_and_equal_eager_decodes(with_graphs):
-    """A stream of 100 frames under the default chunking decodes every window but the last through a graph, and
-    its chunks equal those of the same stream decoded eagerly."""
+    """A stream of 100 frames under the default chunking without its ramp decodes every window but the last through a
+    graph, and its chunks equal those of the same stream decoded eagerly."""
     codec, recorder, report = with_graphs
     assert set(report) == {(b, t) for b in (1, 2, 4, 8) for t in (11, 36, 45)}
     assert all(v.startswith("graph") for v in report.values()), report
     codes = random_codes(100, seed=3)
 
     def chunks() -> list[torch.Tensor]:
-        decoder = codec.stream()
+        decoder = codec.stream(AudioChunking(ramp=False))
         out = [decoder.push(frame) for frame in codes]
         return [c for c in [*out, decoder.finish()] if c is not None]
 

@@ -6,7 +6,15 @@ Building a codec (or its config) imports transformers' DAC and HuBERT code, neve
 
 from .codec import Codec, check_waveform, random_tensors
 from .config import CODEC_CONFIG_FILE, HIGGS_V3_CODEC, TINY_CODEC, CodecSpec, build_config, config_to_dict
-from .streaming import FAST_START_CHUNKING, UPSTREAM_CHUNKING, AudioChunking, StreamingDecoder, Window, next_window
+from .streaming import (
+    FAST_START_CHUNKING,
+    UPSTREAM_CHUNKING,
+    AudioChunking,
+    StreamingDecoder,
+    Window,
+    chunk_due,
+    next_window,
+)
 from .weights import find_source
 
 __all__ = [
@@ -22,6 +30,7 @@ __all__ = [
     "Window",
     "build_config",
     "check_waveform",
+    "chunk_due",
     "config_to_dict",
     "find_source",
     "next_window",

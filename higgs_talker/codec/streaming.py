@@ -39,6 +39,11 @@ class AudioChunking:
     left_context_frames: int | None = None  # already-emitted frames decoded again in front of the new ones
     holdback_frames: int | None = None  # newest frames decoded as future context but not emitted yet
     first_holdback_frames: int | None = None  # the first chunk's holdback (None: holdback_frames), for earlier audio
+    # chunks after the first as long as the audio already sent (at least first_chunk_frames, at most chunk_frames):
+    # the audio sent doubles chunk by chunk, so a player that starts with the first chunk never waits for the next
+    # while the talker runs faster than twice real time; off (upstream's cuts), a one-frame first chunk plays out
+    # long before the talker has made the next 25 frames and their holdback
+    ramp: bool = True
 
     def __post_init__(self) -> None:
         for name in ("chunk_frames", "first_chunk_frames"):
@@ -50,6 +55,8 @@ class AudioChunking:
                 f"AudioChunking.first_chunk_frames ({self.first_chunk_frames}) exceeds chunk_frames "
                 f"({self.chunk_frames})"
             )
+        if not isinstance(self.ramp, bool):
+            raise ValueError(f"AudioChunking.ramp must be True or False, got {self.ramp!r}")
         for name in ("left_context_frames", "holdback_frames", "first_holdback_frames"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -65,15 +72,17 @@ class AudioChunking:
         left = reach[0] if self.left_context_frames is None else self.left_context_frames
         hold = reach[1] if self.holdback_frames is None else self.holdback_frames
         first_hold = hold if self.first_holdback_frames is None else self.first_holdback_frames
-        return AudioChunking(self.chunk_frames, self.first_chunk_frames, left, hold, first_hold)
+        return AudioChunking(self.chunk_frames, self.first_chunk_frames, left, hold, first_hold, self.ramp)
 
 
 # vllm-omni's deploy profiles (codec_chunk_frames 25, codec_left_context_frames 25, codec_right_holdback_frames 4,
 # initial_codec_chunk_frames 1): the same chunk boundaries as upstream, and the same deviations from one-shot audio
-UPSTREAM_CHUNKING = AudioChunking(chunk_frames=25, first_chunk_frames=1, left_context_frames=25, holdback_frames=4)
+UPSTREAM_CHUNKING = AudioChunking(
+    chunk_frames=25, first_chunk_frames=1, left_context_frames=25, holdback_frames=4, ramp=False
+)
 # The first 3 frames (120 ms of audio) decoded as soon as they exist, without their future context (so they differ
-# from one-shot audio, the more the nearer their end), every later chunk exact. A first chunk of 3 frames lasts
-# while the talker makes the 35 frames the next chunk needs at up to 3.4 ms a step; one of 1 frame would not.
+# from one-shot audio, the more the nearer their end), every later chunk exact (and ramped). The first 3 frames last
+# while the talker makes the 13 frames the next chunk needs (3 and the holdback) at up to 9.2 ms a step.
 FAST_START_CHUNKING = AudioChunking(first_chunk_frames=3, first_holdback_frames=0)
 
 
@@ -87,6 +96,13 @@ class Window:
     emit_end: int
 
 
+def chunk_due(emitted: int, rule: AudioChunking) -> int:
+    """How many new frames the next chunk holds once ``emitted`` frames were sent (pure)."""
+    if emitted == 0:
+        return rule.first_chunk_frames
+    return min(max(emitted, rule.first_chunk_frames), rule.chunk_frames) if rule.ramp else rule.chunk_frames
+
+
 def next_window(available: int, emitted: int, finished: bool, rule: AudioChunking) -> Window | None:
     """The chunk due now under a resolved ``rule``, or None (pure: the whole schedule in one function)."""
     assert rule.left_context_frames is not None and rule.holdback_frames is not None, "resolve the rule first"
@@ -94,7 +110,7 @@ def next_window(available: int, emitted: int, finished: bool, rule: AudioChunkin
         emit_end = available
     else:
         emit_end = available - (rule.first_chunk_holdback if emitted == 0 else rule.holdback_frames)
-        due = rule.first_chunk_frames if emitted == 0 else rule.chunk_frames
+        due = chunk_due(emitted, rule)
         if emit_end - emitted < due:
             return None
     if emit_end <= emitted:
@@ -107,8 +123,9 @@ def window_lengths(rule: AudioChunking) -> list[int]:
     the first few, then the steady one (pure). The last window of a stream, cut by its end, may have any other."""
     lengths: list[int] = []
     emitted, steady = 0, rule.left_context_frames + rule.chunk_frames + rule.holdback_frames
-    # the first window (and one that catches up after it where the first holdback is the longer), then one a chunk:
-    # within two steady windows' frames one starts past the left context, and every later one is steady
+    # the first window (and one that catches up after it where the first holdback is the longer), the ramp's (its
+    # chunks reach chunk_frames within two chunks' frames), then one a chunk: within one more steady window's frames
+    # one starts past the left context, and every later one is steady
     for available in range(1, rule.first_chunk_frames + rule.first_chunk_holdback + 3 * steady + 1):
         window = next_window(available, emitted, False, rule)
         if window is not None:

@@ -361,7 +361,7 @@ def test_the_expected_audio_is_decoded_with_the_chunking_each_profile_asks_for(t
     assert chunking_of(profile_yaml("ours", "low_latency", tmp_path)) == UPSTREAM_CHUNKING
     ours = chunking_of(profile_yaml("ours", "full_decode_64_async_frame_graphs_our_stage1", tmp_path))
     assert ours == AudioChunking(
-        chunk_frames=25, first_chunk_frames=1, left_context_frames=CODEC_REACH, holdback_frames=4
+        chunk_frames=25, first_chunk_frames=1, left_context_frames=CODEC_REACH, holdback_frames=4, ramp=False
     )
 
 

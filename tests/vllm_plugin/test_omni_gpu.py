@@ -214,6 +214,7 @@ def chunking_of(yaml_path: Path) -> AudioChunking:
         first_chunk_frames=extra["initial_codec_chunk_frames"],
         left_context_frames=extra["codec_left_context_frames"],
         holdback_frames=extra["codec_right_holdback_frames"],
+        ramp=False,  # vllm-omni's chunks after the first are all codec_chunk_frames long
     )
 
 
