@@ -346,9 +346,9 @@ def test_stream_audio_through_codec_graphs_equals_eager_decodes_and_captures_wai
         return wav
 
     codec.graphs.decode = counted
-    params = SamplingParams(seed=11, min_frames=90, max_frames=90)  # windows of 11, 36, 45, 45, the last (24)
+    params = SamplingParams(seed=11, min_frames=90, max_frames=90)  # the ramp's windows, 45, the last (43: eager)
     graphed = list(talker.stream_audio("Streaming through graphs.", params))
-    assert replays == [(1, 8, 11), (1, 8, 36), (1, 8, 45), (1, 8, 45)], replays
+    assert replays == [(1, 8, t) for t in (11, 12, 14, 18, 26, 36, 45)], replays
     graphs, codec.graphs = codec.graphs, None
     graphs.decode = decode
     eager = list(talker.stream_audio("Streaming through graphs.", params))
@@ -371,7 +371,7 @@ def test_stream_audio_through_codec_graphs_equals_eager_decodes_and_captures_wai
     while talker._driver._thread is None and worker.is_alive():
         time.sleep(0.001)
     assert worker.is_alive()
-    report = talker.prepare_audio(AudioChunking(chunk_frames=7))  # windows of 11, 18, 25 and 27 frames: new ones
+    report = talker.prepare_audio(AudioChunking(chunk_frames=7))  # windows of 11-18, then 25 and 27 frames: new
     assert len(got) == 6  # the requests had ended before the capture began
     worker.join(timeout=300)
     assert not errors and report, (errors, report)
