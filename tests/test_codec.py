@@ -427,7 +427,8 @@ def stream(codec: Codec, codes: torch.Tensor, chunking: AudioChunking | None, st
 @pytest.mark.parametrize(
     ("chunking", "step"),
     [
-        (None, 1),  # the default: chunks of 25 after a first one of 1, context = the codec's reach
+        (None, 1),  # the default: chunks of 1, 1, 2, 4, 8, 16, then 25, context = the codec's reach
+        (AudioChunking(ramp=False), 1),  # chunks of 25 after a first one of 1
         (AudioChunking(chunk_frames=7, first_chunk_frames=3, left_context_frames=12, holdback_frames=10), 1),
         (AudioChunking(chunk_frames=5, first_chunk_frames=5), 4),  # frames arriving four at a time
     ],
