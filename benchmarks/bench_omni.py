@@ -67,6 +67,7 @@ from typing import Any
 
 from higgs_talker.codec.streaming import UPSTREAM_CHUNKING, window_lengths
 from higgs_talker.vllm_plugin import CODEC_ARCH, CODEC_GRAPH_FRAMES
+from higgs_talker.vllm_plugin.deploy import RAMP_KEY
 
 TALKERS = ("ours", "upstream")
 PROFILES = (
@@ -90,6 +91,7 @@ PROFILES = (
     "full_decode_64_async_frame_graphs_our_stage1",
     "full_decode_64_async_reach_context",
     "full_decode_64_async_frame_graphs_reach_context",
+    "full_decode_64_async_frame_graphs_our_stage1_ramp",
 )
 # a profile named ..._our_stage1 is its base profile with our Stage 1 (vllm-omni 0.26 decodes each request's chunk
 # alone, and at 64 streams both talkers ended near the same audio s/s: h200_20261205b): a step's chunks of one length
@@ -104,6 +106,10 @@ REACH_CONTEXT = {CONNECTORS: {"codec_left_context_frames": CODEC_REACH}}
 STAGE1_WINDOWS = window_lengths(dataclasses.replace(UPSTREAM_CHUNKING, left_context_frames=CODEC_REACH))
 OUR_STAGE1 = REACH_CONTEXT | {1: {"model_arch": CODEC_ARCH, "hf_overrides": {CODEC_GRAPH_FRAMES: STAGE1_WINDOWS}}}
 STAGE1_VARIANTS = {"_our_stage1": OUR_STAGE1, "_reach_context": REACH_CONTEXT}  # profile suffix -> what it adds
+# ..._ramp: our hand-over's ramped chunks (deploy.RAMP_KEY: each chunk as long as the frames sent before it), and our
+# Stage 1's graphs for the ramp's windows too
+RAMPED_WINDOWS = window_lengths(dataclasses.replace(UPSTREAM_CHUNKING, left_context_frames=CODEC_REACH, ramp=True))
+RAMP = {CONNECTORS: {RAMP_KEY: True}, 1: {"hf_overrides": {CODEC_GRAPH_FRAMES: RAMPED_WINDOWS}}}
 # Profiles measured beside the two packaged ones (issue #28): each talker's low-latency YAML (vLLM's FULL decode
 # graphs) with 64 streams and graphs up to 64, prefix caching as it is or off; and with vLLM's async scheduling
 # asked for (vLLM turns it off, with a warning, where the stage's scheduler cannot do it); and with our frame graphs
@@ -161,11 +167,12 @@ DERIVED = {"full_decode_64": _full_64(),
            "full_decode_64_async_frame_graphs_mp": _full_64(ASYNC_FRAME_GRAPHS, MP)}  # fmt: skip
 DERIVED |= {p: _plus(DERIVED[p.removesuffix(suffix)], more) for p in PROFILES
             for suffix, more in STAGE1_VARIANTS.items() if p.endswith(suffix)}  # fmt: skip
+DERIVED |= {p: _plus(DERIVED[p.removesuffix("_ramp")], RAMP) for p in PROFILES if p.endswith("_ramp")}
 # vllm-omni's talker ignores higgs_frame_graphs, runs with its own hand-over, and (our plugin not loaded) its own Stage
 # 1: asked for a profile with our frame graphs or Stage 1, it runs the same profile without them (listed under that
 # name; once where several are asked for)
-UPSTREAM_SAME = {p: p.replace("_frame_graphs", "").removesuffix("_our_stage1") for p in PROFILES
-                 if "_frame_graphs" in p or p.endswith("_our_stage1")}  # fmt: skip
+UPSTREAM_SAME = {p: p.replace("_frame_graphs", "").removesuffix("_ramp").removesuffix("_our_stage1") for p in PROFILES
+                 if "_frame_graphs" in p or p.endswith(("_our_stage1", "_ramp"))}  # fmt: skip
 PATHS = ("offline", "http", "direct")
 LEVELS = (1, 4, 16, 64)
 LEVELS_DONE = "LEVELS DONE"  # a worker's last line of results: what follows is its shutdown

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 DEPLOY_DIR = Path(__file__).with_name("deploy")
 PROFILES = {n: n.replace("-", "_") + ".yaml" for n in ("high-throughput", "low-latency", "full-decode", "default")}
@@ -19,13 +20,50 @@ def deploy_config_path(name: str) -> Path:
     return path
 
 
+RAMP_KEY = "codec_chunk_ramp"  # a connector extra our hand-over reads: chunks ramped (codec AudioChunking.ramp)
+
+
 def talker2code2wav_async_chunk(transfer_manager, multimodal_output, request, is_finished: bool = False):
     """vllm-omni's Higgs hand-over to code2wav told the finished flag its call was queued with (for a deploy YAML's
-    ``custom_process_next_stage_input_func``): vllm-omni's own doubles EOS-ended audio under async scheduling."""
+    ``custom_process_next_stage_input_func``): vllm-omni's own doubles EOS-ended audio under async scheduling.
+    Where the connector's extra sets ``RAMP_KEY``, each chunk after the first is as long as the frames already
+    sent (``codec.streaming.chunk_due``), so a player is not left waiting after a one-frame first chunk."""
     from vllm_omni.model_executor.stage_input_processors import higgs_audio_v3
 
     queued = _AsQueued(request, bool(is_finished))
-    return higgs_audio_v3.talker2code2wav_async_chunk(transfer_manager, multimodal_output, queued, is_finished)
+    manager = _ramped(transfer_manager, request)
+    return higgs_audio_v3.talker2code2wav_async_chunk(manager, multimodal_output, queued, is_finished)
+
+
+def _ramped(manager, request):
+    """``manager`` as vllm-omni's hand-over reads it, its connector's chunk size the ramp's for this request."""
+    config = getattr(getattr(manager, "connector", None), "config", None)
+    extra = config.get("extra", config) if isinstance(config, dict) else None
+    emitted = (getattr(manager, "higgs_v3_emitted_frames", None) or {}).get(request.external_req_id, 0)
+    if not isinstance(extra, dict) or not extra.get(RAMP_KEY) or not emitted:
+        return manager  # the first chunk: vllm-omni's initial_codec_chunk_frames as it is
+    from ..codec.streaming import AudioChunking, chunk_due
+
+    chunk = int(extra.get("codec_chunk_frames", 25))
+    first = int(extra.get("initial_codec_chunk_frames") or chunk)
+    due = chunk_due(emitted, AudioChunking(chunk_frames=chunk, first_chunk_frames=min(first, chunk)))
+    return _WithConnector(manager, {"extra": extra | {"codec_chunk_frames": due}})
+
+
+class _WithConnector:
+    """A transfer manager whose connector config reads ``config``; everything else (reads and writes) is the
+    manager's own."""
+
+    def __init__(self, manager, config: dict) -> None:
+        object.__setattr__(self, "_manager", manager)
+        object.__setattr__(self, "connector", SimpleNamespace(config=config))
+
+    def __getattr__(self, name: str):
+        return getattr(self._manager, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._manager, name, value)
+
 
 
 class _AsQueued:

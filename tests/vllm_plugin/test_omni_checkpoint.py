@@ -448,6 +448,29 @@ def test_our_hand_over_sends_each_row_once_when_a_step_is_handed_over_after_the_
     assert torch.equal(aborted[0], aborted[1])
 
 
+@pytest.mark.parametrize("frames", [2, 40, 97])
+def test_our_hand_over_ramps_the_chunks_where_the_connector_asks(code2wav, omni_ckpt, no_capture_check, frames):
+    """With the connector's ``codec_chunk_ramp``, our hand-over cuts vllm-omni's windows as our ramped chunking does
+    (each chunk as long as the frames sent before it): the same chunks, sample for sample, as ``stream_audio`` with
+    vllm-omni's chunking ramped; without the key, vllm-omni's chunks (1, then 25 frames)."""
+    from higgs_talker.vllm_plugin.deploy import RAMP_KEY
+    from higgs_talker.vllm_plugin.deploy import talker2code2wav_async_chunk as ours
+
+    talker = HiggsTalker.from_pretrained(omni_ckpt, max_num_seqs=2, max_model_len=512)
+    params = SamplingParams(temperature=0.0, max_frames=frames)
+    rows = talker.generate("Hello there, ramped streaming.", params).rows.long()
+    ramped = _upstream_stream(code2wav, rows, ours, extra=_connector_extra() | {RAMP_KEY: True})
+    rule = dataclasses.replace(UPSTREAM_CHUNKING, ramp=True)
+    want = list(talker.stream_audio("Hello there, ramped streaming.", params, chunking=rule))
+    assert [c.numel() for c in ramped] == [c.numel() for c in want]
+    assert torch.equal(torch.cat(ramped), torch.cat(want))
+    flat, hop = _upstream_stream(code2wav, rows, ours), talker.cfg.sample_rate // talker.cfg.frame_rate
+    if frames > 5:  # shorter: one chunk at the end, ramped or not
+        assert [c.numel() // hop for c in flat][:1] == [1] and all(c.numel() == 25 * hop for c in flat[1:-1])
+    if frames > 40:
+        assert [c.numel() // hop for c in ramped][:6] == [1, 1, 2, 4, 8, 16] and len(ramped) > len(flat)
+
+
 @pytest.mark.parametrize("profile", PROFILES)
 @pytest.mark.parametrize("talker", ["ours", "upstream"])
 def test_bench_omnis_deploy_yamls_and_their_test_variants_parse(talker, profile, tmp_path):
