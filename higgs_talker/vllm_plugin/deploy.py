@@ -65,7 +65,6 @@ class _WithConnector:
         setattr(self._manager, name, value)
 
 
-
 class _AsQueued:
     """``is_finished()``: the request's flag when its call was queued, or True once it ended outside a step."""
 
