@@ -204,7 +204,6 @@ def build_talker(args: argparse.Namespace):
     from higgs_talker.audio import CodecLoader
     from higgs_talker.tiny import tiny_checkpoint, tiny_config
 
-    RandomCodecLoader = _random_codec_loader()
     frames = round(args.audio_s[1] * 25)
     chars = max(args.prompt_chars[1], math.ceil((frames - 50) / 3.125)) + 20  # make_jobs' longest text, about
     longest = 2 * chars + 8 + frames + 16  # tokens of one request (two a character: a byte-level tokenizer's worst)
@@ -215,16 +214,6 @@ def build_talker(args: argparse.Namespace):
     cfg = tiny_config() if args.tiny else TalkerConfig(text=TextConfig(**SHAPE_4B))
     talker = HiggsTalker.from_config(cfg, device=args.device, dtype=args.dtype, seed=args.seed, **options)
     suppress_eoc(talker)
-    loader = CodecLoader if args.codec == "tiny" else RandomCodecLoader
-    talker.codec_loader = loader(tiny_checkpoint(), torch.device(args.device), talker=cfg)
-    return talker
-
-
-CODECS = {"4b": "the real codec's shape, random weights", "tiny": "the tiny checkpoint's (cheaper than the real one)"}
-
-
-def _random_codec_loader():
-    from higgs_talker.audio import CodecLoader
 
     class RandomCodecLoader(CodecLoader):
         """Decodes with the real codec's shape and random weights (``HIGGS_V3_CODEC``) instead of ``path``'s codec."""
@@ -238,7 +227,12 @@ def _random_codec_loader():
                     self._decoder = self._check_fits(codec, self.path)
                 return self._decoder
 
-    return RandomCodecLoader
+    loader = CodecLoader if args.codec == "tiny" else RandomCodecLoader
+    talker.codec_loader = loader(tiny_checkpoint(), torch.device(args.device), talker=cfg)
+    return talker
+
+
+CODECS = {"4b": "the real codec's shape, random weights", "tiny": "the tiny checkpoint's (cheaper than the real one)"}
 
 
 def warm_up(talker, url: str, args: argparse.Namespace, chunking) -> float:
