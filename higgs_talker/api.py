@@ -315,7 +315,24 @@ class HiggsTalker:
         once it is set the requests are cancelled and freed and ``GenerationCancelled`` is raised.
         """
         _check_cancel_event(cancel)
-        parts = self._prepared(text, sampling, reference, max_frames, split).parts  # all checked before any is queued
+        blocks = self._blocks(self._prepared(text, sampling, reference, max_frames, split), cancel)
+        sent = 0
+        try:
+            for block in blocks:
+                for frame in block:
+                    _raise_if_cancelled(cancel, sent)
+                    yield frame
+                    sent += 1
+        finally:
+            blocks.close()  # a consumer that stops early cancels the requests before close() returns
+
+    def _blocks(
+        self, prepared: PreparedText, cancel: threading.Event | None, want: Callable[[], int] | None = None
+    ) -> Iterator[Tensor]:
+        """``stream``'s frames in blocks [k, C] int64, each of all the frames final since the last one; ``want()``
+        (>= 1; default 1): how many new frames the caller needs before a block is of use to it (a codec chunk's),
+        so it is woken only once they exist, or its requests end, or ``cancel`` is set."""
+        parts = prepared.parts  # all checked before any is queued
         live: list[_Live] = []
         interrupted = True  # until the stream ends on its own: closed early, an error, Ctrl-C
         sent = 0  # frames yielded, over the parts
@@ -323,9 +340,9 @@ class HiggsTalker:
             for k in range(len(parts)):
                 for j in range(len(live), min(k + 2, len(parts))):  # this part and the one after it
                     live.append(self._submit(parts[j].prompt, parts[j].sampling))
-                for frame in self._frames(live[k], cancel, sent):
-                    yield frame
-                    sent += 1
+                for block in self._frames(live[k], cancel, sent, want):
+                    yield block
+                    sent += block.shape[0]
                 self._forget([live[k].rid], live[k].ticket)
             interrupted = False
         finally:
@@ -338,27 +355,32 @@ class HiggsTalker:
         self._driver.wait_for(lv.ticket)
         return lv
 
-    def _frames(self, lv: _Live, cancel: threading.Event | None = None, sent: int = 0) -> Iterator[Tensor]:
-        """The aligned frames of one submitted request as they become final (see ``stream``); ``sent``: frames the
-        stream yielded before this request's (for the cancel message)."""
+    def _frames(
+        self, lv: _Live, cancel: threading.Event | None, sent: int, want: Callable[[], int] | None
+    ) -> Iterator[Tensor]:
+        """The aligned frames of one submitted request in blocks [k, C] as they become final (see ``_blocks``);
+        ``sent``: frames the stream yielded before this request's (for the cancel message)."""
         req, ticket = lv.req, lv.ticket
-        ticket.per_step = True  # the driver wakes this caller after every step from now on, queued or not
+        ticket.cancel, ticket.per_step = cancel, True  # woken after steps from now on (``Ticket.due``), queued or not
         n, emitted = self.cfg.num_codebooks, 0
         while True:
+            # frame t is final once row t + n exists: the caller's next block needs rows up to emitted + want + n - 1
+            ticket.rearm(emitted + max(1, want() if want is not None else 1) + n)  # before the rows are read
             done = ticket.done  # read before the rows: every row of a done request is published by then
-            while len(req.rows) >= emitted + n + 1:
+            final = len(req.rows) - n  # frames known final
+            if final > emitted and (final >= ticket.wake_rows - n or done):
                 _raise_if_cancelled(cancel, sent + emitted)
-                yield self._frame(req, emitted)
-                emitted += 1
+                yield self._frame_block(req.rows[emitted : final + n - 1], final - emitted)
+                emitted = final
+                continue
             if done:
                 break
             ticket.wait()
             _raise_if_cancelled(cancel, sent + emitted)
         _raise_if_failed(req)
-        final = codec_frames(torch.stack(req.rows).long(), self.cfg.num_real_codes) if req.rows else None
-        while final is not None and emitted < final.shape[0]:  # only the single-frame case is left here
-            yield final[emitted]
-            emitted += 1
+        rows = codec_frames(torch.stack(req.rows).long(), self.cfg.num_real_codes) if req.rows else None
+        if rows is not None and emitted < rows.shape[0]:  # only the single-frame case is left here
+            yield rows[emitted:]
 
     def _forget(self, ids: list[str], ticket: Ticket | None, settle: bool = False) -> None:
         """Cancel and drop this caller's requests (after an error, or when a stream is closed).
@@ -402,9 +424,13 @@ class HiggsTalker:
 
         Closing the iterator early cancels the request (and a part queued ahead) and frees its decode slot and KV
         blocks before ``close()`` returns. ``cancel``, an event another thread may set (a client that left), does
-        the same from outside, as for ``stream``: checked before each frame is decoded and after every engine step
-        (a request queued behind others makes no frame), and once it is set the requests are cancelled and freed and
-        ``GenerationCancelled`` is raised.
+        the same from outside, as for ``stream``: checked before each chunk's frames are decoded and after every
+        engine step (a request queued behind others makes no frame), and once it is set the requests are cancelled
+        and freed and ``GenerationCancelled`` is raised.
+
+        The calling thread sleeps until the frames of its next chunk exist (``StreamingDecoder.frames_wanted``), the
+        stream ends or ``cancel`` is set: one wake-up a chunk, not one a frame, so many streams leave the host to
+        the engine's thread.
         """
         _check_cancel_event(cancel)
         decoder = self.codec.stream(chunking)  # a bad chunking fails here, before anything is queued
@@ -412,14 +438,20 @@ class HiggsTalker:
         with self._audio:
             self._audio_streams += 1
         try:
-            frames = self.stream(text, sampling, reference, max_frames, split=split, cancel=cancel)
+            prepared = self._prepared(text, sampling, reference, max_frames, split)
+            blocks = self._blocks(prepared, cancel, want=decoder.frames_wanted)  # woken once a chunk's frames exist
+            sent = 0
             try:
-                for frame in frames:
-                    chunk = decoder.push(frame)
-                    if chunk is not None:
-                        yield chunk.cpu()
+                for block in blocks:
+                    while block.shape[0]:  # at most one chunk a push: a block may hold the frames of several
+                        _raise_if_cancelled(cancel, sent)
+                        piece, block = block[: decoder.frames_wanted()], block[decoder.frames_wanted() :]
+                        chunk = decoder.push(piece)
+                        sent += piece.shape[0]
+                        if chunk is not None:
+                            yield chunk.cpu()
             finally:
-                frames.close()  # a consumer that stops early cancels the request at once
+                blocks.close()  # a consumer that stops early cancels the request at once
             chunk = decoder.finish()
             if chunk is not None:
                 yield chunk.cpu()
@@ -528,10 +560,13 @@ class HiggsTalker:
             parts=parts,
         )
 
-    def _frame(self, req: Request, t: int) -> Tensor:
+    def _frame_block(self, rows: list[Tensor], k: int) -> Tensor:
+        """Aligned frames [k, C] int64 from delayed rows [k + C - 1] of [C]: frame t's codebook c is row t + c's
+        (one gather for the block; placeholders and EOC read as code 0, as ``codec_frames``)."""
         n = self.cfg.num_codebooks
-        frame = torch.stack([req.rows[t + c][c] for c in range(n)]).long()
-        return torch.where((frame < 0) | (frame >= self.cfg.num_real_codes), 0, frame)
+        books = torch.arange(n)
+        frames = torch.stack(rows)[torch.arange(k)[:, None] + books, books].long()
+        return torch.where((frames < 0) | (frames >= self.cfg.num_real_codes), 0, frames)
 
     def _params(self, sampling, count: int, max_frames: int | None) -> list[SamplingParams]:
         if sampling is None:

@@ -17,13 +17,32 @@ logger = logging.getLogger(__name__)
 
 
 class Ticket:
-    """A caller waiting on some requests: woken when all have finished, and after every step if ``per_step``."""
+    """A caller waiting on some requests: woken when all have finished, and, if ``per_step``, after every step that
+    leaves one of them with ``wake_rows`` rows or more (0: every step) or finds ``cancel`` set. A streaming caller
+    that needs many frames at once (a codec chunk) so sleeps through the steps that make the frames before them: a
+    thread woken every step per stream took the host (and its interpreter lock) from the engine's own thread."""
 
     def __init__(self, ids: list[str], per_step: bool) -> None:
         self.ids, self.per_step = ids, per_step
+        self.wake_rows = 0
+        self.cancel: threading.Event | None = None
         self.event = threading.Event()
         self.done = False
         self.error: BaseException | None = None  # the worker thread itself failed (a bug): nothing will finish
+
+    def rearm(self, wake_rows: int) -> None:
+        """Wake after the step that leaves ``wake_rows`` rows (see ``due``); a wake-up for an earlier need is dropped,
+        so read the rows after this: a step that published them before it is seen there."""
+        self.wake_rows = wake_rows
+        self.event.clear()
+        if self.error is not None:  # the worker thread died meanwhile: the next wait raises it
+            self.event.set()
+
+    def due(self, requests: dict) -> bool:
+        """Whether a ``per_step`` caller is woken after this step (``requests``: the engine's, by id)."""
+        if self.wake_rows <= 0 or (self.cancel is not None and self.cancel.is_set()):
+            return True
+        return any(len(requests[i].rows) >= self.wake_rows for i in self.ids if i in requests)
 
     def wait(self) -> None:
         """Until the next wake-up; raises if the worker thread died."""
@@ -110,5 +129,5 @@ class Driver:
                         ticket.done = True
                         self._tickets.remove(ticket)
                         ticket.event.set()
-                    elif ticket.per_step:
+                    elif ticket.per_step and ticket.due(engine.requests):
                         ticket.event.set()

@@ -520,6 +520,24 @@ def test_ramped_chunks_never_starve_a_player_while_the_talker_runs_twice_real_ti
     assert _player_wait_ms(AudioChunking(), 30.0) > 0.0  # slower than twice real time: the ramp cannot keep up
 
 
+@pytest.mark.parametrize("rule", [AudioChunking(), UPSTREAM_CHUNKING, FAST_START_CHUNKING,
+                                  AudioChunking(chunk_frames=7, first_chunk_frames=2, left_context_frames=3,
+                                                holdback_frames=1, first_holdback_frames=5)])  # fmt: skip
+def test_frames_wanted_is_the_push_that_makes_the_next_chunk_due(codec, rule) -> None:
+    """``frames_wanted()`` (what a streamed request's thread waits for before it wakes): a push of that many frames
+    returns the next chunk, a push one frame short returns none, for upstream's cut, the ramp and odd rules."""
+    decoder, codes, sent = codec.stream(rule), torch.randint(0, 1024, (300, 8)), 0
+    while sent < 250:
+        want = decoder.frames_wanted()
+        assert want >= 1
+        if want > 1:
+            assert decoder.push(codes[sent : sent + want - 1]) is None, (sent, want)
+            sent += want - 1
+            assert decoder.frames_wanted() == 1
+        assert decoder.push(codes[sent : sent + 1]) is not None, sent
+        sent += 1
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

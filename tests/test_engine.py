@@ -525,6 +525,27 @@ def test_stream_closed_early_cancels(talker):
     assert talker.engine.scheduler.blocks.num_free == free0
 
 
+def test_stream_audio_wakes_its_thread_once_a_chunk_not_every_step(talker, monkeypatch):
+    """A streamed audio request's thread sleeps until the frames of its next codec chunk exist (one wake-up a chunk,
+    and one at its end), where a frame stream's wakes after every step: with many streams, a thread woken every
+    step per stream took the host from the engine's own thread. Its audio is the one-shot decode all the same."""
+    from higgs_talker.codec.streaming import UPSTREAM_CHUNKING, AudioChunking
+    from higgs_talker.driver import Ticket
+
+    waits = []
+    real_wait = Ticket.wait
+    monkeypatch.setattr(Ticket, "wait", lambda self: (waits.append(1), real_wait(self))[1])
+    params = SamplingParams(seed=5, min_frames=200, max_frames=200)
+    for chunking in (UPSTREAM_CHUNKING, AudioChunking()):
+        waits.clear()
+        chunks = list(talker.stream_audio("Hello world", params, chunking=chunking))
+        assert len(waits) <= len(chunks) + 3, (chunking, len(waits), len(chunks))
+    torch.testing.assert_close(torch.cat(chunks), talker.generate("Hello world", params).audio, atol=1e-5, rtol=0)
+    waits.clear()
+    frames = list(talker.stream("Hello world", params))
+    assert len(frames) == 200 and len(waits) >= 150  # a frame stream needs every frame as it comes
+
+
 def test_unseeded_requests_differ(talker):
     a = talker.generate("Hello world", SamplingParams(max_frames=12))
     b = talker.generate("Hello world", SamplingParams(max_frames=12))

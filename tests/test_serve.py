@@ -563,23 +563,25 @@ def test_an_unexpected_exception_is_a_json_500(served, monkeypatch) -> None:
 def test_a_failing_request_leaves_the_others_alone(served, solo, monkeypatch) -> None:
     serving, url = served
     talker = serving.talker
-    real_stream = talker.stream
+    real_blocks = talker._blocks
 
-    def stream(text, *args, **kwargs):  # the server's worker streams the request's PreparedText
-        frames = real_stream(text, *args, **kwargs)
-        if "poison" not in text.text:
+    def blocks(prepared, *args, **kwargs):  # stream_audio's frames (in blocks) of the request's PreparedText
+        frames = real_blocks(prepared, *args, **kwargs)
+        if "poison" not in prepared.text:
             return frames
 
         def failing():
             with contextlib.closing(frames):
-                for i, frame in enumerate(frames):
-                    if i == 12:
+                sent = 0
+                for block in frames:
+                    if sent + block.shape[0] > 12:
                         raise GenerationError("injected failure")
-                    yield frame
+                    sent += block.shape[0]
+                    yield block
 
         return failing()
 
-    monkeypatch.setattr(talker, "stream", stream)
+    monkeypatch.setattr(talker, "_blocks", blocks)
     text, params = "An innocent request.", SamplingParams(**SERVED, seed=8, max_frames=60)
     want = expected_pcm(solo, text, params)
     results = {}
@@ -633,19 +635,19 @@ def test_a_streamed_request_that_fails_before_its_first_byte_gets_a_status(serve
     """Nothing is sent before the first audio, so a failure or a timeout before it is still a status code with the
     JSON error, as for a whole file (it was a 200 and then a cut body, or an SSE error event)."""
     serving, url = served
-    real_stream = serving.talker.stream
+    real_blocks = serving.talker._blocks
 
-    def stream(text, *args, **kwargs):
-        frames = real_stream(text, *args, **kwargs)
+    def blocks(*args, **kwargs):
+        frames = real_blocks(*args, **kwargs)
 
         def failing():
             with contextlib.closing(frames):
                 raise GenerationError("injected failure")
-            yield  # a generator, as stream's
+            yield  # a generator, as _blocks
 
         return failing()
 
-    monkeypatch.setattr(serving.talker, "stream", stream)
+    monkeypatch.setattr(serving.talker, "_blocks", blocks)
     body = {"input": "Fails at once.", "temperature": 0.0, "max_new_tokens": 20, **mode}
     assert "injected failure" in check_error(speech(url, **body), 500, None)["message"]
     monkeypatch.undo()

@@ -198,7 +198,7 @@ def test_a_cancelled_request_still_queued_behind_others_is_freed_at_once(tiny_di
     the next engine step (a server's client that gave up costs no slot and no prefill later); the running one goes
     on to the same codes as alone."""
     talker = remember_idle(HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=1, max_model_len=1024))
-    greedy = SamplingParams(seed=3, temperature=0.0, min_frames=60, max_frames=60)
+    greedy = SamplingParams(seed=3, temperature=0.0, min_frames=400, max_frames=400)
     alone = torch.stack(list(talker.stream("Hold the only slot.", greedy)))
     holder = talker.stream("Hold the only slot.", greedy)
     held = [next(holder)]  # running: the one slot is taken
@@ -218,9 +218,11 @@ def test_a_cancelled_request_still_queued_behind_others_is_freed_at_once(tiny_di
         time.sleep(0.01)
     assert len(talker.engine.scheduler.waiting) == 1, "the second request should wait for the slot"
     cancel.set()
-    held.append(next(holder))  # one more engine step
+    held.append(next(holder))
     waiter.join(timeout=10)
     assert not waiter.is_alive() and len(errors) == 1 and "cancelled after 0 frames" in str(errors[0])
+    # woken by its cancel, at the next step: not by the holder's end freeing the slot (the frames it waits for)
+    assert [r.finished for r in talker.engine.requests.values()] == [False]
     assert not talker.engine.scheduler.waiting and len(talker.engine.requests) == 1  # only the holder is left
     held.extend(holder)
     assert torch.equal(torch.stack(held), alone)

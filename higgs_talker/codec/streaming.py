@@ -165,6 +165,11 @@ class StreamingDecoder:
         self.available += frames.shape[0]
         return self._emit(next_window(self.available, self.emitted, False, self.rule))
 
+    def frames_wanted(self) -> int:
+        """How many more frames make the next chunk due (>= 1): a push of that many returns it, a shorter one None."""
+        hold = self.rule.first_chunk_holdback if self.emitted == 0 else self.rule.holdback_frames
+        return max(1, self.emitted + hold + chunk_due(self.emitted, self.rule) - self.available)
+
     def finish(self) -> Tensor | None:
         """The remaining samples (holdback 0), or None when everything was emitted."""
         if self.finished:
