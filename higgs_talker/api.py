@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -138,11 +139,15 @@ class HiggsTalker:
         if codec and (audio_tokenizer is not None or has_bundled_codec(path)):
             loader = CodecLoader(path, device, codec_dtype, tokenizer_path=audio_tokenizer, talker=cfg)
             loader.check_fit()  # from the codec's config: one that does not fit the talker fails before loading
+        started = time.perf_counter()
         model = _empty_model(cfg, device, dtype, fuse_qk_rope, row_gemv)
+        built = time.perf_counter()
         checkpoint.load_into(model, checkpoint.iter_tensors(path, cfg, device, dtype, header=header), cfg)
         model.eval().requires_grad_(False)
-        logger.info("loaded %s on %s (%s, kernels=%s, fused QK-norm/RoPE: %s)", path, device, dtype, model.kernels.name,
-                    model.kernels.fuse_qk_rope)  # fmt: skip
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        logger.info("loaded %s on %s (%s, kernels=%s, fused QK-norm/RoPE: %s): model and kernels %.2f s, weights "
+                    "(%.1f MB read, checked, copied) %.2f s", path, device, dtype, model.kernels.name,
+                    model.kernels.fuse_qk_rope, built - started, nbytes / 1e6, time.perf_counter() - built)  # fmt: skip
         if loader is None and codec:
             logger.info("%s bundles no codec: results carry codes only", path)
         return cls(

@@ -428,3 +428,18 @@ def test_the_router_alone_refuses_an_untied_checkpoint_without_its_text_head():
             router.route(key, tensor)
     with pytest.raises(ValueError, match=r"tied\.head\.text_head\.weight.*does not fill model parameter\(s\): lm_head"):
         router.finish()
+
+
+def test_loading_logs_its_phases(tiny_dir, caplog) -> None:
+    """``from_pretrained`` says how long building the model and reading its weights took, and how much it read (the
+    warm-start figures' split, bench_coldstart's phases)."""
+    import logging
+    import re
+
+    with caplog.at_level(logging.INFO, logger="higgs_talker.api"):
+        talker = HiggsTalker.from_pretrained(tiny_dir, codec=False)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded "))
+    found = re.search(r"model and kernels ([\d.]+) s, weights \(([\d.]+) MB read, checked, copied\) ([\d.]+) s", line)
+    assert found, line
+    nbytes = sum(p.numel() * p.element_size() for p in talker.model.parameters())
+    assert float(found.group(2)) == round(nbytes / 1e6, 1)
