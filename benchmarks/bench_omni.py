@@ -525,13 +525,16 @@ def run_direct(args: argparse.Namespace, base: dict) -> None:
     print(LEVELS_DONE, flush=True)
 
 
-def worker_limit(limit: float, deadline: float | None, left: int) -> float:
+def worker_limit(limit: float, deadline: float | None, left: int, least: float = 0.0) -> float:
     """Seconds the next worker may run: its own limit, and under ``--budget-s`` an equal share of what is left among
     the ``left`` configurations still to run (the first no longer starves the rest: a worker that ends early
-    leaves its unused share to those after it)."""
+    leaves its unused share to those after it), but at least ``least`` (``--min-worker-s``) while that much is
+    left: shares too short to start a pipeline stop every worker before its first figure (h200_20261205c: 117 s
+    each on a fresh machine), so the later configurations are skipped instead."""
     if deadline is None:
         return limit
-    return min(limit, max((deadline - time.perf_counter()) / left, 1.0))
+    left_s = deadline - time.perf_counter()
+    return min(limit, max(left_s / left, min(least, left_s), 1.0))
 
 
 def stop_group(proc: subprocess.Popen) -> None:
@@ -585,6 +588,9 @@ def main(argv: list[str] | None = None):
                    help="end the run after this many seconds, each configuration (talker x profile x path) getting "
                         "an equal share of what is left when it starts: a worker over its share is stopped and keeps "
                         "the levels it finished; configurations not started are recorded as skipped")  # fmt: skip
+    p.add_argument("--min-worker-s", type=float, default=240.0,
+                   help="under --budget-s, each worker may run at least this long while the budget lasts "
+                        "(a fresh machine's start: compile, warm-up, graphs); later ones are skipped")  # fmt: skip
     p.add_argument(
         "--jit-verbose",
         action="store_true",
@@ -649,7 +655,8 @@ def main(argv: list[str] | None = None):
                 # its own session: a timed-out worker is ended with the stage processes it started
                 proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=talker_env(talker),
                                         start_new_session=True)  # fmt: skip
-                limit = worker_limit(args.worker_timeout + 60 * len(args.levels) * 5, deadline, len(configs) - index)
+                limit = worker_limit(args.worker_timeout + 60 * len(args.levels) * 5, deadline, len(configs) - index,
+                                     args.min_worker_s)  # fmt: skip
                 code = wait_worker(proc, log_path, limit)
                 error = f"worker exited with status {code}" if code else None
             except subprocess.TimeoutExpired as exc:

@@ -402,6 +402,10 @@ def test_omni_budget_is_shared_among_the_configurations_left(bench, monkeypatch)
     assert bench_omni.worker_limit(900.0, 400.0, 1) == 300.0  # the last takes all that is left
     assert bench_omni.worker_limit(120.0, 400.0, 1) == 120.0
     assert bench_omni.worker_limit(900.0, 90.0, 2) == 1.0  # spent: at least a second, then skipped rows
+    # --min-worker-s: a share too short to start a pipeline grows to it while the budget lasts
+    assert bench_omni.worker_limit(900.0, 570.0, 4, least=240.0) == 240.0  # 470 s for four: 117.5 each otherwise
+    assert bench_omni.worker_limit(900.0, 250.0, 3, least=240.0) == 150.0  # only 150 s left: all of it
+    assert bench_omni.worker_limit(900.0, 900.0, 2, least=240.0) == 400.0  # a longer share stands
 
 
 def _worker(tmp_path: Path, lines: str):
