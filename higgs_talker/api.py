@@ -78,6 +78,7 @@ class HiggsTalker:
         self._driver = Driver(self.engine)
         self._audio = threading.Condition()  # guards _audio_streams: stream_audio calls decoding now
         self._audio_streams = 0
+        self._gathers: dict[int, tuple[Tensor, Tensor]] = {}  # _frame_block's gather index by block length
 
     @classmethod
     def from_pretrained(
@@ -568,10 +569,14 @@ class HiggsTalker:
     def _frame_block(self, rows: list[Tensor], k: int) -> Tensor:
         """Aligned frames [k, C] int64 from delayed rows [k + C - 1] of [C]: frame t's codebook c is row t + c's
         (one gather for the block; placeholders and EOC read as code 0, as ``codec_frames``)."""
-        n = self.cfg.num_codebooks
-        books = torch.arange(n)
-        frames = torch.stack(rows)[torch.arange(k)[:, None] + books, books].long()
-        return torch.where((frames < 0) | (frames >= self.cfg.num_real_codes), 0, frames)
+        index = self._gathers.get(k)
+        if index is None:  # kept for the usual lengths (up to a chunk or two): a frame costs a stack, a gather, a mask
+            books = torch.arange(self.cfg.num_codebooks)
+            index = (torch.arange(k)[:, None] + books, books)
+            if k <= 64:
+                self._gathers[k] = index
+        frames = torch.stack(rows)[index].long()
+        return frames.masked_fill_((frames < 0) | (frames >= self.cfg.num_real_codes), 0)
 
     def _params(self, sampling, count: int, max_frames: int | None) -> list[SamplingParams]:
         if sampling is None:

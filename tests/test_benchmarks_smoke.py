@@ -470,3 +470,16 @@ def test_a_smoke_run_without_out_writes_to_a_temporary_folder(bench, monkeypatch
     assert common.ResultFile(None, "decode", {}, smoke=True).path.parent == tmp_path / "smoke"
     assert common.ResultFile(None, "decode", {}).path.parent == tmp_path / "results"
     assert common.ResultFile(tmp_path / "mine", "decode", {}, smoke=True).path.parent == tmp_path / "mine"
+
+
+def test_serve_host_probe_smoke(bench, tmp_path: Path) -> None:
+    """probes/serve_host.py: the engine, frame streams and audio streams on the stand-in device, which paces the
+    steps (a request of 30 frames takes at least 30 steps of 4 ms) and makes every stream's audio."""
+    mod = bench("probes.serve_host")
+    argv = ["--streams", "1,2", "--frames", "30", "--repeats", "1", "--out", str(tmp_path)]
+    data = load(mod.main(argv))
+    assert [(r["path"], r["streams"]) for r in data["rows"]] == [
+        (p, n) for n in (1, 2) for p in ("engine", "frames", "audio")
+    ]
+    assert all(r["wall_s"] >= 30 * 4e-3 and 0 < r["of_bound"] <= 1.0 for r in data["rows"]), data["rows"]
+    assert Path(data["meta"]["command"].split()[1]).name == "serve_host.py"
