@@ -190,6 +190,14 @@ class Scheduler:
             raise PromptTooLong(
                 f"prompt of {len(prompt)} tokens does not fit the KV cache ({self.blocks.num_blocks} blocks)"
             )
+        # the K/V of the prompt and of every row fed back until the min_frames-th frame is final: a request that
+        # cannot hold them even alone would run until the cache is full and then fail
+        need = self.blocks.blocks_for(len(prompt) + min_frames + self.cfg.num_codebooks - 1) if min_frames else 0
+        if need > self.blocks.num_blocks:
+            raise PromptTooLong(
+                f"min_frames={min_frames} cannot be reached: the prompt of {len(prompt)} tokens and its rows need "
+                f"{need} KV blocks, the cache has {self.blocks.num_blocks}"
+            )
 
     def cancel(self, request_id: str) -> bool:
         """Stop a request now, freeing its KV blocks and slot. Returns False if it was not live."""

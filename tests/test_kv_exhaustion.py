@@ -189,3 +189,30 @@ def test_block_counts_and_the_context_limit_at_their_edges(talker):
     full = Engine(talker.model, talker.cfg, sp, EngineConfig(max_num_seqs=1, max_model_len=len(prompt)))
     with pytest.raises(ValueError, match=f"leaves no room within max_model_len={len(prompt)}"):
         full.scheduler.check_fits(prompt)
+
+
+@pytest.mark.parametrize("prompt_text", ["Hi.", "A somewhat longer prompt, to move the boundary."])
+def test_min_frames_the_kv_cache_cannot_hold_is_refused_before_anything_is_queued(tiny_dir: Path, prompt_text) -> None:
+    """A request whose min_frames need more K/V than the whole cache holds cannot end well (it would run until the
+    cache is full and fail there): it is refused when it is prepared, naming min_frames. The largest min_frames
+    accepted runs to the end alone (the boundary is exact, not a margin)."""
+    from higgs_talker.prompt import PromptTooLong
+
+    talker = remember_idle(HiggsTalker.from_pretrained(tiny_dir, num_blocks=8, max_num_seqs=1))
+    prompt = talker.build_prompt(prompt_text)
+    largest = max(m for m in range(1, 200) if _fits(talker, prompt, m))
+    result = talker.generate(prompt_text, SamplingParams(seed=1, min_frames=largest, max_frames=largest))
+    assert result.codes.shape[0] == largest and result.finish_reason == "max_frames"
+    with pytest.raises(PromptTooLong, match=rf"min_frames={largest + 1} cannot be reached: .* need 9 KV blocks, the "
+                                            r"cache has 8"):  # fmt: skip
+        talker.prepare(prompt_text, SamplingParams(min_frames=largest + 1, max_frames=largest + 1))
+    assert not talker.engine.requests
+    assert_idle(talker)
+
+
+def _fits(talker: HiggsTalker, prompt, min_frames: int) -> bool:
+    try:
+        talker.engine.scheduler.check_fits(prompt, min_frames)
+    except ValueError:
+        return False
+    return True
