@@ -29,7 +29,7 @@ from .cuda_graphs.policy import GraphMode
 from .driver import Driver, Ticket
 from .engine import Engine, EngineConfig, Request
 from .flashinfer_attention import check_decode_kernel
-from .heads.delay import codec_frames
+from .heads.delay import aligned_codes, codec_frames
 from .heads.sampling import SamplingParams, resolve_seed
 from .model import TalkerModel
 from .ops import check_row_gemv, default_kernels, rope_cache
@@ -78,7 +78,6 @@ class HiggsTalker:
         self._driver = Driver(self.engine)
         self._audio = threading.Condition()  # guards _audio_streams: stream_audio calls decoding now
         self._audio_streams = 0
-        self._gathers: dict[int, tuple[Tensor, Tensor]] = {}  # _frame_block's gather index by block length
 
     @classmethod
     def from_pretrained(
@@ -376,7 +375,8 @@ class HiggsTalker:
             final = len(req.rows) - n  # frames known final
             if final > emitted and (final >= ticket.wake_rows - n or done):
                 _raise_if_cancelled(cancel, sent + emitted)
-                yield self._frame_block(req.rows[emitted : final + n - 1], final - emitted)
+                # frames emitted .. final - 1 read rows emitted .. final + n - 2
+                yield aligned_codes(torch.stack(req.rows[emitted : final + n - 1]), self.cfg.num_real_codes)
                 emitted = final
                 continue
             if done:
@@ -565,18 +565,6 @@ class HiggsTalker:
             codec=first.codec,
             parts=parts,
         )
-
-    def _frame_block(self, rows: list[Tensor], k: int) -> Tensor:
-        """Aligned frames [k, C] int64 from delayed rows [k + C - 1] of [C]: frame t's codebook c is row t + c's
-        (one gather for the block; placeholders and EOC read as code 0, as ``codec_frames``)."""
-        index = self._gathers.get(k)
-        if index is None:  # kept for the usual lengths (up to a chunk or two): a frame costs a stack, a gather, a mask
-            books = torch.arange(self.cfg.num_codebooks)
-            index = (torch.arange(k)[:, None] + books, books)
-            if k <= 64:
-                self._gathers[k] = index
-        frames = torch.stack(rows)[index].long()
-        return frames.masked_fill_((frames < 0) | (frames >= self.cfg.num_real_codes), 0)
 
     def _params(self, sampling, count: int, max_frames: int | None) -> list[SamplingParams]:
         if sampling is None:

@@ -20,6 +20,7 @@ when the ramp-down starts and lets those codebooks sample real codes. For ``s >=
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 
 import torch
@@ -165,8 +166,22 @@ def revert_delay_pattern(rows: Tensor) -> Tensor:
     r, n = rows.shape
     if r < n:
         raise ValueError(f"need at least {n} delayed rows to revert, got {r}")
-    frames = r - n + 1
-    return torch.stack([rows[c : c + frames, c] for c in range(n)], dim=1)
+    return rows[_revert_index(r - n + 1, n, rows.device)]  # one gather
+
+
+@functools.lru_cache(maxsize=64)
+def _revert_index(frames: int, n: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``revert_delay_pattern``'s gather index (row t + c, codebook c), kept per shape: a stream reverts a block of a
+    few frames per step per request, and building the index took as many small ops as the gather around it."""
+    books = torch.arange(n, device=device)
+    return torch.arange(frames, device=device)[:, None] + books, books
+
+
+def aligned_codes(rows: Tensor, num_real_codes: int) -> Tensor:
+    """Delayed rows [R, C] -> aligned frames [R - C + 1, C] int64 with BOC/EOC/negatives mapped to 0: what the codec
+    reads of each frame (SPEC 8.2), every frame kept (a stream's frames as they become final)."""
+    frames = revert_delay_pattern(rows).long()
+    return frames.masked_fill_((frames < 0) | (frames >= num_real_codes), 0)
 
 
 def codec_frames(rows: Tensor, num_real_codes: int) -> Tensor:
@@ -178,6 +193,5 @@ def codec_frames(rows: Tensor, num_real_codes: int) -> Tensor:
     n = rows.shape[1] if rows.dim() == 2 else 0
     if rows.dim() != 2 or rows.shape[0] < n:
         return torch.zeros(0, n, dtype=torch.long)
-    frames = revert_delay_pattern(rows.long())
-    frames = torch.where((frames < 0) | (frames >= num_real_codes), 0, frames)
+    frames = aligned_codes(rows, num_real_codes)
     return frames[:-1] if frames.shape[0] >= 2 else frames
