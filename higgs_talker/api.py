@@ -369,11 +369,12 @@ class HiggsTalker:
         ticket.cancel, ticket.per_step = cancel, True  # woken after steps from now on (``Ticket.due``), queued or not
         n, emitted = self.cfg.num_codebooks, 0
         while True:
-            # frame t is final once row t + n exists: the caller's next block needs rows up to emitted + want + n - 1
-            ticket.rearm(emitted + max(1, want() if want is not None else 1) + n)  # before the rows are read
+            # frame t is final once row t + n exists: the next block (frames up to need - 1) needs need + n rows
+            need = emitted + max(1, want() if want is not None else 1)
+            ticket.rearm(need + n)  # before the rows are read
             done = ticket.done  # read before the rows: every row of a done request is published by then
             final = len(req.rows) - n  # frames known final
-            if final > emitted and (final >= ticket.wake_rows - n or done):
+            if final > emitted and (final >= need or done):
                 _raise_if_cancelled(cancel, sent + emitted)
                 # frames emitted .. final - 1 read rows emitted .. final + n - 2
                 yield aligned_codes(torch.stack(req.rows[emitted : final + n - 1]), self.cfg.num_real_codes)
@@ -451,7 +452,8 @@ class HiggsTalker:
                 for block in blocks:
                     while block.shape[0]:  # at most one chunk a push: a block may hold the frames of several
                         _raise_if_cancelled(cancel, sent)
-                        piece, block = block[: decoder.frames_wanted()], block[decoder.frames_wanted() :]
+                        wanted = decoder.frames_wanted()
+                        piece, block = block[:wanted], block[wanted:]
                         chunk = decoder.push(piece)
                         sent += piece.shape[0]
                         if chunk is not None:
