@@ -67,14 +67,14 @@ class _Ready:
         return self.rows
 
 
-def build(args) -> tuple[HiggsTalker, StandInDevice]:
+def build(args) -> HiggsTalker:
     talker = HiggsTalker.from_pretrained("tiny", max_num_seqs=max(args.streams), num_blocks=max(args.streams) * 40)
     cfg = talker.cfg
     device = StandInDevice(args.step_ms / 1e3, args.codec_ms / 1e3, cfg.num_codebooks, cfg.num_real_codes)
     talker.engine._launch = device.launch  # the engine's one seam between its host work and the device
     codec = talker.codec
     codec._decode_batch = lambda chunks: device.decode(chunks, codec.hop_length)
-    return talker, device
+    return talker
 
 
 def run(talker: HiggsTalker, path: str, n: int, frames: int) -> float:
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> ResultFile:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    talker, _ = build(args)
+    talker = build(args)
     meta = environment(torch.device("cpu"), "probes/serve_host.py", argv)
     meta |= {"step_ms": args.step_ms, "codec_ms": args.codec_ms, "frames": args.frames,
              "switch_interval_s": sys.getswitchinterval()}  # fmt: skip
