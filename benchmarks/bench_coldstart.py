@@ -25,7 +25,8 @@ decode-kernel choice and graph capture, and the JIT they trigger; ``graph_warmup
 runner), ``first_step_s`` (the prefill step and the first decode step), ``total_s`` (spawn -> end of that step);
 ``choices`` says whether warm-up measured its choices or read them from the choice cache; ``phases`` lists each
 INFO record of the load ([seconds from spawn, logger, message]: the weights loaded, the graph policy, each kernel
-choice, the warm-up's end), which splits ``load_s`` into its parts.
+choice, the warm-up's end), which splits ``load_s`` into its parts; ``heavy_imports``: which of torch._dynamo,
+transformers and sympy the child had imported by then (each costs seconds where no bytecode is cached).
 
     python benchmarks/bench_coldstart.py --out $OUT                    # cold, then warm
     python benchmarks/bench_coldstart.py --measured-too --out $OUT     # plus warm kernels, choices measured
@@ -95,7 +96,8 @@ print("RESULT:" + json.dumps({
     "rows": len(engine.requests[rid].rows), "kernels": talker.model.kernels.name,
     "flashinfer_cache": str(cache), "modules_after": count_modules(cache), "caches_after": count_all(cache_dirs()),
     "choices": graphs.choices_source if graphs is not None else "none",
-    "choice_file": None if entry is None else str(entry), "phases": phases}), flush=True)
+    "choice_file": None if entry is None else str(entry), "phases": phases,
+    "heavy_imports": [m for m in ("torch._dynamo", "transformers", "sympy") if m in sys.modules]}), flush=True)
 """
 
 TEXT = "The first sentence after a cold start."

@@ -738,10 +738,12 @@ def _empty_model(
     cfg: TalkerConfig, device: torch.device, dtype: torch.dtype, fuse_qk_rope: bool, row_gemv: str = "auto"
 ) -> TalkerModel:
     """The model with uninitialised weights on ``device`` (built on the meta device and given its dtype there, so
-    its weights are allocated once, in ``dtype``, not in float32 and then converted: half the transient memory)."""
+    its weights are allocated once, in ``dtype``, not in float32 and then converted: half the transient memory).
+    Each tensor is allocated with ``torch.empty``, as ``to_empty`` does but with ``empty_like``, which on a meta
+    tensor runs torch's Python reference ops and imports sympy (seconds where no bytecode is cached)."""
     with torch.device("meta"):
         model = TalkerModel(cfg).to(dtype)
-    model = model.to_empty(device=device)
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()
     model.use_kernels(default_kernels(device, fuse_qk_rope, row_gemv, cfg.text.head_dim))
     t = cfg.text

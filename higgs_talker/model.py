@@ -48,9 +48,11 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
-        self.register_buffer(
-            "cos_sin", rope_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta), persistent=False
-        )
+        if torch.empty(0).is_meta:  # built on the meta device (api._empty_model, which computes it on its device)
+            table = torch.empty(cfg.max_position_embeddings, cfg.head_dim)  # no meta ops: see Qwen3Model
+        else:
+            table = rope_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.register_buffer("cos_sin", table, persistent=False)
 
 
 class Attention(nn.Module):
@@ -151,7 +153,11 @@ class Qwen3Model(nn.Module):
     def __init__(self, cfg: TextConfig, kernels: Kernels) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # no default init (every weight is loaded or drawn): normal_ on the meta device (api._empty_model) runs
+        # torch's Python reference ops, whose first call imports torch._dynamo (seconds at start)
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         rotary = RotaryEmbedding(cfg)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, kernels) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)

@@ -443,3 +443,23 @@ def test_loading_logs_its_phases(tiny_dir, caplog) -> None:
     assert found, line
     nbytes = sum(p.numel() * p.element_size() for p in talker.model.parameters())
     assert float(found.group(2)) == round(nbytes / 1e6, 1)
+
+
+def test_loading_a_checkpoint_never_imports_torch_dynamo_or_sympy(tiny_dir):
+    """The model is built on the meta device; any arithmetic there (a default ``normal_`` init, a RoPE table, an
+    ``arange`` times a size, ``empty_like`` in ``to_empty``) runs torch's Python reference ops, which import sympy
+    and ``torch._dynamo`` with FSDP (on the H100 image, which keeps no bytecode caches, a profiled warm 4B start
+    spent 9.3 s in that import chain, h100_20261205). Load, decode a few frames (no codec: transformers' modeling
+    code imports both), and check neither was imported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from higgs_talker import HiggsTalker, SamplingParams\n"
+        f"t = HiggsTalker.from_pretrained({str(tiny_dir)!r}, codec=False)\n"
+        "rows = t.generate('a few frames', SamplingParams(seed=3, max_frames=12)).codes\n"
+        "print(int(rows.shape[0]), [m for m in ('torch._dynamo', 'sympy') if m in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["12", "[]"], out

@@ -17,7 +17,9 @@ class FusedCodebookEmbedding(nn.Module):
         super().__init__()
         self.num_codebooks, self.codebook_size = num_codebooks, codebook_size
         self.weight = nn.Parameter(torch.empty(num_codebooks * codebook_size, hidden_size))
-        self.register_buffer("offsets", torch.arange(num_codebooks) * codebook_size, persistent=False)
+        # from Python ints, no tensor arithmetic: on the meta device that would run torch's Python reference ops
+        offsets = torch.tensor([c * codebook_size for c in range(num_codebooks)])
+        self.register_buffer("offsets", offsets, persistent=False)
 
     def forward(self, codes: Tensor) -> Tensor:
         """codes [..., num_codebooks] int in [0, codebook_size) -> summed rows [..., H] in the table dtype.
