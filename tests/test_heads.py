@@ -1118,7 +1118,7 @@ def test_request_slots_record_a_step_when_settled_and_ship_each_row_once():
     assert slots.all_forced(["b"]) and len(slots.requests["a"].rows) == 1  # reading the modes settled it
     slots.record_later(["a", "b"], _results([3, 4], [1, 0]))
     slots.record_later(["a", "b"], _results([5, 6], [0, 1]))  # settles the one before
-    assert [r[0].item() for r in slots.requests["a"].rows] == [1, 3]
+    assert [r[0, 0].item() for r in slots.requests["a"].rows] == [1, 3]
     shipped = slots.ship(["b", "a", "x", None])
     assert [r[:, 0].tolist() for r in shipped[:2]] == [[2, 6], [1, 3]] and shipped[2:] == [None, None]
     assert slots.ship(["a", "b"]) == [None, None]  # nothing new since
@@ -1141,7 +1141,7 @@ def test_rows_by_key_and_merge_rows_across_ranks_and_engines():
 
     slots = RequestSlots(SlotStore(2, N, V, BOC, EOC, torch.device("cpu")), seed=0)
     slots.sync(["a"])
-    slots.requests["a"].rows = [torch.full((N,), 3, dtype=torch.int32)]
+    slots.requests["a"].rows = [torch.full((1, N), 3, dtype=torch.int32)]
     assert slots.rows_by_key(["a", "z"]) == {"a": [[3] * N], "z": None}
     got = merge_rows([[{"a": [[1] * N], "b": None}] * 2, [{"a": None, "b": [[2] * N, [3] * N]}]], ["a", "b"])
     assert got["a"].tolist() == [[1] * N] and got["b"].tolist() == [[2] * N, [3] * N]
@@ -1386,9 +1386,9 @@ def test_span_step_prompt_rows_place_reference_and_refed_rows_in_multi_token_spa
     slots = RequestSlots(SlotStore(4, N, V, BOC, EOC, torch.device("cpu")), keep_finished=4, seed=0)
     s, _ = slots.sync(["ref", "back", "dec"])
     back = slots.requests["back"]
-    back.rows = [torch.full((N,), 100 + j, dtype=torch.int32) for j in range(3)]
+    back.rows = [torch.full((1, N), 100 + j, dtype=torch.int32) for j in range(3)]
     slots.seed_pos[back.slot] = 4  # rows fed at positions 5, 6, 7
-    slots.requests["dec"].rows = [torch.full((N,), 7, dtype=torch.int32)]
+    slots.requests["dec"].rows = [torch.full((1, N), 7, dtype=torch.int32)]
     qsl = torch.tensor([0, 4, 10, 11])
     positions = torch.tensor([0, 1, 2, 3, 2, 3, 4, 5, 6, 7, 9])  # "back" recomputes 2..7 (a later chunk)
     step = SpanStep(["ref", "back", "dec"], slots=s, qsl=qsl, input_ids=torch.zeros(11), positions=positions)
@@ -1407,6 +1407,6 @@ def test_span_step_prompt_rows_place_reference_and_refed_rows_in_multi_token_spa
     want[1], want[3] = ref_rows[1].sum(), ref_rows[0].sum()  # reference rows of request 0 at positions 1 and 3
     want[7], want[8], want[9] = (N * (100 + j) for j in range(3))  # "back": positions 5, 6, 7
     assert torch.equal(out[:, 0], want) and refed == 3  # "dec" (one token) untouched
-    assert torch.equal(slots.rows_for("back"), torch.stack(back.rows)) and slots.rows_for("nobody") is None
+    assert torch.equal(slots.rows_for("back"), torch.cat(back.rows)) and slots.rows_for("nobody") is None
     slots.release(["back"])
     assert slots.rows_for("back").shape == (3, N)  # kept finished

@@ -256,7 +256,7 @@ class HostRequest:
 
     slot: int
     seed: int
-    rows: list[Tensor] = field(default_factory=list)  # each [C] int32 CPU, owned
+    rows: list[Tensor] = field(default_factory=list)  # each [1, C] int32 CPU: a view of its step's one host copy
     shipped: int = 0  # how many of ``rows`` were handed on (``RequestSlots.ship``)
     active: bool = False  # in an audio stream (mirrors has_codes after the last sample)
     done: bool = False  # terminal row emitted; the next text token is EOS
@@ -388,7 +388,7 @@ class RequestSlots:
         """All rows a request produced, [R, C] int32 (R may be 0)."""
         if not req.rows:
             return torch.zeros(0, self.store.num_codebooks, dtype=torch.int32)
-        return torch.stack(req.rows)
+        return torch.cat(req.rows)
 
     def record(self, req_ids: list[str], host: Tensor) -> list[Tensor | None]:
         """Store one step's host results (batch order): host [B, C + 3] int32 CPU = codes, then the valid,
@@ -396,7 +396,7 @@ class RequestSlots:
         copy of the step's codes, which nothing writes to (one copy and one host read a step, not a few per row)."""
         n = self.store.num_codebooks
         host = host[: len(req_ids)]
-        flags, rows = host[:, n:].tolist(), host[:, :n].clone().unbind(0)
+        flags, rows = host[:, n:].tolist(), host[:, None, :n].clone().unbind(0)
         out: list[Tensor | None] = []
         for rid, (valid, active, done), row in zip(req_ids, flags, rows, strict=True):
             req = self.requests.get(rid)
@@ -406,7 +406,7 @@ class RequestSlots:
             req.active, req.done = bool(active), bool(done)
             if valid:
                 req.rows.append(row)
-                out.append(row[None, :])
+                out.append(row)
             else:
                 out.append(None)
         return out
@@ -428,16 +428,19 @@ class RequestSlots:
 
     def ship(self, req_ids: list[str | None]) -> list[Tensor | None]:
         """Per request (batch order) the rows [R, C] int32 it produced since its last ship, or None where none (or
-        the request is unknown or None): what a runner hands on to the next stage, each row once."""
+        the request is unknown or None): what a runner hands on to the next stage, each row once. The rows are the
+        caller's (one copy of all of them, split by request: no tensor op per request), not views of our records."""
         self.settle()
-        out: list[Tensor | None] = []
+        picked: list[list[Tensor]] = []
         for rid in req_ids:
             req = self.requests.get(rid)
             rows = req.rows[req.shipped :] if req is not None else []
             if rows:
                 req.shipped = len(req.rows)
-            out.append(torch.stack(rows) if rows else None)
-        return out
+            picked.append(rows)
+        new = [row for rows in picked for row in rows]
+        parts = iter(torch.cat(new).split([len(rows) for rows in picked if rows]) if new else ())
+        return [next(parts) if rows else None for rows in picked]
 
     def all_forced(self, req_ids: list[str]) -> bool:
         """True when every request is known (host side) to be in audio mode: its text token is forced."""

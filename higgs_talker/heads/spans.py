@@ -179,7 +179,7 @@ class SpanStep:
             sources = [reference_rows(infos, slots.store.num_codebooks, i, self.span(start, end), req)]
             if req is not None and req.rows:
                 first = int(slots.seed_pos[req.slot]) + 1
-                sources.append((torch.arange(first, first + len(req.rows)), torch.stack(req.rows)))
+                sources.append((torch.arange(first, first + len(req.rows)), torch.cat(req.rows)))
             for k, src in enumerate(sources):
                 if src is not None:
                     tok, got = rows_at(self.positions[start:end], *src)
