@@ -15,7 +15,8 @@ whole 201M) in fp32 and bf16. Per dtype:
 
 Timing: one warm-up call (excluded; reported as ``warmup_ms``, because on CPU the first call at a new length
 also builds oneDNN kernels), then ``--repeats`` calls timed one by one (CUDA events on GPU, a host clock on
-CPU) and the median. ``ms_per_audio_s`` is that median over the seconds of audio; ``x_realtime`` its
+CPU; the streamed modes a host clock everywhere: a push returns its chunk on the host, decoded on the codec's own
+CUDA stream) and the median. ``ms_per_audio_s`` is that median over the seconds of audio; ``x_realtime`` its
 inverse (audio seconds per second of codec time).
 
     python benchmarks/bench_codec.py --out $OUT                   # 4B shape on CUDA, fp32 + bf16 (H200: ~1 min)
@@ -104,12 +105,14 @@ def row_stream(
         t0 = time.perf_counter()
         report = capture_stream_graphs(codec, window_lengths(rule)) or {}
         capture_s = time.perf_counter() - t0
-    whole = codec.decode(codes)
+    whole = codec.decode(codes).cpu()  # the streamed chunks come back on the host
     chunks, waited = stream_once(codec, codes, chunking)  # warm-up: every window length once
     sync(device)
     totals, per_push = [], []
     for _ in range(args.repeats):
-        timer = StepTimer(device)
+        # host wall time: a push decodes on the codec's own CUDA stream and returns once its chunk is on the host
+        # (Codec.decode_windows_to_host), so events on the default stream would see none of it
+        timer = StepTimer(torch.device("cpu"))
         chunks, waited = stream_once(codec, codes, chunking, timer)
         pushes = timer.ms()
         totals.append(sum(pushes))

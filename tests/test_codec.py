@@ -915,6 +915,24 @@ def test_cuda_decode_and_stream_match_float64(tiny_dir: Path, tensors, dtype) ->
 
 
 @pytest.mark.gpu
+def test_streamed_decodes_do_not_wait_behind_the_default_stream(tiny_dir: Path) -> None:
+    """A streamed window decode runs on the codec's own stream and comes back on the host while the default stream
+    (where a talker queues its steps) is still busy: a spin kernel of about a second is still running when the
+    chunk is back, and the chunk equals the same window decoded on the default stream afterwards."""
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        c = Codec.from_pretrained(tiny_dir, device="cuda")
+        codes = random_codes(20, seed=12)
+        c.decode_windows_to_host([(codes, 2, 3)])  # the stream exists and cuDNN picked its kernels
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU clock cycles on the default stream
+        got = c.decode_windows_to_host([(codes, 2, 3)])[0]
+        busy = not torch.cuda.current_stream().query()
+        want = c.decode_windows([(codes, 2, 3)])[0].cpu()
+    assert busy, "the decode waited for the default stream's queued work"
+    assert got.device.type == "cpu" and torch.equal(got, want)
+
+
+@pytest.mark.gpu
 def test_cuda_encode_agrees_with_cpu(tiny_dir: Path, codec) -> None:
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
         c = Codec.from_pretrained(tiny_dir, device="cuda", encoder=True)

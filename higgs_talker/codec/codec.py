@@ -40,6 +40,7 @@ class Codec:
         self.windows = WindowBatcher(self)  # the streams' decodes, batched while one runs
         # graphs of the streamed window decodes, once captured (``cuda_graphs.codec``): ``decode(codes) -> wav or None``
         self.graphs = None
+        self._stream: torch.cuda.Stream | None = None  # the streamed decodes' CUDA stream (decode_windows_to_host)
 
     # ------------------------------------------------------------------------------------------ building
 
@@ -141,6 +142,23 @@ class Codec:
             samples = empty if wav is None else wav.reshape(-1)
             out.append(samples[front * hop : samples.shape[0] - back * hop])
         return out
+
+    @torch.inference_mode()
+    def decode_windows_to_host(self, windows: Sequence[tuple[Tensor, int, int]]) -> list[Tensor]:
+        """``decode_windows`` with the waveforms on the host (CPU float32), as a stream hands them on. On CUDA the
+        decode and its copy run on a high-priority stream of the codec's own: a chunk then waits neither for the
+        work queued before it on the default stream (a talker's decode steps: up to two in flight under async
+        scheduling, one of them started after the chunk's frames existed) nor for the device to drain it."""
+        if self.device.type != "cuda":
+            return self.decode_windows(windows)
+        if self._stream is None:
+            stream = torch.cuda.Stream(self.device, priority=-1)
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # the weights and graphs exist on it
+            self._stream = stream
+        with torch.cuda.stream(self._stream):
+            waves = self.decode_windows(windows)
+            host = torch.cat(waves).cpu() if waves else torch.zeros(0)  # one copy; waits for this stream only
+        return list(host.split([w.shape[0] for w in waves]))
 
     def _decode_batch(self, codes: Tensor) -> Tensor:
         """codes [B, Q, T] -> [B, 1, T * hop] float32: a captured graph's replay where one fits, else eager."""

@@ -137,7 +137,7 @@ def window_lengths(rule: AudioChunking) -> list[int]:
 class StreamingDecoder:
     """Push aligned frames [Q] (or [k, Q]) as they arrive; each push returns a waveform chunk or None.
 
-    ``finish()`` returns the rest. The chunks are float32 on the codec's device.
+    ``finish()`` returns the rest. The chunks are float32 on the host (``Codec.decode_windows_to_host``).
     """
 
     def __init__(self, codec, chunking: AudioChunking | None = None) -> None:
@@ -216,7 +216,8 @@ class WindowBatcher:
         self._running = False
 
     def decode(self, codes: Tensor, trim_front: int, trim_back: int) -> Tensor:
-        """``Codec.decode_windows([(codes, trim_front, trim_back)])[0]``, decoded with whatever else is queued."""
+        """``Codec.decode_windows_to_host([(codes, trim_front, trim_back)])[0]``, decoded with whatever else is
+        queued."""
         mine = _Pending((codes, trim_front, trim_back))
         with self._cond:
             self._queue.append(mine)
@@ -232,7 +233,7 @@ class WindowBatcher:
 
     def _alone(self, p: _Pending) -> Tensor | None:
         try:
-            return self.codec.decode_windows([p.window])[0]
+            return self.codec.decode_windows_to_host([p.window])[0]
         except Exception as exc:  # noqa: BLE001 - this window's stream raises it
             p.error = exc
             return None
@@ -240,7 +241,7 @@ class WindowBatcher:
     def _run(self, batch: list[_Pending]) -> None:
         try:
             try:
-                results = self.codec.decode_windows([p.window for p in batch])
+                results = self.codec.decode_windows_to_host([p.window for p in batch])
             except Exception:  # noqa: BLE001 - decoded again one by one: only a window that fails alone fails
                 if len(batch) == 1:
                     raise

@@ -79,6 +79,8 @@ class CodecGraphs:
         if not self.untried(lengths, batches):  # every later stream asks again: no lock then
             return {}
         with self._lock, torch.no_grad():  # not inference mode: the static inputs are written in and out of it
+            if self.device.type == "cuda":  # replays queued on other streams (a codec's own) share the pool: done
+                torch.cuda.synchronize(self.device)
             new = sorted(self.untried(lengths, batches), key=lambda k: (k[0] * k[1], k), reverse=True)  # biggest first
             for key in new:
                 try:
