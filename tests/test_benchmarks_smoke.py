@@ -482,4 +482,8 @@ def test_serve_host_probe_smoke(bench, tmp_path: Path) -> None:
         (p, n) for n in (1, 2) for p in ("engine", "frames", "audio")
     ]
     assert all(r["wall_s"] >= 30 * 4e-3 and 0 < r["of_bound"] <= 1.0 for r in data["rows"]), data["rows"]
+    # the stand-in device's busy share: its steps alone reach of_bound (they pace the run), and it cannot exceed the
+    # wall time by more than a step launched ahead and dropped at the end; no codec but for audio
+    assert all(r["of_bound"] <= r["device_busy"] <= 1 + 8e-3 / r["wall_s"] for r in data["rows"]), data["rows"]
+    assert all((r["codec_busy"] > 0) == (r["path"] == "audio") for r in data["rows"]), data["rows"]
     assert Path(data["meta"]["command"].split()[1]).name == "serve_host.py"
