@@ -26,7 +26,8 @@ runner), ``first_step_s`` (the prefill step and the first decode step), ``total_
 ``choices`` says whether warm-up measured its choices or read them from the choice cache; ``phases`` lists each
 INFO record of the load ([seconds from spawn, logger, message]: the weights loaded, the graph policy, each kernel
 choice, the warm-up's end), which splits ``load_s`` into its parts; ``heavy_imports``: which of torch._dynamo,
-transformers and sympy the child had imported by then (each costs seconds where no bytecode is cached).
+transformers, transformers' model registry (``models.auto.modeling_auto``) and sympy the child had imported by then
+(each costs seconds where no bytecode is cached).
 
     python benchmarks/bench_coldstart.py --out $OUT                    # cold, then warm
     python benchmarks/bench_coldstart.py --measured-too --out $OUT     # plus warm kernels, choices measured
@@ -97,7 +98,8 @@ print("RESULT:" + json.dumps({
     "flashinfer_cache": str(cache), "modules_after": count_modules(cache), "caches_after": count_all(cache_dirs()),
     "choices": graphs.choices_source if graphs is not None else "none",
     "choice_file": None if entry is None else str(entry), "phases": phases,
-    "heavy_imports": [m for m in ("torch._dynamo", "transformers", "sympy") if m in sys.modules]}), flush=True)
+    "heavy_imports": [m for m in ("torch._dynamo", "transformers", "transformers.models.auto.modeling_auto", "sympy")
+                      if m in sys.modules]}), flush=True)
 """
 
 TEXT = "The first sentence after a cold start."

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from . import checkpoint
 from .audio import CodecLoader, has_bundled_codec
-from .config import TalkerConfig, check_fits_device, register_hf_config
+from .config import TalkerConfig, check_fits_device
 from .cuda_graphs.buckets import normalize_buckets
 from .cuda_graphs.choice_cache import open_choice_cache
 from .cuda_graphs.policy import GraphMode
@@ -674,7 +674,6 @@ def _checked_checkpoint(path, engine_config: EngineConfig, device: torch.device,
     ``max_model_len`` against it), its tokenizer, the weights' header against the config, and the memory the model
     needs on ``device``. Returns (directory, config, tokenizer, header)."""
     path = _checkpoint_dir(path)
-    register_hf_config()
     cfg = checkpoint.read_config(path)
     engine_config.model_len(cfg)
     tokenizer = TalkerTokenizer.from_pretrained(path, cfg)

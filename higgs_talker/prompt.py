@@ -16,6 +16,7 @@ voice's K/V to another: the direct engine's cache keys each block on the rows in
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,11 +127,15 @@ class TalkerTokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, cfg: TalkerConfig) -> TalkerTokenizer:
-        from transformers import AutoTokenizer
-
-        register_hf_config()  # AutoTokenizer reads config.json; let it know our model_type
         try:
-            tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+            named = _named_tokenizer_class(Path(path))
+            if named is not None:
+                tok = named.from_pretrained(str(path))
+            else:
+                from transformers import AutoTokenizer
+
+                register_hf_config()  # AutoTokenizer reads config.json; let it know our model_type
+                tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
         except Exception as exc:  # tokenizers raises plain Exception (and KeyError, ...) for a malformed file
             if not (Path(path) / "tokenizer.json").is_file():  # transformers' own message is about sentencepiece
                 raise ValueError(
@@ -184,6 +189,41 @@ class TalkerTokenizer:
                 "(max_position_embeddings), which must also leave room for the generated frames"
             )
         return prompt
+
+
+def _named_tokenizer_class(path: Path) -> type | None:
+    """The transformers tokenizer class that ``tokenizer_config.json`` names, where that choice is plain: no
+    ``auto_map`` (custom code) in it or in ``config.json``, a class transformers exports, and not the Llama name that
+    AutoTokenizer second-guesses against the file's pre-tokenizer. None sends the load through AutoTokenizer.
+
+    Why not always AutoTokenizer: importing it (transformers 5.17, the H100/H200 image) imports transformers'
+    model-class registry, and with it the generation and modeling code, torch's DTensor ops, sympy and
+    torch._dynamo: about 9 s of a warm start there (h100_20261205b). In the plain case AutoTokenizer would pick
+    this same class (``test_prompt`` checks the two give the same tokenizer)."""
+    files = [_json_dict(path / name) for name in ("tokenizer_config.json", "config.json")]
+    name = files[0].get("tokenizer_class")
+    if any("auto_map" in f for f in files) or not isinstance(name, str):
+        return None
+    if name.removesuffix("Fast") == "LlamaTokenizer":
+        return None
+    import transformers
+    from transformers import PreTrainedTokenizerBase, TokenizersBackend
+
+    if name in ("PreTrainedTokenizerFast", "TokenizersBackend", "PythonBackend"):
+        return TokenizersBackend
+    found = getattr(transformers, name, None)
+    if not (isinstance(found, type) and issubclass(found, PreTrainedTokenizerBase)):
+        return None
+    return found
+
+
+def _json_dict(path: Path) -> dict:
+    """A JSON file's object, or an empty dict where the file is missing or not an object."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
 
 
 def resolve_special_tokens(tokenizer, cfg: TalkerConfig) -> SpecialTokens:

@@ -313,3 +313,62 @@ def test_checkpoint_without_tokenizer_json_names_the_file(tiny_dir, tmp_path):
     with pytest.raises(ValueError, match=re.escape(f"{str(ckpt)!r}: it has no tokenizer.json")) as info:
         TalkerTokenizer.from_pretrained(ckpt, CFG)
     assert "sentencepiece" not in str(info.value)
+
+
+def _auto_tokenizer(path):
+    """The reference: transformers' AutoTokenizer with our config class registered (what the loader did before)."""
+    from transformers import AutoTokenizer
+
+    from higgs_talker.config import register_hf_config
+
+    register_hf_config()
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+
+
+@pytest.mark.parametrize(
+    ("tokenizer_class", "in_config_json"),
+    [
+        ("PreTrainedTokenizerFast", False),  # the tiny checkpoint's own
+        ("TokenizersBackend", False),
+        ("Qwen2Tokenizer", False),  # the Qwen3 family's
+        ("Qwen2TokenizerFast", False),
+        ("Qwen2Tokenizer", True),  # named only in config.json: AutoTokenizer reads it there
+    ],
+)
+def test_tokenizer_is_the_one_autotokenizer_picks(tiny_dir, tmp_path, tokenizer_class, in_config_json):
+    """The loader names the tokenizer class itself where tokenizer_config.json makes the choice plain (importing
+    AutoTokenizer costs ~9 s of a warm start on the GPU image); the class, the ids and the specials are
+    AutoTokenizer's for each way a checkpoint may name it."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir, ckpt)
+    tok_cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
+    cfg = json.loads((ckpt / "config.json").read_text())
+    del tok_cfg["tokenizer_class"]
+    (tok_cfg if not in_config_json else cfg)["tokenizer_class"] = tokenizer_class
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    ours = TalkerTokenizer.from_pretrained(ckpt, CFG)
+    reference = _auto_tokenizer(ckpt)
+    assert type(ours.tokenizer) is type(reference)
+    for text in ("Hello world, it's 12:30 - déjà vu.", "  two  spaces\tand a tab", "<|tts|> in text", "数字 42"):
+        assert ours.encode(text) == reference.encode(text, add_special_tokens=False), text
+    assert ours.tokenizer.get_added_vocab() == reference.get_added_vocab()
+    assert ours.specials.eos == reference.eos_token_id
+
+
+def test_loading_never_imports_transformers_model_registry(tiny_dir):
+    """Importing AutoTokenizer or our transformers config class (it holds a Qwen3Config) imports transformers'
+    model-class registry, which on transformers 5.17 (the H100/H200 image) brings its generation and modeling code,
+    torch._dynamo and sympy: ~9 s of a warm start there (h100_20261205b). The direct engine's load needs none."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from higgs_talker import HiggsTalker\n"
+        f"HiggsTalker.from_pretrained({str(tiny_dir)!r}, codec=False)\n"
+        "print([m for m in ('transformers.models.auto.modeling_auto', 'transformers.models.auto.tokenization_auto', "
+        "'transformers.models.qwen3', 'transformers.modeling_utils') if m in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["[]"], out

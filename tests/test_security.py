@@ -85,6 +85,11 @@ def test_loading_never_unpickles(ckpt: Path, no_unpickling, no_processes) -> Non
 
 
 def test_tokenizer_never_trusts_remote_code(ckpt: Path, tokenizer_calls: list[dict]) -> None:
+    """Where the loader leaves the class choice to AutoTokenizer (here: tokenizer_config.json names none, so it
+    reads config.json's), it never lets it trust remote code."""
+    raw = json.loads((ckpt / "tokenizer_config.json").read_text())
+    raw.pop("tokenizer_class")
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(raw))
     talker = HiggsTalker.from_pretrained(ckpt, **SMALL)
     assert tokenizer_calls, "the loader did not go through AutoTokenizer"
     HiggsTalker.from_config(talker.cfg, tokenizer_path=ckpt, **SMALL)
