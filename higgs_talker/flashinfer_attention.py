@@ -25,6 +25,8 @@ in FlashInfer's CUDA-graph mode (fixed request count, at most the bucket's token
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -137,12 +139,16 @@ class FlashInferAttention:
 
     def _paged(self, tables: list[list[int]], seq_lens: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """FlashInfer's (indptr, indices, last_page_len) int32 of the used blocks."""
-        used = [-(-n // self.block_size) for n in seq_lens]
-        indptr = np.zeros(len(used) + 1, dtype=np.int32)
-        np.cumsum(used, out=indptr[1:])
-        indices = np.fromiter((b for t, u in zip(tables, used, strict=True) for b in t[:u]), dtype=np.int32)
+        if len(tables) != len(seq_lens):
+            raise ValueError(f"{len(tables)} block tables for {len(seq_lens)} sequence lengths")
         lens = np.asarray(seq_lens, dtype=np.int32)
-        last = lens - np.maximum(np.asarray(used, dtype=np.int32) - 1, 0) * self.block_size  # 0: no context
+        used = -(-lens // self.block_size)
+        indptr = np.zeros(len(seq_lens) + 1, dtype=np.int32)
+        np.cumsum(used, out=indptr[1:])
+        # each table's used head, chained in C (a per-block Python loop was ~0.2 ms a 64-row step: py-spy, H200)
+        heads = map(operator.getitem, tables, map(slice, used.tolist()))
+        indices = np.fromiter(itertools.chain.from_iterable(heads), dtype=np.int32, count=int(indptr[-1]))
+        last = lens - np.maximum(used - 1, 0) * self.block_size  # 0: no context
         return indptr, indices, last
 
     def _plan_once_copied(self, wrapper, plan: Callable[[], None]) -> None:

@@ -138,6 +138,23 @@ def test_flashinfer_pages_of_empty_requests():
     assert indptr.tolist() == [0, 1, 1, 3, 4] and indices.tolist() == [3, 5, 6, 9] and last.tolist() == [10, 0, 1, 16]
 
 
+def test_flashinfer_pages_of_a_large_batch_match_a_plain_loop():
+    """64 requests with tables longer than their contexts: the used head of each table, in order."""
+    me = SimpleNamespace(block_size=BS)
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(0, 40 * BS, (64,), generator=gen).tolist()
+    tables = [torch.randperm(5000, generator=gen)[:40].tolist() for _ in lens]
+    indptr, indices, last = FlashInferAttention._paged(me, tables, lens)
+    used = [(n + BS - 1) // BS for n in lens]
+    assert indices.tolist() == [b for t, u in zip(tables, used, strict=True) for b in t[:u]]
+    assert indptr.tolist() == [sum(used[:i]) for i in range(65)]
+    assert last.tolist() == [n - max(u - 1, 0) * BS for n, u in zip(lens, used, strict=True)]
+    with pytest.raises(ValueError, match="2 block tables for 3 sequence lengths"):
+        FlashInferAttention._paged(me, tables[:2], lens[:3])
+    with pytest.raises(ValueError):  # a table shorter than its context
+        FlashInferAttention._paged(me, [[1]], [2 * BS])
+
+
 # --------------------------------------------------------------------------------------------------- the graphs
 
 
