@@ -370,10 +370,11 @@ def reference_codec_frames(rows: list[list[int]], n: int) -> list[list[int]]:
 @pytest.mark.parametrize("num_rows", [0, 3, 7, 8, 9, 20])
 def test_codec_frames_matches_reference(num_rows):
     g = torch.Generator().manual_seed(num_rows)
-    rows = torch.randint(-1, 1026, (num_rows, N), generator=g)
+    rows = torch.randint(-5, 2000, (num_rows, N), generator=g)  # BOC/EOC, larger ids and negatives among them
+    rows[rows.abs() % 7 == 0] = EOC
     got = codec_frames(rows, 1024)
     want = reference_codec_frames(rows.tolist(), N)
-    assert got.dtype == torch.long
+    assert got.dtype == torch.long and torch.equal(codec_frames(rows.int(), 1024), got)  # the engine's int32 rows
     assert got.shape == (len(want), N)
     assert got.tolist() == want
     assert ((got >= 0) & (got < 1024)).all()

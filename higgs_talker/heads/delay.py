@@ -166,22 +166,32 @@ def revert_delay_pattern(rows: Tensor) -> Tensor:
     r, n = rows.shape
     if r < n:
         raise ValueError(f"need at least {n} delayed rows to revert, got {r}")
-    return rows[_revert_index(r - n + 1, n, rows.device)]  # one gather
+    return rows.reshape(-1)[_revert_index(r - n + 1, n, rows.device)].view(r - n + 1, n)  # one gather
 
 
 @functools.lru_cache(maxsize=64)
-def _revert_index(frames: int, n: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """``revert_delay_pattern``'s gather index (row t + c, codebook c), kept per shape: a stream reverts a block of a
-    few frames per step per request, and building the index took as many small ops as the gather around it."""
-    books = torch.arange(n, device=device)
-    return torch.arange(frames, device=device)[:, None] + books, books
+def _revert_index(frames: int, n: int, device: torch.device) -> Tensor:
+    """``revert_delay_pattern``'s gather index into the flattened rows (frame t, codebook c: element (t + c) * n +
+    c), kept per shape: a stream reverts a block of a few frames per step per request, and building the index took
+    as many small ops as the gather around it."""
+    return (torch.arange(frames, device=device)[:, None] * n + torch.arange(n, device=device) * (n + 1)).view(-1)
+
+
+@functools.lru_cache(maxsize=8)
+def _codec_code_table(num_real_codes: int, device: torch.device) -> Tensor:
+    """int64 [num_real_codes + 1]: code -> itself, and the last entry 0. Indexed by codes clamped to [0,
+    num_real_codes], it maps BOC, EOC and anything else outside the codebook to 0 (negatives clamp to 0 itself)."""
+    table = torch.arange(num_real_codes + 1, device=device)
+    table[num_real_codes] = 0
+    return table
 
 
 def aligned_codes(rows: Tensor, num_real_codes: int) -> Tensor:
     """Delayed rows [R, C] -> aligned frames [R - C + 1, C] int64 with BOC/EOC/negatives mapped to 0: what the codec
-    reads of each frame (SPEC 8.2), every frame kept (a stream's frames as they become final)."""
-    frames = revert_delay_pattern(rows).long()
-    return frames.masked_fill_((frames < 0) | (frames >= num_real_codes), 0)
+    reads of each frame (SPEC 8.2), every frame kept (a stream's frames as they become final). Three small ops:
+    a stream calls this for every block of every request."""
+    frames = revert_delay_pattern(rows).clamp_(0, num_real_codes)
+    return _codec_code_table(num_real_codes, rows.device)[frames]
 
 
 def codec_frames(rows: Tensor, num_real_codes: int) -> Tensor:
