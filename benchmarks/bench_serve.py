@@ -235,9 +235,9 @@ def build_talker(args: argparse.Namespace):
 CODECS = {"4b": "the real codec's shape, random weights", "tiny": "the tiny checkpoint's (cheaper than the real one)"}
 
 
-def warm_up(talker, url: str, args: argparse.Namespace, chunking) -> float:
-    """A few requests at every level's size and sampling, through both paths, so graphs (a sampler variant per
-    sampling), kernels and the codec are warm."""
+def warm_up(talker, url: str | None, args: argparse.Namespace, chunking) -> float:
+    """A few requests at every level's size and sampling, through the direct API and (``url``: not None where the
+    run has an HTTP path) the server, so graphs (a sampler variant per sampling), kernels and the codec are warm."""
     from common import SAMPLINGS
 
     t0 = time.perf_counter()
@@ -246,8 +246,28 @@ def warm_up(talker, url: str, args: argparse.Namespace, chunking) -> float:
             jobs = [{"text": "warm up " + "x" * (i % 7) + ".", "frames": 30 + i % 5, "seed": i,
                      "sampling": dict(SAMPLINGS[name])} for i in range(c)]  # fmt: skip
             run_direct(talker, jobs, c, chunking, args.part_chars)
-            run_http(url, jobs, c, talker.cfg.sample_rate)
+            if url is not None:
+                run_http(url, jobs, c, talker.cfg.sample_rate)
     return time.perf_counter() - t0
+
+
+class _Server:
+    """``higgs-talker serve``'s app on 127.0.0.1 (an ephemeral port) in a thread of this process."""
+
+    def __init__(self, serving) -> None:
+        from higgs_talker.serve.app import make_server
+
+        self.server, self.sock = make_server(serving, "127.0.0.1", 0, log_level="warning")
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+        self.sock.close()
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -308,7 +328,6 @@ def main(argv: Sequence[str] | None = None):
     from common import SAMPLINGS, ResultFile, environment, error_text, log, print_table, resolve_device
 
     from higgs_talker.codec.streaming import AudioChunking
-    from higgs_talker.serve.app import make_server
     from higgs_talker.serve.serving import CHUNKINGS, ServeConfig, SpeechServing
 
     args = parse_args(argv)
@@ -346,12 +365,9 @@ def main(argv: Sequence[str] | None = None):
         if name not in CHUNKINGS:  # a rule the server has no name for: served all the same
             serving.chunking = rules[name]
             talker.prepare_audio(rules[name])
-        server, sock = make_server(serving, "127.0.0.1", 0, log_level="warning")
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        while not server.started:
-            time.sleep(0.01)
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        # the server runs only for an HTTP path: --paths direct,frames needs neither it nor the server extra
+        server = _Server(serving) if "http" in args.paths else None
+        url = None if server is None else server.url
         try:
             writer.meta[f"warmup_s_{name}"] = warm_up(talker, url, args, rules[name])
             for c, sampling in ((c, s) for c in args.levels for s in args.sampling):
@@ -378,9 +394,8 @@ def main(argv: Sequence[str] | None = None):
                         f"{row.get('audio_s_per_s', math.nan):.1f} audio s/s "
                         f"{row['status']} {row.get('error', '')}")  # fmt: skip
         finally:
-            server.should_exit = True
-            thread.join(timeout=60)
-            sock.close()
+            if server is not None:
+                server.stop()
     writer.set("targets_met", targets_met(writer.rows, args.sampling[0]))
     writer.meta["wall_s"] = time.perf_counter() - t_start
     writer.save()

@@ -740,10 +740,15 @@ def test_bench_serve_smoke(tmp_path: Path, monkeypatch) -> None:
 
 def test_bench_serve_frames_path_counts_the_engines_frames(tmp_path: Path, monkeypatch) -> None:
     """The ``frames`` path (the direct engine with no codec) reports the frames asked for as audio seconds, with
-    the switch interval it was given."""
+    the switch interval it was given; without an HTTP path the run needs no server (uvicorn cannot be imported
+    here, as on a GPU image without the server extra)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import bench_serve
+
+    for name in [m for m in sys.modules if m == "uvicorn" or m.startswith(("uvicorn.", "higgs_talker.serve.app"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # import uvicorn -> ImportError
 
     before = sys.getswitchinterval()
     try:
