@@ -70,7 +70,7 @@ phases = []  # [s from spawn, logger, message's first line] of each INFO record:
 
 class Phases(logging.Handler):
     def emit(self, record):
-        phases.append([round(record.created - spawned, 3), record.name, record.getMessage().split("\n")[0][:160]])
+        phases.append([round(record.created - spawned, 3), record.name, record.getMessage().split("\n")[0][:400]])
 
 
 logging.getLogger().addHandler(Phases(logging.INFO))
