@@ -198,8 +198,8 @@ def _named_tokenizer_class(path: Path) -> type | None:
 
     Why not always AutoTokenizer: importing it (transformers 5.17, the H100/H200 image) imports transformers'
     model-class registry, and with it the generation and modeling code, torch's DTensor ops, sympy and
-    torch._dynamo: about 9 s of a warm start there (h100_20261205b). In the plain case AutoTokenizer would pick
-    this same class (``test_prompt`` checks the two give the same tokenizer)."""
+    torch._dynamo: 9.3 s of a profiled warm start there (``h100_20261205``, traced in ``h100_20261205b``). In the
+    plain case AutoTokenizer would pick this same class (``test_prompt`` checks the two give the same tokenizer)."""
     files = [_json_dict(path / name) for name in ("tokenizer_config.json", "config.json")]
     name = files[0].get("tokenizer_class")
     if any("auto_map" in f for f in files) or not isinstance(name, str):
