@@ -337,7 +337,7 @@ def _auto_tokenizer(path):
 )
 def test_tokenizer_is_the_one_autotokenizer_picks(tiny_dir, tmp_path, tokenizer_class, in_config_json):
     """The loader names the tokenizer class itself where tokenizer_config.json makes the choice plain (importing
-    AutoTokenizer costs ~9 s of a warm start on the GPU image); the class, the ids and the specials are
+    AutoTokenizer costs seconds of a warm start on the GPU image); the class, the ids and the specials are
     AutoTokenizer's for each way a checkpoint may name it."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_dir, ckpt)
@@ -359,7 +359,8 @@ def test_tokenizer_is_the_one_autotokenizer_picks(tiny_dir, tmp_path, tokenizer_
 def test_loading_never_imports_transformers_model_registry(tiny_dir):
     """Importing AutoTokenizer or our transformers config class (it holds a Qwen3Config) imports transformers'
     model-class registry, which on transformers 5.17 (the H100/H200 image) brings its generation and modeling code,
-    torch._dynamo and sympy: 9.3 s of a profiled warm start there (h100_20261205). The direct engine's load needs none."""
+    torch._dynamo and sympy: 9.3 s of a profiled warm start there (h100_20261205). The direct engine's load needs
+    none."""
     import subprocess
     import sys
 
