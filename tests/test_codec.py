@@ -992,3 +992,18 @@ def test_decode_by_length_batches_one_length_together_and_leaves_a_failed_batch_
     assert [o is None for o in out] == [True, False, True, True, False, True]  # the length-3 batch raised
     with pytest.raises(ValueError, match="negative"):
         decode_by_length(decode, chunks)  # nothing skipped by default
+
+
+def test_chunks_decoded_ahead_are_taken_in_order_and_none_once_the_loop_is_out_of_step():
+    """``DecodedAhead``: each chunk's batched result goes to the loop's request for that very chunk (its shape and
+    its place in the step's flat ids); asked for another, it answers None then and for the rest of the step."""
+    from higgs_talker.codec.codec import DecodedAhead
+
+    flat = torch.arange(24.0)
+    a, b, c = flat[:6].reshape(1, 2, 3), flat[6:12].reshape(1, 2, 3), flat[12:24].reshape(1, 2, 6)
+    ahead = DecodedAhead(lambda batch: batch.sum(dim=1), [a, b, c])
+    assert torch.equal(ahead.take(a), a.sum(dim=1)) and torch.equal(ahead.take(b.view(1, 2, 3)), b.sum(dim=1))
+    assert ahead.take(c) is not None and ahead.take(c) is None  # all taken
+    ahead = DecodedAhead(lambda batch: batch.sum(dim=1), [a, b, c])
+    assert ahead.take(b) is None  # a is next: out of step
+    assert ahead.take(b) is None and ahead.take(c) is None  # the rest dropped

@@ -237,6 +237,24 @@ def decode_by_length(
     return out
 
 
+class DecodedAhead:
+    """A step's chunks [1, ..., T] decoded ahead (``decode_by_length``) for a loop that then decodes them one by one:
+    ``take(codes)`` answers the next chunk's result where ``codes`` is that chunk (its shape and start in the step's
+    flat storage: the loop slices the same ids), else None, and None for every chunk after a mismatch (the loop
+    out of step: the rest decode alone). None also where the batch left the chunk (empty, or ``skip`` raised)."""
+
+    def __init__(
+        self, decode: Callable[[Tensor], Tensor], chunks: Sequence[Tensor], skip: tuple[type[Exception], ...] = ()
+    ) -> None:
+        self._pending = list(zip(chunks, decode_by_length(decode, chunks, skip), strict=True))
+
+    def take(self, codes: Tensor) -> Tensor | None:
+        chunk, result = self._pending.pop(0) if self._pending else (None, None)
+        if chunk is not None and (chunk.shape, chunk.storage_offset()) != (codes.shape, codes.storage_offset()):
+            self._pending, result = [], None
+        return result
+
+
 def check_waveform(waveform: Tensor | np.ndarray, sample_rate: int) -> Tensor:
     """A mono float32 tensor [N] from audio [N] or [channels, N]; ``TypeError`` / ``ValueError`` naming the problem."""
     if isinstance(sample_rate, bool) or not isinstance(sample_rate, int | np.integer):

@@ -214,6 +214,15 @@ class StepBuffers:
         if num_tokens <= self.capacity:
             step.write_feedback(slots, self.use, self.codes)
 
+    def lay_out(
+        self, step: SpanStep, slots: RequestSlots, input_ids: Tensor, positions: Tensor, qsl: Tensor
+    ) -> SpanStep:
+        """The step's token layout is known: ``step.lay_out`` (its slots, new requests getting one, and spans) and its
+        feedback written here. Returns the step."""
+        step.lay_out(slots, input_ids, positions, qsl)
+        self.write_feedback(step, slots, input_ids.shape[0])
+        return step
+
     def write_decode_feedback(self, slots: RequestSlots, req_ids: list[str], step_slots: Tensor) -> None:
         """The feedback of a pure decode step (token i = request i) of ``req_ids`` in ``step_slots`` [B]."""
         qsl = torch.arange(len(req_ids) + 1, device=step_slots.device)
@@ -240,6 +249,8 @@ class StepBuffers:
         refed = 0
         if step is not None:
             embeds, refed = step.prompt_rows(slots, infos or step.references or [], embeds, embedding)
+        if refed:
+            logger.info("higgs talker: %d rows fed again to requests recomputed after a preemption", refed)
         return self.feed(embeds, embedding, slots, step), refed
 
     def feed(self, embeds: Tensor, embedding, slots: RequestSlots, step: SpanStep | None) -> Tensor:

@@ -1,12 +1,13 @@
 """Stage 1 for vllm-omni: its code2wav codec with a step's chunks of one length decoded as one batch.
 
 vllm-omni (0.26 - 0.30) decodes each request's chunk of a Stage-1 step alone, one after another, each with a range
-check that syncs the host twice. Here the step's chunks decode first, one batch per length (``decode_by_length``),
-and vllm-omni's own ``forward`` then runs, its per-chunk decodes taking those results in order: its splits, checks,
-trims and output stay its own. A batch that fails the check (a code out of range) or runs out of memory is left to
-the per-chunk decodes, where only a request at fault gets vllm-omni's empty audio. Stage 1 runs eagerly: the window
-lengths a deploy YAML names in Stage 1's ``hf_overrides`` (``CODEC_GRAPH_FRAMES``) decode through CUDA graphs
-(``cuda_graphs.codec``, captured at load, each checked against eager), their codes range-checked once a batch.
+check that syncs the host twice. Here the step's chunks decode first, one batch per length, and vllm-omni's own
+``forward`` then runs, its per-chunk decodes taking those results in order (``codec.codec.DecodedAhead``): its
+splits, checks, trims and output stay its own. A batch that fails the check (a code out of range) or runs out of
+memory is left to the per-chunk decodes, where only a request at fault gets vllm-omni's empty audio. Stage 1 runs
+eagerly: the window lengths a deploy YAML names in Stage 1's ``hf_overrides`` (``CODEC_GRAPH_FRAMES``) decode
+through CUDA graphs (``cuda_graphs.codec``, captured at load, each checked against eager), their codes range-checked
+once a batch.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor
 from vllm_omni.model_executor.models.higgs_audio_v3.higgs_audio_v3_code2wav import HiggsAudioV3Code2Wav
 
-from ..codec.codec import decode_by_length
+from ..codec.codec import DecodedAhead
 from ..cuda_graphs.codec import CodecGraphs
 from . import CODEC_GRAPH_FRAMES
 
@@ -27,7 +28,7 @@ _LEFT_TO_THE_LOOP = (ValueError, torch.OutOfMemoryError)  # what a batch may rai
 class HiggsTalkerCode2Wav(HiggsAudioV3Code2Wav):
     """vllm-omni's Higgs-Audio V3 Stage 1 with batched decodes (a deploy YAML's Stage-1 ``model_arch``: CODEC_ARCH)."""
 
-    _decoded: list[tuple[Tensor, Tensor | None]] | tuple = ()  # the step's (chunk, audio or None), in loop order
+    _ahead: DecodedAhead | None = None  # the step's chunks, decoded before vllm-omni's loop asks for them
     _graphs: CodecGraphs | None = None
 
     def load_weights(self, *args: Any, **kwargs: Any):
@@ -48,10 +49,9 @@ class HiggsTalkerCode2Wav(HiggsAudioV3Code2Wav):
         return [int(t) for t in overrides.get(CODEC_GRAPH_FRAMES) or []]
 
     def _decode_batch(self, codes: Tensor) -> Tensor:
-        """vllm-omni's decode of chunks [B, Q, T], replayed from a graph where one was captured for T."""
-        if self._graphs is None:
-            return super().decode_codes(codes)
-        wav = self._graphs.decode(self._validate_codes(codes))  # a replay runs no Python: the range check first
+        """vllm-omni's decode of chunks [B, Q, T], replayed from a graph where one was captured for T (after the
+        range check: a replay runs no Python)."""
+        wav = None if self._graphs is None else self._graphs.decode(self._validate_codes(codes))
         return wav if wav is not None else super().decode_codes(codes)
 
     def forward(self, input_ids: Tensor | None = None, *args: Any, **kwargs: Any):
@@ -59,21 +59,13 @@ class HiggsTalkerCode2Wav(HiggsAudioV3Code2Wav):
             c, ids = self.num_codebooks, input_ids.reshape(-1).long()
             parts = self._split_request_ids(ids, kwargs.get("seq_token_counts"))
             chunks = [p.reshape(1, c, -1) for p in parts if p.numel() and p.numel() % c == 0]  # the ones it decodes
-            decoded = decode_by_length(self._decode_batch, chunks, _LEFT_TO_THE_LOOP)
-            self._decoded = list(zip(chunks, decoded, strict=True))
+            self._ahead = DecodedAhead(self._decode_batch, chunks, _LEFT_TO_THE_LOOP)
         try:
             return super().forward(input_ids, *args, **kwargs)
         finally:
-            self._decoded = ()
+            self._ahead = None
 
     def decode_codes(self, audio_codes: Tensor) -> Tensor:
         """The step's batched decode of ``audio_codes`` [1, Q, T] where one waits, else vllm-omni's own."""
-        chunk, audio = self._decoded.pop(0) if self._decoded else (None, None)
-        if chunk is not None and _place(chunk) != _place(audio_codes):  # out of step with the loop: the rest alone
-            self._decoded, audio = (), None
+        audio = self._ahead.take(audio_codes) if self._ahead is not None else None
         return audio if audio is not None else super().decode_codes(audio_codes)
-
-
-def _place(codes: Tensor) -> tuple:
-    """A chunk's shape and where it starts in the step's flat ids (vllm-omni's loop and ours slice the same row)."""
-    return codes.shape, codes.storage_offset()

@@ -1,10 +1,9 @@
-"""What differs between the supported vLLM / vllm-omni releases (0.26 - 0.30), each read lazily: the step's
-request spans (``step_query_start_loc``: FlashInfer's metadata has no ``query_start_loc``), config reads, the
-backbone's config copy, samplers and outputs, and a collective RPC over every data-parallel engine.
-"""
+"""What differs between the supported vLLM / vllm-omni releases (0.26 - 0.30), each read lazily: request spans,
+config reads, the backbone's config copy, samplers and outputs, a collective RPC over every data-parallel engine."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import importlib
 import itertools
@@ -96,16 +95,12 @@ def text_sampler(vllm_config: Any, vocab_size: int, device: torch.device):
     from vllm.v1.sample.sampler import Sampler
 
     mode = getattr(getattr(vllm_config, "model_config", None), "logprobs_mode", None)
-    sampler, started = Sampler(logprobs_mode=mode) if mode is not None else Sampler(), time.perf_counter()
+    sampler = Sampler(logprobs_mode=mode) if mode is not None else Sampler()
     batches = [n for n in (1, 8, 16) if n <= max_num_seqs(vllm_config)] if device.type != "cpu" else []
     try:
         warm_up(sampler, batches, vocab_size, device)
     except Exception as exc:  # noqa: BLE001 - a later vLLM's sampler: serving goes on, maybe with a compile stall
         warn_once("warm-sampler", "vLLM's text sampler was not warmed up (%s: %s)", type(exc).__name__, exc)
-    else:
-        if batches:  # none on the CPU
-            logger.info("higgs talker: vLLM's text sampler warmed up for batches %s in %.1f s", batches,
-                        time.perf_counter() - started)  # fmt: skip
     return sampler
 
 
@@ -114,11 +109,14 @@ def warm_up(sampler: Any, batches: list[int], vocab_size: int, device: torch.dev
     h200_20261204e): float32 logits (``Sampler`` casts them; this runs under the loader's bf16 default), ``batches``
     rows (Triton specializes on 1 and on multiples of 16), each filter on or off, unseeded and seeded (a seeded
     batch takes vLLM's native path where its FlashInfer sampler is on)."""
-    seeded = {0: torch.Generator(device=device).manual_seed(0)}
+    seeded, started = {0: torch.Generator(device=device).manual_seed(0)}, time.perf_counter()
     for n, top_k, top_p, gens in itertools.product(batches, (50, None), (0.95, None), ({}, seeded)):
         k = None if top_k is None else torch.full((n,), top_k, dtype=torch.int32, device=device)  # as vLLM's
         p = None if top_p is None else torch.full((n,), top_p, dtype=torch.float32, device=device)
         sampler.topk_topp_sampler(torch.randn(n, vocab_size, dtype=torch.float32, device=device), gens, k, p)
+    if batches:  # none on the CPU
+        logger.info("higgs talker: vLLM's text sampler warmed up for batches %s in %.1f s", batches,
+                    time.perf_counter() - started)  # fmt: skip
 
 
 def sampler_output(token_ids: Tensor):
@@ -132,8 +130,6 @@ async def collective_rpc_every_engine(engine: Any, method: str, args: tuple = ()
     """``method`` on every worker of every engine behind an ``AsyncLLM``: one list of worker answers per engine.
     ``AsyncLLM.collective_rpc`` asks only the first engine; under data parallelism (0.26 and 0.30 alike) each
     engine's client identity is in ``engine_core.core_engines``, and the client's utility call takes the one to ask."""
-    import asyncio
-
     client = engine.engine_core
     targets = list(getattr(client, "core_engines", None) or [])
     if len(targets) <= 1:

@@ -21,6 +21,7 @@ def deploy_config_path(name: str) -> Path:
 
 
 RAMP_KEY = "codec_chunk_ramp"  # a connector extra our hand-over reads: chunks ramped (codec AudioChunking.ramp)
+_ENDED_OUTSIDE_A_STEP = frozenset(("FINISHED_ABORTED", "FINISHED_IGNORED", "FINISHED_ERROR"))  # RequestStatus names
 
 
 def talker2code2wav_async_chunk(transfer_manager, multimodal_output, request, is_finished: bool = False):
@@ -30,7 +31,9 @@ def talker2code2wav_async_chunk(transfer_manager, multimodal_output, request, is
     sent (``codec.streaming.chunk_due``), so a player is not left waiting after a one-frame first chunk."""
     from vllm_omni.model_executor.stage_input_processors import higgs_audio_v3
 
-    queued = _AsQueued(request, bool(is_finished))
+    ended = getattr(getattr(request, "status", None), "name", "") in _ENDED_OUTSIDE_A_STEP
+    # is_finished(): the flag its call was queued with, or True once the request ended outside a step
+    queued = _Overlay(request, is_finished=lambda: bool(is_finished) or ended)
     manager = _ramped(transfer_manager, request)
     return higgs_audio_v3.talker2code2wav_async_chunk(manager, multimodal_output, queued, is_finished)
 
@@ -47,32 +50,18 @@ def _ramped(manager, request):
     chunk = int(extra.get("codec_chunk_frames", 25))
     first = int(extra.get("initial_codec_chunk_frames") or chunk)
     due = chunk_due(emitted, AudioChunking(chunk_frames=chunk, first_chunk_frames=min(first, chunk)))
-    return _WithConnector(manager, {"extra": extra | {"codec_chunk_frames": due}})
+    return _Overlay(manager, connector=SimpleNamespace(config={"extra": extra | {"codec_chunk_frames": due}}))
 
 
-class _WithConnector:
-    """A transfer manager whose connector config reads ``config``; everything else (reads and writes) is the
-    manager's own."""
+class _Overlay:
+    """``target`` with ``attrs`` read in place of its own; every other read, and every write, is the target's."""
 
-    def __init__(self, manager, config: dict) -> None:
-        object.__setattr__(self, "_manager", manager)
-        object.__setattr__(self, "connector", SimpleNamespace(config=config))
+    def __init__(self, target, **attrs) -> None:
+        object.__setattr__(self, "_target", target)
+        vars(self).update(attrs)
 
     def __getattr__(self, name: str):
-        return getattr(self._manager, name)
+        return getattr(self._target, name)
 
     def __setattr__(self, name: str, value) -> None:
-        setattr(self._manager, name, value)
-
-
-class _AsQueued:
-    """``is_finished()``: the request's flag when its call was queued, or True once it ended outside a step."""
-
-    ENDED_OUTSIDE_A_STEP = frozenset(("FINISHED_ABORTED", "FINISHED_IGNORED", "FINISHED_ERROR"))  # RequestStatus names
-
-    def __init__(self, request, finished: bool) -> None:
-        ended = getattr(getattr(request, "status", None), "name", "") in self.ENDED_OUTSIDE_A_STEP
-        self._request, self.is_finished = request, lambda: finished or ended
-
-    def __getattr__(self, name: str):
-        return getattr(self._request, name)
+        setattr(self._target, name, value)

@@ -1,10 +1,10 @@
 """The model class vLLM / vllm-omni build for Higgs-Audio V3 Stage 0: vLLM's Qwen3 backbone, the core's audio.
 
-vLLM owns attention, KV cache, batching and its graphs; ``heads/`` owns everything audio (codebook embedding and
-head, decode-state slots, ``SpanStep``) and ``checkpoint.WeightRouter`` the weight names. The class implements
-vllm-omni's Stage-0 runner contract (SPEC 6), in its order: per-step metadata (``update_decode_step_metadata``),
-``forward``, ``make_omni_output``, ``compute_logits``, ``sample``, ``on_requests_finished``, weights; under plain
-vLLM ``bridge.TextOnlyBridge`` plays the runner, finding this instance with ``talker_for``.
+vLLM owns attention, KV cache, batching and its graphs; ``heads/`` everything audio (embedding and head, slots,
+``SpanStep``, ``StepBuffers``), ``checkpoint.WeightRouter`` the weight names. The class implements vllm-omni's
+Stage-0 runner contract (SPEC 6), in its order: ``update_decode_step_metadata``, ``forward``, ``make_omni_output``,
+``compute_logits``, ``sample``, ``on_requests_finished``, weights; under plain vLLM ``bridge.TextOnlyBridge`` plays
+the runner, finding this instance with ``talker_for``.
 
 ``sample`` leaves the step's codes on the device and takes no host sync, so with vLLM's async scheduling the
 host prepares the next step while this one runs. The next step's ``make_omni_output``, called once its forward is
@@ -37,18 +37,18 @@ from ..cuda_graphs.policy import decide
 from ..heads.codebooks import build_codebooks
 from ..heads.slots import RequestSlots, SlotStore
 from ..heads.spans import SpanStep, StepBuffers, frame_results, rows_or_empty
+from ..prompt import TalkerTokenizer
 from . import compat
 
 logger = logging.getLogger(__name__)
 
 _QKV_SHARDS = ("q", "k", "v")
-_TALKERS: dict[str, weakref.ref] = {}  # vllm_config.instance_id -> the adapter built with that config
+_TALKERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # vllm_config.instance_id -> its adapter
 
 
 def talker_for(vllm_config: Any) -> HiggsTalkerForConditionalGeneration | None:
     """The adapter vLLM built with this config (the bridge's handle on its model), or None."""
-    ref = _TALKERS.get(getattr(vllm_config, "instance_id", None) or "")
-    return ref() if ref is not None else None
+    return _TALKERS.get(getattr(vllm_config, "instance_id", None) or "")
 
 
 class HiggsTalkerForConditionalGeneration(nn.Module):
@@ -83,8 +83,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         self.multimodal_embedding, self.modality_head = build_codebooks(cfg)
         device = self.multimodal_embedding.weight.device
         max_seqs = compat.max_num_seqs(vllm_config)
-        store = SlotStore.for_config(cfg, max(64, max_seqs), device)
-        self.slots = RequestSlots(store, seed=getattr(vllm_config.model_config, "seed", None))
+        self.slots = RequestSlots(SlotStore.for_config(cfg, max(64, max_seqs), device), seed=getattr(mc, "seed", None))
         # sized for vLLM's largest batch and graph: a FULL decode graph captured over our forward holds them
         self.buffers = StepBuffers(max([max_seqs, *compat.capture_sizes(vllm_config)]) + 1, cfg.num_codebooks, device)
         self.specials: SpecialTokens | None = None
@@ -104,7 +103,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         self.local_mlp = LocalMLPPath(layers, self.model.norm, self.graph_decision.local_mlp, max_seqs,
                                       forward_context=compat.forward_context)  # fmt: skip
         self.frame_graphs: FrameGraphs | None = None  # captured by load_weights where asked for (cuda_graphs.frame)
-        _TALKERS[getattr(vllm_config, "instance_id", "") or ""] = weakref.ref(self)
+        _TALKERS[getattr(vllm_config, "instance_id", "") or ""] = self
 
     def prepare_runner_inputs(self, *, input_ids: Tensor, positions: Tensor, req_ids=None, **_: Any):
         """vllm-omni's AR runner (0.26, 0.30) names the step's requests here, before its forward; inputs unchanged."""
@@ -121,7 +120,8 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         if req_ids is None or input_ids is None or positions is None or omni_query_start_loc is None:
             self.buffers.clear()
             return
-        self._lay_out(SpanStep(list(req_ids)), input_ids, positions, omni_query_start_loc)
+        qsl, step = omni_query_start_loc, SpanStep(list(req_ids))
+        self.step = self.buffers.lay_out(step, self.slots, input_ids, positions, qsl)
 
     def set_bridge_requests(self, req_ids, seeds, min_rows=None, references=None, resume=None) -> None:
         """The text-only bridge's batch, before a real step. Its feedback is written for a pure decode step (token i =
@@ -129,11 +129,6 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         self.step = step = SpanStep(list(req_ids), references)
         slots, _ = self.slots.sync(step.req_ids, seeds, min_rows, resume)
         self.buffers.write_decode_feedback(self.slots, step.req_ids, slots)
-
-    def _lay_out(self, step: SpanStep, input_ids: Tensor, positions: Tensor, qsl: Tensor) -> None:
-        """The step's token layout is known: its slots (new requests get one), spans and feedback."""
-        self.step = step.lay_out(self.slots, input_ids, positions, qsl)
-        self.buffers.write_feedback(step, self.slots, input_ids.shape[0])
 
     def on_requests_finished(self, finished_req_ids) -> None:
         self.slots.release(finished_req_ids)
@@ -158,14 +153,12 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
                 self.step = None
                 self.buffers.clear()  # no feedback this step rather than feedback on the wrong tokens
             else:
-                self._lay_out(self.step, input_ids, positions, qsl)
+                self.step = self.buffers.lay_out(self.step, self.slots, input_ids, positions, qsl)
         embeds = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         step = self.step if self.step is not None and self.step.laid_out else None
         infos = compat.runner_infos(kwargs)
         embeds, refed = self.buffers.embed_codes(embeds, self.multimodal_embedding, self.slots, step, infos)
         self.stats["bridge_recomputed_rows"] += refed
-        if refed:
-            logger.info("higgs talker: %d rows fed again to requests recomputed after a preemption", refed)
         pure_decode = step is not None and embeds.shape[0] == step.num_reqs
         hidden = self.local_mlp.forward(positions, embeds, pure_decode)  # None: not a step its graphs take
         return hidden if hidden is not None else self.model(None, positions, intermediate_tensors, inputs_embeds=embeds)
@@ -177,7 +170,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
             # the bridge armed a step but our forward did not run: vLLM replayed a FULL decode graph (one token per
             # request, in batch order), whose captured copies refreshed the token buffers
             self.stats["bridge_replayed_steps"] += 1
-            self._lay_out(step, *self.buffers.decode_layout(step.num_reqs))
+            self.step = self.buffers.lay_out(step, self.slots, *self.buffers.decode_layout(step.num_reqs))
         if step is None or not step.laid_out or self.specials is None or hidden_states.shape[0] != step.num_reqs:
             self.step = None  # left to vLLM's sampler (sample() says None); no later forward may use it
             return self.logits_processor(self.lm_head, hidden_states)
@@ -188,13 +181,12 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
 
     def sample(self, logits: Tensor, sampling_metadata: Any):
         """The vllm-omni model sampler: forced text tokens and this step's codes (None: use vLLM's sampler)."""
-        step = self.step
+        step, m = self.step, sampling_metadata
         if step is None or step.forced is None:
             return None
-        generators = getattr(sampling_metadata, "generators", None) or {}
+        generators = getattr(m, "generators", None) or {}
         step.adopt_seeds(self.slots, {i: gen.initial_seed() for i, gen in generators.items()})
-        m = sampling_metadata
-        forced_only = step.all_forced or bool(step.modes.audio.all())
+        forced_only = step.all_forced or bool(step.modes.audio.all())  # before the frame work is queued (a sync)
         self.sample_codes(m.temperature, m.top_k, m.top_p)
         if forced_only and m.max_num_logprobs is None:
             return compat.sampler_output(step.forced)
@@ -239,8 +231,6 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
             else:
                 loader(param, tensor, _QKV_SHARDS[target.shard] if ".qkv_proj." in target.param else target.shard)
         loaded = router.finish()
-        from ..prompt import TalkerTokenizer
-
         mc = self.vllm_config.model_config
         path = getattr(mc, "tokenizer", None) or mc.model
         path = path if Path(str(path)).exists() else mc.model

@@ -120,6 +120,7 @@ def test_our_stage_1_decodes_a_steps_chunks_together_with_vllm_omnis_audio(
     decoded is decoded alone."""
     from vllm_omni.model_executor.models.higgs_audio_v3.higgs_audio_v3_code2wav import HiggsAudioV3Code2Wav
 
+    from higgs_talker.codec.codec import DecodedAhead
     from higgs_talker.vllm_plugin.code2wav import HiggsTalkerCode2Wav
 
     g = torch.Generator().manual_seed(3)
@@ -140,7 +141,7 @@ def test_our_stage_1_decodes_a_steps_chunks_together_with_vllm_omnis_audio(
     assert [w.numel() for w in got] == [w.numel() for w in want] == [25 * 960, 26 * 960, 25 * 960, 54 * 960]
     for a, b in zip(got, want, strict=True):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max(), float((a - b).abs().max())
-    assert not ours._decoded  # nothing left over for the next step
+    assert ours._ahead is None  # nothing left over for the next step
     bad = [c.clone() for c in chunks]
     bad[2][0, 5] = 1024  # out of range
     calls.clear()
@@ -150,14 +151,18 @@ def test_our_stage_1_decodes_a_steps_chunks_together_with_vllm_omnis_audio(
     assert got[2].numel() == want[2].numel() == 0
     for i in (0, 1, 3):
         assert (got[i] - want[i]).abs().max() <= 1e-5 * want[i].abs().max()
+
     # vllm-omni's loop asking for a chunk the step did not decode (a later vllm-omni splitting otherwise): decoded alone
-    ours._decoded = [(chunks[1][None], torch.zeros(1, 1, 30 * 960)), (chunks[0][None], torch.zeros(1, 1, 54 * 960))]
+    def silence(batch):
+        return torch.zeros(batch.shape[0], 1, batch.shape[-1] * 960)
+
+    ours._ahead = DecodedAhead(silence, [chunks[1][None], chunks[0][None]])
     alone = ours.decode_codes(chunks[0][None])
-    assert not ours._decoded  # the rest is dropped too: the list is out of step
+    assert ours._ahead.take(chunks[0][None]) is None  # the rest is dropped too: the list is out of step
     assert torch.equal(alone, code2wav.decode_codes(chunks[0][None]))
     flat = torch.cat([chunks[0].reshape(-1), chunks[2].reshape(-1)])  # two chunks of one shape, at other places
     first, second = flat[: chunks[0].numel()].reshape(1, 8, 54), flat[chunks[0].numel() :].reshape(1, 8, 54)
-    ours._decoded = [(second, torch.zeros(1, 1, 54 * 960))]
+    ours._ahead = DecodedAhead(silence, [second])
     assert torch.equal(ours.decode_codes(first), code2wav.decode_codes(first))
 
 
