@@ -635,6 +635,8 @@ def main(argv: list[str] | None = None):
                                  for pr in args.profiles for pa in args.paths if pa != "direct"))  # fmt: skip
     if "direct" in args.paths:
         configs.append(("ours", "direct", "direct"))
+    # each of our profiles that differs in a vLLM setting (prefix caching, executor) has an upstream run of its own
+    log(f"{len(configs)} workers, in order: " + ", ".join(f"{t} {pr} {pa}" for t, pr, pa in configs))
     deadline = None if args.budget_s is None else time.perf_counter() + args.budget_s
     for index, (talker, profile, path) in enumerate(configs):
         name = f"{talker}_{profile}_{path}"
