@@ -51,6 +51,7 @@ from higgs_talker.codec import (
 )
 from higgs_talker.codec.model import CodecModel, decoder_reach
 from higgs_talker.codec.resample import resample
+from higgs_talker.codec.streaming import ramped_rule
 from higgs_talker.codec.weights import expected_shapes, unused_shapes
 from higgs_talker.tiny import tiny_config, tiny_weights
 
@@ -509,6 +510,9 @@ def test_ramped_chunks_never_starve_a_player_while_the_talker_runs_twice_real_ti
     assert [chunk_due(e, AudioChunking()) for e in (0, 1, 2, 4, 8, 16, 32, 57)] == [1, 1, 2, 4, 8, 16, 25, 25]
     assert [chunk_due(e, AudioChunking(first_chunk_frames=3)) for e in (0, 1, 3, 6)] == [3, 3, 3, 6]
     assert chunk_due(7, AudioChunking(ramp=False)) == 25 and chunk_due(0, AudioChunking(ramp=False)) == 1
+    # the hand-over's rule (vllm-omni's connector settings; a first chunk longer than the rest is cut to them)
+    assert ramped_rule(25, 1) == AudioChunking() and ramped_rule(25, 1) is ramped_rule(25, 1)
+    assert ramped_rule(10, 40) == AudioChunking(chunk_frames=10, first_chunk_frames=10)
     for step_ms in (0.5, 2.9, 10.0, 19.0):
         for rule in (AudioChunking(), AudioChunking(chunk_frames=40, first_chunk_frames=2)):
             assert _player_wait_ms(rule, step_ms) == 0.0, (rule, step_ms)

@@ -23,6 +23,7 @@ together in the next one, so a chunk's samples can differ by float rounding from
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -101,6 +102,13 @@ def chunk_due(emitted: int, rule: AudioChunking) -> int:
     if emitted == 0:
         return rule.first_chunk_frames
     return min(max(emitted, rule.first_chunk_frames), rule.chunk_frames) if rule.ramp else rule.chunk_frames
+
+
+@functools.lru_cache(maxsize=32)
+def ramped_rule(chunk_frames: int, first_chunk_frames: int) -> AudioChunking:
+    """The ramped rule of a hand-over that cuts chunks of ``chunk_frames`` after a first of ``first_chunk_frames``
+    (at most ``chunk_frames``), built once per setting: vllm-omni's hand-over asks for it per request per step."""
+    return AudioChunking(chunk_frames=chunk_frames, first_chunk_frames=min(first_chunk_frames, chunk_frames))
 
 
 def next_window(available: int, emitted: int, finished: bool, rule: AudioChunking) -> Window | None:

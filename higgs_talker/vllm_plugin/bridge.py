@@ -19,8 +19,7 @@ from . import ROWS_EXTENSION
 from .compat import collective_rpc_every_engine, warn_once
 from .talker import talker_for
 
-__all__ = ["REQUEST_KEY", "RowsWorkerExtension", "TextOnlyBridge", "request_args", "request_rows",
-           "request_rows_async"]  # fmt: skip
+__all__ = ["REQUEST_KEY", "RowsWorkerExtension", "TextOnlyBridge", "request_args", "request_rows", "request_rows_async"]
 
 
 class TextOnlyBridge(LogitsProcessor):

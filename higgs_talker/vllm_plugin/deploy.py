@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+from ..codec.streaming import chunk_due, ramped_rule
+
 DEPLOY_DIR = Path(__file__).with_name("deploy")
 PROFILES = {n: n.replace("-", "_") + ".yaml" for n in ("high-throughput", "low-latency", "full-decode", "default")}
 
@@ -33,7 +35,7 @@ def talker2code2wav_async_chunk(transfer_manager, multimodal_output, request, is
 
     ended = getattr(getattr(request, "status", None), "name", "") in _ENDED_OUTSIDE_A_STEP
     # is_finished(): the flag its call was queued with, or True once the request ended outside a step
-    queued = _Overlay(request, is_finished=lambda: bool(is_finished) or ended)
+    queued = _Overlay(request, is_finished=lambda: bool(is_finished) or ended, external_req_id=request.external_req_id)
     manager = _ramped(transfer_manager, request)
     return higgs_audio_v3.talker2code2wav_async_chunk(manager, multimodal_output, queued, is_finished)
 
@@ -45,11 +47,10 @@ def _ramped(manager, request):
     emitted = (getattr(manager, "higgs_v3_emitted_frames", None) or {}).get(request.external_req_id, 0)
     if not isinstance(extra, dict) or not extra.get(RAMP_KEY) or not emitted:
         return manager  # the first chunk: vllm-omni's initial_codec_chunk_frames as it is
-    from ..codec.streaming import AudioChunking, chunk_due
-
     chunk = int(extra.get("codec_chunk_frames", 25))
-    first = int(extra.get("initial_codec_chunk_frames") or chunk)
-    due = chunk_due(emitted, AudioChunking(chunk_frames=chunk, first_chunk_frames=min(first, chunk)))
+    due = chunk_due(emitted, ramped_rule(chunk, int(extra.get("initial_codec_chunk_frames") or chunk)))
+    if due == chunk:  # past the ramp: the connector's own chunk size (most calls; an overlay costs each read)
+        return manager
     return _Overlay(manager, connector=SimpleNamespace(config={"extra": extra | {"codec_chunk_frames": due}}))
 
 
