@@ -296,7 +296,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-chars", type=ints_arg, default=None, help="min,max characters of text (default 30,200)")
     p.add_argument("--part-chars", type=int, default=300)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--budget-s", type=float, default=480.0, help="skip the remaining levels after this")
+    p.add_argument("--budget-s", type=float, default=480.0, help="skip the remaining levels this long after the build")
     p.add_argument("--switch-interval-ms", type=float, default=None,
                    help="sys.setswitchinterval for this process (Python's default is 5 ms): how long a thread that "
                    "wants the GIL may wait for one that holds it")  # fmt: skip
@@ -349,9 +349,12 @@ def main(argv: Sequence[str] | None = None):
     log(f"writing {writer.path}")
     t0 = time.perf_counter()
     talker = build_talker(args)
+    writer.meta["talker_build_s"] = time.perf_counter() - t0
+    log(f"talker built in {writer.meta['talker_build_s']:.1f} s")
     talker.codec  # noqa: B018 - load the decoder before timing
     writer.meta["build_s"] = time.perf_counter() - t0
-    deadline = t_start + args.budget_s
+    log(f"codec loaded, build {writer.meta['build_s']:.1f} s")
+    deadline = time.perf_counter() + args.budget_s  # a slow first build on a fresh machine does not eat the levels
     chunkings = list(dict.fromkeys(n for c in args.chunking for n in (["exact", "upstream"] if c == "both" else [c])))
     # + rules the server has no name for: the default before its ramp (2026-12-05), fast start's first chunk shorter
     rules = CHUNKINGS | {"exact-no-ramp": AudioChunking(ramp=False)}
