@@ -51,8 +51,9 @@ from higgs_talker.codec import (
 )
 from higgs_talker.codec.model import CodecModel, decoder_reach
 from higgs_talker.codec.resample import resample
-from higgs_talker.codec.streaming import ramped_rule
+from higgs_talker.codec.streaming import connector_rule, delayed_rows_chunk
 from higgs_talker.codec.weights import expected_shapes, unused_shapes
+from higgs_talker.heads.delay import aligned_codes, codec_frames
 from higgs_talker.tiny import tiny_config, tiny_weights
 
 HOP = 960
@@ -510,9 +511,18 @@ def test_ramped_chunks_never_starve_a_player_while_the_talker_runs_twice_real_ti
     assert [chunk_due(e, AudioChunking()) for e in (0, 1, 2, 4, 8, 16, 32, 57)] == [1, 1, 2, 4, 8, 16, 25, 25]
     assert [chunk_due(e, AudioChunking(first_chunk_frames=3)) for e in (0, 1, 3, 6)] == [3, 3, 3, 6]
     assert chunk_due(7, AudioChunking(ramp=False)) == 25 and chunk_due(0, AudioChunking(ramp=False)) == 1
-    # the hand-over's rule (vllm-omni's connector settings; a first chunk longer than the rest is cut to them)
-    assert ramped_rule(25, 1) == AudioChunking() and ramped_rule(25, 1) is ramped_rule(25, 1)
-    assert ramped_rule(10, 40) == AudioChunking(chunk_frames=10, first_chunk_frames=10)
+    # the hand-over's rule (vllm-omni's connector settings: a first chunk of 0, or longer than the rest, is the rest's)
+    ours = {"codec_left_context_frames": 10, "codec_right_holdback_frames": 10, "initial_codec_chunk_frames": 1}
+    want = AudioChunking(left_context_frames=10, holdback_frames=10)
+    assert connector_rule(ours | {"codec_chunk_ramp": True}) == want
+    assert connector_rule(ours) is connector_rule(dict(ours)) and not connector_rule(ours).ramp
+    assert connector_rule({}) == AudioChunking(25, 25, 25, 4, ramp=False)  # upstream's defaults: no first chunk
+    for first in (0, 10, 40):
+        want = AudioChunking(10, 10, 25, 4, ramp=False)
+        assert connector_rule({"codec_chunk_frames": 10, "initial_codec_chunk_frames": first}) == want
+    for bad in ({"codec_chunk_frames": 0}, {"codec_left_context_frames": -1}, {"codec_chunk_frames": "many"}):
+        with pytest.raises(ValueError, match="connector's extras"):
+            connector_rule(bad)
     for step_ms in (0.5, 2.9, 10.0, 19.0):
         for rule in (AudioChunking(), AudioChunking(chunk_frames=40, first_chunk_frames=2)):
             assert _player_wait_ms(rule, step_ms) == 0.0, (rule, step_ms)
@@ -1011,3 +1021,27 @@ def test_chunks_decoded_ahead_are_taken_in_order_and_none_once_the_loop_is_out_o
     ahead = DecodedAhead(lambda batch: batch.sum(dim=1), [a, b, c])
     assert ahead.take(b) is None  # a is next: out of step
     assert ahead.take(b) is None and ahead.take(c) is None  # the rest dropped
+
+
+@pytest.mark.parametrize("rule", [AudioChunking(3, 1, 2, 1), AudioChunking(25, 1, 10, 4, ramp=False),
+                                  AudioChunking(5, 5, 0, 0), AudioChunking(7, 2, 25, 3, 0)])  # fmt: skip
+def test_delayed_rows_chunks_keep_what_the_codec_reads_of_the_whole_stream(rule):
+    """``delayed_rows_chunk`` over rows handed on one a step (codes in and out of the codebook): the frames each
+    chunk keeps (its window's emitted part) concatenate to ``codec_frames`` of all the rows, for every stream
+    length; each window starts at most the rule's left context before its kept frames. Upstream's quirk kept: a
+    finished stream's last frame is dropped from its last window only where that window holds two frames or more
+    (without left context, a last chunk of one frame keeps it)."""
+    gen = torch.Generator().manual_seed(rule.chunk_frames)
+    for n in range(0, 60):
+        rows = torch.randint(-2, 1027, (n, 8), generator=gen)
+        kept, emitted = [], 0
+        for i in range(n + 1):  # one call a row, and a last one with the finish
+            chunk = delayed_rows_chunk(rows[:i].tolist(), emitted, i == n, rule)
+            if chunk is None:
+                continue
+            window, frames = chunk
+            assert window.emit_start == emitted and emitted - window.start <= rule.left_context_frames
+            kept.append(frames[window.emit_start - window.start : window.emit_end - window.start])
+            emitted, last_window = window.emit_end, window.end - window.start
+        want = codec_frames(rows, 1024) if not kept or last_window > 1 else aligned_codes(rows, 1024)
+        assert torch.equal(torch.cat(kept) if kept else torch.zeros(0, 8, dtype=torch.long), want), n

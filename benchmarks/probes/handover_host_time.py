@@ -1,9 +1,9 @@
 """CPU probe: the host time of the Stage-0 -> Stage-1 hand-over a deploy YAML names
 (``custom_process_next_stage_input_func``), per step of N requests: vllm-omni's own
-``talker2code2wav_async_chunk`` beside ours (``vllm_plugin.deploy``: the queued finished flag and the ramp, then
-vllm-omni's). vllm-omni calls it once per request per step on the stage's engine core, so at 64 streams its cost
-is host time of every step. One row each [1, 8] a call, past the first chunks (steady state), ramp on, the
-connector settings of our profiles. Prints; asserts nothing.
+``talker2code2wav_async_chunk`` beside ours (``vllm_plugin.deploy``: the same payloads, cut by
+``codec.streaming``, with the queued finished flag and the ramp). vllm-omni calls it once per request per step, so
+at 64 streams its cost is host time of every step. One row each [1, 8] a call, past the first chunks (steady
+state), ramp on, the connector settings of our profiles. Prints; asserts nothing.
 
     VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/probes/handover_host_time.py [N]
 """

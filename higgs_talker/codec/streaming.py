@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..heads.delay import aligned_codes
+
 
 @dataclass(frozen=True)
 class AudioChunking:
@@ -104,11 +106,29 @@ def chunk_due(emitted: int, rule: AudioChunking) -> int:
     return min(max(emitted, rule.first_chunk_frames), rule.chunk_frames) if rule.ramp else rule.chunk_frames
 
 
+# Upstream's deploy YAMLs set its hand-over's chunks in a connector's extras (these keys, these defaults); our
+# hand-over reads one more, RAMP_KEY: chunks ramped (AudioChunking.ramp)
+CONNECTOR_KEYS = (("codec_chunk_frames", 25), ("initial_codec_chunk_frames", 0), ("codec_left_context_frames", 25),
+                  ("codec_right_holdback_frames", 4))  # fmt: skip
+RAMP_KEY = "codec_chunk_ramp"
+
+
+def connector_rule(extra) -> AudioChunking:
+    """The rule a connector's extras set (``CONNECTOR_KEYS``, ``RAMP_KEY``): a first chunk of 0 frames, or of
+    ``chunk_frames`` and more, means ``chunk_frames``, as upstream's hand-over reads it. ValueError naming the extras
+    where they make no rule."""
+    try:
+        values = [int(extra.get(key, default) or 0) for key, default in CONNECTOR_KEYS]
+        return _connector_rule(*values, bool(extra.get(RAMP_KEY)))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"bad codec chunk settings in a connector's extras {dict(extra)}: {exc}") from None
+
+
 @functools.lru_cache(maxsize=32)
-def ramped_rule(chunk_frames: int, first_chunk_frames: int) -> AudioChunking:
-    """The ramped rule of a hand-over that cuts chunks of ``chunk_frames`` after a first of ``first_chunk_frames``
-    (at most ``chunk_frames``), built once per setting: vllm-omni's hand-over asks for it per request per step."""
-    return AudioChunking(chunk_frames=chunk_frames, first_chunk_frames=min(first_chunk_frames, chunk_frames))
+def _connector_rule(chunk_frames: int, first_chunk_frames: int, left: int, holdback: int, ramp: bool) -> AudioChunking:
+    """``connector_rule``'s rule, built once per setting: upstream asks its hand-over per request per step."""
+    first = first_chunk_frames if 0 < first_chunk_frames < chunk_frames else chunk_frames
+    return AudioChunking(chunk_frames, first, left, holdback, None, ramp)
 
 
 def next_window(available: int, emitted: int, finished: bool, rule: AudioChunking) -> Window | None:
@@ -124,6 +144,19 @@ def next_window(available: int, emitted: int, finished: bool, rule: AudioChunkin
     if emit_end <= emitted:
         return None
     return Window(max(0, emitted - rule.left_context_frames), available, emitted, emit_end)
+
+
+def delayed_rows_chunk(rows: list, emitted: int, finished: bool, rule: AudioChunking, num_real_codes: int = 1024):
+    """The chunk due now of a stream handed on as delayed rows (``rows``: lists of C codes, one a step), ``emitted``
+    frames sent, under a resolved ``rule``: ``(window, frames)``, its window over the aligned frames and what the
+    codec reads of them [F, C] int64 (BOC, EOC, anything outside ``[0, num_real_codes)``: 0; a finished stream's
+    last frame, the delay pattern's ramp-down, dropped as ``heads.delay.codec_frames`` does), or None."""
+    width = len(rows[0]) if rows else 1
+    window = next_window(max(0, len(rows) - width + 1), emitted, finished, rule)
+    if window is None:
+        return None
+    frames = aligned_codes(torch.tensor(rows[window.start : window.end + width - 1]), num_real_codes)
+    return window, frames[:-1] if finished and frames.shape[0] >= 2 else frames
 
 
 def window_lengths(rule: AudioChunking) -> list[int]:

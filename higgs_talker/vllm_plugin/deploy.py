@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
-from ..codec.streaming import chunk_due, ramped_rule
+import torch
+
+from ..codec.streaming import RAMP_KEY, connector_rule, delayed_rows_chunk
 
 DEPLOY_DIR = Path(__file__).with_name("deploy")
 PROFILES = {n: n.replace("-", "_") + ".yaml" for n in ("high-throughput", "low-latency", "full-decode", "default")}
@@ -22,47 +23,40 @@ def deploy_config_path(name: str) -> Path:
     return path
 
 
-RAMP_KEY = "codec_chunk_ramp"  # a connector extra our hand-over reads: chunks ramped (codec AudioChunking.ramp)
 _ENDED_OUTSIDE_A_STEP = frozenset(("FINISHED_ABORTED", "FINISHED_IGNORED", "FINISHED_ERROR"))  # RequestStatus names
 
 
 def talker2code2wav_async_chunk(transfer_manager, multimodal_output, request, is_finished: bool = False):
-    """vllm-omni's Higgs hand-over to code2wav told the finished flag its call was queued with (for a deploy YAML's
-    ``custom_process_next_stage_input_func``): vllm-omni's own doubles EOS-ended audio under async scheduling.
-    Where the connector's extra sets ``RAMP_KEY``, each chunk after the first is as long as the frames already
-    sent (``codec.streaming.chunk_due``), so a player is not left waiting after a one-frame first chunk."""
-    from vllm_omni.model_executor.stage_input_processors import higgs_audio_v3
+    """The Stage 0 -> Stage 1 hand-over (a deploy YAML's ``custom_process_next_stage_input_func``): vllm-omni's Higgs
+    payloads, cut by ``codec.streaming`` from the rows kept in ``code_prompt_token_ids``. Unlike vllm-omni's own: the
+    finished flag is the one the call was queued with (vllm-omni's reads the live state: EOS-ended audio twice under
+    async scheduling), every row of a call is kept, and with the connector's ``RAMP_KEY`` the chunks ramp."""
+    rid = request.external_req_id
+    finished = bool(is_finished) or getattr(getattr(request, "status", None), "name", "") in _ENDED_OUTSIDE_A_STEP
+    rows = transfer_manager.code_prompt_token_ids[rid]
+    audio = (multimodal_output.get("codes") or {}).get("audio") if isinstance(multimodal_output, dict) else None
+    if isinstance(audio, torch.Tensor) and audio.numel():
+        rows.extend(audio.tolist()) if audio.dim() == 2 else rows.append(audio.tolist())
+    elif not isinstance(multimodal_output, dict) and not finished:
+        return None
+    sent = vars(transfer_manager).setdefault("higgs_v3_emitted_frames", {})  # vllm-omni's name: frames sent
+    emitted = sent.pop(rid, 0) if finished else sent.get(rid, 0)
+    config = getattr(getattr(transfer_manager, "connector", None), "config", None)
+    rule = connector_rule(config.get("extra", config) if isinstance(config, dict) else {})
+    chunk = delayed_rows_chunk(rows, emitted, finished, rule)
+    if chunk is None and not finished:
+        return None
+    from vllm_omni.data_entry_keys import CodesStruct, MetaStruct, OmniPayloadStruct
 
-    ended = getattr(getattr(request, "status", None), "name", "") in _ENDED_OUTSIDE_A_STEP
-    # is_finished(): the flag its call was queued with, or True once the request ended outside a step
-    queued = _Overlay(request, is_finished=lambda: bool(is_finished) or ended, external_req_id=request.external_req_id)
-    manager = _ramped(transfer_manager, request)
-    return higgs_audio_v3.talker2code2wav_async_chunk(manager, multimodal_output, queued, is_finished)
+    if chunk is None:
+        return OmniPayloadStruct(codes=CodesStruct(audio=torch.empty(0, dtype=torch.long)),
+                                 meta=MetaStruct(finished=torch.tensor(True)))  # fmt: skip
+    window, frames = chunk
+    if not finished:
+        sent[rid] = window.emit_end
+    meta = MetaStruct(left_context_size=window.emit_start - window.start, right_holdback_size=window.end -
+                      window.emit_end, finished=torch.tensor(finished))  # fmt: skip
+    return OmniPayloadStruct(codes=CodesStruct(audio=frames.t().reshape(-1)), meta=meta)
 
 
-def _ramped(manager, request):
-    """``manager`` as vllm-omni's hand-over reads it, its connector's chunk size the ramp's for this request."""
-    config = getattr(getattr(manager, "connector", None), "config", None)
-    extra = config.get("extra", config) if isinstance(config, dict) else None
-    emitted = (getattr(manager, "higgs_v3_emitted_frames", None) or {}).get(request.external_req_id, 0)
-    if not isinstance(extra, dict) or not extra.get(RAMP_KEY) or not emitted:
-        return manager  # the first chunk: vllm-omni's initial_codec_chunk_frames as it is
-    chunk = int(extra.get("codec_chunk_frames", 25))
-    due = chunk_due(emitted, ramped_rule(chunk, int(extra.get("initial_codec_chunk_frames") or chunk)))
-    if due == chunk:  # past the ramp: the connector's own chunk size (most calls; an overlay costs each read)
-        return manager
-    return _Overlay(manager, connector=SimpleNamespace(config={"extra": extra | {"codec_chunk_frames": due}}))
-
-
-class _Overlay:
-    """``target`` with ``attrs`` read in place of its own; every other read, and every write, is the target's."""
-
-    def __init__(self, target, **attrs) -> None:
-        object.__setattr__(self, "_target", target)
-        vars(self).update(attrs)
-
-    def __getattr__(self, name: str):
-        return getattr(self._target, name)
-
-    def __setattr__(self, name: str, value) -> None:
-        setattr(self._target, name, value)
+__all__ = ["PROFILES", "RAMP_KEY", "deploy_config_path", "talker2code2wav_async_chunk"]

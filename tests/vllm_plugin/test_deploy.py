@@ -9,6 +9,8 @@ pytest.importorskip("vllm.config")
 
 from pathlib import Path  # noqa: E402
 
+import torch  # noqa: E402
+
 from higgs_talker.vllm_plugin import ARCHITECTURES  # noqa: E402
 from higgs_talker.vllm_plugin.deploy import PROFILES, deploy_config_path  # noqa: E402
 
@@ -109,3 +111,55 @@ def test_cli_prints_an_existing_path(name, capsys):
     assert main(["deploy-config", name]) == 0
     path = Path(capsys.readouterr().out.strip())
     assert path.is_file() and path == deploy_config_path(name)
+
+
+def _hand_over_calls(processor, rows, extra: dict, final_call: bool) -> list:
+    """``processor`` (a Stage 0 -> Stage 1 hand-over) called as vllm-omni calls it, once a step with that step's row
+    of ``rows`` [N, 8]; the request finishes with its last row, or (``final_call``) in one more call with no output."""
+    from types import SimpleNamespace
+
+    manager = SimpleNamespace(code_prompt_token_ids={"r": []}, connector=SimpleNamespace(config={"extra": extra}))
+    steps = [rows[i : i + 1] for i in range(len(rows))] + ([None] if final_call or not len(rows) else [])
+    payloads = []
+    for i, row in enumerate(steps):
+        done = i == len(steps) - 1
+        status = SimpleNamespace(name="FINISHED_STOPPED" if done else "RUNNING")
+        request = SimpleNamespace(external_req_id="r", is_finished=lambda done=done: done, status=status)
+        output = None if row is None else {"codes": {"audio": row}}
+        payloads.append(processor(manager, output, request, is_finished=done))
+    return payloads
+
+
+_KEYS = ("codec_chunk_frames", "codec_left_context_frames", "codec_right_holdback_frames", "initial_codec_chunk_frames")
+# vllm-omni's defaults; our profiles; no context; a first chunk longer than the rest (the rest's); one-frame chunks
+_EXTRAS = [{}, *(dict(zip(_KEYS, v, strict=False)) for v in ((25, 10, 4, 1), (3, 0, 0), (7, 2, 5, 9), (1, 3, 1, 0)))]
+
+
+@pytest.mark.parametrize("extra", _EXTRAS)
+def test_our_hand_over_sends_vllm_omnis_payloads(extra):
+    """Ours (``deploy.talker2code2wav_async_chunk``: ``codec.streaming``'s windows over the rows it keeps) against
+    vllm-omni's own, call for call, where the two are meant to agree (no ramp, the finished flag on time): random
+    rows with codes in and out of the codebook (BOC, EOC, negatives), every stream length from none to several
+    chunks, the finish with the last row or in a call of its own: the same payloads, codes and meta."""
+    from vllm_omni.model_executor.stage_input_processors.higgs_audio_v3 import talker2code2wav_async_chunk as theirs
+
+    from higgs_talker.vllm_plugin.deploy import talker2code2wav_async_chunk as ours
+
+    gen = torch.Generator().manual_seed(len(extra))
+    sent = 0
+    for n in range(0, 72):
+        rows = torch.randint(-2, 1027, (n, 8), generator=gen, dtype=torch.int32)
+        for final_call in (False, True):
+            want = _hand_over_calls(theirs, rows, extra, final_call)
+            got = _hand_over_calls(ours, rows, extra, final_call)
+            for i, (a, b) in enumerate(zip(want, got, strict=True)):
+                where = f"{n} rows, call {i}, final_call={final_call}"
+                assert (a is None) == (b is None), where
+                if a is None:
+                    continue
+                assert torch.equal(a.codes.audio, b.codes.audio) and a.codes.audio.dtype == b.codes.audio.dtype, where
+                assert (a.meta.left_context_size, a.meta.right_holdback_size) == (
+                    b.meta.left_context_size, b.meta.right_holdback_size), where  # fmt: skip
+                assert torch.equal(a.meta.finished, b.meta.finished), where
+                sent += a.codes.audio.numel() > 0
+    assert sent > 100  # chunks with codes were compared, not only empty finishes
