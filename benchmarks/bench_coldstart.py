@@ -27,7 +27,9 @@ runner), ``first_step_s`` (the prefill step and the first decode step), ``total_
 INFO record of the load ([seconds from spawn, logger, message]: the weights loaded, the graph policy, each kernel
 choice, the warm-up's end), which splits ``load_s`` into its parts; ``heavy_imports``: which of torch._dynamo,
 transformers, transformers' model registry (``models.auto.modeling_auto``) and sympy the child had imported by then
-(each costs seconds where no bytecode is cached).
+(each costs seconds where no bytecode is cached); ``bytecode``: the directory the child read bytecode from, as the
+``higgs-talker`` command does (``higgs_talker.bytecode.use_bytecode``: only on an image that ships none, once
+``higgs-talker warmup`` wrote it; the ``after_warmup`` case of ``--with-warmup``), else None.
 
     python benchmarks/bench_coldstart.py --out $OUT                    # cold, then warm
     python benchmarks/bench_coldstart.py --measured-too --out $OUT     # plus warm kernels, choices measured
@@ -74,6 +76,8 @@ class Phases(logging.Handler):
 
 
 logging.getLogger().addHandler(Phases(logging.INFO))
+from higgs_talker.bytecode import use_bytecode
+bytecode = use_bytecode()  # as the higgs-talker command does: where the image ships none, what warmup wrote
 import torch
 from higgs_talker import HiggsTalker, SamplingParams
 from higgs_talker.kernel_cache import cache_dirs, count_all, count_modules
@@ -98,6 +102,7 @@ print("RESULT:" + json.dumps({
     "flashinfer_cache": str(cache), "modules_after": count_modules(cache), "caches_after": count_all(cache_dirs()),
     "choices": graphs.choices_source if graphs is not None else "none",
     "choice_file": None if entry is None else str(entry), "phases": phases,
+    "bytecode": None if bytecode is None else str(bytecode),
     "heavy_imports": [m for m in ("torch._dynamo", "transformers", "transformers.models.auto.modeling_auto", "sympy")
                       if m in sys.modules]}), flush=True)
 """

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from .api import HiggsTalker, _checked_checkpoint, _engine_config, _resolve_runtime
+from .bytecode import ENV as BYTECODE_VAR
 from .cuda_graphs.choice_cache import CHOICE_CACHE_VAR, default_choice_dir
 from .heads.sampling import SamplingParams
 
@@ -47,12 +48,14 @@ WARMUP_FRAMES = 16
 
 def cache_env(base: str | Path) -> dict[str, str]:
     """The environment that puts FlashInfer's cache in ``base/.cache/flashinfer``, tvm-ffi's in
-    ``base/.cache/tvm-ffi`` (the layout they use under the home directory), Triton's in ``base/.cache/triton``
-    and the measured choices in ``base/.cache/higgs_talker/choices``."""
+    ``base/.cache/tvm-ffi`` (the layout they use under the home directory), Triton's in ``base/.cache/triton``,
+    the measured choices in ``base/.cache/higgs_talker/choices`` and the bytecode ``warmup`` writes (``bytecode``)
+    in ``base/.cache/higgs_talker/bytecode``."""
     base = Path(base).expanduser().absolute()
     return {FLASHINFER_BASE_VAR: str(base), TVM_FFI_VAR: str(base / ".cache" / "tvm-ffi"),
             TRITON_VAR: str(base / ".cache" / "triton"),
-            CHOICE_CACHE_VAR: str(base / ".cache" / "higgs_talker" / "choices")}  # fmt: skip
+            CHOICE_CACHE_VAR: str(base / ".cache" / "higgs_talker" / "choices"),
+            BYTECODE_VAR: str(base / ".cache" / "higgs_talker" / "bytecode")}  # fmt: skip
 
 
 def cache_dirs() -> dict[str, Path]:

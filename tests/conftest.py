@@ -117,11 +117,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session", autouse=True)
 def no_choice_cache():
     """No test reads or writes the user's choice cache (``~/.cache/higgs_talker/choices``): CUDA talkers measure
-    their kernels as they did before it existed. Tests of the cache pass their own directory."""
+    their kernels as they did before it existed; nor the bytecode ``warmup`` writes. Tests of either pass their
+    own directory."""
+    from higgs_talker.bytecode import ENV as BYTECODE_VAR
     from higgs_talker.cuda_graphs.choice_cache import CHOICE_CACHE_VAR
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(CHOICE_CACHE_VAR, "off")
+        mp.setenv(BYTECODE_VAR, "off")
         yield
 
 

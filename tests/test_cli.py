@@ -501,11 +501,13 @@ def test_other_runtime_errors_keep_their_traceback(gen, monkeypatch) -> None:
 
 @pytest.fixture
 def kernel_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel-cache variables are restored after the test (``--cache-dir`` sets them for the process)."""
-    from higgs_talker.kernel_cache import CHOICE_CACHE_VAR, FLASHINFER_BASE_VAR, TRITON_VAR, TVM_FFI_VAR
+    """The kernel-cache variables are restored after the test (``--cache-dir`` sets them for the process); no
+    bytecode is written outside a ``--cache-dir``."""
+    from higgs_talker.kernel_cache import BYTECODE_VAR, CHOICE_CACHE_VAR, FLASHINFER_BASE_VAR, TRITON_VAR, TVM_FFI_VAR
 
     for var in (FLASHINFER_BASE_VAR, TVM_FFI_VAR, TRITON_VAR, CHOICE_CACHE_VAR):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(BYTECODE_VAR, "off")
 
 
 def test_warmup_on_cpu_checks_the_checkpoint_and_compiles_nothing(capsys, tiny_dir: Path, kernel_env) -> None:

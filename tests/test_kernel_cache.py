@@ -10,6 +10,7 @@ import pytest
 
 import higgs_talker
 from higgs_talker.kernel_cache import (
+    BYTECODE_VAR,
     CHOICE_CACHE_VAR,
     FLASHINFER_BASE_VAR,
     TRITON_VAR,
@@ -49,7 +50,8 @@ def test_cache_env_puts_all_three_under_one_directory(clean_env: Path, monkeypat
     env = cache_env(base)
     assert env == {FLASHINFER_BASE_VAR: str(base), TVM_FFI_VAR: str(base / ".cache" / "tvm-ffi"),
                    TRITON_VAR: str(base / ".cache" / "triton"),
-                   CHOICE_CACHE_VAR: str(base / ".cache" / "higgs_talker" / "choices")}  # fmt: skip
+                   CHOICE_CACHE_VAR: str(base / ".cache" / "higgs_talker" / "choices"),
+                   BYTECODE_VAR: str(base / ".cache" / "higgs_talker" / "bytecode")}  # fmt: skip
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert cache_dirs() == {"flashinfer": base / ".cache" / "flashinfer", "tvm_ffi": base / ".cache" / "tvm-ffi",
