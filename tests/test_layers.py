@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent / "higgs_talker"
 LAYERS = {
     "config": 0,
     "splitting": 0,
+    "bytecode": 0,
     "triton_ops": 0,
     "triton_gemv": 0,
     "heads": 0,
