@@ -29,7 +29,7 @@ from .cuda_graphs.policy import GraphMode
 from .driver import Driver, Ticket
 from .engine import Engine, EngineConfig, Request
 from .flashinfer_attention import check_decode_kernel
-from .heads.delay import aligned_codes, codec_frames
+from .heads.delay import aligned_frames, codec_frames
 from .heads.sampling import SamplingParams, resolve_seed
 from .model import TalkerModel
 from .ops import check_row_gemv, default_kernels, rope_cache
@@ -367,7 +367,7 @@ class HiggsTalker:
         ``sent``: frames the stream yielded before this request's (for the cancel message)."""
         req, ticket = lv.req, lv.ticket
         ticket.cancel, ticket.per_step = cancel, True  # woken after steps from now on (``Ticket.due``), queued or not
-        n, emitted = self.cfg.num_codebooks, 0
+        n, emitted, lists = self.cfg.num_codebooks, 0, []  # lists: the rows read so far, as lists of ints
         while True:
             # frame t is final once row t + n exists: the next block (frames up to need - 1) needs need + n rows
             need = emitted + max(1, want() if want is not None else 1)
@@ -377,7 +377,8 @@ class HiggsTalker:
             if final > emitted and (final >= need or done):
                 _raise_if_cancelled(cancel, sent + emitted)
                 # frames emitted .. final - 1 read rows emitted .. final + n - 2
-                yield aligned_codes(torch.stack(req.rows[emitted : final + n - 1]), self.cfg.num_real_codes)
+                lists.extend(row.tolist() for row in req.rows[len(lists) : final + n - 1])
+                yield aligned_frames(lists, emitted, final, self.cfg.num_real_codes)
                 emitted = final
                 continue
             if done:

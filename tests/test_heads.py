@@ -19,6 +19,7 @@ from higgs_talker.heads import sampling
 from higgs_talker.heads.codebooks import FusedCodebookEmbedding, FusedCodebookHead
 from higgs_talker.heads.delay import (
     DelayState,
+    aligned_frames,
     apply_delay_mask,
     apply_delay_pattern,
     codec_frames,
@@ -378,6 +379,22 @@ def test_codec_frames_matches_reference(num_rows):
     assert got.shape == (len(want), N)
     assert got.tolist() == want
     assert ((got >= 0) & (got < 1024)).all()
+
+
+@pytest.mark.parametrize("num_rows", [8, 9, 20])
+def test_aligned_frames_of_lists_match_the_reference(num_rows):
+    """``aligned_frames`` (rows as lists, a stream's blocks) = SPEC 8.2's frames before the last is dropped, for
+    every block [start, stop) of a stream, the empty one included."""
+    g = torch.Generator().manual_seed(num_rows)
+    rows = torch.randint(-5, 2000, (num_rows, N), generator=g)
+    rows[rows.abs() % 7 == 0], rows[rows.abs() % 7 == 1] = EOC, BOC
+    lists = rows.tolist()
+    want = [[0 if (x >= 1024 or x < 0) else x for x in f] for f in ([lists[t + c][c] for c in range(N)]
+                                                                   for t in range(num_rows - N + 1))]  # fmt: skip
+    for start in range(num_rows - N + 2):
+        for stop in range(start, num_rows - N + 2):
+            got = aligned_frames(lists, start, stop, 1024)
+            assert got.dtype == torch.long and got.shape == (stop - start, N) and got.tolist() == want[start:stop]
 
 
 def test_codec_frames_never_clamps_eoc_to_a_real_code():

@@ -194,6 +194,16 @@ def aligned_codes(rows: Tensor, num_real_codes: int) -> Tensor:
     return _codec_code_table(num_real_codes, rows.device)[frames]
 
 
+def aligned_frames(rows: list[list[int]], start: int, stop: int, num_real_codes: int) -> Tensor:
+    """``aligned_codes`` of delayed rows held as lists of C ints: frames ``[start, stop)`` -> [stop - start, C]
+    int64, frame t's codebook c ``rows[t + c][c]`` (0 outside ``[0, num_real_codes)``). In plain Python: a stream
+    takes a frame or a few a step per request, where the torch ops cost three times as much (13 against 4 us a
+    frame on the CPU machine)."""
+    n = len(rows[0]) if rows else 0
+    frames = [[v if 0 <= (v := rows[t + c][c]) < num_real_codes else 0 for c in range(n)] for t in range(start, stop)]
+    return torch.tensor(frames, dtype=torch.long).view(stop - start, n)
+
+
 def codec_frames(rows: Tensor, num_real_codes: int) -> Tensor:
     """What the codec receives (SPEC 8.2): revert, map BOC/EOC/negatives to 0, drop the last frame.
 
