@@ -610,7 +610,7 @@ def _first_then_queued(codec: Codec, gate: threading.Event, sizes: list[int], ru
     for t in rest:
         t.start()
     for _ in range(3000):
-        with codec.windows._cond:
+        with codec.windows._lock:
             if len(codec.windows._queue) >= len(rest):
                 break
         time.sleep(0.001)
@@ -637,6 +637,40 @@ def test_windows_queued_during_a_decode_are_decoded_together(codec, tensors, mon
     tol = 2 * decode_tolerance(tensors, torch.float32)
     for i, want in enumerate(alone):
         assert got[i].shape == want.shape and rel_err(got[i], want) <= tol, i
+
+
+def test_a_stream_gone_while_woken_to_run_the_queue_hands_it_on(codec, monkeypatch) -> None:
+    """The batcher wakes only the streams a decode served, and the oldest queued one to run the next decode. Where
+    that stream is gone (Ctrl-C in its wait: ``_leave``), the next queued stream runs the queue instead of every
+    queued stream waiting for ever; and the gone stream's window is not decoded."""
+    from higgs_talker.codec.streaming import _Pending
+
+    gate, sizes = _gated_decoder(codec, monkeypatch)
+    batcher, got = codec.windows, {}
+    first = threading.Thread(
+        target=lambda: got.setdefault(0, batcher.decode(random_codes(12, seed=0), 0, 0)), daemon=True
+    )
+    first.start()
+    while not sizes:
+        time.sleep(0.001)
+    gone = _Pending((random_codes(12, seed=1), 0, 0))
+    with batcher._lock:
+        batcher._queue.append(gone)  # a stream that queued its window and waits
+    last = threading.Thread(
+        target=lambda: got.setdefault(2, batcher.decode(random_codes(12, seed=2), 0, 0)), daemon=True
+    )
+    last.start()
+    while len(batcher._queue) < 2:
+        time.sleep(0.001)
+    gate.set()
+    assert gone.woken.wait(30) and not gone.done  # woken to run the queue, its window among it
+    batcher._leave(gone)  # ... but it is gone
+    last.join(30)
+    first.join(30)
+    assert sorted(got) == [0, 2] and not gone.done and gone.result is None
+    assert sizes == [1, 1], sizes  # the first alone, then the last stream's window alone (the gone one left)
+    assert torch.equal(got[2], codec.decode(random_codes(12, seed=2)))
+    assert batcher.decode(random_codes(12, seed=3), 0, 0).shape == (12 * HOP,) and not batcher._running
 
 
 def test_a_failed_batch_is_decoded_again_window_by_window_and_only_the_bad_window_fails(codec, monkeypatch) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -236,6 +236,7 @@ class _Pending:
     result: Tensor | None = None
     error: BaseException | None = None
     done: bool = False
+    woken: threading.Event = field(default_factory=threading.Event)  # done, or this stream is to run the queue
 
 
 class WindowBatcher:
@@ -243,16 +244,17 @@ class WindowBatcher:
 
     A stream that has a window to decode queues it; if no decode is running it takes every queued window and
     decodes them together (``Codec.decode_windows``: one batch per window length), else it waits, and when the
-    running decode ends the first waiter with a window still queued takes the queue in turn. One stream alone
-    decodes at once, as without the batcher; many streams share each decode instead of queueing one decode
-    each on the device and the interpreter (streamed audio under load was bound by one decode per chunk). A batch
-    whose decode raises is decoded again window by window, so only a window that fails alone raises, in its own
-    stream; the next decode starts afresh.
+    running decode ends the stream of the oldest window still queued is woken to take the queue in turn, and the
+    decoded ones are woken each (no other thread: 64 streams woken at every decode to find nothing for them had
+    cost the host as much as the decodes). One stream alone decodes at once, as without the batcher; many streams
+    share each decode instead of queueing one decode each on the device and the interpreter (streamed audio under
+    load was bound by one decode per chunk). A batch whose decode raises is decoded again window by window, so only
+    a window that fails alone raises, in its own stream; the next decode starts afresh.
     """
 
     def __init__(self, codec) -> None:
         self.codec = codec
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._queue: list[_Pending] = []
         self._running = False
 
@@ -260,17 +262,39 @@ class WindowBatcher:
         """``Codec.decode_windows_to_host([(codes, trim_front, trim_back)])[0]``, decoded with whatever else is
         queued."""
         mine = _Pending((codes, trim_front, trim_back))
-        with self._cond:
+        with self._lock:
             self._queue.append(mine)
-            while not mine.done and self._running:
-                self._cond.wait()
-            if not mine.done:  # nothing running and this window still queued: decode the queue
-                self._running, batch, self._queue = True, self._queue, []
-        if not mine.done:
+            lead, self._running = not self._running, True
+            if lead:
+                batch, self._queue = self._queue, []
+        if not lead:
+            try:
+                mine.woken.wait()
+            except BaseException:  # Ctrl-C in the main thread: the queue must not wait on this stream to run it
+                self._leave(mine)
+                raise
+            if not mine.done:  # woken to run the queue (its window among it)
+                with self._lock:
+                    batch, self._queue = self._queue, []
+                lead = True
+        if lead:
             self._run(batch)
         if mine.error is not None:
             raise mine.error
         return mine.result
+
+    def _leave(self, mine: _Pending) -> None:
+        """A stream gone while it waited: its window leaves the queue, and where it was woken to run the queue, the
+        next queued window's stream runs it instead."""
+        with self._lock:
+            if mine in self._queue:
+                self._queue.remove(mine)
+            if not (mine.woken.is_set() and not mine.done):
+                return
+            following = self._queue[0] if self._queue else None
+            self._running = following is not None
+        if following is not None:
+            following.woken.set()
 
     def _alone(self, p: _Pending) -> Tensor | None:
         try:
@@ -294,8 +318,10 @@ class WindowBatcher:
                 if p.result is None and p.error is None:
                     p.error = exc
         finally:
-            with self._cond:
+            with self._lock:
                 for p in batch:
                     p.done = True
-                self._running = False
-                self._cond.notify_all()
+                following = self._queue[0] if self._queue else None  # it runs the queue next
+                self._running = following is not None
+            for p in batch if following is None else [*batch, following]:
+                p.woken.set()
