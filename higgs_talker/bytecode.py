@@ -48,8 +48,11 @@ def ships_no_bytecode(package: str = PROBE) -> bool:
 def use_bytecode(directory: Path | None = None, probe: str = PROBE) -> Path | None:
     """Read bytecode from ``directory`` (default ``bytecode_dir()``) from now on, where ``ships_no_bytecode(probe)``
     and ``write_bytecode`` filled it; call before the heavy imports. Returns the directory read, or None."""
-    directory = directory if directory is not None else bytecode_dir()
-    if directory is None or not (directory / MARKER).is_file() or not ships_no_bytecode(probe):
+    try:
+        directory = directory if directory is not None else bytecode_dir()
+        if directory is None or not (directory / MARKER).is_file() or not ships_no_bytecode(probe):
+            return None
+    except (OSError, RuntimeError, ValueError):  # an unreadable directory, no home directory: start without it
         return None
     sys.pycache_prefix = str(directory)
     return directory

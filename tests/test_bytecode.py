@@ -82,3 +82,20 @@ def test_bytecode_dir(monkeypatch, value, want) -> None:
     got = bytecode.bytecode_dir()
     expected = {"home": Path.home() / ".cache" / "higgs_talker" / "bytecode", "bc": Path.home() / "bc"}.get(want)
     assert got == expected
+
+
+def test_an_unusable_bytecode_directory_is_passed_over(tmp_path: Path, monkeypatch) -> None:
+    """A start never fails on the cache: an unreadable directory or no home directory means none is read."""
+    locked = tmp_path / "locked"
+    (locked / "bc").mkdir(parents=True)
+    (locked / "bc" / bytecode.MARKER).write_text("x")
+    monkeypatch.setattr(bytecode, "ships_no_bytecode", lambda probe=bytecode.PROBE: True)
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    monkeypatch.setenv(bytecode.ENV, str(locked / "bc"))
+    assert bytecode.use_bytecode() == locked / "bc" and sys.pycache_prefix == str(locked / "bc")
+    sys.pycache_prefix = None
+    monkeypatch.setattr(Path, "is_file", lambda self: (_ for _ in ()).throw(PermissionError(13, "denied")))
+    assert bytecode.use_bytecode() is None and sys.pycache_prefix is None
+    monkeypatch.delenv(bytecode.ENV)
+    monkeypatch.setattr(Path, "home", classmethod(lambda cls: (_ for _ in ()).throw(RuntimeError("no home"))))
+    assert bytecode.use_bytecode() is None
