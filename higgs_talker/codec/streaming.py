@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..heads.delay import aligned_codes
+from ..heads.delay import aligned_frames
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ def delayed_rows_chunk(rows: list, emitted: int, finished: bool, rule: AudioChun
     window = next_window(max(0, len(rows) - width + 1), emitted, finished, rule)
     if window is None:
         return None
-    frames = aligned_codes(torch.tensor(rows[window.start : window.end + width - 1]), num_real_codes)
+    frames = aligned_frames(rows, window.start, window.end, num_real_codes)
     return window, frames[:-1] if finished and frames.shape[0] >= 2 else frames
 
 
@@ -291,10 +291,16 @@ class WindowBatcher:
                 self._queue.remove(mine)
             if not (mine.woken.is_set() and not mine.done):
                 return
-            following = self._queue[0] if self._queue else None
-            self._running = following is not None
+            following = self._next_runner()
         if following is not None:
             following.woken.set()
+
+    def _next_runner(self) -> _Pending | None:
+        """Under the lock, as a decode ends or its next runner left: the oldest queued window, whose stream runs the
+        queue next (``_running`` stays set), or None, with nothing running."""
+        following = self._queue[0] if self._queue else None
+        self._running = following is not None
+        return following
 
     def _alone(self, p: _Pending) -> Tensor | None:
         try:
@@ -321,7 +327,6 @@ class WindowBatcher:
             with self._lock:
                 for p in batch:
                     p.done = True
-                following = self._queue[0] if self._queue else None  # it runs the queue next
-                self._running = following is not None
+                following = self._next_runner()
             for p in batch if following is None else [*batch, following]:
                 p.woken.set()
