@@ -56,8 +56,9 @@ SHAPE_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num
 
 
 def write_random_checkpoint(path: Path, seed: int = 0) -> Path:
-    """A 4B-shaped checkpoint with random bf16 weights drawn on the GPU (norms 1, std 0.02), the tiny tokenizer
-    (its vocabulary fits the 4B one), and codebook 0's EOC row zeroed so greedy never ends a stream early."""
+    """A 4B-shaped checkpoint with random bf16 weights drawn on the GPU (norms 1, std 0.02; the device memory is
+    given back), the tiny tokenizer (its vocabulary fits the 4B one), and codebook 0's EOC row zeroed so greedy never
+    ends a stream early."""
     import torch
 
     from higgs_talker.checkpoint import expected_shapes, save_checkpoint
@@ -77,6 +78,10 @@ def write_random_checkpoint(path: Path, seed: int = 0) -> Path:
         if key == "tied.embedding.modality_embeddings.0.embedding.weight":
             t[cfg.eoc_id].zero_()
         tensors[key] = t.cpu()
+    del t
+    # the allocator would keep the draws' ~4 GB: a process that measures a start after writing (bench_coldstart's
+    # parent while its children start) must not hold device memory a real start would have (the KV cache's size)
+    torch.cuda.empty_cache()
     path.mkdir(parents=True, exist_ok=True)
     save_checkpoint(tensors, path, shards=4)
     write_tokenizer(path, cfg.text.vocab_size)

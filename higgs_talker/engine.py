@@ -31,7 +31,7 @@ from .attention import AttentionBackend
 from .config import SpecialTokens, TalkerConfig
 from .heads.sampling import SamplingParams
 from .heads.slots import HostCopy
-from .kv_cache import budget_num_blocks
+from .kv_cache import budget_num_blocks, free_memory_bytes
 from .model import TalkerModel
 from .model_runner import ModelRunner
 from .prompt import Prompt
@@ -90,7 +90,10 @@ class Engine:
                 "max_model_len or set num_blocks"
             )
         if blocks < want:
-            logger.info("KV cache: %d blocks fit, fewer than the %d for %d full-length sequences", blocks, want,
+            free = free_memory_bytes(self.device)
+            logger.info("KV cache: %d blocks fit (%.0f%% of %s free), fewer than the %d for %d full-length "
+                        "sequences", blocks, 100 * ec.kv_memory_fraction,
+                        "unknown memory" if free is None else f"{free / 2**30:.1f} GiB", want,
                         ec.max_num_seqs)  # fmt: skip
         return blocks
 

@@ -335,6 +335,18 @@ def test_a_second_start_reads_the_cache_checks_and_times_nothing(tiny_dir, tmp_p
     assert talker.generate("after a cached start", max_frames=4).rows.shape[0] > 0
 
 
+def test_each_warm_up_phase_logs_its_time(tiny_dir, tmp_path, stand_ins, caplog) -> None:
+    """A start that takes minutes must say which phase took them (an H100 start sat for minutes after "graph
+    policy" with nothing logged)."""
+    caplog.set_level(logging.INFO, logger=runner_module.__name__)
+    start(tiny_dir, tmp_path)
+    phases = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warm-up: ")]
+    names = [m.removeprefix("warm-up: ").rsplit(" in ", 1)[0] for m in phases]
+    assert names == ["one-row GEMV tiles", "decode kernels", "full-decode graphs", "local MLP graphs",
+                     "graph path per bucket"]  # fmt: skip
+    assert all(float(m.rsplit(" in ", 1)[1].removesuffix(" s")) >= 0 for m in phases)  # CPU: no free memory
+
+
 FAILURES = {  # a kind of choice -> what fails its check, what is measured again, the rewritten choice
     "row_linears": ({("o_proj", (2, 512, 2, 2))}, ("choose_row_linears", ["o_proj"]), {"o_proj": (1, 512, 2, 3)}),
     "bucket_kernels": ({(4, "sdpa_alt")}, ("choose_decode_kernels", [4]), {4: "sdpa"}),

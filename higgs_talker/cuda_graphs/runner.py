@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -97,33 +98,39 @@ class GraphRunner:
 
     def warm_up(self) -> None:
         """Choose the kernels (measured, or cached and checked) and capture every graph the mode needs, before the
-        first request."""
+        first request. Each phase logs its time and the device's free memory when it ends (a start that takes
+        minutes says where)."""
         runner = self.runner
         logger.info("graph policy: %s", self.decision.reason)
         start = time.perf_counter()
         key = self.choice_key() if self.choice_cache is not None else None
         cached = self.choice_cache.load(key) if key is not None else None
         # before anything is timed or captured: every step uses the choice
-        self._choose_row_linears(cached)
-        with runner.slots.preserved([runner.slots.scratch]):
+        with self._phase("one-row GEMV tiles"):
+            self._choose_row_linears(cached)
+        with self._phase("decode kernels"), runner.slots.preserved([runner.slots.scratch]):
             self._choose_decode_kernels(cached, self._kernel_step if runner.device.type == "cuda" else None)
         if self.decision.full_decode or self.decision.local_mlp:
             self._pool = graph_pool()  # one pool for every graph here, alive as long as the runner
             pool = self._pool.id
             if self.prefill_buckets and self.decision.full_prefill:
                 self.prefill = PrefillGraphs(runner, self.prefill_buckets, pool)
-                self.prefill.capture()
+                with self._phase("prefill graphs"):
+                    self.prefill.capture()
             paths = (cached or {}).get("auto_choice", {}) if self.mode is GraphMode.AUTO else {}
             if self.decision.full_decode:  # auto with a cached path: only that path of each bucket
                 self.full = FullDecodeGraphs(runner, self.buckets, pool)
-                self.full.capture([b for b in self.buckets if paths.get(b) != "local_mlp"])
+                with self._phase("full-decode graphs"):
+                    self.full.capture([b for b in self.buckets if paths.get(b) != "local_mlp"])
             if self.decision.local_mlp:
                 layers = runner.model.model.layers
                 self.local = LocalMLPGraphs(runner.eager_post_attention, len(layers), self.buckets, pool)
                 sizes = [b for b in self.buckets if paths.get(b) != "full_decode"]
-                self.local.capture(runner.cfg.hidden_size, runner.dtype, runner.device, sizes)
+                with self._phase("local MLP graphs"):
+                    self.local.capture(runner.cfg.hidden_size, runner.dtype, runner.device, sizes)
             if self.mode is GraphMode.AUTO:
-                self._choose(cached)
+                with self._phase("graph path per bucket"):
+                    self._choose(cached)
         self._keep_choices(key, cached)
         if runner.device.type == "cuda":
             torch.cuda.synchronize()
@@ -131,6 +138,17 @@ class GraphRunner:
         logger.info("CUDA graph warm-up (%s, buckets %s, prefill token buckets %s, choices %s) took %.1f s",
                     self.mode.value, list(self.buckets), list(self.prefill_buckets), self.choices_source,
                     self.warmup_s)  # fmt: skip
+
+    @contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """Log ``name``'s time (after the device's queue drained) and, on CUDA, the device's free memory."""
+        start, device = time.perf_counter(), self.runner.device
+        yield
+        free = ""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            free = f", {torch.cuda.mem_get_info(device)[0] / 2**30:.1f} GiB free"
+        logger.info("warm-up: %s in %.2f s%s", name, time.perf_counter() - start, free)
 
     def choice_key(self) -> dict:
         """Everything the measured choices depend on: GPU and versions, model shape, dtype, engine sizes, buckets
