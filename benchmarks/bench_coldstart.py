@@ -141,6 +141,19 @@ def found(base: Path | None, choices: bool = True) -> str:
     return "as found (" + ", ".join(f"{n} {name}" for name, n in cache_counts(base, choices).items()) + ")"
 
 
+def write_checkpoint_apart(path: Path) -> Path:
+    """``bench_vllm.write_random_checkpoint`` in a process of its own: it draws on the GPU, and a CUDA context
+    (with whatever the allocator keeps) in this process would take device memory from every start measured after
+    it, memory a real start would have (the KV cache is sized from the free memory)."""
+    path = path.absolute()
+    code = (
+        "import sys; from pathlib import Path; from bench_vllm import write_random_checkpoint as w; "
+        "w(Path(sys.argv[1]))"
+    )
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True, cwd=Path(__file__).resolve().parent)
+    return path
+
+
 def run_child(case: str, state: str, base: Path | None, opts: dict, timeout: int, choices: bool = True) -> dict:
     """One fresh process from spawn to its first decode step -> a row."""
     cache = flashinfer_dir(base)
@@ -213,10 +226,8 @@ def main(argv: list[str] | None = None) -> ResultFile:
 
         args.model = str(tiny_checkpoint())
     elif args.model is None:
-        from bench_vllm import write_random_checkpoint
-
         log(f"random 4B-shaped checkpoint in {args.ckpt_dir}")
-        args.model = str(write_random_checkpoint(Path(args.ckpt_dir)))
+        args.model = str(write_checkpoint_apart(Path(args.ckpt_dir)))
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="higgs_coldstart_"))
     work.mkdir(parents=True, exist_ok=True)
     engine = {} if args.max_model_len is None else {"max_model_len": args.max_model_len}
