@@ -79,8 +79,8 @@ def write_random_checkpoint(path: Path, seed: int = 0) -> Path:
             t[cfg.eoc_id].zero_()
         tensors[key] = t.cpu()
     del t
-    # the allocator would keep the draws' ~4 GB: a process that measures a start after writing (bench_coldstart's
-    # parent while its children start) must not hold device memory a real start would have (the KV cache's size)
+    # the allocator would keep the draws' ~4 GB, which an engine built next in this process (its KV cache sized from
+    # the free memory) or in another would not get
     torch.cuda.empty_cache()
     path.mkdir(parents=True, exist_ok=True)
     save_checkpoint(tensors, path, shards=4)
