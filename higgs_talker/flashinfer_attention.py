@@ -9,7 +9,7 @@ bucket by measurement (``cuda_graphs.kernels``):
   chunks and merges the partial results in a second kernel;
 - ``native_tc_nosplit``: ``native_tc`` planned with ``disable_split_kv``: one CTA per (request, KV head) over the
   whole context and no merge kernel (fewer launches for short contexts and large batches; slower for long
-  contexts at small batch, where the split spreads the work);
+  contexts at small batch, where the split spreads the work); pinned only (``AUTO_KERNELS``);
 - ``fa3``: tensor-core decode on FlashInfer's FA3 (Hopper, sm_90) kernels;
 - ``xqa``: ``trtllm_batch_decode_with_kv_cache(backend="xqa")``. XQA gets its own zeroed workspace: sharing the
   native wrapper's made it return wrong outputs wherever it splits sequences (GPU.md).
@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ from .attention import block_table_array
 if TYPE_CHECKING:
     from .batch import StepBatch
 
+W = TypeVar("W")
 WORKSPACE_BYTES = 256 * 1024 * 1024
 KERNELS = ("native", "xqa", "native_tc", "native_tc_nosplit", "fa3")
 
@@ -59,13 +60,34 @@ def check_decode_kernel(kernel: str) -> None:
 
 # What ``auto`` measures per bucket. In whole decode steps on the H200 (4B shape, batches 1 / 16 / 64, contexts 512
 # and 2048; benchmarks/results/h200_20261202b/decode_kernels_20261202-042715.json) ``native_tc`` was fastest at
-# five points and ``native_tc_nosplit`` at batch 16, context 512; ``native`` lost at all six, ``fa3`` tied at
-# batch 1, context 512 and lost by 20% to 3x elsewhere. XQA lost at all six too, but it is the fastest kernel
-# alone at long contexts, so it stays a candidate for other shapes and GPUs. Every kernel can be pinned.
-AUTO_KERNELS = ("native_tc", "native_tc_nosplit", "xqa")
+# five points and ``native_tc_nosplit`` at batch 16, context 512 (by 2.6 %); ``native`` lost at all six, ``fa3``
+# tied at batch 1, context 512 and lost by 20% to 3x elsewhere. XQA lost at all six too, but it is the fastest
+# kernel alone at long contexts, so it stays a candidate for other shapes and GPUs. ``native_tc_nosplit`` is no
+# longer measured: its CUDA-graph plans leave padded CTAs unmasked (``_graph_wrapper``), the likely cause of H100
+# starts that sat for minutes in the check of their cached choices (results/h100_20261206; read from FlashInfer's
+# code, not yet confirmed on a GPU). Every kernel can be pinned.
+AUTO_KERNELS = ("native_tc", "xqa")
 
 
 Attend = Callable[[Tensor, Tensor], Tensor]  # (q [N, Hq, D], layer cache) -> [N, Hq, D]
+
+
+def _graph_wrapper(make: Callable[[], W]) -> W:
+    """A FlashInfer wrapper in CUDA-graph mode (``make()``), its pinned plan buffer zeroed before its first plan.
+
+    In that mode a wrapper launches a fixed, padded number of CTAs, and a plan writes the tile tables (request,
+    query tile, KV tile) of the real ones only, then copies the whole pinned buffer to the device. Where the KV
+    is split a mask stops the padded CTAs; without the split (``disable_split_kv``, and prefill plans that do not
+    split) nothing does, and they run on whatever the buffer held before: ``torch.empty(pin_memory=True)``
+    gets a freed pinned block back with its old bytes. Read as tile indices those can send a CTA out of its
+    request or into a loop of billions of tokens (the likely cause of H100 starts stuck for minutes). Zeroed, a
+    padded entry names request 0's first tile, which the CTA recomputes and writes as its own CTA does. A bucket's
+    plans never write its padded entries (the request count is fixed), so they stay zero."""
+    wrapper = make()
+    staging = getattr(wrapper, "_pin_memory_int_workspace_buffer", None)  # FlashInfer's name for that buffer
+    if isinstance(staging, torch.Tensor):
+        staging.zero_()
+    return wrapper
 
 
 class FlashInferAttention:
@@ -227,11 +249,13 @@ class FlashInferAttention:
             wrapper_options, plan_options = WRAPPER_KERNELS[kernel]
             wrapper = self._graph_wrappers.get((size, kernel))
             if wrapper is None:
-                wrapper = self._graph_wrappers[size, kernel] = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-                    self.workspace, "NHD", use_cuda_graph=True,
-                    paged_kv_indptr_buffer=self.indptr[: size + 1],
-                    paged_kv_indices_buffer=self.indices[: size * self.max_blocks],
-                    paged_kv_last_page_len_buffer=self.last_page[:size], **wrapper_options,
+                wrapper = self._graph_wrappers[size, kernel] = _graph_wrapper(
+                    lambda: self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                        self.workspace, "NHD", use_cuda_graph=True,
+                        paged_kv_indptr_buffer=self.indptr[: size + 1],
+                        paged_kv_indices_buffer=self.indices[: size * self.max_blocks],
+                        paged_kv_last_page_len_buffer=self.last_page[:size], **wrapper_options,
+                    )
                 )  # fmt: skip
             self._plan_decode(wrapper, batch, plan_options)
             self._attend = wrapper.run
@@ -261,13 +285,13 @@ class FlashInferAttention:
 
     def _prefill_bucket(self, tokens: int, reqs: int) -> tuple[object, Tensor]:
         dev, pages = self.device, self.prefill_pages(tokens, reqs)
-        wrapper = self.fi.BatchPrefillWithPagedKVCacheWrapper(
+        wrapper = _graph_wrapper(lambda: self.fi.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True,
             qo_indptr_buf=torch.zeros(reqs + 1, dtype=torch.int32, device=dev),
             paged_kv_indptr_buf=torch.zeros(reqs + 1, dtype=torch.int32, device=dev),
             paged_kv_indices_buf=torch.zeros(pages, dtype=torch.int32, device=dev),
             paged_kv_last_page_len_buf=torch.zeros(reqs, dtype=torch.int32, device=dev),
-        )  # fmt: skip
+        ))  # fmt: skip
         # The first plan fixes the most rows the wrapper's kernels are launched for: plan all ``tokens`` once
         # (as one padding request over the scratch block).
         tables = [[]] * (reqs - 1) + [[self.scratch_block] * -(-tokens // self.block_size)]

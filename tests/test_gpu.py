@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import time
 
 import pytest
 import torch
@@ -187,6 +188,36 @@ def _attention(caches, kernel: str, scratch_block: int, max_batch: int = 64, max
 @needs_flashinfer
 def test_decode_kernels_vs_float64(kernel, batch, ctx):
     """Each decode kernel, through our backend's bucket buffers, against a float64 reference (bf16 <= 5e-3)."""
+    out, want = _bucket_attention_and_float64(kernel, batch, ctx)
+    assert rel_err(out, want) <= ATTENTION_TOL
+
+
+@pytest.mark.parametrize("kernel", ["native_tc", "native_tc_nosplit"])
+@needs_flashinfer
+def test_a_bucket_wrapper_over_a_stale_pinned_buffer_is_right_and_does_not_hang(kernel, monkeypatch):
+    """FlashInfer's CUDA-graph plans write the tile tables of the real CTAs only and copy the whole pinned buffer
+    to the device; without split-KV (``native_tc_nosplit``) no mask stops the padded CTAs, which then read the
+    buffer's old bytes. Here every decode wrapper starts from a buffer of 0x01 bytes (as a reused pinned block may
+    hold); ours are zeroed before their first plan (``flashinfer_attention._graph_wrapper``), so a padded batch of
+    64 finishes at once and equals the float64 reference. The 10 s bound is a hang check on a ~50 us call."""
+    import flashinfer
+
+    cls = flashinfer.BatchDecodeWithPagedKVCacheWrapper
+    init = cls.__init__
+
+    def stale(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._pin_memory_int_workspace_buffer.fill_(1)
+
+    monkeypatch.setattr(cls, "__init__", stale)
+    start = time.monotonic()
+    out, want = _bucket_attention_and_float64(kernel, 64, 256)
+    assert time.monotonic() - start < 10 and rel_err(out, want) <= ATTENTION_TOL
+
+
+def _bucket_attention_and_float64(kernel: str, batch: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the kernel's decode attention of ``batch`` random requests of context ``ctx`` through our bucket buffers,
+    its float64 reference)."""
     from higgs_talker.batch import StepBatch
 
     g = torch.Generator(device="cuda").manual_seed(batch * 7 + ctx)
@@ -209,7 +240,8 @@ def test_decode_kernels_vs_float64(kernel, batch, ctx):
     keys, values = keys.repeat_interleave(4, dim=1), values.repeat_interleave(4, dim=1)
     scores = torch.einsum("bhd,bhtd->bht", q.double(), keys) / 128**0.5
     want = torch.einsum("bht,bhtd->bhd", scores.softmax(-1), values)
-    assert rel_err(out, want) <= ATTENTION_TOL
+    torch.cuda.synchronize()
+    return out, want
 
 
 @needs_flashinfer
@@ -542,7 +574,7 @@ def test_auto_chooses_each_buckets_kernel_by_its_whole_decode_step():
     talker = _talker("auto", decode_kernel="auto")
     rows, attn = talker.engine.graphs.kernel_timings, talker.engine.runner.attn
     kernels = attn.decode_kernels
-    assert len(kernels) >= 3 and {r["kernel"] for r in rows} == set(kernels)
+    assert len(kernels) >= 2 and {r["kernel"] for r in rows} == set(kernels)
     ok = [r for r in rows if r["ok"]]
     assert ok and all(0 < r["step_ms"] < 1e3 for r in ok)
     assert {r["context"] for r in rows} == {512, 1024}  # (512, 2048) capped at max_model_len

@@ -155,6 +155,54 @@ def test_flashinfer_pages_of_a_large_batch_match_a_plain_loop():
         FlashInferAttention._paged(me, [[1]], [2 * BS])
 
 
+class _StaleWrapper:
+    """A stand-in FlashInfer wrapper whose pinned plan buffer holds an earlier owner's bytes (as a reused pinned block
+    does), recording how it was made."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.args, self.kwargs = args, kwargs
+        self._pin_memory_int_workspace_buffer = torch.full((4096,), 0x11, dtype=torch.uint8)
+
+    def run(self, *args, **kwargs) -> None:
+        raise AssertionError("a stand-in wrapper is planned, never run")
+
+
+def _stand_in_flashinfer(monkeypatch) -> FlashInferAttention:
+    """A FlashInferAttention on CPU over a stand-in ``flashinfer`` (wrappers only; plans recorded, not run)."""
+    import sys
+
+    from higgs_talker import flashinfer_attention as fa
+
+    fake = SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=_StaleWrapper, BatchPrefillWithPagedKVCacheWrapper=_StaleWrapper
+    )
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setattr(fa, "WORKSPACE_BYTES", 1024)
+    cache = torch.zeros(9, 2, BS, 2, 8)
+    attn = FlashInferAttention([cache], 4, 2, 8, 64, scratch_block=8, decode_kernel="native_tc_nosplit", max_batch=4)
+    monkeypatch.setattr(attn, "_plan_decode", lambda wrapper, batch, options: None)
+    monkeypatch.setattr(attn, "_plan_prefill", lambda wrapper, *args: None)
+    return attn
+
+
+def test_flashinfer_graph_wrappers_start_from_a_zeroed_plan_buffer(monkeypatch):
+    """Every wrapper made for a CUDA-graph bucket (decode and prefill) gets its pinned plan buffer zeroed before its
+    first plan: FlashInfer's plans write the tile tables of the real CTAs only, and without split-KV nothing masks
+    the padded ones, which would read the bytes left there (results/h100_20261206)."""
+    attn = _stand_in_flashinfer(monkeypatch)
+    decode = StepBatch([0, 0], [5, 9], [5, 25], [1, 1], [6, 10], [[0], [1]])
+    attn.plan_bucket(decode)
+    wrapper = attn._graph_wrappers[2, "native_tc_nosplit"]
+    assert wrapper.kwargs["use_cuda_graph"] and not wrapper._pin_memory_int_workspace_buffer.any()
+    prefill = StepBatch([0], list(range(16)), list(range(16)), [16], [16], [[0]])
+    attn.plan_prefill_bucket(prefill)
+    ((wrapper, _),) = attn._prefill_buckets.values()
+    assert wrapper.kwargs["use_cuda_graph"] and not wrapper._pin_memory_int_workspace_buffer.any()
+    # the eager wrappers are not CUDA-graph ones: FlashInfer masks nothing there either, but it launches only the
+    # CTAs a plan wrote
+    assert not attn.decode.kwargs.get("use_cuda_graph") and attn.decode._pin_memory_int_workspace_buffer.all()
+
+
 # --------------------------------------------------------------------------------------------------- the graphs
 
 
