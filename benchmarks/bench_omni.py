@@ -27,15 +27,17 @@ the rows of ``--audio-s`` seconds), sampling is the profiles' (temperature 1.0, 
 
 Paths (the ``path`` of a row):
 - ``offline``: ``vllm_omni.Omni(model, deploy_config).generate`` with C prompts at a time (the offline API takes
-  a batch; waves of C over max(2C, 8) requests), outputs read as they come (``py_generator``) with Stage 1 asked
-  for deltas: ``ttfa`` is submit -> the request's first audio, or its finish where the offline API did not stream
-  (the row's ``offline_streamed`` says which);
+  a batch; waves of C over ``level_requests(C)`` = max(2C, 16) requests), outputs read as they come
+  (``py_generator``) with Stage 1 asked for deltas: ``ttfa`` is submit -> the request's first audio, or its finish
+  where the offline API did not stream (the row's ``offline_streamed`` says which);
 - ``http``: ``vllm-omni serve`` on a free port, a closed loop of C clients (httpx, ``stream_format: audio``, PCM);
   ``ttfa`` is sent -> first audio byte;
 - ``direct``: our engine (``HiggsTalker.stream_audio`` with vllm-omni's chunking, C threads, the same sampling,
   seeded), once.
 
-Each path warms up first (offline and HTTP: two 2 s requests; direct: one short request per stream), untimed.
+Each path warms up first, untimed: offline and HTTP with one wave of 2 s requests at every level (C requests
+together: vLLM's sampler compiles its kernels per batch shape, and a compile inside a timed level was seen in
+vllm-omni's talker), direct with one short request per stream.
 Per level: TTFA and RTF (wall / audio seconds) p50/p90, audio seconds per wall second. A worker that has reported
 its levels and is still shutting down ``SHUTDOWN_S`` later is stopped (its stage processes with it) and counts as
 done: shutdown is not measured and does not use the next configuration's share of ``--budget-s``.
@@ -182,6 +184,8 @@ SHUTDOWN_S = 30  # how long a worker whose levels are done may take to shut down
 SAMPLE_RATE = 24000
 FRAME_RATE = 25
 NUM_CODEBOOKS = 8
+WARM_ROWS = 2 * FRAME_RATE + NUM_CODEBOOKS  # a warm-up request: 2 s of audio
+WARM_SEED = 500_000  # warm-up prompts and seeds apart from the timed ones (a shared prompt would hit the prefix cache)
 UPSTREAM_YAML = {"low_latency": "higgs_multimodal_qwen3_low_latency.yaml",
                  "high_throughput": "higgs_multimodal_qwen3_high_throughput.yaml"}  # fmt: skip
 UPSTREAM_ONLY = {"VLLM_PLUGINS": "vllm_omni_register_models"}  # vllm-omni's plugin alone: its in-tree talker
@@ -382,6 +386,11 @@ def stop_server(proc) -> None:
 # measuring
 
 
+def level_requests(level: int) -> int:
+    """Requests timed at concurrency ``level``: two waves, and at least 16 (8 gave p90s of one or two requests)."""
+    return max(2 * level, 16)
+
+
 def jobs(n: int, seed: int) -> list[dict]:
     """n requests: random words (30-200 characters), each with its own seed."""
     rng = random.Random(seed)
@@ -440,9 +449,10 @@ def run_offline(args: argparse.Namespace, base: dict) -> None:
         return [j | {"prompt": {"prompt_token_ids": prompt_ids(args.model, j["text"])}} for j in todo]
 
     try:
-        _offline_wave(omni, tokenized(jobs(2, args.seed)), 2 * FRAME_RATE + NUM_CODEBOOKS, streams)  # warm up
+        for level in args.levels:  # warm up: one short wave of each level's size
+            _offline_wave(omni, tokenized(jobs(level, args.seed + WARM_SEED + 1000 * level)), WARM_ROWS, streams)
         for level in args.levels:
-            todo, records, streamed = tokenized(jobs(max(2 * level, 8), args.seed + 1000 * level)), [], False
+            todo, records, streamed = tokenized(jobs(level_requests(level), args.seed + 1000 * level)), [], False
             wall0 = time.perf_counter()
             for start in range(0, len(todo), level):
                 got, pieces = _offline_wave(omni, todo[start : start + level], rows, streams)
@@ -492,9 +502,10 @@ def run_http(args: argparse.Namespace, base: dict) -> None:
     base = base | {"start_s": time.perf_counter() - t0}
     rows_out = []
     try:
-        asyncio.run(_http_level(url, jobs(2, args.seed), 2, 2 * FRAME_RATE + NUM_CODEBOOKS))  # warm up
+        for level in args.levels:  # warm up: one short wave of each level's size
+            asyncio.run(_http_level(url, jobs(level, args.seed + WARM_SEED + 1000 * level), level, WARM_ROWS))
         for level in args.levels:
-            records, wall = asyncio.run(_http_level(url, jobs(max(2 * level, 8), args.seed + 1000 * level), level,
+            records, wall = asyncio.run(_http_level(url, jobs(level_requests(level), args.seed + 1000 * level), level,
                                                     args.frames + NUM_CODEBOOKS))  # fmt: skip
             rows_out.append(level_row(base, level, records, wall))
             print("RESULT:" + json.dumps(rows_out), flush=True)
@@ -520,7 +531,7 @@ def run_direct(args: argparse.Namespace, base: dict) -> None:
     closed_loop(talker, warm, max(args.levels), UPSTREAM_CHUNKING, 10_000)
     rows_out = []
     for level in args.levels:
-        todo = [j | {"frames": args.frames} | deploy for j in jobs(max(2 * level, 8), args.seed + 1000 * level)]
+        todo = [j | {"frames": args.frames} | deploy for j in jobs(level_requests(level), args.seed + 1000 * level)]
         records, wall = closed_loop(talker, todo, level, UPSTREAM_CHUNKING, 10_000)
         rows_out.append(level_row(base, level, records, wall))
         print("RESULT:" + json.dumps(rows_out), flush=True)

@@ -567,3 +567,38 @@ def test_the_speech_servers_prompt_equals_vllm_omnis(tiny_dir, talker, text):
     upstream = HiggsAudioV3TokenizerAdapter(AutoTokenizer.from_pretrained(str(tiny_dir)))
     job = asyncio.run(SpeechServing(talker).prepare(SpeechRequest(input=text)))
     assert [part.prompt.input_ids.tolist() for part in job.prepared.parts] == [list(upstream.build_prompt(text))]
+
+
+def test_bench_omni_warms_each_level_up_before_it_times_any(tiny_dir, monkeypatch):
+    """bench_omni's offline path: one untimed wave of short requests at every level's size first (vLLM's sampler
+    compiles per batch shape: a compile inside a timed level was seen in vllm-omni's talker), then each level's
+    ``level_requests`` forced-length requests in waves of the level's size, with prompts and seeds of their own."""
+    import bench_omni
+    from vllm.sampling_params import SamplingParams as StageParams
+
+    waves = []
+
+    class RecordingOmni:  # vllm_omni.Omni's offline surface; ``Omni`` itself does not import on this CPU venv
+        default_sampling_params_list = [StageParams(), StageParams()]
+
+        def __init__(self, **_) -> None:
+            pass
+
+        def generate(self, prompts, params, **_):
+            waves.append((len(prompts), params[0].max_tokens, params[0].seed, tuple(map(str, prompts))))
+            audio = {"audio": torch.zeros(bench_omni.SAMPLE_RATE // 25)}
+            return [
+                SimpleNamespace(request_id=str(i), multimodal_output=audio, finished=True) for i in range(len(prompts))
+            ]
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setitem(sys.modules, "vllm_omni", SimpleNamespace(Omni=RecordingOmni))
+    args = SimpleNamespace(model=str(tiny_dir), yaml="unused.yaml", worker_timeout=1, frames=10, levels=[1, 4], seed=0)
+    bench_omni.run_offline(args, {"talker": "ours", "profile": "p"})
+    warm, timed = waves[:2], waves[2:]
+    assert [(n, rows) for n, rows, *_ in warm] == [(1, bench_omni.WARM_ROWS), (4, bench_omni.WARM_ROWS)]
+    want = [(1, 18)] * bench_omni.level_requests(1) + [(4, 18)] * (bench_omni.level_requests(4) // 4)
+    assert [(n, rows) for n, rows, *_ in timed] == want and bench_omni.level_requests(1) == 16
+    assert not {p for *_, prompts in warm for p in prompts} & {p for *_, prompts in timed for p in prompts}
