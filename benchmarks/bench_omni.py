@@ -36,8 +36,8 @@ Paths (the ``path`` of a row):
   seeded), once.
 
 Each path warms up first, untimed: offline and HTTP with one wave of 2 s requests at every level (C requests
-together: vLLM's sampler compiles its kernels per batch shape, and a compile inside a timed level was seen in
-vllm-omni's talker), direct with one short request per stream.
+together: vLLM's sampler compiles Triton kernels per batch shape; in h100_20261206 vllm-omni's talker compiled its
+top-k/top-p kernel 5 s after its start, past the one warm-up wave of two), direct with one short request per stream.
 Per level: TTFA and RTF (wall / audio seconds) p50/p90, audio seconds per wall second. A worker that has reported
 its levels and is still shutting down ``SHUTDOWN_S`` later is stopped (its stage processes with it) and counts as
 done: shutdown is not measured and does not use the next configuration's share of ``--budget-s``.

@@ -571,7 +571,7 @@ def test_the_speech_servers_prompt_equals_vllm_omnis(tiny_dir, talker, text):
 
 def test_bench_omni_warms_each_level_up_before_it_times_any(tiny_dir, monkeypatch):
     """bench_omni's offline path: one untimed wave of short requests at every level's size first (vLLM's sampler
-    compiles per batch shape: a compile inside a timed level was seen in vllm-omni's talker), then each level's
+    compiles Triton kernels per batch shape), then each level's
     ``level_requests`` forced-length requests in waves of the level's size, with prompts and seeds of their own."""
     import bench_omni
     from vllm.sampling_params import SamplingParams as StageParams
