@@ -673,6 +673,21 @@ def test_a_stream_gone_while_woken_to_run_the_queue_hands_it_on(codec, monkeypat
     assert batcher.decode(random_codes(12, seed=3), 0, 0).shape == (12 * HOP,) and not batcher._running
 
 
+def test_a_stream_that_leaves_after_it_was_chosen_and_before_it_was_woken_hands_the_queue_on(codec) -> None:
+    """A decode's end chooses the next runner under the lock and wakes it after: a stream leaving in between (its
+    wake-up not yet set) must still hand the queue on, else every queued stream waits for ever."""
+    from higgs_talker.codec.streaming import WindowBatcher, _Pending
+
+    batcher = WindowBatcher(codec)  # its own: the state left here is no other test's
+    gone, other = _Pending((random_codes(12, seed=1), 0, 0)), _Pending((random_codes(12, seed=2), 0, 0))
+    with batcher._lock:
+        batcher._queue += [gone, other]
+        batcher._running = True
+        assert batcher._next_runner() is gone  # a decode ended and chose it; its wake-up comes after the lock
+    batcher._leave(gone)
+    assert other.woken.is_set() and other.leads and batcher._queue == [other] and batcher._running
+
+
 def test_a_failed_batch_is_decoded_again_window_by_window_and_only_the_bad_window_fails(codec, monkeypatch) -> None:
     """A decode that raises for one window of a batch (here: any window 13 frames long) does not take the other
     streams of the batch with it: the batch is decoded again one window at a time, and only that window's stream

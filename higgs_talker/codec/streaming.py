@@ -237,6 +237,7 @@ class _Pending:
     error: BaseException | None = None
     done: bool = False
     woken: threading.Event = field(default_factory=threading.Event)  # done, or this stream is to run the queue
+    leads: bool = False  # chosen (under the batcher's lock) to run the queue next; set before ``woken``
 
 
 class WindowBatcher:
@@ -289,7 +290,7 @@ class WindowBatcher:
         with self._lock:
             if mine in self._queue:
                 self._queue.remove(mine)
-            if not (mine.woken.is_set() and not mine.done):
+            if not mine.leads:  # read under the lock: a decode's end may have chosen it and not woken it yet
                 return
             following = self._next_runner()
         if following is not None:
@@ -300,6 +301,8 @@ class WindowBatcher:
         queue next (``_running`` stays set), or None, with nothing running."""
         following = self._queue[0] if self._queue else None
         self._running = following is not None
+        if following is not None:
+            following.leads = True
         return following
 
     def _alone(self, p: _Pending) -> Tensor | None:
