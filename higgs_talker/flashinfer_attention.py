@@ -72,8 +72,8 @@ AUTO_KERNELS = ("native_tc", "xqa")
 Attend = Callable[[Tensor, Tensor], Tensor]  # (q [N, Hq, D], layer cache) -> [N, Hq, D]
 
 
-def _graph_wrapper(make: Callable[[], W]) -> W:
-    """A FlashInfer wrapper in CUDA-graph mode (``make()``), its pinned plan buffer zeroed before its first plan.
+def _graph_wrapper(wrapper: W) -> W:
+    """``wrapper``, a new FlashInfer wrapper in CUDA-graph mode, with its pinned plan buffer zeroed (before any plan).
 
     In that mode a wrapper launches a fixed, padded number of CTAs, and a plan writes the tile tables (request,
     query tile, KV tile) of the real ones only, then copies the whole pinned buffer to the device. Where the KV
@@ -83,7 +83,6 @@ def _graph_wrapper(make: Callable[[], W]) -> W:
     request or into a loop of billions of tokens (the likely cause of H100 starts stuck for minutes). Zeroed, a
     padded entry names request 0's first tile, which the CTA recomputes and writes as its own CTA does. A bucket's
     plans never write its padded entries (the request count is fixed), so they stay zero."""
-    wrapper = make()
     staging = getattr(wrapper, "_pin_memory_int_workspace_buffer", None)  # FlashInfer's name for that buffer
     if isinstance(staging, torch.Tensor):
         staging.zero_()
@@ -249,14 +248,13 @@ class FlashInferAttention:
             wrapper_options, plan_options = WRAPPER_KERNELS[kernel]
             wrapper = self._graph_wrappers.get((size, kernel))
             if wrapper is None:
-                wrapper = self._graph_wrappers[size, kernel] = _graph_wrapper(
-                    lambda: self.fi.BatchDecodeWithPagedKVCacheWrapper(
-                        self.workspace, "NHD", use_cuda_graph=True,
-                        paged_kv_indptr_buffer=self.indptr[: size + 1],
-                        paged_kv_indices_buffer=self.indices[: size * self.max_blocks],
-                        paged_kv_last_page_len_buffer=self.last_page[:size], **wrapper_options,
-                    )
-                )  # fmt: skip
+                wrapper = _graph_wrapper(self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", use_cuda_graph=True,
+                    paged_kv_indptr_buffer=self.indptr[: size + 1],
+                    paged_kv_indices_buffer=self.indices[: size * self.max_blocks],
+                    paged_kv_last_page_len_buffer=self.last_page[:size], **wrapper_options,
+                ))  # fmt: skip
+                self._graph_wrappers[size, kernel] = wrapper
             self._plan_decode(wrapper, batch, plan_options)
             self._attend = wrapper.run
         else:
@@ -285,7 +283,7 @@ class FlashInferAttention:
 
     def _prefill_bucket(self, tokens: int, reqs: int) -> tuple[object, Tensor]:
         dev, pages = self.device, self.prefill_pages(tokens, reqs)
-        wrapper = _graph_wrapper(lambda: self.fi.BatchPrefillWithPagedKVCacheWrapper(
+        wrapper = _graph_wrapper(self.fi.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True,
             qo_indptr_buf=torch.zeros(reqs + 1, dtype=torch.int32, device=dev),
             paged_kv_indptr_buf=torch.zeros(reqs + 1, dtype=torch.int32, device=dev),
