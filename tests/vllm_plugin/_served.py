@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,18 +18,24 @@ from higgs_talker import HiggsTalker, Reference, SamplingParams
 
 def run_served(cmd: list[str], env: dict[str, str], timeout: float = 570, log: Path | None = None) -> dict:
     """Run a serve script; its ``RESULT:`` JSON line (the output tails in the failure when there is none).
-    ``log``: keep the script's stdout and stderr there (its directory is created). A run past ``timeout`` fails
-    the test with the tail of what it printed (a cold FlashInfer JIT takes minutes)."""
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as exc:
-        tail = (exc.stderr or b"")[-4000:]
-        pytest.fail(f"{Path(cmd[1]).name} did not finish in {exc.timeout} s; stderr tail:\n{tail!r}")
-    if log is not None:
+    ``log``: its stdout, then its stderr, end up there (its directory is created). While it runs they go to
+    files (``log`` and a ``.stderr`` beside it), so a run cut short still leaves what it printed. A run past
+    ``timeout`` fails the test with the tail of its stderr (a cold FlashInfer JIT takes minutes)."""
+    with tempfile.TemporaryDirectory(prefix="served_") as scratch:
+        log = log or Path(scratch, "run.log")
         log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(out.stdout + "\n--- stderr ---\n" + out.stderr)
-    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT:")]
-    assert out.returncode == 0 and lines, (out.stdout[-3000:], out.stderr[-6000:])
+        err_log = log.with_name(log.stem + ".stderr" + log.suffix)
+        with open(log, "w") as stdout, open(err_log, "w") as stderr:
+            try:
+                proc = subprocess.run(cmd, stdout=stdout, stderr=stderr, timeout=timeout, env=env)
+            except subprocess.TimeoutExpired as exc:
+                tail = err_log.read_text(errors="replace")[-4000:]
+                pytest.fail(f"{Path(cmd[1]).name} did not finish in {exc.timeout} s; stderr tail ({err_log}):\n{tail}")
+        out, err = log.read_text(errors="replace"), err_log.read_text(errors="replace")
+        log.write_text(out + "\n--- stderr ---\n" + err)  # one file, as the callers read it back
+        err_log.unlink()
+    lines = [x for x in out.splitlines() if x.startswith("RESULT:")]
+    assert proc.returncode == 0 and lines, (out[-3000:], err[-6000:])
     return json.loads(lines[0][len("RESULT:") :])
 
 
