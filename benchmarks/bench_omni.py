@@ -403,16 +403,27 @@ def jobs(n: int, seed: int) -> list[dict]:
     return out
 
 
-def level_row(base: dict, level: int, records: list[dict], wall: float) -> dict:
+def level_row(base: dict, level: int, records: list[dict], wall: float, most_s: float) -> dict:
+    """A level's row from its requests' records. ``most_s``: the most audio a request's rows can decode to (its
+    frames at 25 a second). A request that returns more (vllm-omni's own hand-over under async scheduling sent 108 of
+    192 requests' audio twice, ``results/h100_20261206b``) counts ``most_s`` of it towards the throughput and its
+    RTF, and is counted in ``over_length``; ``audio_s_max`` and ``audio_s_per_s_received`` show what came."""
     from common import percentile
 
+    counted = [min(r["audio_s"], most_s) for r in records]
+    # an RTF is wall / audio: over the audio counted, a request's RTF grows by what it sent beyond it
+    records = [r | {"rtf": r["rtf"] * r["audio_s"] / c} if r.get("rtf") is not None and c else r
+               for r, c in zip(records, counted, strict=True)]  # fmt: skip
     row = base | {"concurrency": level, "requests": len(records), "wall_s": wall,
-                  "audio_s_per_s": sum(r["audio_s"] for r in records) / wall if wall else None}  # fmt: skip
+                  "audio_s_per_s": sum(counted) / wall if wall else None,
+                  "audio_s_per_s_received": sum(r["audio_s"] for r in records) / wall if wall else None}  # fmt: skip
     for m in ("ttfa_ms", "rtf", "stall_ms"):  # stall_ms: streamed paths only (a player's waits after the first byte)
         if any(r.get(m) is not None for r in records):
             for q in (50, 90):
                 row[f"{m}_p{q}"] = percentile([r[m] for r in records if r.get(m) is not None], q)
     row["audio_s_min"] = min((r["audio_s"] for r in records), default=None)
+    row["audio_s_max"] = max((r["audio_s"] for r in records), default=None)
+    row["over_length"] = sum(r["audio_s"] > most_s for r in records)
     row["status"] = "ok"
     return row
 
@@ -444,6 +455,7 @@ def run_offline(args: argparse.Namespace, base: dict) -> None:
     omni = Omni(model=args.model, deploy_config=str(args.yaml), stage_init_timeout=args.worker_timeout)
     base = base | {"start_s": time.perf_counter() - t0}
     rows_out, rows, streams = [], args.frames + NUM_CODEBOOKS, offline_streams()
+    most_s = args.frames / FRAME_RATE
 
     def tokenized(todo: list[dict]) -> list[dict]:
         return [j | {"prompt": {"prompt_token_ids": prompt_ids(args.model, j["text"])}} for j in todo]
@@ -459,7 +471,7 @@ def run_offline(args: argparse.Namespace, base: dict) -> None:
                 records += got
                 streamed |= pieces
             wall = time.perf_counter() - wall0
-            rows_out.append(level_row(base | {"offline_streamed": streamed}, level, records, wall))
+            rows_out.append(level_row(base | {"offline_streamed": streamed}, level, records, wall, most_s))
             print("RESULT:" + json.dumps(rows_out), flush=True)
         print(LEVELS_DONE, flush=True)
     finally:
@@ -507,7 +519,7 @@ def run_http(args: argparse.Namespace, base: dict) -> None:
         for level in args.levels:
             records, wall = asyncio.run(_http_level(url, jobs(level_requests(level), args.seed + 1000 * level), level,
                                                     args.frames + NUM_CODEBOOKS))  # fmt: skip
-            rows_out.append(level_row(base, level, records, wall))
+            rows_out.append(level_row(base, level, records, wall, args.frames / FRAME_RATE))
             print("RESULT:" + json.dumps(rows_out), flush=True)
         print(LEVELS_DONE, flush=True)
     finally:
@@ -533,7 +545,7 @@ def run_direct(args: argparse.Namespace, base: dict) -> None:
     for level in args.levels:
         todo = [j | {"frames": args.frames} | deploy for j in jobs(level_requests(level), args.seed + 1000 * level)]
         records, wall = closed_loop(talker, todo, level, UPSTREAM_CHUNKING, 10_000)
-        rows_out.append(level_row(base, level, records, wall))
+        rows_out.append(level_row(base, level, records, wall, args.frames / FRAME_RATE))
         print("RESULT:" + json.dumps(rows_out), flush=True)
     print(LEVELS_DONE, flush=True)
 
@@ -637,7 +649,9 @@ def main(argv: list[str] | None = None):
         "sampling": "every path: the profiles' (temperature 1.0, top_p 0.95, top_k 50), seeded",
         "ttfa": "offline: submit -> first audio output (its finish where offline_streamed is false); http: sent -> "
                 "first PCM byte; direct: call -> first stream_audio chunk",
-        "rtf": "request wall time / audio seconds",
+        "rtf": "request wall time / audio seconds counted",
+        "audio_counted": "each request's audio up to its frames' length (audio_s); over_length: requests that "
+                         "returned more (audio_s_max, audio_s_per_s_received: what came)",
         "upstream": f"VLLM_PLUGINS={UPSTREAM_ONLY['VLLM_PLUGINS']} with vllm-omni's own deploy YAMLs",
     }  # fmt: skip
     writer = ResultFile(args.out, "omni", meta, smoke=args.smoke)
@@ -687,7 +701,7 @@ def main(argv: list[str] | None = None):
                         "error": error or "no result", "log_tail": text[-3000:]})  # fmt: skip
         log(f"{name}: {time.perf_counter() - t0:.0f} s {error or ''}")
     cols = ["talker", "profile", "path", "concurrency", "requests", "ttfa_ms_p50", "ttfa_ms_p90", "rtf_p50", "rtf_p90",
-            "audio_s_per_s", "status"]  # fmt: skip
+            "audio_s_per_s", "over_length", "status"]  # fmt: skip
     print_table(writer.rows, cols, "vllm-omni pipeline: ours vs upstream talker (TTFA ms, RTF = wall / audio)")
     print(f"wrote {writer.path}")
     return writer

@@ -602,3 +602,20 @@ def test_bench_omni_warms_each_level_up_before_it_times_any(tiny_dir, monkeypatc
     want = [(1, 18)] * bench_omni.level_requests(1) + [(4, 18)] * (bench_omni.level_requests(4) // 4)
     assert [(n, rows) for n, rows, *_ in timed] == want and bench_omni.level_requests(1) == 16
     assert not {p for *_, prompts in warm for p in prompts} & {p for *_, prompts in timed for p in prompts}
+
+
+def test_bench_omni_counts_no_more_audio_than_a_requests_frames_decode_to():
+    """vllm-omni's own hand-over under async scheduling sent some requests' audio twice (results/h100_20261206b: 108
+    of 192 at 15.88 s where their 200 frames decode to 7.96 s). A level's throughput and RTFs count at most the
+    frames' length of each request's audio, and the row says how many sent more and what came."""
+    import bench_omni
+
+    normal = {"ttfa_ms": 90.0, "audio_s": 7.96, "rtf": 1.592 / 7.96}
+    doubled = {"ttfa_ms": 95.0, "audio_s": 15.88, "rtf": 1.588 / 15.88}  # the same wall time, twice the audio
+    row = bench_omni.level_row({"talker": "upstream"}, 2, [normal, doubled], wall=2.0, most_s=200 / 25)
+    assert row["audio_s_per_s"] == pytest.approx((7.96 + 8.0) / 2.0)
+    assert row["audio_s_per_s_received"] == pytest.approx((7.96 + 15.88) / 2.0)
+    assert (row["over_length"], row["audio_s_min"], row["audio_s_max"]) == (1, 7.96, 15.88)
+    # both requests took ~1.59 s for their 8 s of audio: RTF ~0.2 each (0.1 for the doubled one if its copy counted)
+    assert 1.588 / 8.0 <= row["rtf_p50"] <= 1.592 / 7.96 and 1.588 / 8.0 <= row["rtf_p90"] <= 1.592 / 7.96
+    assert row["requests"] == 2 and row["status"] == "ok"
