@@ -222,6 +222,14 @@ def upstream_profile(profile: str) -> str:
     return UPSTREAM_SAME.get(profile, profile)
 
 
+def talker_configs(talker: str, path: str, profiles: list[str], upstream: list[str] | None) -> list[tuple]:
+    """(talker, profile, path) of each profile ``talker`` runs on ``path``: ours ``profiles``; vllm-omni's talker
+    ``upstream`` where given, else each of ``profiles`` as it runs it (``upstream_profile``)."""
+    if talker != "upstream":
+        return [(talker, profile, path) for profile in profiles]
+    return [(talker, profile, path) for profile in (upstream or [upstream_profile(p) for p in profiles])]
+
+
 def talker_env(talker: str) -> dict[str, str]:
     """The environment a process of ``talker`` runs in (upstream: only vllm-omni's plugin loads)."""
     env = dict(os.environ)
@@ -621,6 +629,10 @@ def main(argv: list[str] | None = None):
         action="store_true",
         help="Stage 0 with jit_monitor_verbose: vLLM logs each kernel compiled while serving, with its key",
     )
+    p.add_argument("--upstream-profiles", type=strs_arg, default=None,
+                   help="the profiles vllm-omni's talker runs (default: each of --profiles without our features); "
+                        "e.g. full_decode_64_async,full_decode_64: with and without async scheduling, under which "
+                        "its own hand-over sent many requests' audio twice (results/h100_20261206b)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -630,10 +642,12 @@ def main(argv: list[str] | None = None):
     args = p.parse_args(argv)
     args.levels = args.levels or ([1, 2] if args.smoke else list(LEVELS))
     args.audio_s = args.audio_s or (1.0 if args.smoke else 8.0)
-    for name, allowed in (("talkers", TALKERS), ("profiles", PROFILES), ("paths", PATHS)):
-        bad = [x for x in getattr(args, name) if x not in allowed]
+    upstream_runs = [p for p in PROFILES if p not in UPSTREAM_SAME]  # none of our own features
+    for name, allowed in (("talkers", TALKERS), ("profiles", PROFILES), ("paths", PATHS),
+                          ("upstream_profiles", upstream_runs)):  # fmt: skip
+        bad = [x for x in getattr(args, name) or [] if x not in allowed]
         if bad:
-            p.error(f"--{name}: unknown {bad}; choose from {list(allowed)}")
+            p.error(f"--{name.replace('_', '-')}: unknown {bad}; choose from {list(allowed)}")
     if args.worker:
         return worker(args)
     import torch
@@ -656,8 +670,11 @@ def main(argv: list[str] | None = None):
     }  # fmt: skip
     writer = ResultFile(args.out, "omni", meta, smoke=args.smoke)
     log(f"writing {writer.path}")
-    configs = list(dict.fromkeys((t, upstream_profile(pr) if t == "upstream" else pr, pa) for t in args.talkers
-                                 for pr in args.profiles for pa in args.paths if pa != "direct"))  # fmt: skip
+    served = [pa for pa in args.paths if pa != "direct"]
+    configs = [
+        c for t in args.talkers for pa in served for c in talker_configs(t, pa, args.profiles, args.upstream_profiles)
+    ]
+    configs = list(dict.fromkeys(configs))
     if "direct" in args.paths:
         configs.append(("ours", "direct", "direct"))
     # each of our profiles that differs in a vLLM setting (prefix caching, executor) has an upstream run of its own

@@ -619,3 +619,18 @@ def test_bench_omni_counts_no_more_audio_than_a_requests_frames_decode_to():
     # both requests took ~1.59 s for their 8 s of audio: RTF ~0.2 each (0.1 for the doubled one if its copy counted)
     assert 1.588 / 8.0 <= row["rtf_p50"] <= 1.592 / 7.96 and 1.588 / 8.0 <= row["rtf_p90"] <= 1.592 / 7.96
     assert row["requests"] == 2 and row["status"] == "ok"
+
+
+def test_bench_omni_runs_the_upstream_profiles_it_is_given(capsys):
+    """``--upstream-profiles`` names what vllm-omni's talker runs (with and without async scheduling, say) beside
+    ours; without it, each of ours as vllm-omni's talker runs it; a profile with our own features is refused."""
+    import bench_omni
+
+    ours = ["full_decode_64_async_frame_graphs_our_stage1"]
+    assert bench_omni.talker_configs("upstream", "http", ours, None) == [("upstream", "full_decode_64_async", "http")]
+    given = ["full_decode_64_async", "full_decode_64"]
+    assert bench_omni.talker_configs("upstream", "http", ours, given) == [("upstream", p, "http") for p in given]
+    assert bench_omni.talker_configs("ours", "http", ours, given) == [("ours", ours[0], "http")]
+    with pytest.raises(SystemExit):
+        bench_omni.main(["--upstream-profiles", "full_decode_64,full_decode_64_frame_graphs"])
+    assert "--upstream-profiles: unknown ['full_decode_64_frame_graphs']" in capsys.readouterr().err
