@@ -98,11 +98,12 @@ def summarize(run: dict, logs: dict[str, str]) -> list[dict]:
         timed = [t for t in tables if t["num_tokens_out"][0] == longest]
         wanted = sum(r["requests"] for r in rows)
         if len(timed) != wanted:
-            raise SystemExit(f"{name}: {len(timed)} requests of {longest} Stage-0 rows, the run's rows count {wanted}")
+            got = f"{len(timed)} requests of {longest:g} Stage-0 rows"
+            raise SystemExit(f"{name}: {got}, the run's rows count {wanted}")
         for row in rows:
             level, timed = timed[: row["requests"]], timed[row["requests"] :]
             summary = {"talker": talker, "profile": profile, "concurrency": row["concurrency"], "requests": len(level),
-                       "stage0_rows": longest, "audio_s_per_s": row["audio_s_per_s"]}  # fmt: skip
+                       "stage0_rows": int(longest), "audio_s_per_s": row["audio_s_per_s"]}  # fmt: skip
             for column, stage, field, scale in COLUMNS:
                 values = [t[field][stage] * scale for t in level if t.get(field, (None, None))[stage] is not None]
                 summary[column + "_p50"] = statistics.median(values) if values else None

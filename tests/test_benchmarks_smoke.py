@@ -487,3 +487,45 @@ def test_serve_host_probe_smoke(bench, tmp_path: Path) -> None:
     assert all(r["of_bound"] <= r["device_busy"] <= 1 + 8e-3 / r["wall_s"] for r in data["rows"]), data["rows"]
     assert all((r["codec_busy"] > 0) == (r["path"] == "audio") for r in data["rows"]), data["rows"]
     assert Path(data["meta"]["command"].split()[1]).name == "serve_host.py"
+
+
+def _stage_log(requests: list[tuple[str, int, float, float, float]]) -> str:
+    """A ``vllm-omni serve`` log as 0.26 writes it (logger prefix, colours) with, per request (id, Stage-0 rows,
+    Stage-0 ms a step, Stage-1 audio s, whole ms), its RequestE2EStats and StageRequestStats tables."""
+    pre = "\x1b[0;36m(APIServer pid=1540)\x1b[0;0m INFO 12-06 04:15:10 [stats.py:874] "
+    out = [pre + "Uvicorn running on http://0.0.0.0:8000"]
+    for rid, rows, step, audio, whole in requests:
+        out += [pre, pre + f"[RequestE2EStats [request_id={rid}]]", pre + "+------------------+---------+",
+                pre + "| Field            |   Value |", pre + "+------------------+---------+",
+                pre + f"| e2e_total_ms     | {whole:,.3f} |", pre + "| e2e_total_tokens |     116 |",
+                pre + "+------------------+---------+", pre + f"[OmniTiming] req={rid} total=0.34s", pre,
+                pre + f"[StageRequestStats [request_id={rid}]]", pre + "+------+------+------+",
+                pre + "| Field                           |            0 |             1 |",
+                pre + "+------+------+------+",
+                pre + f"| audio_duration_s                |        0.000 |        {audio:.3f} |",
+                pre + f"| inter_output_latency_ms         |        {step:.3f} |       108.705 |",
+                pre + f"| num_tokens_out                  |           {rows} |             0 |",
+                pre + "| serving_time_to_first_output_ms |       54.200 |       130.541 |",
+                pre + f"| stage_gen_time_ms               |      {rows * step:,.3f} |       334.618 |",
+                pre + f"| vllm_tpot_ms                    |        {step:.3f} |         0.000 |",
+                pre + "| vllm_ttft_ms                    |       54.055 |       116.827 |",
+                pre + "+------+------+------+", pre + "[SpeechE2E] request_id=x stream=true status=ok"]  # fmt: skip
+    return "\n".join(out) + "\n"
+
+
+def test_omni_stage_stats_reads_each_levels_timed_requests_from_the_server_log(bench, tmp_path: Path) -> None:
+    """``omni_stage_stats.py``: the warm-up requests (fewer Stage-0 rows) are left out, the timed ones are assigned
+    to the run's levels in order, and each level gets its medians and the count of requests whose audio came twice."""
+    mod = bench("omni_stage_stats")
+    log = _stage_log([("warm-0", 58, 9.0, 1.96, 300.0), ("a", 208, 4.0, 7.96, 900.0), ("warm-1", 58, 9.0, 1.96, 300.0),
+                      ("b", 208, 5.0, 15.88, 1000.0), ("c", 208, 6.0, 7.96, 1200.0)])  # fmt: skip
+    (tmp_path / "server_ours_p.log").write_text(log)
+    rows = [{"talker": "ours", "profile": "p", "path": "http", "status": "ok", "concurrency": level, "requests": n,
+             "audio_s_per_s": 8.6} for level, n in ((1, 1), (2, 2))]  # fmt: skip
+    (tmp_path / "run.json").write_text(json.dumps({"meta": {}, "rows": rows}))
+    got = mod.summarize(json.loads((tmp_path / "run.json").read_text()), {"server_ours_p.log": log})
+    assert [(r["concurrency"], r["requests"], r["stage0_rows"]) for r in got] == [(1, 1, 208), (2, 2, 208)]
+    assert [r["s0_step_ms_p50"] for r in got] == [4.0, 5.5] and [r["e2e_ms_p50"] for r in got] == [900.0, 1100.0]
+    assert [r["s1_over_length"] for r in got] == [0, 1] and got[1]["s0_gen_s_p50"] == pytest.approx(208 * 5.5e-3)
+    with pytest.raises(SystemExit, match="2 requests of 208 Stage-0 rows, the run's rows count 3"):
+        mod.summarize({"rows": rows}, {"server_ours_p.log": _stage_log([("a", 208, 4.0, 7.96, 900.0)] * 2)})
