@@ -80,7 +80,8 @@ def _graph_wrapper(wrapper: W) -> W:
     is split a mask stops the padded CTAs; without the split (``disable_split_kv``, and prefill plans that do not
     split) nothing does, and they run on whatever the buffer held before: ``torch.empty(pin_memory=True)``
     gets a freed pinned block back with its old bytes. Read as tile indices those can send a CTA out of its
-    request or into a loop of billions of tokens (the likely cause of H100 starts stuck for minutes). Zeroed, a
+    request or into a loop of billions of tokens: H100 starts stuck for minutes, and with a buffer of 0x01 bytes an
+    illegal memory access (``test_gpu``'s stale-buffer test without this, ``results/h100_20261206b``). Zeroed, a
     padded entry names request 0's first tile, which the CTA recomputes and writes as its own CTA does. A bucket's
     plans never write its padded entries (the request count is fixed), so they stay zero."""
     staging = getattr(wrapper, "_pin_memory_int_workspace_buffer", None)  # FlashInfer's name for that buffer
