@@ -25,15 +25,17 @@ as the vocabulary, no sampling, no delay pattern): their rows are labelled ``gre
 
 ``--fuse both`` times every mode twice, as ``MODE-fused`` (the library's default, ``fuse_qk_rope=True``: QK-norm,
 RoPE and the K/V writes in one Triton kernel) and ``MODE`` (``fuse_qk_rope=False``: the separate kernels), in
-the same run; ``--fuse on`` (the default) times the first only, ``off`` the second. Likewise ``--async both``
-adds ``...-sync`` rows (``async_scheduling=False``: each step's rows read before the next step is queued), and
+the same run; ``--fuse on`` (the default) times the first only, ``off`` the second. Likewise ``--async both`` adds
+``...-sync`` rows (``async_scheduling=False``: each step's rows read before the next step is queued), and
 ``--decode-kernels native,xqa,native_tc,...`` pins the decode attention kernel (``...+KERNEL`` rows) instead of the
-per-bucket measurement (``auto``), and ``--head-kernels both`` adds ``...-torchhead`` rows (the frame's noise
-hash, delay mask and state update as torch operations instead of the Triton kernels that are the CUDA default,
-``heads.fused``; graphs capture whichever the variant uses); ``--sampler-variants both`` adds
-``...-wholesampler`` rows (full-decode graphs without the cheaper greedy / no-filter sampler variants);
-``--row-gemv auto,off`` times each mode with the one-row Triton GEMV measured per linear (``auto``, the default)
-and with cuBLAS for every linear (``...-cublasrows`` rows; ``on``: the GEMV on every linear, ``...-rowgemv``).
+per-bucket measurement (``auto``), and ``--head-kernels both`` adds ``...-torchhead`` rows (the frame's noise hash,
+delay mask and state update as torch operations instead of the Triton kernels that are the CUDA default,
+``heads.fused``; graphs capture whichever the variant uses), ``--race-kernel both`` adds ``...-race`` rows (the
+sampled step's filter, noise and race as one Triton kernel, off by default until measured faster); ``--sampler-
+variants both`` adds ``...-wholesampler`` rows (full-decode graphs without the cheaper greedy / no-filter sampler
+variants); ``--row-gemv auto,off`` times each mode with the one-row Triton GEMV measured per linear (``auto``, the
+default) and with cuBLAS for every linear (``...-cublasrows`` rows; ``on``: the GEMV on every linear,
+``...-rowgemv``).
 
 With random weights the codebook-0 EOC row of the table is zeroed, so no request ends early: its logit is
 exactly 0 while the max of 1024 random logits is positive (greedy), and about half of them are positive, so
@@ -85,6 +87,7 @@ from higgs_talker.heads import fused
 from higgs_talker.tiny import tiny_config
 
 DEFAULT_SAMPLER_VARIANTS = full_graphs.SAMPLER_VARIANTS
+DEFAULT_DISABLED = frozenset(fused.DISABLED)  # the frame kernels the library leaves off
 
 SHAPE_4B = dict(
     vocab_size=151936,
@@ -102,6 +105,7 @@ SYNC = "-sync"  # label suffix: async_scheduling=False
 UNPADDED = "-eagerprefill"  # label suffix: no prefill graphs (prefill_buckets=(): prefills run eagerly)
 PREFIX_CACHE = "+pcache"  # label suffix: prefix caching on (prefix_caching=True)
 TORCH_HEAD = "-torchhead"  # label suffix: heads.fused.ENABLED = False
+RACE = "-race"  # label suffix: the race kernel on (heads.fused.DISABLED without "sampler race")
 WHOLE_SAMPLER = "-wholesampler"  # label suffix: no sampler variants (cuda_graphs.full_decode.SAMPLER_VARIANTS)
 ROW_GEMV_LABELS = {"auto": "", "off": "-cublasrows", "on": "-rowgemv"}  # label suffix per row_gemv option
 DECODE_KERNELS = ("auto", *KERNELS)
@@ -119,6 +123,7 @@ class Variant:
     prefix_caching: bool = False  # share the K/V of common prompt prefixes (opt-in in the library)
     head_kernels: bool = True  # the frame's Triton kernels (heads.fused; the CUDA default)
     sampler_variants: bool = True  # full-decode graphs with the cheaper samplers (the default)
+    race_kernel: bool = False  # a sampled step's filter, noise and race as one Triton kernel (off by default)
     row_gemv: str = "auto"  # one-row inputs: the Triton GEMV where measured faster (auto), everywhere (on), nowhere
 
     @property
@@ -133,8 +138,9 @@ class Variant:
         sync = SYNC if self.async_scheduling is False else ""
         head = "" if self.head_kernels else TORCH_HEAD
         whole = "" if self.sampler_variants else WHOLE_SAMPLER
+        race = RACE if self.race_kernel and self.head_kernels else ""
         rows = ROW_GEMV_LABELS[self.row_gemv]
-        return f"{self.mode}{FUSED if self.fuse else ''}{kernel}{prefill}{sync}{head}{whole}{rows}"
+        return f"{self.mode}{FUSED if self.fuse else ''}{kernel}{prefill}{sync}{head}{race}{whole}{rows}"
 
 
 PEER_RESERVE_S = 100.0  # the time budget keeps this much for the transformers rows
@@ -322,14 +328,15 @@ def both(choice: str) -> list[bool]:
 
 def variants(args: argparse.Namespace) -> list[Variant]:
     """What to time: every mode x ``--fuse`` x ``--decode-kernels`` x ``--async`` x ``--head-kernels`` x
-    ``--sampler-variants`` x ``--row-gemv``."""
+    ``--race-kernel`` (where the head kernels are on) x ``--sampler-variants`` x ``--row-gemv``."""
     return [
-        Variant(m, fuse, on, kernel, head_kernels=head, sampler_variants=sv, row_gemv=rows)
+        Variant(m, fuse, on, kernel, head_kernels=head, sampler_variants=sv, row_gemv=rows, race_kernel=race)
         for m in args.modes
         for fuse in both(args.fuse)
         for kernel in args.decode_kernels
         for on in both(args.async_scheduling)
         for head in both({"fused": "on", "torch": "off", "both": "both"}[args.head_kernels])
+        for race in (both(args.race_kernel) if head else [False])
         for sv in both(args.sampler_variants)
         for rows in args.row_gemv
     ]
@@ -339,11 +346,13 @@ def run_mode(variant: Variant, cfg: TalkerConfig, args, writer: ResultFile, bw: 
     """Time every (context, batch) point of one variant; points left after ``share_s`` seconds of timing (build,
     warm-up and first-use kernel compilation not counted) are recorded as skipped."""
     fused.ENABLED = variant.head_kernels  # from the build on: graphs capture the path the variant uses
+    fused.DISABLED = set(DEFAULT_DISABLED - {"sampler race"} if variant.race_kernel else DEFAULT_DISABLED)
     full_graphs.SAMPLER_VARIANTS = DEFAULT_SAMPLER_VARIANTS if variant.sampler_variants else ()
     try:
         _run_variant(variant, cfg, args, writer, bw, share_s)
     finally:
         fused.ENABLED, full_graphs.SAMPLER_VARIANTS = True, DEFAULT_SAMPLER_VARIANTS
+        fused.DISABLED = set(DEFAULT_DISABLED)
 
 
 def _run_variant(variant: Variant, cfg: TalkerConfig, args, writer: ResultFile, bw: float, share_s: float) -> None:
@@ -693,6 +702,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--head-kernels", choices=("fused", "torch", "both"), default="fused",
                    help="the frame's noise hash, delay mask and state update: Triton kernels (fused, the CUDA "
                    "default), torch operations (MODE-torchhead rows), or both")  # fmt: skip
+    p.add_argument("--race-kernel", choices=("on", "off", "both"), default="off",
+                   help="a sampled step's top-k/top-p filter, noise and race as torch operations around the noise "
+                   "kernel (off, the library's default) or one Triton kernel (on: MODE-race rows), or both",
+                   )  # fmt: skip
     p.add_argument("--sampler-variants", choices=("on", "off", "both"), default="on",
                    help="full-decode graphs with the cheaper sampler variants (on, the default), the whole sampler "
                    "only (off: MODE-wholesampler rows), or both")  # fmt: skip

@@ -152,6 +152,9 @@ def test_decode_variant_grid_and_labels(bench) -> None:
     labels = [v.label for v in mod.variants(args)]
     assert labels == ["auto-fused", "auto-fused-wholesampler", "auto-fused-torchhead",
                       "auto-fused-torchhead-wholesampler"]  # fmt: skip
+    args = mod.parse_args(["--modes", "auto", "--race-kernel", "both", "--head-kernels", "both", "--no-peers"])
+    # the race is one of the head kernels: without them there is no race kernel to turn on
+    assert [v.label for v in mod.variants(args)] == ["auto-fused-race", "auto-fused", "auto-fused-torchhead"]
 
 
 def test_decode_refuses_a_budget_the_peers_would_eat(bench, capsys) -> None:

@@ -284,8 +284,94 @@ def test_sampled_generation_through_the_frame_kernels_equals_the_reference(talke
     monkeypatch.setattr(fused, "stream_is_capturing", lambda: False)
     monkeypatch.setattr(fused, "_state", {})
     monkeypatch.setattr(fused, "_checked", {})
+    monkeypatch.setattr(fused, "DISABLED", {"sampler race"})  # its interpreted sort of 2048 keys takes ~1 s a row
     got = [r.rows for r in talker.generate(texts, params)]
     names = ("sampler noise", "delay mask", "delay state update")
     assert {name: fused.state(name) for name in names} == dict.fromkeys(names, "ok")
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
+
+
+def _race_inputs(rows: int, n: int, v: int, seed: int, dtype=torch.float32, ties: bool = False):
+    """Logits [rows, n, v] and one request's parameters per row that reach every branch of the race: greedy,
+    a temperature so small that x / T overflows (the argmax), top-k off / 1 / 3 / past V, top-p off / 0.5 / 0.9 /
+    1e-9 / NaN, masked codes, a row with every code masked, and (``ties``) logits on a coarse grid with -0.0 and 0.0."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, v, generator=g) * 4
+    if ties:
+        x = (x / 2).round()
+        x[..., 1::4] = torch.where(x[..., 1::4] == 0, -0.0, x[..., 1::4])  # -0.0 beside 0.0
+    x[..., v // 2 :: 5] = float("-inf")  # masked codes, as the delay mask leaves them
+    x[0, -1] = float("-inf")  # a codebook with every code masked
+    temperature = torch.tensor([0.0, 1.0, 0.7, 1e-38, 1.3, 1.0, 0.5, 2.0])[torch.arange(rows) % 8]
+    x[3 % rows] *= 1e3  # with T = 1e-38, finite logits overflow
+    top_k = torch.tensor([0, 50, 1, 3, v + 7, 0, 3, 2])[torch.arange(rows) % 8]
+    # 1e-9: 1 - p rounds to 1.0, where every code's mass-up-to is at most 1 - p, yet the most likely one stays
+    top_p = torch.tensor([1.0, 0.95, 0.5, float("nan"), 0.9, 1e-9, 1.0, 0.3])[torch.arange(rows) % 8]
+    seeds = torch.randint(0, 2**63 - 1, (rows,), generator=g)
+    steps = torch.randint(0, 2**31 - 1, (rows,), generator=g)
+    return x.to(dtype), temperature, top_k, top_p, seeds, steps
+
+
+@pytest.mark.parametrize("filter", [True, False])
+@pytest.mark.parametrize(("rows", "n", "v", "dtype", "ties"), [(8, 3, 37, torch.float32, False),
+                         (8, 2, 64, torch.float32, True), (5, 4, 100, torch.bfloat16, True),
+                         (1, 1, 2, torch.float32, False)])  # fmt: skip
+def test_race_kernel_gives_the_reference_codes(rows, n, v, dtype, ties, filter):
+    """``race_argmax`` against ``race_scores(...).argmax`` (torch): the same codes, row for row, on every branch."""
+    from higgs_talker.heads import sampling, triton_kernels
+
+    args = _race_inputs(rows, n, v, seed=rows * 100 + v, dtype=dtype, ties=ties)
+    want = sampling.race_scores(*args, filter=filter).argmax(dim=-1)
+    got = triton_kernels.race_argmax(*args, sampling.CODE_KEY, filter=filter)
+    assert got.dtype == torch.long and torch.equal(got, want)
+
+
+def test_race_kernel_takes_strided_logits_and_the_deploy_shape():
+    """Every other codebook of a [B, 2C, V] tensor (rows apart in memory), and one request at the 4B head's
+    V = 1026 with the deploy sampling."""
+    from higgs_talker.heads import sampling, triton_kernels
+
+    x, *rest = _race_inputs(3, 6, 40, seed=7)
+    args = (x[:, ::2], *rest)
+    assert torch.equal(triton_kernels.race_argmax(*args, sampling.CODE_KEY),
+                       sampling.race_scores(*args).argmax(dim=-1))  # fmt: skip
+    g = torch.Generator().manual_seed(8)
+    deploy = (torch.randn(1, 8, 1026, generator=g) * 3, torch.ones(1), torch.full((1,), 50), torch.full((1,), 0.95),
+              torch.tensor([12345]), torch.tensor([67]))  # fmt: skip
+    assert torch.equal(triton_kernels.race_argmax(*deploy, sampling.CODE_KEY),
+                       sampling.race_scores(*deploy).argmax(dim=-1))  # fmt: skip
+
+
+def test_race_kernel_rejects_what_it_cannot_take():
+    from higgs_talker.heads import sampling, triton_kernels
+
+    x, t, k, p, seeds, steps = _race_inputs(2, 2, 16, seed=1)
+    with pytest.raises(ValueError, match="the race kernel takes"):
+        triton_kernels.race_argmax(x, t.double(), k, p, seeds, steps, sampling.CODE_KEY)
+    with pytest.raises(ValueError, match="the race kernel takes"):
+        triton_kernels.race_argmax(x.transpose(1, 2), t, k, p, seeds, steps, sampling.CODE_KEY)
+    assert not triton_kernels.race_supports(torch.zeros(1, 1, 10_000), t[:1], k[:1], p[:1], seeds[:1], steps[:1],
+                                            sampling.CODE_KEY)  # fmt: skip
+
+
+def test_sample_codes_runs_the_race_kernel_once_it_matched(monkeypatch):
+    """``sample_codes`` through ``fused.run_checked`` once the race is taken out of ``DISABLED``: the first call of
+    a signature runs both and compares, then the kernel alone; in ``DISABLED``, the reference."""
+    from higgs_talker.heads import fused, sampling, triton_kernels
+
+    monkeypatch.setattr(fused, "_on_kernel_device", lambda t: True)
+    monkeypatch.setattr(fused, "stream_is_capturing", lambda: False)
+    monkeypatch.setattr(fused, "_state", {})
+    monkeypatch.setattr(fused, "_checked", {})
+    assert "sampler race" in fused.DISABLED  # off by default until a GPU run times it
+    monkeypatch.setattr(fused, "DISABLED", set())
+    args = _race_inputs(4, 3, 33, seed=3)
+    want = sampling.race_scores(*args).argmax(dim=-1)
+    calls = []
+    race = triton_kernels.race_argmax
+    monkeypatch.setattr(triton_kernels, "race_argmax", lambda *a, **kw: calls.append(1) or race(*a, **kw))
+    assert torch.equal(sampling.sample_codes(*args), want) and fused.state("sampler race") == "ok"
+    assert torch.equal(sampling.sample_codes(*args), want) and len(calls) == 2
+    monkeypatch.setattr(fused, "DISABLED", {"sampler race"})
+    assert torch.equal(sampling.sample_codes(*args), want) and len(calls) == 2

@@ -12,7 +12,16 @@ alignment: what Triton compiles a variant for) whose first use outside a graph c
 reference's result on the same inputs (one sync per signature, once per process); an import error, a launch
 error or any difference turns that kernel off with one warning and the reference runs from then on. Inside a
 capture an unchecked signature is not used (the capture keeps the reference). ``ENABLED = False`` turns all
-three off (benchmarks' A/B).
+of them off, ``DISABLED`` those it names (benchmarks' A/B).
+
+A fourth, the race (``triton_kernels.race_argmax``), runs the sampler itself for a sampled step: temperature, the
+top-k/top-p filter over a stable sort, the noise and the argmax, one program per (request, codebook) row, where
+torch takes about 30 launches besides the noise kernel (the sort, its gathers and scatters, a softmax and a cumsum
+in both directions, the noise's logs, the race). Its filter sums the nucleus mass in its own order, and on a GPU
+its ``exp``/``log`` are Triton's, so a code can differ from the reference's where two candidates' scores or the
+nucleus mass and ``1 - top_p`` are within a few ulps: its first use per signature is checked like the others', and
+a difference turns it off. It is in ``DISABLED`` by default: written and tested (the Triton interpreter against
+torch; a GPU test with near-tie allowances) but not yet timed on a GPU (``bench_decode.py --race-kernel both``).
 """
 
 from __future__ import annotations
@@ -28,7 +37,10 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 ENABLED = True
+# kernels turned off by name (benchmarks' A/B of one kernel); the race is off until a GPU run shows it faster
+DISABLED: set[str] = {"sampler race"}
 MASK_MAX_VOCAB = 1 << 16  # the mask kernel holds one codebook row in one block
+RACE_MAX_VOCAB = 1 << 13  # the race kernel sorts one codebook row of int64 keys in one block
 T = TypeVar("T")
 _state: dict[str, str] = {}  # kernel name -> "off" once it failed a check or errored
 _checked: dict[str, set[tuple]] = {}  # kernel name -> the call signatures whose first use matched the reference
@@ -50,6 +62,23 @@ def delay_mask_supports(logits: Tensor) -> bool:
     s0, s1, s2 = logits.stride()
     apart = (c == 1 or s1 >= v) and (b == 1 or s0 >= (c - 1) * s1 + v)
     return s2 == 1 and v <= MASK_MAX_VOCAB and apart
+
+
+def race_supports(
+    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seeds: Tensor, steps: Tensor, code_key: int
+) -> bool:
+    """Whether the race kernel takes these: logits [B, C, V] fp16/bf16/fp32 with unit stride along V and V within
+    one block, temperature and top_p [B] fp32, top_k, seeds and steps [B] int64, and noise words for C * V codes."""
+    if logits.dim() != 3 or logits.dtype not in _MASK_DTYPES[:3] or logits.stride(2) != 1:
+        return False
+    b, c, v = logits.shape
+    per_row = ((temperature, torch.float32), (top_p, torch.float32), (top_k, torch.long), (seeds, torch.long),
+               (steps, torch.long))  # fmt: skip
+    return (
+        0 < v <= RACE_MAX_VOCAB
+        and all(t.dim() == 1 and t.shape[0] == b and t.dtype == dtype for t, dtype in per_row)
+        and noise_supports(c * v, code_key)
+    )
 
 
 def _on_kernel_device(t: Tensor) -> bool:
@@ -91,7 +120,7 @@ def run_checked(
     """``fused(kernels, checking)`` where the kernel is on and checked for this call's ``signature(*key)``, else
     ``reference(checking)``; on a signature's first use, both on the same inputs (``checking=True``: neither may
     write its inputs), compared by ``same``."""
-    if not ENABLED or _state.get(name) == "off" or not _on_kernel_device(device_tensor):
+    if not ENABLED or name in DISABLED or _state.get(name) == "off" or not _on_kernel_device(device_tensor):
         return reference(False)
     sig = signature(*key)
     if sig in _checked.get(name, ()):

@@ -298,4 +298,14 @@ def sample_codes(
     """
     if not draw:
         return logits.argmax(dim=-1)
-    return race_scores(logits, temperature, top_k, top_p, seeds, steps, filter=filter).argmax(dim=-1)
+
+    def reference(checking: bool) -> Tensor:
+        return race_scores(logits, temperature, top_k, top_p, seeds, steps, filter=filter).argmax(dim=-1)
+
+    if not fused.race_supports(logits, temperature, top_k, top_p, seeds, steps, CODE_KEY):
+        return reference(False)
+    return fused.run_checked(
+        "sampler race", logits,
+        lambda k, checking: k.race_argmax(logits, temperature, top_k, top_p, seeds, steps, CODE_KEY, filter),
+        reference, fused.same_values, (logits, temperature, top_k, top_p, seeds, steps, filter),
+    )  # fmt: skip

@@ -19,7 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .delay import DelayState
-from .fused import MASK_MAX_VOCAB, delay_mask_supports, noise_supports
+from .fused import MASK_MAX_VOCAB, RACE_MAX_VOCAB, delay_mask_supports, noise_supports, race_supports
 
 BLOCK = 1024
 
@@ -188,3 +188,98 @@ def update_state(
             BOC=boc_id, EOC=eoc_id, C=n, CP=triton.next_power_of_2(n),
         )  # fmt: skip
     return emitted, new
+
+
+# --------------------------------------------------------------------------------------------------- the race
+
+
+@triton.jit
+def _noise_log(seed, step, idx, CODE_KEY: tl.constexpr):
+    # log(E), E = -log(u), for the noise word of code index ``idx`` (int64) under (seed, step): the race's noise
+    h = _mix32(seed & 0xFFFFFFFF)
+    h = _mix32(h ^ ((seed >> 32) & 0xFFFFFFFF))
+    h = _mix32(h ^ (step & 0xFFFFFFFF))
+    bits = _mix32(h ^ _mix32(idx + CODE_KEY))
+    bits = _mix32(bits ^ h)
+    u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    return tl.log(-tl.log(u))
+
+
+@triton.jit
+def _first_max(score, index, BIG: tl.constexpr):
+    # the lowest ``index`` among the entries of the highest ``score`` (torch's argmax: the first maximum)
+    best = tl.max(score, axis=0)
+    return tl.min(tl.where(score == best, index, BIG), axis=0)
+
+
+@triton.jit
+def _race_kernel(
+    logits_ptr, stride_b, stride_c, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr, steps_ptr, out_ptr, V,
+    C: tl.constexpr, FILTER: tl.constexpr, BLOCK: tl.constexpr, CODE_KEY: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    b, q = pid // C, pid % C
+    i = tl.arange(0, BLOCK)
+    inside = i < V
+    raw = tl.load(logits_ptr + b * stride_b + q * stride_c + i, mask=inside, other=float("-inf")).to(tl.float32)
+    t = tl.load(temperature_ptr + b)
+    greedy = t <= 0
+    x = raw / tl.where(greedy, 1.0, t)
+    overflow = tl.max(((tl.abs(x) == float("inf")) & (tl.abs(raw) < float("inf"))).to(tl.int32), axis=0) > 0
+    seed = tl.load(seeds_ptr + b).to(tl.int64)
+    step = tl.load(steps_ptr + b).to(tl.int64)
+    lowest = -3.4028234663852886e38  # finfo(float32).min: an allowed code outranks every removed one
+    if FILTER:
+        # sort descending, stably (equal values: the lower index first), on int64 keys: the value's bits made
+        # order-preserving (-0.0 as +0.0, as a float comparison sees them) above the index's complement
+        bits = (x + 0.0).to(tl.int32, bitcast=True)
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+        keys = tl.sort((ordered << 32) | ((BLOCK - 1) - i).to(tl.int64), descending=True)
+        index = (BLOCK - 1) - (keys & (BLOCK - 1))  # the code at each sorted position
+        high = (keys >> 32).to(tl.int32)
+        value = tl.where(high < 0, high ^ 0x7FFFFFFF, high).to(tl.float32, bitcast=True)
+        # top-k: below the k-th value (ties kept); k <= 0 or >= V is off
+        k = tl.load(top_k_ptr + b).to(tl.int64)
+        k = tl.where((k <= 0) | (k >= V), V, k)
+        kth = tl.max(tl.where(i == k - 1, value, float("-inf")), axis=0)
+        value = tl.where(value < kth, float("-inf"), value)
+        # top-p: drop a code while the mass of it and every less likely code is at most 1 - p (the most likely
+        # always stays; p >= 1 or NaN: off), the mass summed from the least likely code up
+        p = tl.load(top_p_ptr + b)
+        e = tl.exp(value - tl.max(value, axis=0))
+        mass_up_to = tl.cumsum(e / tl.sum(e, axis=0), axis=0, reverse=True)
+        drop = (mass_up_to <= tl.where(p < 1, 1 - p, -1.0)) & (i > 0)  # no mass is <= -1
+        value = tl.where(drop, float("-inf"), value)
+    else:
+        index, value = i.to(tl.int64), x
+    noisy = value - _noise_log(seed, step, q * V + index, CODE_KEY)
+    noisy = tl.where(noisy != noisy, lowest, noisy)  # NaN
+    noisy = tl.where(noisy == float("-inf"), lowest, tl.where(noisy == float("inf"), -lowest, noisy))
+    noisy = tl.where(value == float("-inf"), float("-inf"), noisy)
+    code = _first_max(noisy, index, BLOCK)
+    code = tl.where(greedy | overflow, _first_max(raw, i.to(tl.int64), BLOCK), code)
+    tl.store(out_ptr + pid, code)
+
+
+def race_argmax(
+    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seeds: Tensor, steps: Tensor, code_key: int,
+    filter: bool = True,
+) -> Tensor:  # fmt: skip
+    """``sampling.sample_codes`` with ``draw=True``: logits [B, C, V] -> codes [B, C] int64, one program per
+    (request, codebook) row: the temperature, the top-k/top-p filter (``filter``), the noise and the race."""
+    if not race_supports(logits, temperature, top_k, top_p, seeds, steps, code_key):
+        raise ValueError(
+            f"the race kernel takes logits [B, C, V] (unit stride along V, V <= {RACE_MAX_VOCAB}) with temperature, "
+            f"top_p [B] fp32, top_k, seeds, steps [B] int64; got logits {tuple(logits.shape)} {logits.dtype} "
+            f"strides {logits.stride()}, temperature {temperature.dtype}, top_k {top_k.dtype}, top_p {top_p.dtype}, "
+            f"seeds {seeds.dtype}, steps {steps.dtype}"
+        )
+    b, n, v = logits.shape
+    out = torch.empty(b, n, dtype=torch.long, device=logits.device)
+    if b:
+        _race_kernel[(b * n,)](
+            logits, logits.stride(0), logits.stride(1), temperature.contiguous(), top_k.contiguous(),
+            top_p.contiguous(), seeds.contiguous(), steps.contiguous(), out, v, C=n, FILTER=filter,
+            BLOCK=triton.next_power_of_2(v), CODE_KEY=code_key,
+        )  # fmt: skip
+    return out
