@@ -224,7 +224,7 @@ def _race_kernel(
     raw = tl.load(logits_ptr + b * stride_b + q * stride_c + i, mask=inside, other=float("-inf")).to(tl.float32)
     t = tl.load(temperature_ptr + b)
     greedy = t <= 0
-    x = raw / tl.where(greedy, 1.0, t)
+    x = tl.math.div_rn(raw, tl.where(greedy, 1.0, t))  # rounded as torch divides (Triton's `/` is approximate)
     overflow = tl.max(((tl.abs(x) == float("inf")) & (tl.abs(raw) < float("inf"))).to(tl.int32), axis=0) > 0
     seed = tl.load(seeds_ptr + b).to(tl.int64)
     step = tl.load(steps_ptr + b).to(tl.int64)
