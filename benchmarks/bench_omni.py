@@ -222,6 +222,27 @@ def upstream_profile(profile: str) -> str:
     return UPSTREAM_SAME.get(profile, profile)
 
 
+STAGE_FIELDS = ("s0_first_row_ms_p50", "s0_step_ms_p50", "s0_step_ms_p90", "s1_first_audio_ms_p50",
+                "s1_chunk_gap_ms_p50", "e2e_ms_p50", "s1_over_length")  # fmt: skip
+
+
+def with_stage_stats(rows: list[dict], server_log: Path) -> list[dict]:
+    """An HTTP worker's rows with what its server logged per request, per level (``omni_stage_stats``: Stage 0's
+    time to its first row and per step, Stage 1's to its first audio and between chunks, requests whose audio went
+    out twice); the rows as they are, with a line on stderr, where the log does not give them."""
+    from common import log
+    from omni_stage_stats import summarize
+
+    try:
+        stats = summarize({"rows": rows}, {server_log.name: server_log.read_text(errors="replace")})
+    except (OSError, ValueError) as exc:
+        log(f"no stage figures from {server_log.name}: {exc}")
+        return rows
+    by_level = {s["concurrency"]: s for s in stats}
+    return [row | {f: by_level[row["concurrency"]][f] for f in STAGE_FIELDS} if row.get("concurrency") in by_level
+            else row for row in rows]  # fmt: skip
+
+
 def talker_configs(talker: str, path: str, profiles: list[str], upstream: list[str] | None) -> list[tuple]:
     """(talker, profile, path) of each profile ``talker`` runs on ``path``: ours ``profiles``; vllm-omni's talker
     ``upstream`` where given, else each of ``profiles`` as it runs it (``upstream_profile``)."""
@@ -711,14 +732,17 @@ def main(argv: list[str] | None = None):
                 stop_group(proc)
         text = log_path.read_text(encoding="utf-8", errors="replace")
         lines = [x for x in text.splitlines() if x.startswith("RESULT:")]
-        for row in json.loads(lines[-1][len("RESULT:") :]) if lines else []:
+        rows = json.loads(lines[-1][len("RESULT:") :]) if lines else []
+        if path == "http":
+            rows = with_stage_stats(rows, writer.dir / f"server_{talker}_{profile}.log")
+        for row in rows:
             writer.add(row)
         if error or not lines:
             writer.add({"talker": talker, "profile": profile, "path": path, "status": "error",
                         "error": error or "no result", "log_tail": text[-3000:]})  # fmt: skip
         log(f"{name}: {time.perf_counter() - t0:.0f} s {error or ''}")
     cols = ["talker", "profile", "path", "concurrency", "requests", "ttfa_ms_p50", "ttfa_ms_p90", "rtf_p50", "rtf_p90",
-            "audio_s_per_s", "over_length", "status"]  # fmt: skip
+            "audio_s_per_s", "over_length", "s0_step_ms_p50", "status"]  # fmt: skip
     print_table(writer.rows, cols, "vllm-omni pipeline: ours vs upstream talker (TTFA ms, RTF = wall / audio)")
     print(f"wrote {writer.path}")
     return writer

@@ -530,5 +530,22 @@ def test_omni_stage_stats_reads_each_levels_timed_requests_from_the_server_log(b
     assert [(r["concurrency"], r["requests"], r["stage0_rows"]) for r in got] == [(1, 1, 208), (2, 2, 208)]
     assert [r["s0_step_ms_p50"] for r in got] == [4.0, 5.5] and [r["e2e_ms_p50"] for r in got] == [900.0, 1100.0]
     assert [r["s1_over_length"] for r in got] == [0, 1] and got[1]["s0_gen_s_p50"] == pytest.approx(208 * 5.5e-3)
-    with pytest.raises(SystemExit, match="2 requests of 208 Stage-0 rows, the run's rows count 3"):
+    with pytest.raises(ValueError, match="2 requests of 208 Stage-0 rows, the run's rows count 3"):
         mod.summarize({"rows": rows}, {"server_ours_p.log": _stage_log([("a", 208, 4.0, 7.96, 900.0)] * 2)})
+
+
+def test_omni_http_rows_carry_their_servers_stage_figures(bench, tmp_path: Path) -> None:
+    """``bench_omni``'s HTTP rows get each level's Stage-0 step and Stage-1 figures from the server's log; a log
+    without the tables leaves the rows as they were."""
+    bench("omni_stage_stats")
+    mod = bench("bench_omni")
+    log = tmp_path / "server_ours_p.log"
+    log.write_text(_stage_log([("w", 58, 9.0, 1.96, 300.0), ("a", 208, 4.0, 7.96, 900.0), ("b", 208, 5.0, 7.96, 950.0),
+                               ("c", 208, 6.0, 15.88, 1000.0), ("d", 208, 7.0, 7.96, 990.0)]))  # fmt: skip
+    rows = [{"talker": "ours", "profile": "p", "path": "http", "status": "ok", "concurrency": level, "requests": n,
+             "audio_s_per_s": 1.0} for level, n in ((1, 1), (2, 2))]  # fmt: skip
+    got = mod.with_stage_stats(rows, log)  # "d": a third level cut before its row was written
+    figures = [(r["s0_step_ms_p50"], r["e2e_ms_p50"], r["s1_over_length"]) for r in got]
+    assert figures == [(4.0, 900.0, 0), (5.5, 975.0, 1)]
+    log.write_text("no tables here\n")
+    assert mod.with_stage_stats(rows, log) == rows
