@@ -7,8 +7,8 @@ first row and time per decode step, Stage 1's time to its first audio and betwee
 ``SERVER_LOG``: ``bench_omni.py``'s ``server_<talker>_<profile>.log`` (in its ``--out`` directory), or a ``.tar.xz``
 holding them. A server's timed requests are those with the most Stage-0 rows (the warm-up waves are shorter); they
 finished level by level, so the run's rows (concurrency, requests) assign them in order (requests beyond them: a
-level cut before its row was written). ``--out``: also write the
-table as ``<run>_stages.json`` there. This reads what vllm-omni measured; it times nothing itself.
+level cut before its row was written). ``--out``: also write the table as ``<run>_stages.json`` there. This reads
+what vllm-omni measured; it times nothing itself.
 """
 
 from __future__ import annotations
