@@ -41,20 +41,25 @@ def _mix32(x):
 
 
 @triton.jit
+def _noise_uniform(seed, step, idx, CODE_KEY: tl.constexpr):
+    # the uniform value in (0, 1) of the noise word of code index ``idx`` (int64) under (seed, step)
+    h = _mix32(seed & 0xFFFFFFFF)
+    h = _mix32(h ^ ((seed >> 32) & 0xFFFFFFFF))
+    h = _mix32(h ^ (step & 0xFFFFFFFF))
+    bits = _mix32(h ^ _mix32(idx + CODE_KEY))
+    bits = _mix32(bits ^ h)
+    return ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # the top 23 bits: exact in fp32
+
+
+@triton.jit
 def _uniform_noise_kernel(seeds_ptr, steps_ptr, out_ptr, n, n_blocks, BLOCK: tl.constexpr, CODE_KEY: tl.constexpr):
     # a 1-D grid of rows x blocks of codes (a 2-D grid's y axis would cap the rows at 65535)
     pid = tl.program_id(0).to(tl.int64)
     row, block = pid // n_blocks, pid % n_blocks
     seed = tl.load(seeds_ptr + row).to(tl.int64)
     step = tl.load(steps_ptr + row).to(tl.int64)
-    h = _mix32(seed & 0xFFFFFFFF)
-    h = _mix32(h ^ ((seed >> 32) & 0xFFFFFFFF))
-    h = _mix32(h ^ (step & 0xFFFFFFFF))
     idx = block * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    bits = _mix32(h ^ _mix32(idx + CODE_KEY))
-    bits = _mix32(bits ^ h)
-    u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # the top 23 bits: exact in fp32
-    tl.store(out_ptr + row * n + idx, u, mask=idx < n)
+    tl.store(out_ptr + row * n + idx, _noise_uniform(seed, step, idx, CODE_KEY), mask=idx < n)
 
 
 def uniform_noise(seeds: Tensor, steps: Tensor, n: int, code_key: int) -> Tensor:
@@ -194,18 +199,6 @@ def update_state(
 
 
 @triton.jit
-def _noise_log(seed, step, idx, CODE_KEY: tl.constexpr):
-    # log(E), E = -log(u), for the noise word of code index ``idx`` (int64) under (seed, step): the race's noise
-    h = _mix32(seed & 0xFFFFFFFF)
-    h = _mix32(h ^ ((seed >> 32) & 0xFFFFFFFF))
-    h = _mix32(h ^ (step & 0xFFFFFFFF))
-    bits = _mix32(h ^ _mix32(idx + CODE_KEY))
-    bits = _mix32(bits ^ h)
-    u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-    return tl.log(-tl.log(u))
-
-
-@triton.jit
 def _first_max(score, index, BIG: tl.constexpr):
     # the lowest ``index`` among the entries of the highest ``score`` (torch's argmax: the first maximum)
     best = tl.max(score, axis=0)
@@ -252,7 +245,7 @@ def _race_kernel(
         value = tl.where(drop, float("-inf"), value)
     else:
         index, value = i.to(tl.int64), x
-    noisy = value - _noise_log(seed, step, q * V + index, CODE_KEY)
+    noisy = value - tl.log(-tl.log(_noise_uniform(seed, step, q * V + index, CODE_KEY)))  # x - log(E), E ~ Exp(1)
     noisy = tl.where(noisy != noisy, lowest, noisy)  # NaN
     noisy = tl.where(noisy == float("-inf"), lowest, tl.where(noisy == float("inf"), -lowest, noisy))
     noisy = tl.where(value == float("-inf"), float("-inf"), noisy)
