@@ -63,9 +63,9 @@ def check_decode_kernel(kernel: str) -> None:
 # five points and ``native_tc_nosplit`` at batch 16, context 512 (by 2.6 %); ``native`` lost at all six, ``fa3``
 # tied at batch 1, context 512 and lost by 20% to 3x elsewhere. XQA lost at all six too, but it is the fastest
 # kernel alone at long contexts, so it stays a candidate for other shapes and GPUs. ``native_tc_nosplit`` is no
-# longer measured: its CUDA-graph plans leave padded CTAs unmasked (``_graph_wrapper``), the likely cause of H100
-# starts that sat for minutes in the check of their cached choices (results/h100_20261206; read from FlashInfer's
-# code, not yet confirmed on a GPU). Every kernel can be pinned.
+# longer measured: its CUDA-graph plans leave padded CTAs unmasked, which made H100 starts sit for minutes in the
+# check of their cached choices (results/h100_20261206); ``_graph_wrapper`` now zeroes what they read (confirmed on
+# an H100, results/h100_20261206b), and it was not measured again. Every kernel can be pinned.
 AUTO_KERNELS = ("native_tc", "xqa")
 
 
