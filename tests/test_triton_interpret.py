@@ -375,3 +375,29 @@ def test_sample_codes_runs_the_race_kernel_once_it_matched(monkeypatch):
     assert torch.equal(sampling.sample_codes(*args), want) and len(calls) == 2
     monkeypatch.setattr(fused, "DISABLED", {"sampler race"})
     assert torch.equal(sampling.sample_codes(*args), want) and len(calls) == 2
+
+
+def test_a_call_the_kernels_do_not_take_runs_the_reference_and_leaves_them_untried(monkeypatch):
+    """``run_checked``'s ``supported``: a codebook of 70,000 codes (the race sorts at most RACE_MAX_VOCAB in one
+    block, the mask holds at most MASK_MAX_VOCAB) goes to the torch references, and neither kernel is tried (tried,
+    each would raise and turn itself off)."""
+    from higgs_talker.heads import fused, sampling, slots
+    from higgs_talker.heads.delay import DelayState, apply_delay_mask
+
+    monkeypatch.setattr(fused, "_on_kernel_device", lambda t: True)
+    monkeypatch.setattr(fused, "stream_is_capturing", lambda: False)
+    monkeypatch.setattr(fused, "_state", {})
+    monkeypatch.setattr(fused, "_checked", {})
+    monkeypatch.setattr(fused, "DISABLED", set())
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 1, 70_000, generator=g)
+    rest = (torch.ones(2), torch.tensor([50, 0]), torch.tensor([0.95, 1.0]), torch.tensor([1, 2]), torch.tensor([3, 4]))
+    assert torch.equal(sampling.sample_codes(x, *rest), sampling.race_scores(x, *rest).argmax(dim=-1))
+    state = DelayState(last_codes=torch.zeros(2, 1, dtype=torch.long), has_codes=torch.zeros(2, dtype=torch.bool),
+                       delay=torch.tensor([0, 1]), countdown=torch.tensor([-1, -1]),
+                       done=torch.zeros(2, dtype=torch.bool))  # fmt: skip
+    allowed = torch.ones(2, dtype=torch.bool)
+    want = apply_delay_mask(x.clone(), state.delay, state.countdown, 30, 31, allowed)
+    slots.masked_logits(x, state, 30, 31, allowed)
+    assert torch.equal(x, want)
+    assert (fused.state("sampler race"), fused.state("delay mask")) == ("untried", "untried")

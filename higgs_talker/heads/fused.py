@@ -116,15 +116,19 @@ def run_checked(
     reference: Callable[[bool], T],
     same: Callable[[T, T], bool],
     key: tuple = (),
+    supported: Callable[[], bool] | None = None,
 ) -> T:
     """``fused(kernels, checking)`` where the kernel is on and checked for this call's ``signature(*key)``, else
     ``reference(checking)``; on a signature's first use, both on the same inputs (``checking=True``: neither may
-    write its inputs), compared by ``same``."""
+    write its inputs), compared by ``same``. ``supported``: whether the kernel takes this call, asked only of a
+    signature not yet checked (what it reads, dtypes, shapes and strides, is in the key); no: the reference."""
     if not ENABLED or name in DISABLED or _state.get(name) == "off" or not _on_kernel_device(device_tensor):
         return reference(False)
     sig = signature(*key)
     if sig in _checked.get(name, ()):
         return fused(_kernels(), False)
+    if supported is not None and not supported():
+        return reference(False)
     if stream_is_capturing():
         return reference(False)  # unchecked, and a capture cannot check it
     want = reference(True)

@@ -302,10 +302,8 @@ def sample_codes(
     def reference(checking: bool) -> Tensor:
         return race_scores(logits, temperature, top_k, top_p, seeds, steps, filter=filter).argmax(dim=-1)
 
-    if not fused.race_supports(logits, temperature, top_k, top_p, seeds, steps, CODE_KEY):
-        return reference(False)
+    args = (logits, temperature, top_k, top_p, seeds, steps)
     return fused.run_checked(
-        "sampler race", logits,
-        lambda k, checking: k.race_argmax(logits, temperature, top_k, top_p, seeds, steps, CODE_KEY, filter),
-        reference, fused.same_values, (logits, temperature, top_k, top_p, seeds, steps, filter),
+        "sampler race", logits, lambda k, checking: k.race_argmax(*args, CODE_KEY, filter), reference,
+        fused.same_values, (*args, filter), supported=lambda: fused.race_supports(*args, CODE_KEY),
     )  # fmt: skip

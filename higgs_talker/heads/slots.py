@@ -176,16 +176,13 @@ def masked_logits(logits: Tensor, state: DelayState, boc_id: int, eoc_id: int, e
         out = logits.clone() if checking else logits
         return apply_delay_mask(out, state.delay, state.countdown, boc_id, eoc_id, eoc_allowed)
 
-    if not fused.delay_mask_supports(logits):
-        reference(False)
-        return
-
     def kernel(k, checking: bool) -> Tensor:
         out = logits.clone() if checking else logits
         return k.delay_mask(out, state.delay, state.countdown, boc_id, eoc_id, eoc_allowed)
 
     key = (logits, state.delay, state.countdown, eoc_allowed, boc_id, eoc_id)
-    out = fused.run_checked("delay mask", logits, kernel, reference, fused.same_values, key)
+    out = fused.run_checked("delay mask", logits, kernel, reference, fused.same_values, key,
+                            supported=lambda: fused.delay_mask_supports(logits))  # fmt: skip
     if out is not logits:  # the first use, checked on copies
         logits.copy_(out)
 
