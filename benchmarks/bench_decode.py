@@ -30,8 +30,9 @@ the same run; ``--fuse on`` (the default) times the first only, ``off`` the seco
 ``--decode-kernels native,xqa,native_tc,...`` pins the decode attention kernel (``...+KERNEL`` rows) instead of the
 per-bucket measurement (``auto``), and ``--head-kernels both`` adds ``...-torchhead`` rows (the frame's noise hash,
 delay mask and state update as torch operations instead of the Triton kernels that are the CUDA default,
-``heads.fused``; graphs capture whichever the variant uses), ``--race-kernel both`` adds ``...-race`` rows (the
-sampled step's filter, noise and race as one Triton kernel, off by default until measured faster); ``--sampler-
+``heads.fused``; graphs capture whichever the variant uses), ``--race-kernel both`` adds ``...-torchrace`` rows (the
+sampled step's filter, noise and race as torch operations around the noise kernel instead of the one Triton kernel
+that is the CUDA default); ``--sampler-
 variants both`` adds ``...-wholesampler`` rows (full-decode graphs without the cheaper greedy / no-filter sampler
 variants); ``--row-gemv auto,off`` times each mode with the one-row Triton GEMV measured per linear (``auto``, the
 default) and with cuBLAS for every linear (``...-cublasrows`` rows; ``on``: the GEMV on every linear,
@@ -105,7 +106,7 @@ SYNC = "-sync"  # label suffix: async_scheduling=False
 UNPADDED = "-eagerprefill"  # label suffix: no prefill graphs (prefill_buckets=(): prefills run eagerly)
 PREFIX_CACHE = "+pcache"  # label suffix: prefix caching on (prefix_caching=True)
 TORCH_HEAD = "-torchhead"  # label suffix: heads.fused.ENABLED = False
-RACE = "-race"  # label suffix: the race kernel on (heads.fused.DISABLED without "sampler race")
+TORCH_RACE = "-torchrace"  # label suffix: the race kernel off ("sampler race" in heads.fused.DISABLED)
 WHOLE_SAMPLER = "-wholesampler"  # label suffix: no sampler variants (cuda_graphs.full_decode.SAMPLER_VARIANTS)
 ROW_GEMV_LABELS = {"auto": "", "off": "-cublasrows", "on": "-rowgemv"}  # label suffix per row_gemv option
 DECODE_KERNELS = ("auto", *KERNELS)
@@ -123,7 +124,7 @@ class Variant:
     prefix_caching: bool = False  # share the K/V of common prompt prefixes (opt-in in the library)
     head_kernels: bool = True  # the frame's Triton kernels (heads.fused; the CUDA default)
     sampler_variants: bool = True  # full-decode graphs with the cheaper samplers (the default)
-    race_kernel: bool = False  # a sampled step's filter, noise and race as one Triton kernel (off by default)
+    race_kernel: bool = True  # a sampled step's filter, noise and race as one Triton kernel (the CUDA default)
     row_gemv: str = "auto"  # one-row inputs: the Triton GEMV where measured faster (auto), everywhere (on), nowhere
 
     @property
@@ -138,7 +139,7 @@ class Variant:
         sync = SYNC if self.async_scheduling is False else ""
         head = "" if self.head_kernels else TORCH_HEAD
         whole = "" if self.sampler_variants else WHOLE_SAMPLER
-        race = RACE if self.race_kernel and self.head_kernels else ""
+        race = TORCH_RACE if self.head_kernels and not self.race_kernel else ""
         rows = ROW_GEMV_LABELS[self.row_gemv]
         return f"{self.mode}{FUSED if self.fuse else ''}{kernel}{prefill}{sync}{head}{race}{whole}{rows}"
 
@@ -336,7 +337,7 @@ def variants(args: argparse.Namespace) -> list[Variant]:
         for kernel in args.decode_kernels
         for on in both(args.async_scheduling)
         for head in both({"fused": "on", "torch": "off", "both": "both"}[args.head_kernels])
-        for race in (both(args.race_kernel) if head else [False])
+        for race in (both(args.race_kernel) if head else [True])
         for sv in both(args.sampler_variants)
         for rows in args.row_gemv
     ]
@@ -346,7 +347,8 @@ def run_mode(variant: Variant, cfg: TalkerConfig, args, writer: ResultFile, bw: 
     """Time every (context, batch) point of one variant; points left after ``share_s`` seconds of timing (build,
     warm-up and first-use kernel compilation not counted) are recorded as skipped."""
     fused.ENABLED = variant.head_kernels  # from the build on: graphs capture the path the variant uses
-    fused.DISABLED = set(DEFAULT_DISABLED - {"sampler race"} if variant.race_kernel else DEFAULT_DISABLED)
+    race = {"sampler race"}
+    fused.DISABLED = set(DEFAULT_DISABLED - race if variant.race_kernel else DEFAULT_DISABLED | race)
     full_graphs.SAMPLER_VARIANTS = DEFAULT_SAMPLER_VARIANTS if variant.sampler_variants else ()
     try:
         _run_variant(variant, cfg, args, writer, bw, share_s)
@@ -702,9 +704,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--head-kernels", choices=("fused", "torch", "both"), default="fused",
                    help="the frame's noise hash, delay mask and state update: Triton kernels (fused, the CUDA "
                    "default), torch operations (MODE-torchhead rows), or both")  # fmt: skip
-    p.add_argument("--race-kernel", choices=("on", "off", "both"), default="off",
-                   help="a sampled step's top-k/top-p filter, noise and race as torch operations around the noise "
-                   "kernel (off, the library's default) or one Triton kernel (on: MODE-race rows), or both",
+    p.add_argument("--race-kernel", choices=("on", "off", "both"), default="on",
+                   help="a sampled step's top-k/top-p filter, noise and race as one Triton kernel (on, the CUDA "
+                   "default) or torch operations around the noise kernel (off: MODE-torchrace rows), or both",
                    )  # fmt: skip
     p.add_argument("--sampler-variants", choices=("on", "off", "both"), default="on",
                    help="full-decode graphs with the cheaper sampler variants (on, the default), the whole sampler "

@@ -181,6 +181,7 @@ PATHS = ("offline", "http", "direct")
 LEVELS = (1, 4, 16, 64)
 LEVELS_DONE = "LEVELS DONE"  # a worker's last line of results: what follows is its shutdown
 SHUTDOWN_S = 30  # how long a worker whose levels are done may take to shut down before it is stopped
+SERVER_GROUP = "SERVER GROUP "  # a worker's line naming the process group of the server it started
 SAMPLE_RATE = 24000
 FRAME_RATE = 25
 NUM_CODEBOOKS = 8
@@ -377,6 +378,7 @@ def start_server(ckpt: str, yaml_path: Path, env: dict[str, str], log_path: Path
            str(yaml_path), "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
     sink = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    print(f"{SERVER_GROUP}{proc.pid}", flush=True)  # for the parent, should it have to stop this worker
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -591,11 +593,40 @@ def worker_limit(limit: float, deadline: float | None, left: int, least: float =
     return min(limit, max(left_s / left, min(least, left_s), 1.0))
 
 
-def stop_group(proc: subprocess.Popen) -> None:
-    """End a worker's session: the worker and every stage process it started (a clean exit leaves none)."""
+def stop_group(proc: subprocess.Popen, log_path: Path) -> None:
+    """End a worker's session: the worker, every stage process it started, and the session of each server it
+    started (``SERVER_GROUP`` lines in its log: a server runs in a session of its own, which a worker stopped at its
+    limit never ends; on the H100, 2026-12-06, such a server kept 55 GiB and the next configuration's start failed).
+    Waits up to 60 s for those servers' processes to go, so that the next configuration finds the GPU free."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    text = log_path.read_text(encoding="utf-8", errors="replace") if log_path.exists() else ""
+    groups = [int(ln[len(SERVER_GROUP) :]) for ln in text.splitlines() if ln.startswith(SERVER_GROUP)]
+    for group in groups:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+    end = time.monotonic() + 60
+    while groups and time.monotonic() < end:
+        groups = [g for g in groups if _group_alive(g)]
+        time.sleep(0.2)
+
+
+def _group_alive(group: int) -> bool:
+    """Whether a process group still has a member that is not a zombie (a zombie holds no GPU memory; one whose
+    parent is gone waits for whoever reaps orphans)."""
+    if not Path("/proc").is_dir():
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
+            if int(fields[2]) == group and fields[0] != "Z":
+                return True
+    return False
 
 
 def wait_worker(proc: subprocess.Popen, log_path: Path, limit: float) -> int:
@@ -610,7 +641,7 @@ def wait_worker(proc: subprocess.Popen, log_path: Path, limit: float) -> int:
         if done_at is None and LEVELS_DONE in log_path.read_text(encoding="utf-8", errors="replace"):
             done_at = now
         if done_at is not None and now - done_at > SHUTDOWN_S:
-            stop_group(proc)
+            stop_group(proc, log_path)
             return 0
         if now > end:
             raise subprocess.TimeoutExpired(proc.args, limit)
@@ -729,7 +760,7 @@ def main(argv: list[str] | None = None):
             except subprocess.TimeoutExpired as exc:
                 error = f"stopped after {exc.timeout:.0f} s (worker timeout or --budget-s)"
             finally:
-                stop_group(proc)
+                stop_group(proc, log_path)
         text = log_path.read_text(encoding="utf-8", errors="replace")
         lines = [x for x in text.splitlines() if x.startswith("RESULT:")]
         rows = json.loads(lines[-1][len("RESULT:") :]) if lines else []

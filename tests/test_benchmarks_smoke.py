@@ -154,7 +154,7 @@ def test_decode_variant_grid_and_labels(bench) -> None:
                       "auto-fused-torchhead-wholesampler"]  # fmt: skip
     args = mod.parse_args(["--modes", "auto", "--race-kernel", "both", "--head-kernels", "both", "--no-peers"])
     # the race is one of the head kernels: without them there is no race kernel to turn on
-    assert [v.label for v in mod.variants(args)] == ["auto-fused-race", "auto-fused", "auto-fused-torchhead"]
+    assert [v.label for v in mod.variants(args)] == ["auto-fused", "auto-fused-torchrace", "auto-fused-torchhead"]
 
 
 def test_decode_refuses_a_budget_the_peers_would_eat(bench, capsys) -> None:
@@ -460,8 +460,43 @@ def test_omni_worker_done_with_its_levels_is_stopped_in_its_shutdown(bench, monk
     proc, log, child = _worker(tmp_path, "RESULT:[]")  # levels not done: the limit applies
     with pytest.raises(subprocess.TimeoutExpired):
         bench_omni.wait_worker(proc, log, limit=3.0)
-    bench_omni.stop_group(proc)
+    bench_omni.stop_group(proc, log)
     assert proc.poll() is not None and _gone(int(child.read_text()))
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_a_stopped_omni_worker_takes_the_server_it_started_with_it(bench, tmp_path: Path) -> None:
+    """An HTTP worker stopped at its limit also ends the server it started in a session of its own (named by its
+    SERVER_GROUP line): on the H100 (2026-12-06) a stopped worker's server kept 55 GiB and the next configuration's
+    server failed to start. The server's own child (a stage process) goes too, and stop_group returns only then."""
+    import subprocess
+    import time
+
+    import bench_omni
+
+    server = tmp_path / "server.pid"
+    stage = tmp_path / "stage.pid"
+    server_code = (f"import subprocess, sys, time; "
+                   f"c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+                   f"open({str(stage)!r}, 'w').write(str(c.pid)); time.sleep(600)")  # fmt: skip
+    code = (f"import subprocess, sys, time; "
+            f"s = subprocess.Popen([sys.executable, '-c', {server_code!r}], start_new_session=True); "
+            f"open({str(server)!r}, 'w').write(str(s.pid)); "
+            f"print({bench_omni.SERVER_GROUP!r} + str(s.pid), flush=True); time.sleep(600)")  # fmt: skip
+    log = tmp_path / "worker.log"
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    for _ in range(100):
+        if stage.exists() and bench_omni.SERVER_GROUP in log.read_text():
+            break
+        time.sleep(0.1)
+    with pytest.raises(subprocess.TimeoutExpired):
+        bench_omni.wait_worker(proc, log, limit=1.0)
+    bench_omni.stop_group(proc, log)
+    assert proc.poll() is not None
+    assert not bench_omni._group_alive(int(server.read_text()))
+    assert _gone(int(server.read_text())) and _gone(int(stage.read_text()))
 
 
 def test_a_smoke_run_without_out_writes_to_a_temporary_folder(bench, monkeypatch, tmp_path: Path) -> None:

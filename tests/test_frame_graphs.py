@@ -180,7 +180,7 @@ def test_the_eager_warm_up_checks_every_frame_kernel_on_cuda(monkeypatch):
     monkeypatch.setattr(fused, "_state", {})
     dev = torch.device("cuda")
     FrameGraphs(frame, _slots(dev), _head(dev), [1, 2, 4, 8, 16], 16, AUDIO).warm_eager(H, torch.float32, dev)
-    for name in ("sampler noise", "delay mask", "delay state update"):
+    for name in ("sampler race", "delay mask", "delay state update"):  # the race draws a sampled step's noise
         assert fused.state(name) == "ok", name
     (mask_signatures,) = [sigs for name, sigs in fused._checked.items() if name == "delay mask"]
     assert sorted(sig[0][1][0] for sig in mask_signatures) == [1, 2, 16]  # the logits' batch of each warm-up run

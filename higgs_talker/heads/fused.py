@@ -20,8 +20,8 @@ torch takes about 30 launches besides the noise kernel (the sort, its gathers an
 in both directions, the noise's logs, the race). Its filter sums the nucleus mass in its own order, and on a GPU
 its ``exp``/``log`` are Triton's, so a code can differ from the reference's where two candidates' scores or the
 nucleus mass and ``1 - top_p`` are within a few ulps: its first use per signature is checked like the others', and
-a difference turns it off. It is in ``DISABLED`` by default: written and tested (the Triton interpreter against
-torch; a GPU test with near-tie allowances) but not yet timed on a GPU (``bench_decode.py --race-kernel both``).
+a difference turns it off. On an H100 (2026-12-06, ``bench_decode.py --race-kernel both``, 4B shape, deploy
+sampling) it took 0.03 / 0.05 / 0.06 ms off a step of 1 / 16 / 64 requests (about 1 %), with its GPU test passing.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 ENABLED = True
-# kernels turned off by name (benchmarks' A/B of one kernel); the race is off until a GPU run shows it faster
-DISABLED: set[str] = {"sampler race"}
+# kernels turned off by name (benchmarks' A/B of one kernel): none by default
+DISABLED: set[str] = set()
 MASK_MAX_VOCAB = 1 << 16  # the mask kernel holds one codebook row in one block
 RACE_MAX_VOCAB = 1 << 13  # the race kernel sorts one codebook row of int64 keys in one block
 T = TypeVar("T")
