@@ -10,7 +10,8 @@ Each point is timed once per ``--sampling`` name (default ``deploy,greedy``, the
 labelled ``sampling``): ``deploy`` is the deploy profiles' sampling (temperature 1.0, top_p 0.95, top_k 50,
 seeded requests), the headline; ``greedy`` is the argmax. They replay different full-decode graphs: a batch
 with top-k / top-p on takes the whole sampler (noise, sort and filter), an all-greedy batch the argmax-only
-variant (``cuda_graphs.full_decode``); the rows record which (``sampler_draw``, ``sampler_filter``).
+variant (``cuda_graphs.full_decode``); the rows record which (``sampler_draw``, ``sampler_filter``), and what
+each of the frame's Triton kernels did (``frame_kernels``: ok, off after a failed first-use check, disabled, untried).
 
 The floor is the bytes one decode step must read over the device-to-device copy bandwidth measured at the
 start of the run: every layer's weights + the final norm + the codebook table (the text embedding is only
@@ -89,6 +90,7 @@ from higgs_talker.tiny import tiny_config
 
 DEFAULT_SAMPLER_VARIANTS = full_graphs.SAMPLER_VARIANTS
 DEFAULT_DISABLED = frozenset(fused.DISABLED)  # the frame kernels the library leaves off
+FRAME_KERNELS = ("sampler noise", "sampler race", "delay mask", "delay state update")  # heads.fused's names
 
 SHAPE_4B = dict(
     vocab_size=151936,
@@ -386,6 +388,7 @@ def _run_variant(variant: Variant, cfg: TalkerConfig, args, writer: ResultFile, 
             continue
         try:
             row = base | time_engine(talker, b, c, s, args, wb, bw) | {"build_s": build_s} | info
+            row["frame_kernels"] = frame_kernel_states()
         except Exception as exc:  # noqa: BLE001 - one shape's failure must not lose the others
             row = base | {"batch": b, "context": c, "sampling": s, "status": "error", "error": error_text(exc)} | info
         writer.add(row)
@@ -395,6 +398,15 @@ def _run_variant(variant: Variant, cfg: TalkerConfig, args, writer: ResultFile, 
         )
     del talker
     free_memory(torch.device(args.device))
+
+
+def frame_kernel_states() -> dict[str, str]:
+    """What each frame kernel did by the end of a timed point: ``disabled`` (the variant turned it off), else
+    ``heads.fused.state``: ``ok`` (checked, in use), ``off`` (failed its first-use check or errored: the torch
+    reference ran in its place, so an A/B of it measured nothing) or ``untried`` (no call it takes, or not CUDA)."""
+    if not fused.ENABLED:
+        return dict.fromkeys(FRAME_KERNELS, "disabled")
+    return {name: "disabled" if name in fused.DISABLED else fused.state(name) for name in FRAME_KERNELS}
 
 
 def num_blocks_for(args: argparse.Namespace) -> int:

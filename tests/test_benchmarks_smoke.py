@@ -144,6 +144,23 @@ def test_decode_head_kernels_both_times_each_variant_with_its_own_path(bench, tm
     assert seen == [("eager-fused", True), ("eager-fused-torchhead", False)]
     assert [(r["mode"], r["status"]) for r in data["rows"]] == [("eager-fused", "ok"), ("eager-fused-torchhead", "ok")]
     assert fused.ENABLED
+    # each row says what its frame kernels did: none runs on CPU (untried), the torch-head row turned them off
+    names = ("sampler noise", "sampler race", "delay mask", "delay state update")
+    kernels = [r["frame_kernels"] for r in data["rows"]]
+    assert kernels == [dict.fromkeys(names, "untried"), dict.fromkeys(names, "disabled")]
+
+
+def test_decode_rows_say_which_frame_kernels_ran(bench, monkeypatch) -> None:
+    """``frame_kernels``: a kernel that failed its first-use check reads ``off`` (the reference ran: its A/B timed
+    nothing), one the variant turned off ``disabled``, a checked one ``ok``."""
+    from higgs_talker.heads import fused
+
+    mod = bench("bench_decode")
+    monkeypatch.setattr(fused, "_state", {"sampler race": "off"})
+    monkeypatch.setattr(fused, "_checked", {"delay mask": {("sig",)}, "sampler race": {("sig",)}})
+    monkeypatch.setattr(fused, "DISABLED", {"delay state update"})
+    assert mod.frame_kernel_states() == {"sampler noise": "untried", "sampler race": "off", "delay mask": "ok",
+                                         "delay state update": "disabled"}  # fmt: skip
 
 
 def test_decode_variant_grid_and_labels(bench) -> None:
