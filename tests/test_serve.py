@@ -202,6 +202,63 @@ def test_openai_client_gets_the_audio_of_the_api(served, solo, client) -> None:
     wait_until_idle(serving)
 
 
+def decoded(body: bytes) -> torch.Tensor:
+    """A compressed body decoded by FFmpeg (PyAV, an independent reader of the container), as 16-bit mono 24 kHz
+    samples (Opus decodes at 48 kHz: resampled)."""
+    import io
+
+    import av
+
+    resampler = av.AudioResampler(format="s16", layout="mono", rate=24000)
+    with av.open(io.BytesIO(body)) as container:
+        frames = [f for frame in container.decode(audio=0) for f in resampler.resample(frame)]
+    frames += resampler.resample(None)
+    return torch.cat([torch.from_numpy(f.to_ndarray().reshape(-1).copy()) for f in frames]).float()
+
+
+def best_correlation(got: torch.Tensor, want: torch.Tensor, max_lag: int = 2048, band_hz: float = 2000.0) -> float:
+    """The normalized correlation of ``want`` with ``got`` from 100 Hz to ``band_hz`` (what every codec here keeps;
+    MP3 and Opus drop the top of the tiny model's broadband audio) at the best delay in [0, max_lag] samples (an
+    encoder's priming delays what it decodes to)."""
+
+    def low(x: torch.Tensor) -> torch.Tensor:
+        spectrum = torch.fft.rfft(x.double())
+        spectrum[int(band_hz / 24000 * x.numel()) :] = 0
+        spectrum[: int(100 / 24000 * x.numel()) + 1] = 0  # and above 100 Hz: Opus removes what lies below
+        return torch.fft.irfft(spectrum, n=x.numel())
+
+    n = want.numel()
+    got, want = low(got), low(want)
+    lags = range(0, min(max_lag, got.numel() - n) + 1)
+    return max(float(torch.nn.functional.cosine_similarity(got[lag : lag + n], want, dim=0)) for lag in lags)
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "opus", "aac", "flac"])
+def test_compressed_formats_carry_the_audio_whole_and_streamed(served, solo, fmt) -> None:
+    """OpenAI's compressed formats: the whole file (stream false) and the streamed bytes each decode (FFmpeg) to the
+    API's audio: FLAC to the very samples; the lossy codecs to at least its length plus their priming and padding,
+    correlated >= 0.9 with it from 100 Hz to 2 kHz at their delay (0.95-0.99 seen; another request's audio
+    correlates 0.15-0.16 so, at its best delay)."""
+    _, url = served
+    text, params = "Compressed as it comes.", SamplingParams(seed=5, temperature=0.0, max_frames=60)
+    want = torch.frombuffer(bytearray(expected_pcm(solo, text, params)), dtype=torch.int16).float()
+    body = {"input": text, "seed": 5, "temperature": 0.0, "max_new_tokens": 60, "response_format": fmt}
+    media = {"mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac", "flac": "audio/flac"}[fmt]
+    whole = speech(url, **body, stream=False)
+    assert whole.status_code == 200 and whole.headers["content-type"] == media, whole.text
+    with httpx.stream("POST", url + "/v1/audio/speech", json=body | {"stream_format": "audio"}, timeout=TIMEOUT) as r:
+        assert r.status_code == 200 and r.headers["content-type"] == media
+        chunks = [c for c in r.iter_raw() if c]
+    assert len(chunks) >= 2, "the encoded audio came in one piece"
+    for what, data in (("whole", whole.content), ("streamed", b"".join(chunks))):
+        got = decoded(data)
+        if fmt == "flac":  # lossless: the samples themselves
+            assert torch.equal(got, want), what
+            continue
+        assert want.numel() <= got.numel() <= want.numel() + 4096, (what, got.numel(), want.numel())
+        assert best_correlation(got, want) >= 0.9, what
+
+
 def test_a_request_without_sampling_gets_the_deploy_profiles(served, solo) -> None:
     """No temperature / top_p / top_k: the deploy profiles' 1.0 / 0.95 / 50, as vllm-omni's speech endpoint
     samples (its deploy YAMLs); each field a request gives overrides its own."""
@@ -271,6 +328,28 @@ def test_sse_events(served, solo, select) -> None:
     assert done["usage"]["output_tokens"] == len(want) // (960 * 2)
     assert done["usage"]["input_tokens"] == len(solo.build_prompt(text))
     assert done["usage"]["total_tokens"] == done["usage"]["input_tokens"] + done["usage"]["output_tokens"]
+
+
+def test_flac_events_carry_the_samples_and_a_server_without_pyav_says_what_it_needs(served, solo, monkeypatch) -> None:
+    """SSE with an encoded format: the deltas, joined, are one FLAC stream of the API's samples (its end sent with
+    the last delta, before the done event). Without PyAV, a compressed format is a 400 naming response_format
+    that says what to install, and wav still works."""
+    import importlib.util
+
+    _, url = served
+    text, params = "Events, please.", SamplingParams(seed=9, temperature=0.0, max_frames=50)
+    want = torch.frombuffer(bytearray(expected_pcm(solo, text, params)), dtype=torch.int16).float()
+    body = {"input": text, "seed": 9, "temperature": 0.0, "max_new_tokens": 50, "response_format": "flac",
+            "stream_format": "sse"}  # fmt: skip
+    with httpx.stream("POST", url + "/v1/audio/speech", json=body, timeout=TIMEOUT) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    assert [e["type"] for e in events] == ["speech.audio.delta"] * (len(events) - 1) + ["speech.audio.done"]
+    assert torch.equal(decoded(b"".join(base64.b64decode(e["audio"]) for e in events[:-1])), want)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "av" else real(name, *a))
+    error = check_error(speech(url, input="Hi.", response_format="mp3"), 400, "response_format")
+    assert "PyAV" in error["message"] and "serve" in error["message"]
+    assert speech(url, input="Hi.", max_new_tokens=5, response_format="wav").status_code == 200
 
 
 def test_eight_concurrent_clients_get_their_own_audio(served, solo, monkeypatch) -> None:
@@ -456,7 +535,8 @@ BAD = [
     ({"input": "Hi.", "voice": {"id": "default", "name": "x"}}, 400, "voice"),  # was param "voice.str"
     ({"input": "Hi.", "speed": 1.5}, 400, "speed"),
     ({"input": "Hi.", "instructions": "whisper"}, 400, "instructions"),
-    ({"input": "Hi.", "response_format": "mp3"}, 400, "response_format"),
+    ({"input": "Hi.", "response_format": "ogg"}, 400, "response_format"),
+    ({"input": "Hi.", "response_format": "MP3"}, 400, "response_format"),  # OpenAI's names are lower case
     ({"input": "Hi.", "stream_format": "video"}, 400, "stream_format"),
     ({"input": "Hi.", "stream_format": "sse", "stream": False}, 400, "stream"),
     ({"input": "Hi.", "temperature": -1}, 400, "temperature"),

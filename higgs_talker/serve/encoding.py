@@ -1,5 +1,6 @@
-"""Audio bytes on the wire: 16-bit PCM, WAV headers (exact, or a streaming one whose sizes are unknown) and
-server-sent events. Pure functions."""
+"""Audio bytes on the wire: 16-bit PCM, WAV headers (exact, or a streaming one whose sizes are unknown),
+server-sent events, and the compressed formats of OpenAI's speech API (mp3, opus, aac, flac), encoded by FFmpeg
+through PyAV (the ``serve`` extra) as the audio comes."""
 
 from __future__ import annotations
 
@@ -8,8 +9,15 @@ import struct
 
 from pydantic import BaseModel
 
-FORMATS = ("wav", "pcm")  # what the server writes; anything else needs an encoder library (a 400 says so)
-MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
+# format -> (FFmpeg muxer, encoder, media type): containers that can be written front to back as the audio comes
+ENCODED = {
+    "mp3": ("mp3", "libmp3lame", "audio/mpeg"),
+    "opus": ("ogg", "libopus", "audio/ogg"),
+    "aac": ("adts", "aac", "audio/aac"),
+    "flac": ("flac", "flac", "audio/flac"),
+}
+FORMATS = ("wav", "pcm", *ENCODED)  # OpenAI's, in its order after its default (mp3) and the two written here
+MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"} | {name: media for name, (_, _, media) in ENCODED.items()}
 UNKNOWN_SIZE = 0xFFFFFFFF  # RIFF and data sizes of a streamed WAV: readers take the data up to the end
 
 
@@ -31,3 +39,56 @@ def sse_event(event: BaseModel) -> bytes:
 
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
+
+
+class AudioEncoder:
+    """16-bit mono PCM in, one of ``ENCODED``'s formats out: ``encode(pcm)`` returns the bytes that chunk completed
+    (often none: an encoder holds back a frame's worth), ``finish()`` the rest, once. The container is written to a
+    sink without seeking, so the bytes can be sent as they come (a FLAC stream's header then gives no length)."""
+
+    def __init__(self, fmt: str, sample_rate: int) -> None:
+        import av  # the serve extra; only a request for a compressed format needs it
+
+        muxer, codec, _ = ENCODED[fmt]
+        self._av, self._rate, self._pts, self._out = av, sample_rate, 0, bytearray()
+        self._container = av.open(_Sink(self._out), "w", format=muxer)
+        self._stream = self._container.add_stream(codec, rate=sample_rate, layout="mono")
+        # each encoder takes its own sample format (s16p, fltp, ...): converted from s16, same rate and layout
+        self._resampler = av.AudioResampler(format=self._stream.codec_context.format.name, layout="mono",
+                                            rate=sample_rate)  # fmt: skip
+
+    def encode(self, pcm: bytes) -> bytes:
+        if pcm:
+            frame = self._av.AudioFrame(format="s16", layout="mono", samples=len(pcm) // 2)
+            frame.planes[0].update(pcm)
+            frame.sample_rate, frame.pts = self._rate, self._pts
+            self._pts += frame.samples
+            self._encode(self._resampler.resample(frame))
+        return self._take()
+
+    def finish(self) -> bytes:
+        self._encode(self._resampler.resample(None))
+        self._encode([None])  # flushes the encoder
+        self._container.close()  # the trailer
+        return self._take()
+
+    def _encode(self, frames) -> None:
+        for frame in frames:
+            for packet in self._stream.encode(frame):
+                self._container.mux(packet)
+
+    def _take(self) -> bytes:
+        data = bytes(self._out)
+        self._out.clear()
+        return data
+
+
+class _Sink:
+    """A write-only, unseekable file for FFmpeg's muxer: what it writes is appended to ``out``."""
+
+    def __init__(self, out: bytearray) -> None:
+        self._out = out
+
+    def write(self, data) -> int:
+        self._out += data
+        return len(data)

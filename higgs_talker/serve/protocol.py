@@ -32,7 +32,9 @@ class SpeechRequest(BaseModel):
     model: str | None = Field(None, description="the served model's name (GET /v1/models); None: that one")
     voice: str | VoiceId | None = Field(None, description="an uploaded voice's name, or 'default' (no reference)")
     instructions: str | None = Field(None, description="OpenAI's voice instructions: not supported, must be empty")
-    response_format: str = Field("wav", description="wav or pcm (16-bit mono little-endian at 24 kHz)")
+    response_format: str = Field(
+        "wav", description="wav, pcm (16-bit mono little-endian at 24 kHz), mp3, opus (in Ogg), aac (ADTS) or flac"
+    )
     speed: float = Field(1.0, description="only 1.0")
     stream_format: Literal["audio", "sse"] | None = Field(
         None, description="audio: the bytes as they are made; sse: speech.audio.delta / speech.audio.done events"

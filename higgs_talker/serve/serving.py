@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import importlib.util
 import itertools
 import logging
 import threading
@@ -28,7 +29,7 @@ from ..heads.sampling import SamplingParams
 from ..prompt import PromptTooLong
 from ..results import GenerationCancelled, Reference
 from ..splitting import DEFAULT_PART_CHARS
-from .encoding import FORMATS, b64, sse_event, wav_header
+from .encoding import ENCODED, FORMATS, AudioEncoder, b64, sse_event, wav_header
 from .protocol import (
     APIError,
     ErrorInfo,
@@ -197,7 +198,14 @@ class SpeechServing:
             raise APIError(
                 400,
                 f"response_format {req.response_format!r} is not supported: this server writes "
-                f"{' or '.join(FORMATS)} (16-bit mono PCM at {self.sample_rate} Hz)",
+                f"{', '.join(FORMATS)} (mono at {self.sample_rate} Hz; pcm: 16-bit little-endian samples)",
+                "response_format",
+            )
+        if req.response_format in ENCODED and importlib.util.find_spec("av") is None:
+            raise APIError(
+                400,
+                f"response_format {req.response_format!r} needs PyAV on the server (pip install 'higgs-talker[serve]'"
+                "); wav and pcm need nothing more",
                 "response_format",
             )
         if req.stream_format == "sse" and req.stream is False:
@@ -310,26 +318,32 @@ class SpeechServing:
             elif kind != "done":
                 raise _failure(job, kind, value)
         data = b"".join(pcm)
+        if job.format in ENCODED:
+            return await asyncio.to_thread(_encode_whole, job.format, self.sample_rate, data)
         return wav_header(self.sample_rate, len(data)) + data if job.format == "wav" else data
 
     async def _stream(self, job: SpeechJob, first: tuple, items: AsyncIterator[tuple]) -> AsyncIterator[bytes]:
-        header = wav_header(self.sample_rate) if job.format == "wav" else b""
+        pending = wav_header(self.sample_rate) if job.format == "wav" else b""  # owed before the next audio
+        encoder = AudioEncoder(job.format, self.sample_rate) if job.format in ENCODED else None
         item: tuple | None = first
         try:
             while item is not None:
                 kind, value = item
+                if kind == "done" and encoder is not None:  # the encoder's last frames and the container's end
+                    pending = encoder.finish()
                 if kind == "audio":
-                    data, header = header + value, b""
-                    yield sse_event(SpeechAudioDelta(audio=b64(data))) if job.mode == "sse" else data
+                    data, pending = pending + (value if encoder is None else encoder.encode(value)), b""
+                    if data:  # an encoder may hold a chunk back whole
+                        yield sse_event(SpeechAudioDelta(audio=b64(data))) if job.mode == "sse" else data
                 elif kind == "done" and job.mode == "sse":
-                    if header:
-                        yield sse_event(SpeechAudioDelta(audio=b64(header)))
+                    if pending:
+                        yield sse_event(SpeechAudioDelta(audio=b64(pending)))
                     tokens = job.prepared.prompt_tokens
                     usage = SpeechUsage(input_tokens=tokens, output_tokens=value, total_tokens=tokens + value)
                     yield sse_event(SpeechAudioDone(usage=usage))
                 elif kind == "done":
-                    if header:
-                        yield header  # no audio at all: the header alone is a valid empty WAV stream
+                    if pending:  # the encoder's end, or a WAV header with no audio at all (a valid empty stream)
+                        yield pending
                 else:  # failed after its first byte: no status code left to send
                     err = _failure(job, kind, value)
                     if job.mode != "sse":
@@ -454,6 +468,11 @@ class ClientGone(Exception):
 
 
 _URL_SAFE = str.maketrans("-_", "+/")
+
+
+def _encode_whole(fmt: str, sample_rate: int, pcm: bytes) -> bytes:
+    encoder = AudioEncoder(fmt, sample_rate)
+    return encoder.encode(pcm) + encoder.finish()
 
 
 def _data_url_bytes(url: str) -> bytes:
