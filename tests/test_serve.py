@@ -195,6 +195,11 @@ def test_openai_client_gets_the_audio_of_the_api(served, solo, client) -> None:
     ) as response:
         assert response.headers["content-type"] == "audio/pcm"
         assert b"".join(response.iter_bytes()) == want
+    mp3 = client.audio.speech.create(model="tiny", voice="default", input=text, response_format="mp3",
+                                     extra_body={"seed": 11, "max_new_tokens": 40})  # fmt: skip
+    samples = torch.frombuffer(bytearray(want), dtype=torch.int16).float()
+    assert mp3.response.headers["content-type"] == "audio/mpeg"
+    assert best_correlation(decoded(mp3.content), samples) >= 0.9  # OpenAI's own default format, through its client
     whole = speech(served[1], input=text, seed=11, max_new_tokens=40, stream=False)
     assert int(whole.headers["content-length"]) == 44 + len(want)
     samples, _ = decode_wav(whole.content)
