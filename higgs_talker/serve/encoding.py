@@ -16,7 +16,7 @@ ENCODED = {
     "aac": ("adts", "aac", "audio/aac"),
     "flac": ("flac", "flac", "audio/flac"),
 }
-FORMATS = ("wav", "pcm", *ENCODED)  # OpenAI's, in its order after its default (mp3) and the two written here
+FORMATS = ("wav", "pcm", *ENCODED)  # OpenAI's six: the two written here, then the encoded ones in OpenAI's order
 MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"} | {name: media for name, (_, _, media) in ENCODED.items()}
 UNKNOWN_SIZE = 0xFFFFFFFF  # RIFF and data sizes of a streamed WAV: readers take the data up to the end
 
@@ -81,6 +81,12 @@ class AudioEncoder:
         data = bytes(self._out)
         self._out.clear()
         return data
+
+
+def encode_whole(fmt: str, sample_rate: int, pcm: bytes) -> bytes:
+    """A whole recording of 16-bit mono PCM as one file of ``fmt`` (one of ``ENCODED``)."""
+    encoder = AudioEncoder(fmt, sample_rate)
+    return encoder.encode(pcm) + encoder.finish()
 
 
 class _Sink:

@@ -29,7 +29,7 @@ from ..heads.sampling import SamplingParams
 from ..prompt import PromptTooLong
 from ..results import GenerationCancelled, Reference
 from ..splitting import DEFAULT_PART_CHARS
-from .encoding import ENCODED, FORMATS, AudioEncoder, b64, sse_event, wav_header
+from .encoding import ENCODED, FORMATS, AudioEncoder, b64, encode_whole, sse_event, wav_header
 from .protocol import (
     APIError,
     ErrorInfo,
@@ -319,7 +319,7 @@ class SpeechServing:
                 raise _failure(job, kind, value)
         data = b"".join(pcm)
         if job.format in ENCODED:
-            return await asyncio.to_thread(_encode_whole, job.format, self.sample_rate, data)
+            return await asyncio.to_thread(encode_whole, job.format, self.sample_rate, data)
         return wav_header(self.sample_rate, len(data)) + data if job.format == "wav" else data
 
     async def _stream(self, job: SpeechJob, first: tuple, items: AsyncIterator[tuple]) -> AsyncIterator[bytes]:
@@ -329,20 +329,20 @@ class SpeechServing:
         try:
             while item is not None:
                 kind, value = item
-                if kind == "done" and encoder is not None:  # the encoder's last frames and the container's end
-                    pending = encoder.finish()
                 if kind == "audio":
                     data, pending = pending + (value if encoder is None else encoder.encode(value)), b""
                     if data:  # an encoder may hold a chunk back whole
                         yield sse_event(SpeechAudioDelta(audio=b64(data))) if job.mode == "sse" else data
-                elif kind == "done" and job.mode == "sse":
-                    if pending:
-                        yield sse_event(SpeechAudioDelta(audio=b64(pending)))
-                    tokens = job.prepared.prompt_tokens
-                    usage = SpeechUsage(input_tokens=tokens, output_tokens=value, total_tokens=tokens + value)
-                    yield sse_event(SpeechAudioDone(usage=usage))
                 elif kind == "done":
-                    if pending:  # the encoder's end, or a WAV header with no audio at all (a valid empty stream)
+                    if encoder is not None:  # the encoder's last frames and the container's end
+                        pending = encoder.finish()
+                    if job.mode == "sse":
+                        if pending:
+                            yield sse_event(SpeechAudioDelta(audio=b64(pending)))
+                        tokens = job.prepared.prompt_tokens
+                        usage = SpeechUsage(input_tokens=tokens, output_tokens=value, total_tokens=tokens + value)
+                        yield sse_event(SpeechAudioDone(usage=usage))
+                    elif pending:  # the encoder's end, or a WAV header with no audio at all (a valid empty stream)
                         yield pending
                 else:  # failed after its first byte: no status code left to send
                     err = _failure(job, kind, value)
@@ -468,11 +468,6 @@ class ClientGone(Exception):
 
 
 _URL_SAFE = str.maketrans("-_", "+/")
-
-
-def _encode_whole(fmt: str, sample_rate: int, pcm: bytes) -> bytes:
-    encoder = AudioEncoder(fmt, sample_rate)
-    return encoder.encode(pcm) + encoder.finish()
 
 
 def _data_url_bytes(url: str) -> bytes:
