@@ -50,14 +50,16 @@ def test_every_profile_parses_and_pins_stage0(name):
 
 
 def test_high_throughput_keeps_stage0_eager():
-    for name in ("high-throughput", "default"):
-        s0 = _stage(_load(name), 0)
-        assert s0.enforce_eager is True
-        assert not s0.compilation_config
+    s0 = _stage(_load("high-throughput"), 0)
+    assert s0.enforce_eager is True
+    assert not s0.compilation_config
 
 
-def test_default_is_the_high_throughput_profile():
-    assert _load("default") == _load("high-throughput")
+def test_default_is_the_full_decode_profile():
+    """The fastest profile measured at every concurrency (docs/serving-vllm.md), not the eager one."""
+    default = _load("default")
+    assert default == _load("full-decode")
+    assert default != _load("high-throughput")
 
 
 def test_low_latency_uses_vllm_full_decode_graphs():
