@@ -10,7 +10,8 @@ in its processes, so only vllm-omni's own plugin loads) with vllm-omni's own YAM
 ``high_throughput``, and two derived from each talker's low-latency YAML (``DERIVED``): ``full_decode_64`` (FULL
 decode graphs up to 64 streams), ``full_decode_64_no_prefix_cache`` (the same, prefix caching off),
 ``low_latency_async`` (vLLM's async scheduling asked for), ``low_latency_frame_graphs`` (our frame graphs
-asked for in Stage 0's ``hf_overrides``; vllm-omni's talker ignores the key), ``full_decode_64_frame_graphs``
+asked for in Stage 0's ``hf_overrides``; vllm-omni's talker ignores the key), ``high_throughput_frame_graphs`` (the
+same on the high-throughput YAML), ``full_decode_64_frame_graphs``
 (both) and ``low_latency_async_frame_graphs`` (async scheduling, frame graphs and our Stage 0 -> code2wav hand-over,
 ``HAND_OVER``), ``full_decode_64_async`` and ``full_decode_64_async_frame_graphs``, and the last two on vLLM's
 FlashAttention backend instead of FlashInfer (``..._flash_attn``); ``..._our_stage1``: the same with our Stage 1
@@ -79,6 +80,7 @@ PROFILES = (
     "full_decode_64_no_prefix_cache",
     "low_latency_async",
     "low_latency_frame_graphs",
+    "high_throughput_frame_graphs",
     "full_decode_64_frame_graphs",
     "low_latency_async_frame_graphs",
     "full_decode_64_async",
@@ -159,6 +161,8 @@ DERIVED = {"full_decode_64": _full_64(),
            "full_decode_64_no_prefix_cache": _full_64(NO_PREFIX_CACHE),
            "low_latency_async": ("low_latency", {0: ASYNC}),
            "low_latency_frame_graphs": ("low_latency", {0: FRAME_GRAPHS}),
+           # the eager profile, whose step is host time, with the frame work replayed from graphs
+           "high_throughput_frame_graphs": ("high_throughput", {0: FRAME_GRAPHS}),
            "full_decode_64_frame_graphs": _full_64(FRAME_GRAPHS),
            "low_latency_async_frame_graphs": ("low_latency", {0: ASYNC_FRAME_GRAPHS}),
            "full_decode_64_async": _full_64(ASYNC),

@@ -83,3 +83,27 @@ def test_capture_only_when_enabled_and_on_cuda():
     assert path.graphs is None and off.graphs is None
     assert path.report() == {"replays": 0, "buckets": [], "failed": {}}
     assert path.forward(torch.arange(1), torch.randn(1, H), pure_decode=True) is None
+
+
+def test_a_forward_replays_each_layers_graph_of_its_bucket_once(monkeypatch):
+    """``step_hook`` settles the bucket once a forward: 3 rows replay bucket 4's graph of every layer exactly once
+    (and no other bucket's), through the same static views each time; 5 rows (no bucket) or a guard that says no
+    get the eager block."""
+    path, layers, norm = _path(monkeypatch)
+    graphs = path.graphs
+    embeds, positions = torch.randn(3, H), torch.tensor([5, 9, 2])
+
+    def replays():
+        return {size: [g.replays for g in b.graphs] for size, b in graphs.buckets.items()}
+
+    before = replays()
+    with torch.inference_mode():
+        path.forward(positions, embeds, pure_decode=True)
+        path.forward(positions, embeds, pure_decode=True)
+    after = replays()
+    assert after[4] == [n + 2 for n in before[4]] and after[1] == before[1] and after[2] == before[2]
+    assert graphs.buckets[4].views(3) is graphs.buckets[4].views(3)  # cut once, reused by every replay
+    assert graphs.step_hook(5) is graphs.post_attention
+    full = type("Ctx", (), {"cudagraph_runtime_mode": type("Mode", (), {"name": "FULL"})()})()
+    graphs.forward_context = lambda: full
+    assert graphs.step_hook(3) is graphs.post_attention and graphs.run(0, embeds, embeds) is None

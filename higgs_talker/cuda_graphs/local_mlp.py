@@ -38,6 +38,14 @@ class _Bucket:
         self.out = torch.zeros(size, hidden_size, dtype=dtype, device=device)
         self.res_out = torch.zeros(size, hidden_size, dtype=dtype, device=device)
         self.graphs: list[torch.cuda.CUDAGraph] = []
+        self._views: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+
+    def views(self, rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(hidden, residual, out, res_out) cut to the first ``rows`` rows, made once per row count."""
+        views = self._views.get(rows)
+        if views is None:
+            views = self._views[rows] = (self.hidden[:rows], self.residual[:rows], self.out[:rows], self.res_out[:rows])
+        return views
 
 
 class LocalMLPGraphs:
@@ -112,20 +120,32 @@ class LocalMLPGraphs:
 
         The returned tensors are views of the bucket's static outputs, valid until the next replay.
         """
-        b = hidden.shape[0]
-        size = bucket_for(b, self.sizes)
-        if size is None or not local_graphs_allowed_now(self.forward_context() if self.forward_context else None):
-            return None
-        bucket = self.buckets[size]
-        bucket.hidden[:b].copy_(hidden)
-        bucket.residual[:b].copy_(residual)
-        bucket.graphs[layer].replay()
-        return bucket.out[:b], bucket.res_out[:b]
+        hook = self.step_hook(hidden.shape[0])
+        return None if hook is self.post_attention else hook(layer, hidden, residual)
 
     def post_attention_or_eager(self, layer: int, hidden: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """The model's post-attention hook: this layer's graph when one applies, else the eager block."""
-        out = self.run(layer, hidden, residual)
-        return out if out is not None else self.post_attention(layer, hidden, residual)
+        return self.step_hook(hidden.shape[0])(layer, hidden, residual)
+
+    def step_hook(self, rows: int) -> PostAttentionFn:
+        """``post_attention_or_eager`` for one forward of ``rows`` rows, with its bucket and the run-time guard
+        settled once for all layers (neither changes within a forward): the bucket's graphs, or the eager block
+        where none applies now. Settling them at every layer cost an eager step host time (three times the
+        copies and replay themselves: ``benchmarks/probes/local_mlp_host.py``)."""
+        size = bucket_for(rows, self.sizes)
+        if size is None or not local_graphs_allowed_now(self.forward_context() if self.forward_context else None):
+            return self.post_attention
+        bucket = self.buckets[size]
+        hidden_in, residual_in, out, res_out = bucket.views(rows)
+        graphs = bucket.graphs
+
+        def replay(layer: int, hidden: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+            hidden_in.copy_(hidden)
+            residual_in.copy_(residual)
+            graphs[layer].replay()
+            return out, res_out
+
+        return replay
 
 
 class LocalMLPPath:
@@ -162,7 +182,7 @@ class LocalMLPPath:
             return None
         if not local_graphs_allowed_now(self.forward_context() if self.forward_context else None):
             return None
-        hidden, residual = forward_layers(self.layers, positions, embeds, graphs.post_attention_or_eager)
+        hidden, residual = forward_layers(self.layers, positions, embeds, graphs.step_hook(embeds.shape[0]))
         self.replays += 1
         return self.norm(hidden, residual)[0]
 

@@ -238,7 +238,7 @@ class GraphRunner:
             inputs = padding.to_device(runner.device)
             with runner.slots.preserved([runner.slots.scratch]):
                 t_full = median_ms(lambda padding=padding: self.full.run(padding))
-                hook = self.local.post_attention_or_eager
+                hook = self.local.step_hook(size)
                 t_local = median_ms(lambda p=padding, x=inputs, h=hook: self._bucket_step(p, x, h))
             self.choice[size] = "full_decode" if t_full <= t_local else "local_mlp"
             self.timings.append(
@@ -320,7 +320,7 @@ class GraphRunner:
         path = self.path_for(size)
         if path == "full_decode":
             return self.full.run(padded)[:b]
-        hook = self.local.post_attention_or_eager if path == "local_mlp" else None
+        hook = self.local.step_hook(size) if path == "local_mlp" else None
         return self._bucket_step(padded, padded.to_device(runner.device), hook)[:b]
 
     def _run_prefill(self, batch: StepBatch) -> Tensor:
