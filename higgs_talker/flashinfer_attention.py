@@ -12,7 +12,9 @@ bucket by measurement (``cuda_graphs.kernels``):
   contexts at small batch, where the split spreads the work); pinned only (``AUTO_KERNELS``);
 - ``fa3``: tensor-core decode on FlashInfer's FA3 (Hopper, sm_90) kernels;
 - ``xqa``: ``trtllm_batch_decode_with_kv_cache(backend="xqa")``. XQA gets its own zeroed workspace: sharing the
-  native wrapper's made it return wrong outputs wherever it splits sequences (GPU.md).
+  native wrapper's made it return wrong outputs wherever it splits sequences (GPU.md);
+- ``triton``: ours (``triton_attention.paged_decode``): split over the context and merged in one launch, with no
+  host-side plan (block tables and lengths as device tensors, as XQA reads them).
 
 ``decode_kernel="auto"`` measures ``AUTO_KERNELS``; any kernel can be pinned.
 
@@ -41,7 +43,7 @@ if TYPE_CHECKING:
 
 W = TypeVar("W")
 WORKSPACE_BYTES = 256 * 1024 * 1024
-KERNELS = ("native", "xqa", "native_tc", "native_tc_nosplit", "fa3")
+KERNELS = ("native", "xqa", "native_tc", "native_tc_nosplit", "fa3", "triton")
 
 # The kernels that run through FlashInfer's decode wrapper: (wrapper options, plan options) of each.
 WRAPPER_KERNELS: dict[str, tuple[dict, dict]] = {
@@ -65,8 +67,11 @@ def check_decode_kernel(kernel: str) -> None:
 # kernel alone at long contexts, so it stays a candidate for other shapes and GPUs. ``native_tc_nosplit`` is no
 # longer measured: its CUDA-graph plans leave padded CTAs unmasked, which made H100 starts sit for minutes in the
 # check of their cached choices (results/h100_20261206); ``_graph_wrapper`` now zeroes what they read (confirmed on
-# an H100, results/h100_20261206b), and it was not measured again. Every kernel can be pinned.
-AUTO_KERNELS = ("native_tc", "xqa")
+# an H100, results/h100_20261206b), and it was not measured again. ``triton`` (ours: one launch where FlashInfer's
+# split decode takes two, for the short contexts at small batches where the pair costs 11.7 us a layer on the H200)
+# is measured beside them. Every kernel can be pinned.
+AUTO_KERNELS = ("native_tc", "xqa", "triton")
+TABLE_KERNELS = ("xqa", "triton")  # the kernels that read block tables and lengths (device buffers), no wrapper
 
 
 Attend = Callable[[Tensor, Tensor], Tensor]  # (q [N, Hq, D], layer cache) -> [N, Hq, D]
@@ -141,6 +146,7 @@ class FlashInferAttention:
         self._prefill_buckets: dict[tuple[int, int], tuple[object, Tensor]] = {}  # (tokens, reqs) -> wrapper, rows
         self._kv: Tensor | None = None  # [2, N] flat cache rows of this step's K and V
         self._attend: Attend | None = None
+        self._triton_scratch = None  # triton_attention.DecodeScratch, made at the triton kernel's first plan
 
     def fork(self, kv_caches: list[Tensor]) -> FlashInferAttention:
         """A backend with these settings over other caches (kernel measurement on synthetic data)."""
@@ -224,17 +230,35 @@ class FlashInferAttention:
 
         return attend
 
+    def _triton(self, tables: Tensor, lens: Tensor) -> Attend:
+        from . import triton_attention
+
+        if self._triton_scratch is None:
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self._triton_scratch = triton_attention.DecodeScratch(
+                self.max_batch, self.num_heads, self.num_kv_heads, self.head_dim, sms, self.device
+            )
+        scratch = self._triton_scratch
+
+        def attend(q: Tensor, cache: Tensor) -> Tensor:
+            return triton_attention.paged_decode(q, cache, tables, lens, self.scale, scratch)
+
+        return attend
+
+    def _table_kernel(self, kernel: str, tables: Tensor, lens: Tensor) -> Attend:
+        return self._xqa(tables, lens) if kernel == "xqa" else self._triton(tables, lens)
+
     def plan(self, batch: StepBatch) -> None:
         """Eager step: plan prefill or decode for exactly this batch."""
         self._kv = self._kv_rows(batch.slot_mapping).to(self.device, non_blocking=True)
         if not batch.is_decode:
             self._plan_prefill(self.prefill, batch.query_lens, batch.seq_lens, batch.block_tables)
             self._attend = self.prefill.run
-        elif self.decode_kernels == ("xqa",):
+        elif self.decode_kernel in TABLE_KERNELS:
             tables = block_table_array(batch.block_tables, self.max_blocks, self.scratch_block)
             lens = torch.tensor(batch.seq_lens, dtype=torch.int32)
             tables = torch.from_numpy(tables).to(self.device, non_blocking=True)
-            self._attend = self._xqa(tables, lens.to(self.device, non_blocking=True))
+            self._attend = self._table_kernel(self.decode_kernel, tables, lens.to(self.device, non_blocking=True))
         else:
             self._plan_decode(self.decode, batch, self._eager_plan_options)
             self._attend = self.decode.run
@@ -245,7 +269,7 @@ class FlashInferAttention:
         kernel = self.bucket_kernel.get(size, self.decode_kernels[0])
         self.kv_index[:, :size].copy_(self._kv_rows(batch.slot_mapping), non_blocking=True)
         self._kv = self.kv_index[:, :size]
-        if kernel != "xqa":
+        if kernel not in TABLE_KERNELS:
             wrapper_options, plan_options = WRAPPER_KERNELS[kernel]
             wrapper = self._graph_wrappers.get((size, kernel))
             if wrapper is None:
@@ -262,7 +286,7 @@ class FlashInferAttention:
             tables = block_table_array(batch.block_tables, self.max_blocks, self.scratch_block)
             self.block_tables[:size].copy_(torch.from_numpy(tables), non_blocking=True)
             self.seq_lens[:size].copy_(torch.tensor(batch.seq_lens, dtype=torch.int32), non_blocking=True)
-            self._attend = self._xqa(self.block_tables[:size], self.seq_lens[:size])
+            self._attend = self._table_kernel(kernel, self.block_tables[:size], self.seq_lens[:size])
 
     def prefill_pages(self, tokens: int, reqs: int) -> int:
         """The KV pages a prefill token bucket's buffers hold: a context of up to ``max_model_len`` for each real

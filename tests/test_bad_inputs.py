@@ -395,7 +395,7 @@ LOADER_CASES = [
     pytest.param(
         nothing,
         ValueError,
-        "decode_kernel must be 'auto' or one of native, xqa, native_tc, native_tc_nosplit, fa3, got 'fast'",
+        "decode_kernel must be 'auto' or one of native, xqa, native_tc, native_tc_nosplit, fa3, triton, got 'fast'",
         id="api-decode-kernel",
     ),
     pytest.param(nothing, ValueError, "row_gemv must be one of 'auto', 'on', 'off', got True", id="api-row-gemv"),
@@ -648,7 +648,7 @@ CALL_CASES = [
     pytest.param(
         lambda t: Engine(t.model, t.cfg, t.tokenizer.specials, EngineConfig(max_num_seqs=2), decode_kernel="fast"),
         ValueError,
-        "decode_kernel must be 'auto' or one of native, xqa, native_tc, native_tc_nosplit, fa3, got 'fast'",
+        "decode_kernel must be 'auto' or one of native, xqa, native_tc, native_tc_nosplit, fa3, triton, got 'fast'",
         id="engine-decode-kernel",
     ),
     pytest.param(lambda t: t.generate(["ok"], max_frames=-1), ValueError, "got -1", id="batch-max-frames"),

@@ -24,6 +24,7 @@ LAYERS = {
     "bytecode": 0,
     "triton_ops": 0,
     "triton_gemv": 0,
+    "triton_attention": 0,
     "heads": 0,
     "ops": 1,
     "checkpoint": 1,

@@ -19,8 +19,8 @@ pytest.importorskip("triton")
 
 from _qk_rope import check_qk_norm_rope_store  # noqa: E402
 
-from higgs_talker import HiggsTalker, SamplingParams, triton_gemv, triton_ops  # noqa: E402
-from higgs_talker.attention import SdpaAttention  # noqa: E402
+from higgs_talker import HiggsTalker, SamplingParams, triton_attention, triton_gemv, triton_ops  # noqa: E402
+from higgs_talker.attention import SdpaAttention, gather_kv  # noqa: E402
 from higgs_talker.cuda_graphs.kernels import ROW_LINEARS  # noqa: E402
 from higgs_talker.flashinfer_attention import FlashInferAttention  # noqa: E402
 from higgs_talker.ops import FlashInferKernels, TorchKernels  # noqa: E402
@@ -91,6 +91,109 @@ def test_fused_attention_path_gives_the_reference_greedy_codes(talker, tiny_dir)
     want = [r.rows for r in talker.generate(texts, params)]
     got = [r.rows for r in fused.generate(texts, params)]
     assert kernels.calls > 0
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------- paged decode attention
+
+
+def _paged_case(hq: int, hk: int, d: int, block_size: int, lens: list[int], dtype: torch.dtype, seed: int):
+    """A cache of random blocks, each request's table a random set of them (shuffled, shared between requests),
+    queries; and the float64 reference of decode attention over them."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = 3 * -(-max(lens) // block_size) + 2
+    cache = torch.randn(blocks, 2, block_size, hk, d, generator=g).to(dtype)
+    width = -(-max(lens) // block_size) + 1  # a spare column: tables are wider than any context
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in lens]).int()
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+    want = []
+    for i, n in enumerate(lens):
+        k, v = gather_kv(cache, tables[i], n)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[i].double()[:, None], k.double().transpose(0, 1), v.double().transpose(0, 1), scale=d**-0.5,
+            enable_gqa=True,
+        )  # fmt: skip
+        want.append(o[:, 0])
+    return q, cache, tables, torch.tensor(lens, dtype=torch.int32), torch.stack(want)
+
+
+# (query heads, KV heads, head_dim, block size, context lengths, programs the splits aim at)
+PAGED_CASES = [
+    (8, 2, 64, 16, [37], 64),  # one request, 32 splits: most of them empty
+    (8, 2, 64, 16, [1, 100, 513], 64),  # a one-token context beside long ones
+    (4, 4, 32, 8, [300, 17], 8),  # no grouping (one query head a KV head), 2 splits
+    (16, 2, 128, 16, [65, 64, 129, 2], 1),  # group of 8, no split
+]
+
+
+@pytest.mark.parametrize(("hq", "hk", "d", "bs", "lens", "programs"), PAGED_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_matches_float64_interpreted(dtype, hq, hk, d, bs, lens, programs):
+    """Split over the context and merged by the last split, against float64 attention over the same tables:
+    fp32 within 1e-5 (a few roundings over at most 513 tokens), bf16 within 1e-2 (the output and the
+    probabilities rounded to bf16 by the interpreter's truncation: up to 2^-7 relative each). Every counter is
+    back at zero for the next launch."""
+    q, cache, tables, seq_lens, want = _paged_case(hq, hk, d, bs, lens, dtype, seed=len(lens) + hq)
+    scratch = triton_attention.DecodeScratch(4, hq, hk, d, programs, torch.device("cpu"))
+    got = triton_attention.paged_decode(q, cache, tables, seq_lens, d**-0.5, scratch)
+    assert got.dtype == dtype and got.shape == q.shape
+    err = ((got.double() - want).norm() / want.norm()).item()
+    assert err <= (1e-5 if dtype == torch.float32 else 1e-2), err
+    assert not scratch.counters.any()
+    again = triton_attention.paged_decode(q, cache, tables, seq_lens, d**-0.5, scratch)  # the counters reused
+    assert torch.equal(again, got)
+
+
+def test_split_counts_fill_one_wave():
+    assert [triton_attention.splits_for(b, 8, 132) for b in (1, 2, 4, 16, 64)] == [16, 8, 4, 1, 1]
+    assert triton_attention.splits_for(1, 1, 10_000) == triton_attention.MAX_SPLITS
+
+
+def test_paged_decode_rejects_what_it_cannot_take():
+    q, cache, tables, seq_lens, _ = _paged_case(8, 2, 64, 16, [20, 30], torch.float32, seed=0)
+    scratch = triton_attention.DecodeScratch(2, 8, 2, 64, 8, torch.device("cpu"))
+    with pytest.raises(ValueError, match="cache must be a contiguous"):
+        triton_attention.paged_decode(q, cache.transpose(0, 1), tables, seq_lens, 0.1, scratch)
+    with pytest.raises(ValueError, match="block_tables must be"):
+        triton_attention.paged_decode(q, cache, tables[:1], seq_lens, 0.1, scratch)
+    with pytest.raises(ValueError, match="seq_lens must be"):
+        triton_attention.paged_decode(q, cache, tables, seq_lens[:1], 0.1, scratch)
+    with pytest.raises(ValueError, match="scratch sized for 1 requests"):
+        triton_attention.paged_decode(q, cache, tables, seq_lens, 0.1,
+                                      triton_attention.DecodeScratch(1, 8, 2, 64, 8, torch.device("cpu")))  # fmt: skip
+    assert not triton_attention.supports(12, 8, 64) and not triton_attention.supports(64, 2, 64)  # group 1.5, 32
+    assert not triton_attention.supports(8, 2, 48) and triton_attention.supports(32, 8, 128)
+
+
+class TritonDecodeSdpa(SdpaAttention):
+    """SDPA for prefill; every decode step's attention through the (interpreted) Triton kernel over the same
+    block tables."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.scratch = triton_attention.DecodeScratch(8, self.num_heads, self.num_kv_heads, self.head_dim, 16,
+                                                      self.device)  # fmt: skip
+        self.decodes = 0
+
+    def _decode_attention(self, cache, q, d):
+        self.decodes += 1
+        tables, lens = d.block_tables.int().contiguous(), d.seq_lens.int().contiguous()
+        return triton_attention.paged_decode(q, cache, tables, lens, self.scale, self.scratch).reshape(q.shape[0], -1)
+
+
+def test_triton_decode_attention_gives_the_reference_greedy_codes(talker, tiny_dir):
+    """The kernel as the engine's decode attention (eager steps, continuous batching of two requests), fp32:
+    the same greedy codes as SDPA."""
+    other = HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=8, max_model_len=1024)
+    runner, t = other.engine.runner, other.cfg.text
+    runner.attn = backend = TritonDecodeSdpa(runner.kv_caches, t.num_attention_heads, t.num_key_value_heads,
+                                             t.head_dim, runner.max_model_len, runner.scratch_block)  # fmt: skip
+    texts = ["the triton decode", "and a second, longer request"]
+    params = SamplingParams(temperature=0.0, max_frames=20)
+    want = [r.rows for r in talker.generate(texts, params)]
+    got = [r.rows for r in other.generate(texts, params)]
+    assert backend.decodes > 0
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a, b)
 
