@@ -86,13 +86,15 @@ def test_fused_attention_path_gives_the_reference_greedy_codes(talker, tiny_dir)
     runner, t = fused.engine.runner, fused.cfg.text
     runner.attn = PrewrittenSdpa(runner.kv_caches, t.num_attention_heads, t.num_key_value_heads, t.head_dim,
                                  runner.max_model_len, runner.scratch_block)  # fmt: skip
-    texts = ["the fused path", "and a second, longer request"]
-    params = SamplingParams(temperature=0.0, max_frames=20)
-    want = [r.rows for r in talker.generate(texts, params)]
-    got = [r.rows for r in fused.generate(texts, params)]
+    assert_same_greedy_rows(fused, talker, ["the fused path", "and a second, longer request"])
     assert kernels.calls > 0
-    for a, b in zip(want, got, strict=True):
-        assert torch.equal(a, b)
+
+
+def assert_same_greedy_rows(got: HiggsTalker, want: HiggsTalker, texts: list[str]) -> None:
+    """Two requests batched together, greedy, 20 frames: every row of ``got`` equals ``want``'s."""
+    params = SamplingParams(temperature=0.0, max_frames=20)
+    for a, b in zip(got.generate(texts, params), want.generate(texts, params), strict=True):
+        assert torch.equal(a.rows, b.rows)
 
 
 # ------------------------------------------------------------------------------------- paged decode attention
@@ -189,13 +191,8 @@ def test_triton_decode_attention_gives_the_reference_greedy_codes(talker, tiny_d
     runner, t = other.engine.runner, other.cfg.text
     runner.attn = backend = TritonDecodeSdpa(runner.kv_caches, t.num_attention_heads, t.num_key_value_heads,
                                              t.head_dim, runner.max_model_len, runner.scratch_block)  # fmt: skip
-    texts = ["the triton decode", "and a second, longer request"]
-    params = SamplingParams(temperature=0.0, max_frames=20)
-    want = [r.rows for r in talker.generate(texts, params)]
-    got = [r.rows for r in other.generate(texts, params)]
+    assert_same_greedy_rows(other, talker, ["the triton decode", "and a second, longer request"])
     assert backend.decodes > 0
-    for a, b in zip(want, got, strict=True):
-        assert torch.equal(a, b)
 
 
 # ----------------------------------------------------------------------------------------------- one-row GEMV
