@@ -134,12 +134,12 @@ def _paged_decode_kernel(
     if done == S - 1:  # the last split of this (request, KV head): merge all of them
         first = pair * S * G
         best = tl.full([GP], float("-inf"), tl.float32)
-        for i in range(S):
+        for i in tl.static_range(S):  # unrolled: the loads of every split issue together
             at = first + i * G + rows
             best = tl.maximum(best, tl.load(max_sum_ptr + at * 2, mask=row_ok, other=0.0, cache_modifier=".cg"))
         out = tl.zeros([GP, D], tl.float32)
         norm = tl.zeros([GP], tl.float32)
-        for i in range(S):
+        for i in tl.static_range(S):  # unrolled: the loads of every split issue together
             at = first + i * G + rows
             mi = tl.load(max_sum_ptr + at * 2, mask=row_ok, other=0.0, cache_modifier=".cg")
             li = tl.load(max_sum_ptr + at * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
