@@ -63,7 +63,7 @@ test-vllm:
 	if [ ! -f $(VLLM_VENV)/.installed ] && [ "$$free" -lt $(VLLM_MIN_FREE_GIB) ]; then \
 		if [ "$(REQUIRE_VLLM_TESTS)" = 1 ]; then verdict=FAILED; else verdict="NOT RUN"; fi; \
 		echo "test-vllm: $$verdict: $$free GiB free here, the vLLM venv needs $(VLLM_MIN_FREE_GIB) GiB to install" \
-			"(the vLLM plugin and Triton interpreter suites did not run)"; \
+			"(the vLLM plugin, Triton interpreter and Triton compile suites did not run)"; \
 		[ "$(REQUIRE_VLLM_TESTS)" != 1 ]; \
 	else \
 		$(MAKE) --no-print-directory vllm-suites; \
@@ -72,3 +72,4 @@ test-vllm:
 vllm-suites: $(VLLM_VENV)/.installed
 	VLLM_CPU_KVCACHE_SPACE=1 $(VPY) -m pytest -q tests/vllm_plugin $(VLLM_REQUIRED)
 	TRITON_INTERPRET=1 $(VPY) -m pytest -q tests/test_triton_interpret.py $(TRITON_REQUIRED)
+	$(VPY) -m pytest -q tests/test_triton_compile.py $(TRITON_REQUIRED)

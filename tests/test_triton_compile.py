@@ -1,0 +1,50 @@
+"""Our Triton decode attention compiled for a Hopper GPU (sm_90) on a machine without one: triton's own compiler and
+the ptxas it ships take the kernel from source to a cubin, which catches what the interpreter cannot (a dot shape
+or an op the GPU backend refuses, an unrolled loop that does not lower). And the PTX shows the split counter as the
+merge needs it: one thread's atomic add, acquire-release at GPU scope (a relaxed one fails this), and the dots on
+tensor cores.
+
+Needs triton with its NVIDIA backend and the interpreter off: ``make test`` runs it in the vLLM venv, apart from the
+interpreter suite. Skipped where triton is missing or ``TRITON_INTERPRET=1`` (``triton.jit`` then gives the
+interpreter's function, which does not compile).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("the Triton interpreter is on: kernels do not compile", allow_module_level=True)
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from higgs_talker import triton_attention  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+SIGNATURE = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "tables_ptr": "*i32", "table_stride": "i32", "lens_ptr": "*i32",
+             "out_ptr": "*bf16", "partial_ptr": "*fp32", "max_sum_ptr": "*fp32", "counters_ptr": "*i32",
+             "scale_log2": "fp32"}  # fmt: skip
+
+
+def _compile(hq: int, hk: int, d: int, splits: int):
+    group = hq // hk
+    constants = {"HQ": hq, "HK": hk, "D": d, "BS": 16, "G": group, "GP": max(16, triton.next_power_of_2(group)),
+                 "S": splits, "TILE": triton_attention.TILE, "PRECISION": "tf32", "UPCAST": False}  # fmt: skip
+    signature = SIGNATURE | dict.fromkeys(constants, "constexpr")
+    source = ASTSource(fn=triton_attention._paged_decode_kernel, signature=signature, constexprs=constants)
+    return triton.compile(source, target=HOPPER, options={"num_warps": 4})
+
+
+@pytest.mark.parametrize(("hq", "hk", "d", "splits"), [(32, 8, 128, 16), (32, 8, 128, 1), (16, 2, 64, 32)])
+def test_paged_decode_compiles_for_hopper(hq, hk, d, splits):
+    kernel = _compile(hq, hk, d, splits)
+    assert kernel.asm["cubin"], "no cubin"
+    ptx = kernel.asm["ptx"]
+    assert "mma" in ptx, "the dots did not lower to tensor-core instructions"
+    counts = [line for line in ptx.splitlines() if re.search(r"\batom\.global\.gpu\.acq_rel\.add\b", line)]
+    assert len(counts) == 1 and counts[0].lstrip().startswith("@"), counts  # one add, predicated to one thread
