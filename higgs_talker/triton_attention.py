@@ -123,6 +123,10 @@ def _paged_decode_kernel(
         total = total * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(p_dtype).to(v.dtype), v, input_precision=PRECISION)
         m = m_new
+    if S == 1:  # the whole context in this program: its output, no partial and no count
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]  # 0: no context (a padding row)
+        tl.store(out_ptr + heads[:, None] * D + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        return
     # this split's partial result (an empty split: max -inf, sum 0), then count it done
     pair = (req * HK + hk).to(tl.int64)
     slot = (pair * S + split) * G + rows

@@ -47,4 +47,7 @@ def test_paged_decode_compiles_for_hopper(hq, hk, d, splits):
     ptx = kernel.asm["ptx"]
     assert "mma" in ptx, "the dots did not lower to tensor-core instructions"
     counts = [line for line in ptx.splitlines() if re.search(r"\batom\.global\.gpu\.acq_rel\.add\b", line)]
-    assert len(counts) == 1 and counts[0].lstrip().startswith("@"), counts  # one add, predicated to one thread
+    if splits == 1:  # one program a (request, KV head): it writes its output, nothing to count
+        assert not counts and "atom" not in ptx, counts
+    else:
+        assert len(counts) == 1 and counts[0].lstrip().startswith("@"), counts  # one add, predicated to one thread
