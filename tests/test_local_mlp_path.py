@@ -46,7 +46,8 @@ def _path(monkeypatch, enabled=True, forward_context=None):
     layers, norm = [_Layer() for _ in range(3)], _Norm()
     path = LocalMLPPath(layers, norm, enabled, max_batch=4, forward_context=forward_context)
     monkeypatch.setattr(local_module, "capture_graph", stand_in_capture)
-    graphs = LocalMLPGraphs(path._post_attention, len(layers), [1, 2, 4], pool=0)  # no CUDA pool on CPU
+    graphs = LocalMLPGraphs(path._post_attention, len(layers), [1, 2, 4], pool=0,  # no CUDA pool on CPU
+                            forward_context=forward_context)  # as capture() makes them  # fmt: skip
     with torch.inference_mode():
         graphs.capture(H, torch.float32, torch.device("cpu"))
     path.graphs = graphs  # capture() itself only captures on CUDA
@@ -106,4 +107,4 @@ def test_a_forward_replays_each_layers_graph_of_its_bucket_once(monkeypatch):
     assert graphs.step_hook(5) is graphs.post_attention
     full = type("Ctx", (), {"cudagraph_runtime_mode": type("Mode", (), {"name": "FULL"})()})()
     graphs.forward_context = lambda: full
-    assert graphs.step_hook(3) is graphs.post_attention and graphs.run(0, embeds, embeds) is None
+    assert graphs.step_hook(3) is graphs.post_attention

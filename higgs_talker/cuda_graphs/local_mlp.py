@@ -6,9 +6,9 @@ trusted; they are never captured in the serving path. Every bucket has one stati
 shared by all its layers. A bucket whose capture fails is dropped with one warning and runs eagerly. The same
 class serves our engine and the vLLM adapter (over vLLM's Qwen3 layers).
 
-At run time ``run`` returns None (the caller runs eagerly) for a batch no bucket holds, for a bucket that
-failed, and whenever the current stream is capturing (an outer full-decode or vLLM graph): replaying inside
-a capture raises "Cannot prepare for replay during capturing stage".
+At run time ``step_hook`` gives the eager block (the caller's forward runs eagerly) for a batch no bucket holds,
+for a bucket that failed, and whenever the current stream is capturing (an outer full-decode or vLLM graph):
+replaying inside a capture raises "Cannot prepare for replay during capturing stage".
 """
 
 from __future__ import annotations
@@ -115,14 +115,6 @@ class LocalMLPGraphs:
                 err = (got.float() - want.float()).abs().max().item()
                 raise RuntimeError(f"layer {layer} replay {name} differs from eager (max abs err {err:.3g})")
 
-    def run(self, layer: int, hidden: Tensor, residual: Tensor) -> tuple[Tensor, Tensor] | None:
-        """Replay ``layer``'s graph for a decode batch hidden/residual [B, H]; None means: run eagerly.
-
-        The returned tensors are views of the bucket's static outputs, valid until the next replay.
-        """
-        hook = self.step_hook(hidden.shape[0])
-        return None if hook is self.post_attention else hook(layer, hidden, residual)
-
     def post_attention_or_eager(self, layer: int, hidden: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """The model's post-attention hook: this layer's graph when one applies, else the eager block."""
         return self.step_hook(hidden.shape[0])(layer, hidden, residual)
@@ -178,11 +170,12 @@ class LocalMLPPath:
     def forward(self, positions: Tensor, embeds: Tensor, pure_decode: bool) -> Tensor | None:
         """embeds [T, H] -> final hidden [T, H] through the graphed layers, or None (not a step they cover)."""
         graphs = self.graphs
-        if graphs is None or not pure_decode or not graphs.sizes or embeds.shape[0] > max(graphs.sizes):
+        if graphs is None or not pure_decode:
             return None
-        if not local_graphs_allowed_now(self.forward_context() if self.forward_context else None):
+        hook = graphs.step_hook(embeds.shape[0])
+        if hook is graphs.post_attention:  # no bucket holds the step, or a graph is captured or replayed around it
             return None
-        hidden, residual = forward_layers(self.layers, positions, embeds, graphs.step_hook(embeds.shape[0]))
+        hidden, residual = forward_layers(self.layers, positions, embeds, hook)
         self.replays += 1
         return self.norm(hidden, residual)[0]
 
