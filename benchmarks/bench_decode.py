@@ -236,6 +236,7 @@ def graph_info(talker: HiggsTalker) -> dict:
         info["graph_warmup_s"] = graphs.warmup_s
         info["graph_reason"] = graphs.decision.reason
         info["row_timings"] = graphs.row_timings
+        info["kernel_timings"] = graphs.kernel_timings  # the decode-kernel measurement: alone and in the step
         info["choices"] = graphs.choices_source  # measured at this start, or read from the choice cache
         info["choice_sources"] = graphs.choice_sources
         info["choice_file"] = None if graphs.choice_file is None else str(graphs.choice_file)

@@ -51,3 +51,19 @@ def test_paged_decode_compiles_for_hopper(hq, hk, d, splits):
         assert not counts and "atom" not in ptx, counts
     else:
         assert len(counts) == 1 and counts[0].lstrip().startswith("@"), counts  # one add, predicated to one thread
+
+
+def test_race_kernel_compiles_for_hopper():
+    """The sampler's race at the 4B head's shape (8 codebooks of 1,026 codes): both sorts (the top-k candidates'
+    64 keys and the whole row's 2,048) and the bisection loop lower to a cubin."""
+    from higgs_talker.heads import sampling, triton_kernels
+
+    signature = {"logits_ptr": "*fp32", "stride_b": "i32", "stride_c": "i32", "temperature_ptr": "*fp32",
+                 "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "seeds_ptr": "*i64", "steps_ptr": "*i64",
+                 "out_ptr": "*i64", "scratch_ptr": "*i64", "V": "i32"}  # fmt: skip
+    constants = {"C": 8, "FILTER": True, "BLOCK": 2048, "CAND": triton_kernels.RACE_CANDIDATES,
+                 "CODE_KEY": sampling.CODE_KEY}  # fmt: skip
+    source = ASTSource(fn=triton_kernels._race_kernel, signature=signature | dict.fromkeys(constants, "constexpr"),
+                       constexprs=constants)  # fmt: skip
+    kernel = triton.compile(source, target=HOPPER, options={"num_warps": 4})
+    assert kernel.asm["cubin"], "no cubin"

@@ -120,11 +120,11 @@ def _paged_case(hq: int, hk: int, d: int, block_size: int, lens: list[int], dtyp
     return q, cache, tables, torch.tensor(lens, dtype=torch.int32), torch.stack(want)
 
 
-# (query heads, KV heads, head_dim, block size, context lengths, programs the splits aim at)
+# (query heads, KV heads, head_dim, block size, context lengths, multiprocessors the splits aim at)
 PAGED_CASES = [
-    (8, 2, 64, 16, [37], 64),  # one request, 32 splits: most of them empty
-    (8, 2, 64, 16, [1, 100, 513], 64),  # a one-token context beside long ones
-    (4, 4, 32, 8, [300, 17], 8),  # no grouping (one query head a KV head), 2 splits
+    (8, 2, 64, 16, [37], 64),  # one request, 32 splits of which its context fills 2: the rest return uncounted
+    (8, 2, 64, 16, [1, 100, 513], 16),  # a one-token context (one split used) beside long ones, 8 splits
+    (4, 4, 32, 8, [300, 17], 4),  # no grouping (one query head a KV head), 2 splits
     (16, 2, 128, 16, [65, 64, 129, 2], 1),  # group of 8, no split
 ]
 
@@ -147,8 +147,9 @@ def test_paged_decode_matches_float64_interpreted(dtype, hq, hk, d, bs, lens, pr
     assert torch.equal(again, got)
 
 
-def test_split_counts_fill_one_wave():
-    assert [triton_attention.splits_for(b, 8, 132) for b in (1, 2, 4, 16, 64)] == [16, 8, 4, 1, 1]
+def test_split_counts_aim_at_four_programs_a_multiprocessor():
+    """132 SMs (an H100), 8 KV heads: 16 requests get 4 splits (512 programs), 64 requests fill the GPU alone."""
+    assert [triton_attention.splits_for(b, 8, 132) for b in (1, 2, 4, 8, 16, 32, 64)] == [32, 32, 16, 8, 4, 2, 1]
     assert triton_attention.splits_for(1, 1, 10_000) == triton_attention.MAX_SPLITS
 
 
@@ -441,6 +442,24 @@ def test_race_kernel_takes_strided_logits_and_the_deploy_shape():
               torch.tensor([12345]), torch.tensor([67]))  # fmt: skip
     assert torch.equal(triton_kernels.race_argmax(*deploy, sampling.CODE_KEY),
                        sampling.race_scores(*deploy).argmax(dim=-1))  # fmt: skip
+
+
+def test_race_kernel_sorts_only_the_top_k_candidates_or_the_whole_row():
+    """A row whose top-k keeps at most ``RACE_CANDIDATES`` codes sorts only those; the same codes as the reference
+    where every logit is negative (an empty candidate slot must rank below all of them), and where more codes tie
+    at the k-th value than that (the whole row sorted)."""
+    from higgs_talker.heads import sampling, triton_kernels
+
+    g = torch.Generator().manual_seed(9)
+    rows, v = 16, 300
+    x = torch.randn(rows, 2, v, generator=g) * 3 - 40  # every logit negative
+    x[8:, :, :100] = -1.5  # rows 8-15: 100 codes tie at the top, past the 64 candidates for top-k 50
+    t = torch.full((rows,), 1.0)
+    k = torch.tensor([50, 1, 64, 63, 2, 50, 10, 50] * 2)
+    p = torch.tensor([0.95, 1.0, 0.9, 0.5, 1.0, 0.99, 0.8, 1.0] * 2)
+    seeds, steps = torch.arange(rows) * 7919 + 3, torch.arange(rows) + 11
+    args = (x, t, k, p, seeds, steps)
+    assert torch.equal(triton_kernels.race_argmax(*args, sampling.CODE_KEY), sampling.race_scores(*args).argmax(dim=-1))
 
 
 def test_race_kernel_rejects_what_it_cannot_take():

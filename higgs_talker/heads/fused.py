@@ -15,7 +15,8 @@ capture an unchecked signature is not used (the capture keeps the reference). ``
 of them off, ``DISABLED`` those it names (benchmarks' A/B).
 
 A fourth, the race (``triton_kernels.race_argmax``), runs the sampler itself for a sampled step: temperature, the
-top-k/top-p filter over a stable sort, the noise and the argmax, one program per (request, codebook) row, where
+top-k/top-p filter over a stable sort (of the top-k candidates alone where they are at most 64, found by bisection
+over the values' bits), the noise and the argmax, one program per (request, codebook) row, where
 torch takes about 30 launches besides the noise kernel (the sort, its gathers and scatters, a softmax and a cumsum
 in both directions, the noise's logs, the race). Its filter sums the nucleus mass in its own order, and on a GPU
 its ``exp``/``log`` are Triton's, so a code can differ from the reference's where two candidates' scores or the

@@ -22,6 +22,9 @@ from .delay import DelayState
 from .fused import MASK_MAX_VOCAB, RACE_MAX_VOCAB, delay_mask_supports, noise_supports, race_supports
 
 BLOCK = 1024
+# a sampled row whose top-k (with ties) keeps at most this many codes sorts only those (64 keys instead of a
+# power of two past V: 2,048 at the 4B head's 1,026 codes); past it, or with top-k off, the race sorts the whole row
+RACE_CANDIDATES = 64
 
 
 @triton.jit
@@ -206,9 +209,42 @@ def _first_max(score, index, BIG: tl.constexpr):
 
 
 @triton.jit
+def _ordered_bits(x):
+    # a float32's bits made order-preserving as int32 (-0.0 as +0.0, as a float comparison sees them)
+    bits = (x + 0.0).to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _race_sorted(keys, k, p, seed, step, q, V, BLOCK: tl.constexpr, CODE_KEY: tl.constexpr):
+    # the race over candidates sorted descending as int64 keys (value bits above the index's complement in BLOCK):
+    # top-k, top-p, the noise and the first maximum -> the code
+    slot = tl.arange(0, keys.shape[0])
+    index = (BLOCK - 1) - (keys & (BLOCK - 1))  # the code at each sorted position
+    high = (keys >> 32).to(tl.int32)
+    value = tl.where(high < 0, high ^ 0x7FFFFFFF, high).to(tl.float32, bitcast=True)
+    # top-k: below the k-th value (ties kept)
+    kth = tl.max(tl.where(slot == k - 1, value, float("-inf")), axis=0)
+    value = tl.where(value < kth, float("-inf"), value)
+    # top-p: drop a code while the mass of it and every less likely code is at most 1 - p (the most likely
+    # always stays; p >= 1 or NaN: off), the mass summed from the least likely code up
+    e = tl.exp(value - tl.max(value, axis=0))
+    mass_up_to = tl.cumsum(e / tl.sum(e, axis=0), axis=0, reverse=True)
+    drop = (mass_up_to <= tl.where(p < 1, 1 - p, -1.0)) & (slot > 0)  # no mass is <= -1
+    value = tl.where(drop, float("-inf"), value)
+    lowest = -3.4028234663852886e38  # finfo(float32).min: an allowed code outranks every removed one
+    noisy = value - tl.log(-tl.log(_noise_uniform(seed, step, q * V + index, CODE_KEY)))  # x - log(E), E ~ Exp(1)
+    noisy = tl.where(noisy != noisy, lowest, noisy)  # NaN
+    noisy = tl.where(noisy == float("-inf"), lowest, tl.where(noisy == float("inf"), -lowest, noisy))
+    noisy = tl.where(value == float("-inf"), float("-inf"), noisy)
+    return _first_max(noisy, index, BLOCK)
+
+
+@triton.jit
 def _race_kernel(
-    logits_ptr, stride_b, stride_c, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr, steps_ptr, out_ptr, V,
-    C: tl.constexpr, FILTER: tl.constexpr, BLOCK: tl.constexpr, CODE_KEY: tl.constexpr,
+    logits_ptr, stride_b, stride_c, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr, steps_ptr, out_ptr,
+    scratch_ptr, V, C: tl.constexpr, FILTER: tl.constexpr, BLOCK: tl.constexpr, CAND: tl.constexpr,
+    CODE_KEY: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     b, q = pid // C, pid % C
@@ -221,35 +257,46 @@ def _race_kernel(
     overflow = tl.max(((tl.abs(x) == float("inf")) & (tl.abs(raw) < float("inf"))).to(tl.int32), axis=0) > 0
     seed = tl.load(seeds_ptr + b).to(tl.int64)
     step = tl.load(steps_ptr + b).to(tl.int64)
-    lowest = -3.4028234663852886e38  # finfo(float32).min: an allowed code outranks every removed one
     if FILTER:
-        # sort descending, stably (equal values: the lower index first), on int64 keys: the value's bits made
-        # order-preserving (-0.0 as +0.0, as a float comparison sees them) above the index's complement
-        bits = (x + 0.0).to(tl.int32, bitcast=True)
-        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-        keys = tl.sort((ordered << 32) | ((BLOCK - 1) - i).to(tl.int64), descending=True)
-        index = (BLOCK - 1) - (keys & (BLOCK - 1))  # the code at each sorted position
-        high = (keys >> 32).to(tl.int32)
-        value = tl.where(high < 0, high ^ 0x7FFFFFFF, high).to(tl.float32, bitcast=True)
-        # top-k: below the k-th value (ties kept); k <= 0 or >= V is off
+        # sort descending, stably (equal values: the lower index first), on int64 keys: the value's order-preserving
+        # bits above the index's complement
+        ordered = _ordered_bits(x)
+        keys = (ordered.to(tl.int64) << 32) | ((BLOCK - 1) - i).to(tl.int64)
         k = tl.load(top_k_ptr + b).to(tl.int64)
-        k = tl.where((k <= 0) | (k >= V), V, k)
-        kth = tl.max(tl.where(i == k - 1, value, float("-inf")), axis=0)
-        value = tl.where(value < kth, float("-inf"), value)
-        # top-p: drop a code while the mass of it and every less likely code is at most 1 - p (the most likely
-        # always stays; p >= 1 or NaN: off), the mass summed from the least likely code up
+        k = tl.where((k <= 0) | (k >= V), V, k)  # k <= 0 or >= V: off
         p = tl.load(top_p_ptr + b)
-        e = tl.exp(value - tl.max(value, axis=0))
-        mass_up_to = tl.cumsum(e / tl.sum(e, axis=0), axis=0, reverse=True)
-        drop = (mass_up_to <= tl.where(p < 1, 1 - p, -1.0)) & (i > 0)  # no mass is <= -1
-        value = tl.where(drop, float("-inf"), value)
+        code = tl.zeros([], tl.int64) - 1  # not raced yet
+        if CAND < BLOCK:  # noqa: SIM102 - a compile-time branch around a run-time one
+            if k <= CAND:
+                # the k-th largest value by bisection over the ordered bits; the codes at or above it (ties kept)
+                # are the only ones the filter can keep: where they are at most CAND, only they are sorted
+                lo = tl.min(ordered, axis=0).to(tl.int64)
+                hi = tl.max(ordered, axis=0).to(tl.int64)
+                while lo < hi:
+                    mid = lo + (hi - lo + 1) // 2
+                    enough = tl.sum((ordered >= mid).to(tl.int32), axis=0) >= k
+                    lo = tl.where(enough, mid, lo)
+                    hi = tl.where(enough, hi, mid - 1)
+                keep = ordered >= lo
+                count = tl.sum(keep.to(tl.int32), axis=0)
+                if count <= CAND:
+                    row = scratch_ptr + pid * CAND
+                    tl.store(row + tl.cumsum(keep.to(tl.int32), axis=0) - 1, keys, mask=keep)
+                    tl.debug_barrier()  # every thread's stores before the loads below (one program, global memory)
+                    slot = tl.arange(0, CAND)
+                    few = tl.load(row + slot, mask=slot < count, other=0)
+                    # the empty slots get the key of -inf (its ordered bits): below every candidate
+                    few = tl.where(slot < count, few, tl.full([CAND], -2139095041, tl.int64) << 32)
+                    code = _race_sorted(tl.sort(few, descending=True), k, p, seed, step, q, V, BLOCK, CODE_KEY)
+        if code < 0:  # every code sorted: top-k off or past CAND, or more than CAND codes tie at the k-th value
+            code = _race_sorted(tl.sort(keys, descending=True), k, p, seed, step, q, V, BLOCK, CODE_KEY)
     else:
-        index, value = i.to(tl.int64), x
-    noisy = value - tl.log(-tl.log(_noise_uniform(seed, step, q * V + index, CODE_KEY)))  # x - log(E), E ~ Exp(1)
-    noisy = tl.where(noisy != noisy, lowest, noisy)  # NaN
-    noisy = tl.where(noisy == float("-inf"), lowest, tl.where(noisy == float("inf"), -lowest, noisy))
-    noisy = tl.where(value == float("-inf"), float("-inf"), noisy)
-    code = _first_max(noisy, index, BLOCK)
+        lowest = -3.4028234663852886e38
+        noisy = x - tl.log(-tl.log(_noise_uniform(seed, step, q * V + i.to(tl.int64), CODE_KEY)))
+        noisy = tl.where(noisy != noisy, lowest, noisy)  # NaN
+        noisy = tl.where(noisy == float("-inf"), lowest, tl.where(noisy == float("inf"), -lowest, noisy))
+        noisy = tl.where(x == float("-inf"), float("-inf"), noisy)
+        code = _first_max(noisy, i.to(tl.int64), BLOCK)
     code = tl.where(greedy | overflow, _first_max(raw, i.to(tl.int64), BLOCK), code)
     tl.store(out_ptr + pid, code)
 
@@ -269,10 +316,13 @@ def race_argmax(
         )
     b, n, v = logits.shape
     out = torch.empty(b, n, dtype=torch.long, device=logits.device)
+    block = triton.next_power_of_2(v)
+    scratch = torch.empty(b * n * RACE_CANDIDATES if filter and block > RACE_CANDIDATES else 1, dtype=torch.long,
+                          device=logits.device)  # fmt: skip
     if b:
         _race_kernel[(b * n,)](
             logits, logits.stride(0), logits.stride(1), temperature.contiguous(), top_k.contiguous(),
-            top_p.contiguous(), seeds.contiguous(), steps.contiguous(), out, v, C=n, FILTER=filter,
-            BLOCK=triton.next_power_of_2(v), CODE_KEY=code_key,
+            top_p.contiguous(), seeds.contiguous(), steps.contiguous(), out, scratch, v, C=n, FILTER=filter,
+            BLOCK=block, CAND=RACE_CANDIDATES, CODE_KEY=code_key,
         )  # fmt: skip
     return out
