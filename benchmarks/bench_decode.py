@@ -81,7 +81,7 @@ from common import (
     sync,
 )
 
-from higgs_talker import HiggsTalker, SamplingParams, TalkerConfig, TextConfig
+from higgs_talker import HiggsTalker, SamplingParams, TalkerConfig, TextConfig, flashinfer_attention
 from higgs_talker.cuda_graphs import PREFILL_BUCKETS
 from higgs_talker.cuda_graphs import full_decode as full_graphs
 from higgs_talker.flashinfer_attention import KERNELS
@@ -110,6 +110,7 @@ PREFIX_CACHE = "+pcache"  # label suffix: prefix caching on (prefix_caching=True
 TORCH_HEAD = "-torchhead"  # label suffix: heads.fused.ENABLED = False
 TORCH_RACE = "-torchrace"  # label suffix: the race kernel off ("sampler race" in heads.fused.DISABLED)
 WHOLE_SAMPLER = "-wholesampler"  # label suffix: no sampler variants (cuda_graphs.full_decode.SAMPLER_VARIANTS)
+QKV_APART = "-qkvapart"  # label suffix: the triton decode kernel after the separate QK-norm/RoPE/K-V kernel
 ROW_GEMV_LABELS = {"auto": "", "off": "-cublasrows", "on": "-rowgemv"}  # label suffix per row_gemv option
 DECODE_KERNELS = ("auto", *KERNELS)
 
@@ -128,6 +129,7 @@ class Variant:
     sampler_variants: bool = True  # full-decode graphs with the cheaper samplers (the default)
     race_kernel: bool = True  # a sampled step's filter, noise and race as one Triton kernel (the CUDA default)
     row_gemv: str = "auto"  # one-row inputs: the Triton GEMV where measured faster (auto), everywhere (on), nowhere
+    triton_qkv: bool = True  # the triton decode kernel takes the qkv rows (QK-norm, RoPE, K/V write in its launch)
 
     @property
     def prefill_label(self) -> str:
@@ -143,7 +145,8 @@ class Variant:
         whole = "" if self.sampler_variants else WHOLE_SAMPLER
         race = TORCH_RACE if self.head_kernels and not self.race_kernel else ""
         rows = ROW_GEMV_LABELS[self.row_gemv]
-        return f"{self.mode}{FUSED if self.fuse else ''}{kernel}{prefill}{sync}{head}{race}{whole}{rows}"
+        qkv = "" if self.triton_qkv else QKV_APART
+        return f"{self.mode}{FUSED if self.fuse else ''}{kernel}{prefill}{sync}{head}{race}{whole}{rows}{qkv}"
 
 
 PEER_RESERVE_S = 100.0  # the time budget keeps this much for the transformers rows
@@ -332,9 +335,12 @@ def both(choice: str) -> list[bool]:
 
 def variants(args: argparse.Namespace) -> list[Variant]:
     """What to time: every mode x ``--fuse`` x ``--decode-kernels`` x ``--async`` x ``--head-kernels`` x
-    ``--race-kernel`` (where the head kernels are on) x ``--sampler-variants`` x ``--row-gemv``."""
+    ``--race-kernel`` (where the head kernels are on) x ``--sampler-variants`` x ``--row-gemv`` x ``--triton-qkv``
+    (where QK-norm and RoPE are fused)."""
     return [
-        Variant(m, fuse, on, kernel, head_kernels=head, sampler_variants=sv, row_gemv=rows, race_kernel=race)
+        Variant(
+            m, fuse, on, kernel, head_kernels=head, sampler_variants=sv, row_gemv=rows, race_kernel=race, triton_qkv=qkv
+        )  # fmt: skip
         for m in args.modes
         for fuse in both(args.fuse)
         for kernel in args.decode_kernels
@@ -343,6 +349,7 @@ def variants(args: argparse.Namespace) -> list[Variant]:
         for race in (both(args.race_kernel) if head else [True])
         for sv in both(args.sampler_variants)
         for rows in args.row_gemv
+        for qkv in (both(args.triton_qkv) if fuse else [True])
     ]
 
 
@@ -353,10 +360,12 @@ def run_mode(variant: Variant, cfg: TalkerConfig, args, writer: ResultFile, bw: 
     race = {"sampler race"}
     fused.DISABLED = set(DEFAULT_DISABLED - race if variant.race_kernel else DEFAULT_DISABLED | race)
     full_graphs.SAMPLER_VARIANTS = DEFAULT_SAMPLER_VARIANTS if variant.sampler_variants else ()
+    flashinfer_attention.TRITON_TAKES_QKV = variant.triton_qkv
     try:
         _run_variant(variant, cfg, args, writer, bw, share_s)
     finally:
         fused.ENABLED, full_graphs.SAMPLER_VARIANTS = True, DEFAULT_SAMPLER_VARIANTS
+        flashinfer_attention.TRITON_TAKES_QKV = True
         fused.DISABLED = set(DEFAULT_DISABLED)
 
 
@@ -724,6 +733,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--sampler-variants", choices=("on", "off", "both"), default="on",
                    help="full-decode graphs with the cheaper sampler variants (on, the default), the whole sampler "
                    "only (off: MODE-wholesampler rows), or both")  # fmt: skip
+    p.add_argument("--triton-qkv", choices=("on", "off", "both"), default="on",
+                   help="where the decode kernel is triton: QK-norm, RoPE and the K/V write inside its launch (on, "
+                   "the default), the separate fused kernel before it (off: MODE-qkvapart rows), or both")  # fmt: skip
     p.add_argument("--row-gemv", type=strs_arg, default=["auto"],
                    help="row_gemv options to time, each apart (of auto, on, off; default auto)")  # fmt: skip
     add_sampling_option(p, "point")

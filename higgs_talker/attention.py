@@ -57,6 +57,9 @@ class AttentionBackend(Protocol):
 
     def kv_destination(self, layer: int) -> tuple[Tensor, Tensor] | None: ...
 
+    def attend_qkv(self, layer: int, qkv: Tensor, positions: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float,
+                   cos_sin: Tensor) -> Tensor | None: ...  # fmt: skip
+
     def set_bucket_kernel(self, size: int, kernel: str) -> None: ...
 
     def fork(self, kv_caches: list[Tensor]) -> AttentionBackend: ...
@@ -191,6 +194,11 @@ class SdpaAttention:
 
     def kv_destination(self, layer: int) -> None:
         """None: SDPA writes K/V itself in ``forward`` (so the model runs QK-norm and RoPE separately)."""
+        return None
+
+    def attend_qkv(self, layer: int, qkv: Tensor, positions: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float,
+                   cos_sin: Tensor) -> None:  # fmt: skip
+        """None: no SDPA step takes qkv rows."""
         return None
 
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -72,9 +72,14 @@ def check_decode_kernel(kernel: str) -> None:
 # is measured beside them. Every kernel can be pinned.
 AUTO_KERNELS = ("native_tc", "xqa", "triton")
 TABLE_KERNELS = ("xqa", "triton")  # the kernels that read block tables and lengths (device buffers), no wrapper
+# Where a decode step's kernel is ``triton``, the model's fused QK-norm + RoPE + K/V write runs inside its launch
+# (``attend_qkv``: one launch a layer fewer); False keeps the separate kernel before it (benchmarks' A/B).
+TRITON_TAKES_QKV = True
 
 
 Attend = Callable[[Tensor, Tensor], Tensor]  # (q [N, Hq, D], layer cache) -> [N, Hq, D]
+# (layer, qkv [N, (Hq + 2 Hk) D], positions, q_weight, k_weight, eps, cos_sin) -> [N, Hq * D]
+AttendQkv = Callable[[int, Tensor, Tensor, Tensor, Tensor, float, Tensor], Tensor]
 
 
 def _graph_wrapper(wrapper: W) -> W:
@@ -146,6 +151,7 @@ class FlashInferAttention:
         self._prefill_buckets: dict[tuple[int, int], tuple[object, Tensor]] = {}  # (tokens, reqs) -> wrapper, rows
         self._kv: Tensor | None = None  # [2, N] flat cache rows of this step's K and V
         self._attend: Attend | None = None
+        self._attend_qkv: AttendQkv | None = None  # this step's attention from qkv rows, where its kernel takes them
         self._triton_scratch = None  # triton_attention.DecodeScratch, made at the triton kernel's first plan
 
     def fork(self, kv_caches: list[Tensor]) -> FlashInferAttention:
@@ -238,11 +244,19 @@ class FlashInferAttention:
             self._triton_scratch = triton_attention.DecodeScratch(
                 self.max_batch, self.num_heads, self.num_kv_heads, self.head_dim, sms, self.device
             )
-        scratch = self._triton_scratch
+        scratch, kv = self._triton_scratch, self._kv
 
         def attend(q: Tensor, cache: Tensor) -> Tensor:
             return triton_attention.paged_decode(q, cache, tables, lens, self.scale, scratch)
 
+        def attend_qkv(layer: int, qkv: Tensor, positions: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float,
+                       cos_sin: Tensor) -> Tensor:  # fmt: skip
+            return triton_attention.paged_decode_qkv(
+                qkv, positions, q_weight, k_weight, eps, cos_sin, kv, self.kv_caches[layer], tables, lens,
+                self.scale, scratch,
+            ).reshape(qkv.shape[0], -1)  # fmt: skip
+
+        self._attend_qkv = attend_qkv if TRITON_TAKES_QKV else None
         return attend
 
     def _table_kernel(self, kernel: str, tables: Tensor, lens: Tensor) -> Attend:
@@ -250,6 +264,7 @@ class FlashInferAttention:
 
     def plan(self, batch: StepBatch) -> None:
         """Eager step: plan prefill or decode for exactly this batch."""
+        self._attend_qkv = None  # unless this step's kernel takes qkv rows (``_triton``)
         self._kv = self._kv_rows(batch.slot_mapping).to(self.device, non_blocking=True)
         if not batch.is_decode:
             self._plan_prefill(self.prefill, batch.query_lens, batch.seq_lens, batch.block_tables)
@@ -265,6 +280,7 @@ class FlashInferAttention:
 
     def plan_bucket(self, batch: StepBatch) -> None:
         """A decode batch padded to its bucket (``batch.num_reqs``) into the fixed buffers' first rows."""
+        self._attend_qkv = None  # unless this step's kernel takes qkv rows (``_triton``)
         size = batch.num_reqs
         kernel = self.bucket_kernel.get(size, self.decode_kernels[0])
         self.kv_index[:, :size].copy_(self._kv_rows(batch.slot_mapping), non_blocking=True)
@@ -296,6 +312,7 @@ class FlashInferAttention:
     def plan_prefill_bucket(self, batch: StepBatch) -> None:
         """A prefill batch padded to a token bucket (``StepBatch.padded_prefill``) into that bucket's wrapper and
         buffers, which a captured prefill step reads at replay. Its contexts must fit ``prefill_pages``."""
+        self._attend_qkv = None  # unless this step's kernel takes qkv rows (``_triton``)
         tokens, reqs = batch.num_tokens, batch.num_reqs
         entry = self._prefill_buckets.get((tokens, reqs))
         if entry is None:
@@ -329,6 +346,14 @@ class FlashInferAttention:
         fused kernel writes K/V itself before ``attend``."""
         assert self._kv is not None, "plan() or plan_bucket() was not called"
         return self.kv_caches[layer].view(-1, self.num_kv_heads, self.head_dim), self._kv
+
+    def attend_qkv(self, layer: int, qkv: Tensor, positions: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float,
+                   cos_sin: Tensor) -> Tensor | None:  # fmt: skip
+        """qkv [N, (Hq + 2 Hk) D] -> [N, Hq*D]: QK-norm, RoPE, the K/V write into the rows ``kv_destination``
+        gives and the attention in one launch, where this step's decode kernel does that (``triton``); else None,
+        and the caller runs the fused kernel and ``attend``."""
+        return None if self._attend_qkv is None else self._attend_qkv(layer, qkv, positions, q_weight, k_weight,
+                                                                       eps, cos_sin)  # fmt: skip
 
     def attend(self, layer: int, q: Tensor) -> Tensor:
         """q [N, Hq, D] -> [N, Hq*D] over the layer's cache, this step's K/V already in it."""

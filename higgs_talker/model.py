@@ -78,11 +78,12 @@ class Attention(nn.Module):
         backend = current_backend()
         kv_dest = backend.kv_destination(self.layer_idx) if self.kernels.can_fuse_qk_rope(self.head_dim) else None
         if kv_dest is not None:  # one kernel: QK-norm, RoPE, and K/V straight into the cache
-            q = self.kernels.qk_norm_rope_store(
-                qkv, positions, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.rotary_emb.cos_sin,
-                *kv_dest,
-            )  # fmt: skip
-            return self.kernels.linear("o_proj", backend.attend(self.layer_idx, q), self.o_proj)
+            norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.rotary_emb.cos_sin)
+            out = backend.attend_qkv(self.layer_idx, qkv, positions, *norm)  # that kernel inside the attention's
+            if out is None:
+                q = self.kernels.qk_norm_rope_store(qkv, positions, *norm, *kv_dest)
+                out = backend.attend(self.layer_idx, q)
+            return self.kernels.linear("o_proj", out, self.o_proj)
         q, k, v = qk_norm_rope(self.kernels, qkv, positions, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                self.rotary_emb.cos_sin, self.num_kv_heads, self.head_dim)  # fmt: skip
         return self.kernels.linear("o_proj", backend.forward(self.layer_idx, q, k, v), self.o_proj)  # -> [N, H]

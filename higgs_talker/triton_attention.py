@@ -69,9 +69,37 @@ class DecodeScratch:
         self.max_batch = max_batch
 
 
-@triton.jit(do_not_specialize=["table_stride"])
+@triton.jit
+def _normed_rotated(heads, ok, w_ptr, cs_ptr, eps, D: tl.constexpr):
+    # heads [R] pointers to R heads of D values (``ok``: which exist) -> [R, D] in their dtype: RMSNorm with w_ptr's
+    # weight (rounded to the dtype, as the norm kernel stores it), then neox RoPE with the [cos | sin] row at cs_ptr
+    # in fp32, rounded once more: ``triton_ops``' numerics
+    dims = tl.arange(0, D)
+    half = D // 2
+    partner = (dims + half) % D  # the other half of each rotated pair
+    x = tl.load(heads[:, None] + dims[None, :], mask=ok[:, None], other=0.0)
+    a = x.to(tl.float32)
+    b = tl.load(heads[:, None] + partner[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(a * a, axis=1) / D + eps)[:, None]
+    n = (a * r * tl.load(w_ptr + dims).to(tl.float32)[None, :]).to(x.dtype).to(tl.float32)
+    m = (b * r * tl.load(w_ptr + partner).to(tl.float32)[None, :]).to(x.dtype).to(tl.float32)
+    cos = tl.load(cs_ptr + dims % half)[None, :]
+    sin = tl.load(cs_ptr + half + dims % half)[None, :]
+    return tl.where(dims[None, :] < half, n * cos - m * sin, n * cos + m * sin).to(x.dtype)
+
+
+@triton.jit(do_not_specialize=["table_stride", "qkv_stride", "rows_stride"])
 def _paged_decode_kernel(
     q_ptr,
+    qkv_ptr,
+    qkv_stride,
+    pos_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    eps,
+    cos_sin_ptr,
+    kv_rows_ptr,
+    rows_stride,
     cache_ptr,
     tables_ptr,
     table_stride,
@@ -91,7 +119,10 @@ def _paged_decode_kernel(
     TILE: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    FUSED: tl.constexpr,
 ):
+    # FUSED: the query is the qkv row of the request's one new token (QK-norm and RoPE here), and the split that
+    # holds that token writes its K (normed, rotated) and V into the cache rows ``kv_rows`` before reading them
     req = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -100,7 +131,12 @@ def _paged_decode_kernel(
     toks = tl.arange(0, TILE)
     row_ok = rows < G
     heads = (req * HQ + hk * G + rows).to(tl.int64)
-    q = tl.load(q_ptr + heads[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
+    if FUSED:
+        token = qkv_ptr + req.to(tl.int64) * qkv_stride
+        cs = cos_sin_ptr + tl.load(pos_ptr + req).to(tl.int64) * D  # [cos | sin] of the token's position
+        q = _normed_rotated(token + (hk * G + rows) * D, row_ok, q_weight_ptr, cs, eps, D)
+    else:
+        q = tl.load(q_ptr + heads[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     n = tl.load(lens_ptr + req)
@@ -108,6 +144,17 @@ def _paged_decode_kernel(
     used = tl.maximum(tl.cdiv(n, chunk), 1)  # the splits this context fills (one for an empty padding row)
     if split >= used:
         return
+    if FUSED:  # noqa: SIM102 - a compile-time branch around a run-time one
+        if split == used - 1:  # this split reads the new token: its K and V go into the cache first
+            first = rows == 0
+            k = _normed_rotated(token + (HQ + hk) * D + rows * 0, first, k_weight_ptr, cs, eps, D)
+            k_row = tl.load(kv_rows_ptr + req).to(tl.int64)
+            tl.store(cache_ptr + (k_row * HK + hk) * D + rows[:, None] * 0 + dims[None, :],
+                     k.to(cache_ptr.dtype.element_ty), mask=first[:, None])  # fmt: skip
+            v_row = tl.load(kv_rows_ptr + rows_stride + req).to(tl.int64)
+            v = tl.load(token + (HQ + HK + hk) * D + dims)
+            tl.store(cache_ptr + (v_row * HK + hk) * D + dims, v.to(cache_ptr.dtype.element_ty))
+            tl.debug_barrier()  # the writes before this program's threads read those rows below
     lo = split * chunk
     hi = tl.minimum(lo + chunk, n)
     m = tl.full([GP], float("-inf"), tl.float32)
@@ -176,11 +223,42 @@ def paged_decode(q: Tensor, cache: Tensor, block_tables: Tensor, seq_lens: Tenso
 
     One launch, no host sync (graph-capturable); tables and lengths are device data and not range-checked."""
     b, hq, d = q.shape
-    _, two, bs, hk, d_cache = cache.shape
-    if two != 2 or d_cache != d or not cache.is_contiguous():
+    _check(cache, block_tables, seq_lens, scratch, b, hq, d)
+    return _launch(cache, block_tables, seq_lens, scale, scratch, q.contiguous(), hq, None)
+
+
+def paged_decode_qkv(qkv: Tensor, positions: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, cos_sin: Tensor,
+                     kv_rows: Tensor, cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float,
+                     scratch: DecodeScratch) -> Tensor:  # fmt: skip
+    """``triton_ops.qk_norm_rope_store`` and ``paged_decode`` in one launch, for one new token a request: qkv
+    [B, (Hq + 2 Hk) D] (rows may be strided), positions [B], q/k_weight [D], cos_sin [P, D] fp32, kv_rows [2, B]
+    int64 (the token's K and V rows in the cache viewed as [rows, Hk, D]) -> [B, Hq, D] in qkv's dtype; the
+    token's K (normed, rotated) and V are in the cache afterwards, as the separate kernel leaves them."""
+    hk, d = cache.shape[3:] if cache.dim() == 5 else (1, 1)  # any other cache fails _check
+    b, width = qkv.shape
+    hq = width // d - 2 * hk
+    _check(cache, block_tables, seq_lens, scratch, b, hq, d)
+    if qkv.stride(-1) != 1 or width != (hq + 2 * hk) * d:
+        raise ValueError(f"qkv must be [{b}, (Hq + 2 * {hk}) * {d}] with unit stride along a row, got "
+                         f"{tuple(qkv.shape)} strides {qkv.stride()}")  # fmt: skip
+    if positions.shape != (b,) or kv_rows.shape != (2, b) or kv_rows.dtype != torch.int64 or (
+            b > 1 and (positions.stride(0) != 1 or kv_rows.stride(1) != 1)):  # fmt: skip
+        raise ValueError(f"positions must be [{b}] and kv_rows [2, {b}] int64, each with unit stride, got "
+                         f"{tuple(positions.shape)} and {kv_rows.dtype} {tuple(kv_rows.shape)}")  # fmt: skip
+    if cos_sin.dim() != 2 or cos_sin.shape[1] != d or cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous():
+        raise ValueError(f"cos_sin must be a contiguous [max_positions, {d}] float32 table, got {cos_sin.dtype} "
+                         f"{tuple(cos_sin.shape)}")  # fmt: skip
+    fused = (qkv, qkv.stride(0), positions, q_weight, k_weight, eps, cos_sin, kv_rows, kv_rows.stride(0))
+    return _launch(cache, block_tables, seq_lens, scale, scratch, None, hq, fused)
+
+
+def _check(cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scratch: DecodeScratch, b: int, hq: int,
+           d: int) -> None:  # fmt: skip
+    if cache.dim() != 5 or cache.shape[1] != 2 or cache.shape[4] != d or not cache.is_contiguous():
         raise ValueError(
             f"cache must be a contiguous [blocks, 2, block_size, Hk, {d}] tensor, got {tuple(cache.shape)}"
         )
+    hk = cache.shape[3]
     if not supports(hq, hk, d):
         raise ValueError(f"the Triton decode kernel does not take {hq} query heads over {hk} KV heads of {d}")
     if b > scratch.max_batch or hq // hk != scratch.group:
@@ -192,16 +270,25 @@ def paged_decode(q: Tensor, cache: Tensor, block_tables: Tensor, seq_lens: Tenso
                          f"{tuple(block_tables.shape)}")  # fmt: skip
     if seq_lens.shape != (b,) or (b > 1 and seq_lens.stride(0) != 1):
         raise ValueError(f"seq_lens must be a contiguous [{b}] tensor, got {tuple(seq_lens.shape)}")
-    q = q.contiguous()
-    out = torch.empty_like(q)
+
+
+def _launch(cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float, scratch: DecodeScratch,
+            q: Tensor | None, hq: int, fused: tuple | None) -> Tensor:  # fmt: skip
+    _, _, bs, hk, d = cache.shape
+    b = block_tables.shape[0]
+    dtype = q.dtype if q is not None else fused[0].dtype
+    out = torch.empty(b, hq, d, dtype=dtype, device=cache.device)
     splits = splits_for(b, hk, scratch.programs)
     group = hq // hk
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1" and q.dtype == torch.bfloat16
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1" and dtype == torch.bfloat16
+    if fused is None:  # the fused arguments' places: unused
+        fused = (out, 0, seq_lens, out, out, 0.0, out, seq_lens, 0)
     if b:
         _paged_decode_kernel[(b, hk, splits)](
-            q, cache, block_tables, block_tables.stride(0), seq_lens, out, scratch.partial, scratch.max_sum,
-            scratch.counters, scale * math.log2(math.e),
+            out if q is None else q, *fused, cache, block_tables, block_tables.stride(0), seq_lens, out,
+            scratch.partial, scratch.max_sum, scratch.counters, scale * math.log2(math.e),
             HQ=hq, HK=hk, D=d, BS=bs, G=group, GP=max(16, triton.next_power_of_2(group)), S=splits, TILE=TILE,
-            PRECISION="ieee" if q.dtype == torch.float32 or interpreted else "tf32", UPCAST=interpreted, num_warps=4,
+            PRECISION="ieee" if dtype == torch.float32 or interpreted else "tf32", UPCAST=interpreted,
+            FUSED=q is None, num_warps=4,
         )  # fmt: skip
     return out

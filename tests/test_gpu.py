@@ -192,6 +192,48 @@ def test_decode_kernels_vs_float64(kernel, batch, ctx):
     assert rel_err(out, want) <= ATTENTION_TOL
 
 
+@pytest.mark.parametrize("batch", [1, 4, 16, 64])
+@pytest.mark.parametrize("ctx", [1, 256, 1024, 4096])
+@needs_flashinfer
+def test_triton_attention_from_qkv_rows_vs_float64(batch, ctx):
+    """The ``triton`` kernel taking the qkv rows (``attend_qkv``: QK-norm, RoPE and the new token's K/V write in its
+    launch) through our bucket buffers, against float64: the same norms and rotation of the same rows, K/V into a
+    float64 copy of the cache, attention over it (bf16 <= 5e-3); the written K within the separate kernel's
+    bound (tests/_qk_rope.py), V equal to its qkv rows."""
+    from _qk_rope import FUSED_OPS
+
+    from higgs_talker.batch import StepBatch
+
+    g = torch.Generator(device="cuda").manual_seed(batch * 11 + ctx)
+    bs, per_seq, d = 16, -(-ctx // 16), 128
+    cache = torch.randn(batch * per_seq + 1, 2, bs, 8, d, generator=g, device="cuda").bfloat16()
+    attn = _attention([cache], "triton", scratch_block=batch * per_seq)
+    attn.set_bucket_kernel(batch, "triton")
+    blocks = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    slots = [b[(ctx - 1) // bs] * bs + (ctx - 1) % bs for b in blocks]
+    attn.plan_bucket(StepBatch(list(range(batch)), [ctx - 1] * batch, slots, [1] * batch, [ctx] * batch, blocks))
+    qkv = torch.randn(batch, 48 * d, generator=g, device="cuda").bfloat16()
+    positions = torch.randint(0, 32768, (batch,), generator=g, device="cuda")
+    q_weight, k_weight = (1 + 0.1 * torch.randn(2, d, generator=g, device="cuda")).bfloat16()
+    cos_sin = rope_cache(d, 32768, 1e6, "cuda")
+    ref = cache.double()
+    _, rows = attn.kv_destination(0)
+    out = attn.attend_qkv(0, qkv, positions, q_weight, k_weight, 1e-6, cos_sin).view(batch, 32, d)
+    q = TorchKernels.qk_norm_rope_store(qkv.double(), positions, q_weight.double(), k_weight.double(), 1e-6,
+                                        cos_sin.double(), ref.view(-1, 8, d), rows)  # fmt: skip
+    kv = ref[: batch * per_seq].view(batch, per_seq, 2, bs, 8, d)
+    keys = kv[:, :, 0].reshape(batch, per_seq * bs, 8, d)[:, :ctx].transpose(1, 2).repeat_interleave(4, dim=1)
+    values = kv[:, :, 1].reshape(batch, per_seq * bs, 8, d)[:, :ctx].transpose(1, 2).repeat_interleave(4, dim=1)
+    want = torch.einsum("bht,bhtd->bhd", (torch.einsum("bhd,bhtd->bht", q, keys) / d**0.5).softmax(-1), values)
+    assert rel_err(out, want) <= ATTENTION_TOL
+    flat, ref_flat = cache.view(-1, 8, d), ref.view(-1, 8, d)
+    normed = TorchKernels.rms_norm(qkv[:, 32 * d : 40 * d].double().view(batch, 8, d), k_weight.double(), 1e-6)
+    pair = normed.abs()[..., : d // 2] + normed.abs()[..., d // 2 :]
+    bound = kernel_rel_tol(torch.bfloat16, 2, [d], FUSED_OPS) * torch.cat([pair, pair], dim=-1)
+    assert ((flat[rows[0]].double() - ref_flat[rows[0]]).abs() <= bound).all()
+    assert torch.equal(flat[rows[1]], qkv[:, 40 * d :].view(batch, 8, d))
+
+
 @pytest.mark.parametrize("kernel", ["native_tc", "native_tc_nosplit"])
 @needs_flashinfer
 def test_a_bucket_wrapper_over_a_stale_pinned_buffer_is_right_and_does_not_hang(kernel, monkeypatch):

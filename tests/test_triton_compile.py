@@ -26,23 +26,28 @@ from triton.compiler import ASTSource  # noqa: E402
 from higgs_talker import triton_attention  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
-SIGNATURE = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "tables_ptr": "*i32", "table_stride": "i32", "lens_ptr": "*i32",
-             "out_ptr": "*bf16", "partial_ptr": "*fp32", "max_sum_ptr": "*fp32", "counters_ptr": "*i32",
-             "scale_log2": "fp32"}  # fmt: skip
+SIGNATURE = {"q_ptr": "*bf16", "qkv_ptr": "*bf16", "qkv_stride": "i32", "pos_ptr": "*i64", "q_weight_ptr": "*bf16",
+             "k_weight_ptr": "*bf16", "eps": "fp32", "cos_sin_ptr": "*fp32", "kv_rows_ptr": "*i64",
+             "rows_stride": "i32", "cache_ptr": "*bf16", "tables_ptr": "*i32", "table_stride": "i32",
+             "lens_ptr": "*i32", "out_ptr": "*bf16", "partial_ptr": "*fp32", "max_sum_ptr": "*fp32",
+             "counters_ptr": "*i32", "scale_log2": "fp32"}  # fmt: skip
 
 
-def _compile(hq: int, hk: int, d: int, splits: int):
+def _compile(hq: int, hk: int, d: int, splits: int, fused: bool = False):
     group = hq // hk
     constants = {"HQ": hq, "HK": hk, "D": d, "BS": 16, "G": group, "GP": max(16, triton.next_power_of_2(group)),
-                 "S": splits, "TILE": triton_attention.TILE, "PRECISION": "tf32", "UPCAST": False}  # fmt: skip
+                 "S": splits, "TILE": triton_attention.TILE, "PRECISION": "tf32", "UPCAST": False,
+                 "FUSED": fused}  # fmt: skip
     signature = SIGNATURE | dict.fromkeys(constants, "constexpr")
     source = ASTSource(fn=triton_attention._paged_decode_kernel, signature=signature, constexprs=constants)
     return triton.compile(source, target=HOPPER, options={"num_warps": 4})
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize(("hq", "hk", "d", "splits"), [(32, 8, 128, 16), (32, 8, 128, 1), (16, 2, 64, 32)])
-def test_paged_decode_compiles_for_hopper(hq, hk, d, splits):
-    kernel = _compile(hq, hk, d, splits)
+def test_paged_decode_compiles_for_hopper(hq, hk, d, splits, fused):
+    """Both variants: q read as is, or normed and rotated from the qkv rows with the new token's K/V written."""
+    kernel = _compile(hq, hk, d, splits, fused)
     assert kernel.asm["cubin"], "no cubin"
     ptx = kernel.asm["ptx"]
     assert "mma" in ptx, "the dots did not lower to tensor-core instructions"

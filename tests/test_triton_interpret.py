@@ -17,13 +17,14 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the Triton interpreter is off (set TRITON_INTERPRET=1 with triton installed)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from _qk_rope import check_qk_norm_rope_store  # noqa: E402
+from _qk_rope import FUSED_OPS, check_qk_norm_rope_store  # noqa: E402
+from _tolerance import kernel_rel_tol  # noqa: E402
 
 from higgs_talker import HiggsTalker, SamplingParams, triton_attention, triton_gemv, triton_ops  # noqa: E402
 from higgs_talker.attention import SdpaAttention, gather_kv  # noqa: E402
 from higgs_talker.cuda_graphs.kernels import ROW_LINEARS  # noqa: E402
 from higgs_talker.flashinfer_attention import FlashInferAttention  # noqa: E402
-from higgs_talker.ops import FlashInferKernels, TorchKernels  # noqa: E402
+from higgs_talker.ops import FlashInferKernels, TorchKernels, rope_cache  # noqa: E402
 from higgs_talker.triton_gemv import RowConfig  # noqa: E402
 
 
@@ -147,6 +148,59 @@ def test_paged_decode_matches_float64_interpreted(dtype, hq, hk, d, bs, lens, pr
     assert torch.equal(again, got)
 
 
+@pytest.mark.parametrize(("hq", "hk", "d", "bs", "lens", "programs"), PAGED_CASES[:3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_qkv_matches_float64_interpreted(dtype, hq, hk, d, bs, lens, programs):
+    """QK-norm, RoPE and the new token's K/V write inside the attention launch (``paged_decode_qkv``), against
+    float64, requests on blocks of their own (as the engine's new tokens are): the reference norms and rotates the
+    same qkv rows in float64, writes K/V into a float64 copy of the cache and attends over it. Output within the
+    attention test's bounds, the written K within the separate kernel's, V equal to the qkv input, every other
+    cache row untouched."""
+    g = torch.Generator().manual_seed(d + len(lens))
+    b, width = len(lens), -(-max(lens) // bs) + 1
+    cache = torch.randn(b * width + 3, 2, bs, hk, d, generator=g).to(dtype)
+    # each request's own blocks in random order (a new token's block is never another request's context)
+    tables = torch.randperm(cache.shape[0], generator=g)[: b * width].view(b, width).int()
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    qkv = torch.randn(b, (hq + 2 * hk) * d + 5, generator=g).to(dtype)[:, 5:]  # strided rows
+    positions = torch.randint(0, 4096, (b,), generator=g)
+    q_weight, k_weight = (1 + 0.1 * torch.randn(2, d, generator=g)).to(dtype)
+    cos_sin = rope_cache(d, 4096, 1e6, "cpu")
+    last = torch.tensor(lens) - 1  # each request's new token: the last slot of its context
+    k_rows = tables[torch.arange(b), last // bs].long() * 2 * bs + last % bs
+    kv_rows = torch.stack([k_rows, k_rows + bs])
+    before = cache.clone()
+    scratch = triton_attention.DecodeScratch(4, hq, hk, d, programs, torch.device("cpu"))
+
+    got = triton_attention.paged_decode_qkv(qkv, positions, q_weight, k_weight, 1e-6, cos_sin, kv_rows, cache,
+                                            tables, seq_lens, d**-0.5, scratch)  # fmt: skip
+
+    ref = before.double()
+    q = TorchKernels.qk_norm_rope_store(qkv.double(), positions, q_weight.double(), k_weight.double(), 1e-6,
+                                        cos_sin.double(), ref.view(-1, hk, d), kv_rows)  # fmt: skip
+    want = torch.stack([
+        torch.nn.functional.scaled_dot_product_attention(
+            q[i][:, None], *(x.transpose(0, 1) for x in gather_kv(ref, tables[i], n)), scale=d**-0.5, enable_gqa=True,
+        )[:, 0]
+        for i, n in enumerate(lens)
+    ])  # fmt: skip
+    err = ((got.double() - want).norm() / want.norm()).item()
+    assert got.dtype == dtype and err <= (1e-5 if dtype == torch.float32 else 1e-2), err
+    flat, ref_flat = cache.view(-1, hk, d), ref.view(-1, hk, d)
+    # K within the separate kernel's bound (tests/_qk_rope.py): rel_tol * (|n_i| + |n_partner|), n the normed head
+    normed = TorchKernels.rms_norm(qkv[:, hq * d : (hq + hk) * d].double().reshape(b, hk, d), k_weight.double(),
+                                   1e-6).abs()  # fmt: skip
+    pair = normed[..., : d // 2] + normed[..., d // 2 :]
+    bound = kernel_rel_tol(dtype, 4, [d], FUSED_OPS) * torch.cat([pair, pair], dim=-1)  # 4: truncated roundings
+    k_err = (flat[kv_rows[0]].double() - ref_flat[kv_rows[0]]).abs()
+    assert (k_err <= bound).all(), (k_err - bound).max().item()
+    assert torch.equal(flat[kv_rows[1]], qkv[:, (hq + hk) * d :].reshape(b, hk, d))
+    untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+    untouched[kv_rows.flatten()] = False
+    assert torch.equal(flat[untouched], before.view(-1, hk, d)[untouched])
+    assert not scratch.counters.any()
+
+
 def test_split_counts_aim_at_four_programs_a_multiprocessor():
     """132 SMs (an H100), 8 KV heads: 16 requests get 4 splits (512 programs), 64 requests fill the GPU alone."""
     assert [triton_attention.splits_for(b, 8, 132) for b in (1, 2, 4, 8, 16, 32, 64)] == [32, 32, 16, 8, 4, 2, 1]
@@ -194,6 +248,41 @@ def test_triton_decode_attention_gives_the_reference_greedy_codes(talker, tiny_d
                                              t.head_dim, runner.max_model_len, runner.scratch_block)  # fmt: skip
     assert_same_greedy_rows(other, talker, ["the triton decode", "and a second, longer request"])
     assert backend.decodes > 0
+
+
+class TritonQkvSdpa(PrewrittenSdpa):
+    """Prefill as ``PrewrittenSdpa``; every decode step's QK-norm, RoPE, K/V write and attention in one
+    (interpreted) Triton launch from the qkv rows (``paged_decode_qkv``), as ``FlashInferAttention.attend_qkv``."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.scratch = triton_attention.DecodeScratch(8, self.num_heads, self.num_kv_heads, self.head_dim, 16,
+                                                      self.device)  # fmt: skip
+        self.decodes = 0
+
+    def attend_qkv(self, layer, qkv, positions, q_weight, k_weight, eps, cos_sin):
+        if self._decode is None:
+            return None
+        self.decodes += 1
+        d, (_, rows) = self._decode, self.kv_destination(layer)
+        return triton_attention.paged_decode_qkv(
+            qkv, positions, q_weight, k_weight, eps, cos_sin, rows, self.kv_caches[layer],
+            d.block_tables.int().contiguous(), d.seq_lens.int().contiguous(), self.scale, self.scratch,
+        ).reshape(qkv.shape[0], -1)  # fmt: skip
+
+
+def test_attention_from_qkv_rows_gives_the_reference_greedy_codes(talker, tiny_dir):
+    """The model's fused branch with a backend whose decode steps take the qkv rows (``attend_qkv``), through the
+    engine (prefill, then decode steps of two batched requests), fp32: the same greedy codes as SDPA; the separate
+    fused kernel runs only for the prefills."""
+    other = HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=8, max_model_len=1024)
+    kernels = InterpretedFusion()
+    other.model.use_kernels(kernels)
+    runner, t = other.engine.runner, other.cfg.text
+    runner.attn = backend = TritonQkvSdpa(runner.kv_caches, t.num_attention_heads, t.num_key_value_heads,
+                                          t.head_dim, runner.max_model_len, runner.scratch_block)  # fmt: skip
+    assert_same_greedy_rows(other, talker, ["attention from qkv rows", "and a second, longer request"])
+    assert backend.decodes > 0 and 0 < kernels.calls < backend.decodes
 
 
 # ----------------------------------------------------------------------------------------------- one-row GEMV
