@@ -336,7 +336,7 @@ def both(choice: str) -> list[bool]:
 def variants(args: argparse.Namespace) -> list[Variant]:
     """What to time: every mode x ``--fuse`` x ``--decode-kernels`` x ``--async`` x ``--head-kernels`` x
     ``--race-kernel`` (where the head kernels are on) x ``--sampler-variants`` x ``--row-gemv`` x ``--triton-qkv``
-    (where QK-norm and RoPE are fused)."""
+    (where QK-norm and RoPE are fused and the decode kernel can be triton)."""
     return [
         Variant(
             m, fuse, on, kernel, head_kernels=head, sampler_variants=sv, row_gemv=rows, race_kernel=race, triton_qkv=qkv
@@ -349,7 +349,7 @@ def variants(args: argparse.Namespace) -> list[Variant]:
         for race in (both(args.race_kernel) if head else [True])
         for sv in both(args.sampler_variants)
         for rows in args.row_gemv
-        for qkv in (both(args.triton_qkv) if fuse else [True])
+        for qkv in (both(args.triton_qkv) if fuse and kernel in ("auto", "triton") else [True])
     ]
 
 
