@@ -81,7 +81,7 @@ from common import (
     sync,
 )
 
-from higgs_talker import HiggsTalker, SamplingParams, TalkerConfig, TextConfig, flashinfer_attention
+from higgs_talker import HiggsTalker, SamplingParams, TalkerConfig, TextConfig, flashinfer_attention, pdl
 from higgs_talker.cuda_graphs import PREFILL_BUCKETS
 from higgs_talker.cuda_graphs import full_decode as full_graphs
 from higgs_talker.flashinfer_attention import KERNELS
@@ -111,6 +111,7 @@ TORCH_HEAD = "-torchhead"  # label suffix: heads.fused.ENABLED = False
 TORCH_RACE = "-torchrace"  # label suffix: the race kernel off ("sampler race" in heads.fused.DISABLED)
 WHOLE_SAMPLER = "-wholesampler"  # label suffix: no sampler variants (cuda_graphs.full_decode.SAMPLER_VARIANTS)
 QKV_APART = "-qkvapart"  # label suffix: the triton decode kernel after the separate QK-norm/RoPE/K-V kernel
+NO_PDL = "-nopdl"  # label suffix: our Triton kernels launched without programmatic dependent launch (pdl.ENABLED)
 ROW_GEMV_LABELS = {"auto": "", "off": "-cublasrows", "on": "-rowgemv"}  # label suffix per row_gemv option
 DECODE_KERNELS = ("auto", *KERNELS)
 
@@ -130,6 +131,7 @@ class Variant:
     race_kernel: bool = True  # a sampled step's filter, noise and race as one Triton kernel (the CUDA default)
     row_gemv: str = "auto"  # one-row inputs: the Triton GEMV where measured faster (auto), everywhere (on), nowhere
     triton_qkv: bool = True  # the triton decode kernel takes the qkv rows (QK-norm, RoPE, K/V write in its launch)
+    pdl: bool = True  # our Triton GEMV and decode attention launch with PDL (on Hopper)
 
     @property
     def prefill_label(self) -> str:
@@ -146,7 +148,8 @@ class Variant:
         race = TORCH_RACE if self.head_kernels and not self.race_kernel else ""
         rows = ROW_GEMV_LABELS[self.row_gemv]
         qkv = "" if self.triton_qkv else QKV_APART
-        return f"{self.mode}{FUSED if self.fuse else ''}{kernel}{prefill}{sync}{head}{race}{whole}{rows}{qkv}"
+        early = "" if self.pdl else NO_PDL
+        return f"{self.mode}{FUSED if self.fuse else ''}{kernel}{prefill}{sync}{head}{race}{whole}{rows}{qkv}{early}"
 
 
 PEER_RESERVE_S = 100.0  # the time budget keeps this much for the transformers rows
@@ -336,10 +339,19 @@ def both(choice: str) -> list[bool]:
 def variants(args: argparse.Namespace) -> list[Variant]:
     """What to time: every mode x ``--fuse`` x ``--decode-kernels`` x ``--async`` x ``--head-kernels`` x
     ``--race-kernel`` (where the head kernels are on) x ``--sampler-variants`` x ``--row-gemv`` x ``--triton-qkv``
-    (where QK-norm and RoPE are fused and the decode kernel can be triton)."""
+    (where QK-norm and RoPE are fused and the decode kernel can be triton) x ``--pdl``."""
     return [
         Variant(
-            m, fuse, on, kernel, head_kernels=head, sampler_variants=sv, row_gemv=rows, race_kernel=race, triton_qkv=qkv
+            m,
+            fuse,
+            on,
+            kernel,
+            head_kernels=head,
+            sampler_variants=sv,
+            row_gemv=rows,
+            race_kernel=race,
+            triton_qkv=qkv,
+            pdl=early,
         )  # fmt: skip
         for m in args.modes
         for fuse in both(args.fuse)
@@ -350,6 +362,7 @@ def variants(args: argparse.Namespace) -> list[Variant]:
         for sv in both(args.sampler_variants)
         for rows in args.row_gemv
         for qkv in (both(args.triton_qkv) if fuse and kernel in ("auto", "triton") else [True])
+        for early in both(args.pdl)
     ]
 
 
@@ -361,11 +374,12 @@ def run_mode(variant: Variant, cfg: TalkerConfig, args, writer: ResultFile, bw: 
     fused.DISABLED = set(DEFAULT_DISABLED - race if variant.race_kernel else DEFAULT_DISABLED | race)
     full_graphs.SAMPLER_VARIANTS = DEFAULT_SAMPLER_VARIANTS if variant.sampler_variants else ()
     flashinfer_attention.TRITON_TAKES_QKV = variant.triton_qkv
+    pdl.ENABLED = variant.pdl
     try:
         _run_variant(variant, cfg, args, writer, bw, share_s)
     finally:
         fused.ENABLED, full_graphs.SAMPLER_VARIANTS = True, DEFAULT_SAMPLER_VARIANTS
-        flashinfer_attention.TRITON_TAKES_QKV = True
+        flashinfer_attention.TRITON_TAKES_QKV = pdl.ENABLED = True
         fused.DISABLED = set(DEFAULT_DISABLED)
 
 
@@ -736,6 +750,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--triton-qkv", choices=("on", "off", "both"), default="on",
                    help="where the decode kernel is triton: QK-norm, RoPE and the K/V write inside its launch (on, "
                    "the default), the separate fused kernel before it (off: MODE-qkvapart rows), or both")  # fmt: skip
+    p.add_argument("--pdl", choices=("on", "off", "both"), default="on",
+                   help="our Triton GEMV and decode attention launched with programmatic dependent launch on Hopper "
+                   "(on, the default), without (off: MODE-nopdl rows), or both")  # fmt: skip
     p.add_argument("--row-gemv", type=strs_arg, default=["auto"],
                    help="row_gemv options to time, each apart (of auto, on, off; default auto)")  # fmt: skip
     add_sampling_option(p, "point")

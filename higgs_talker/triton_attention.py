@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import pdl
+
 TILE = 32  # context tokens per inner iteration (a multiple of 16: the dots' smallest side)
 MAX_SPLITS = 32
 # programs a launch aims at per multiprocessor: two fit at once (176 registers a thread, 128 threads), and a second
@@ -120,7 +122,10 @@ def _paged_decode_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     FUSED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # launched early (``pdl``): wait for the kernel before this one to complete
+        tl.extra.cuda.gdc_wait()
     # FUSED: the query is the qkv row of the request's one new token (QK-norm and RoPE here), and the split that
     # holds that token writes its K (normed, rotated) and V into the cache rows ``kv_rows`` before reading them
     req = tl.program_id(0)
@@ -180,6 +185,8 @@ def _paged_decode_kernel(
         total = total * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(p_dtype).to(v.dtype), v, input_precision=PRECISION)
         m = m_new
+    if PDL:  # the context is read: the next kernel may start launching
+        tl.extra.cuda.gdc_launch_dependents()
     if S == 1:  # the whole context in this program: its output, no partial and no count
         out = acc / tl.where(total > 0, total, 1.0)[:, None]  # 0: no context (a padding row)
         tl.store(out_ptr + heads[:, None] * D + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -281,6 +288,7 @@ def _launch(cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float,
     splits = splits_for(b, hk, scratch.programs)
     group = hq // hk
     interpreted = os.environ.get("TRITON_INTERPRET") == "1" and dtype == torch.bfloat16
+    early = pdl.enabled(cache.device)
     if fused is None:  # the fused arguments' places: unused
         fused = (out, 0, seq_lens, out, out, 0.0, out, seq_lens, 0)
     if b:
@@ -289,6 +297,6 @@ def _launch(cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float,
             scratch.partial, scratch.max_sum, scratch.counters, scale * math.log2(math.e),
             HQ=hq, HK=hk, D=d, BS=bs, G=group, GP=max(16, triton.next_power_of_2(group)), S=splits, TILE=TILE,
             PRECISION="ieee" if dtype == torch.float32 or interpreted else "tf32", UPCAST=interpreted,
-            FUSED=q is None, num_warps=4,
+            FUSED=q is None, PDL=early, num_warps=4, **({"launch_pdl": True} if early else {}),
         )  # fmt: skip
     return out

@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import pdl
+
 
 class RowConfig(NamedTuple):
     """A tile: output rows per program, K chunk, warps, pipeline stages."""
@@ -44,9 +46,11 @@ CONFIGS = (RowConfig(2, 1024, 4, 2), RowConfig(2, 512, 2, 2), RowConfig(1, 512, 
 @triton.jit
 def _row_linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, N, K,
-    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # program p: output rows [p * BLOCK_N, (p + 1) * BLOCK_N); with SILU_MUL also the up rows N + those
+    if PDL:  # launched early (``pdl``): wait for the kernel before this one to complete
+        tl.extra.cuda.gdc_wait()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows[:, None].to(tl.int64) * K
@@ -60,6 +64,8 @@ def _row_linear_kernel(
         acc += tl.load(w_rows + cols[None, :], mask=mask, other=0).to(tl.float32) * x
         if SILU_MUL:
             acc_up += tl.load(w_rows + N * K + cols[None, :], mask=mask, other=0).to(tl.float32) * x
+    if PDL:  # the weights are read: the next kernel may start launching
+        tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0).to(tl.float32)
@@ -90,9 +96,10 @@ def row_linear(
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = config
+    early = pdl.enabled(x.device)
     _row_linear_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else y, y, n, x.shape[1],
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_N=block_n, BLOCK_K=block_k, PDL=early,
+        num_warps=warps, num_stages=stages, **({"launch_pdl": True} if early else {}),
     )  # fmt: skip
     return y

@@ -620,6 +620,8 @@ def test_auto_chooses_each_buckets_kernel_by_its_whole_decode_step():
     ok = [r for r in rows if r["ok"]]
     assert ok and all(0 < r["step_ms"] < 1e3 for r in ok)
     assert {r["context"] for r in rows} == {512, 1024}  # (512, 2048) capped at max_model_len
+    bs = talker.engine.runner.block_size
+    assert all(-(-r["step_context"] // bs) * r["bucket"] <= attn.scratch_block for r in ok)  # no shared blocks
     assert attn.bucket_kernel == pick_kernels(rows, kernels, "step_ms")
     eager = _talker("eager", decode_kernel="auto")
     for size, kernel in attn.bucket_kernel.items():

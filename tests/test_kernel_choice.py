@@ -8,7 +8,7 @@ import torch
 
 from higgs_talker import HiggsTalker
 from higgs_talker.cuda_graphs import GraphRunner
-from higgs_talker.cuda_graphs.kernels import pick_kernels, synthetic_batch
+from higgs_talker.cuda_graphs.kernels import pick_kernels, step_context, synthetic_batch
 from higgs_talker.kv_cache import kv_slot
 
 KERNELS = ("native_tc", "native_tc_nosplit", "xqa")
@@ -51,6 +51,21 @@ def test_synthetic_batches_decode_the_last_position_and_wrap_around_the_pool():
     wrapped = synthetic_batch(3, 40, 16, num_blocks=4)
     assert wrapped.block_tables == [[0, 1, 2], [3, 0, 1], [2, 3, 0]]
     assert all(0 <= s < 4 * 16 for s in wrapped.slot_mapping)
+
+
+def test_whole_step_timings_give_each_request_blocks_of_its_own():
+    """The context a whole-step timing uses: the one asked for, or the longest whose requests' blocks all fit the
+    pool (blocks shared between requests are read from L2, which flattered FlashInfer at 64 x 2,048 on an H100)."""
+
+    class Pool:
+        kv_caches = [torch.zeros(1, 2, 16, 1, 8)]  # block size 16
+        scratch_block = 4096  # the pool's blocks
+
+    assert [step_context(Pool, b, 2048) for b in (1, 16, 32, 64)] == [2048, 2048, 2048, 1024]
+    assert step_context(Pool, 64, 512) == 512 and step_context(Pool, 8192, 512) == 1  # a batch past the pool
+    for b, ctx in ((64, 2048), (48, 2048), (3, 40)):
+        used = -(-step_context(Pool, b, ctx) // 16) * b
+        assert used <= Pool.scratch_block or step_context(Pool, b, ctx) == 1
 
 
 def test_the_runners_kernel_step_runs_the_whole_step_on_the_scratch_slot(tiny_dir):

@@ -37,7 +37,7 @@ def _compile(hq: int, hk: int, d: int, splits: int, fused: bool = False):
     group = hq // hk
     constants = {"HQ": hq, "HK": hk, "D": d, "BS": 16, "G": group, "GP": max(16, triton.next_power_of_2(group)),
                  "S": splits, "TILE": triton_attention.TILE, "PRECISION": "tf32", "UPCAST": False,
-                 "FUSED": fused}  # fmt: skip
+                 "FUSED": fused, "PDL": True}  # fmt: skip
     signature = SIGNATURE | dict.fromkeys(constants, "constexpr")
     source = ASTSource(fn=triton_attention._paged_decode_kernel, signature=signature, constexprs=constants)
     return triton.compile(source, target=HOPPER, options={"num_warps": 4})
@@ -50,6 +50,7 @@ def test_paged_decode_compiles_for_hopper(hq, hk, d, splits, fused):
     kernel = _compile(hq, hk, d, splits, fused)
     assert kernel.asm["cubin"], "no cubin"
     ptx = kernel.asm["ptx"]
+    assert_waits_then_lets_dependents_launch(ptx)
     assert "mma" in ptx, "the dots did not lower to tensor-core instructions"
     counts = [line for line in ptx.splitlines() if re.search(r"\batom\.global\.gpu\.acq_rel\.add\b", line)]
     if splits == 1:  # one program a (request, KV head): it writes its output, nothing to count
@@ -72,3 +73,27 @@ def test_race_kernel_compiles_for_hopper():
                        constexprs=constants)  # fmt: skip
     kernel = triton.compile(source, target=HOPPER, options={"num_warps": 4})
     assert kernel.asm["cubin"], "no cubin"
+
+
+def assert_waits_then_lets_dependents_launch(ptx: str) -> None:
+    """Launched with PDL (``higgs_talker.pdl``): the kernel's first instruction of substance waits for the kernel
+    before it (griddepcontrol.wait ahead of every global load), and it lets the next one launch later."""
+    lines = [line.strip() for line in ptx.splitlines()]
+    wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait"))
+    first_load = next(i for i, line in enumerate(lines) if re.match(r"(@%p\d+ )?ld\.global", line))
+    assert wait < first_load, (wait, first_load)
+    assert any(line.startswith("griddepcontrol.launch_dependents") for line in lines[wait:])
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_row_gemv_compiles_for_hopper_with_pdl(silu):
+    """The one-row GEMV as it launches on Hopper (PDL on): it waits before loading anything."""
+    from higgs_talker import triton_gemv
+
+    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32"}
+    constants = {"HAS_BIAS": False, "SILU_MUL": silu, "BLOCK_N": 2, "BLOCK_K": 1024, "PDL": True}
+    source = ASTSource(fn=triton_gemv._row_linear_kernel, signature=signature | dict.fromkeys(constants, "constexpr"),
+                       constexprs=constants)  # fmt: skip
+    kernel = triton.compile(source, target=HOPPER, options={"num_warps": 4, "num_stages": 2})
+    assert kernel.asm["cubin"], "no cubin"
+    assert_waits_then_lets_dependents_launch(kernel.asm["ptx"])
