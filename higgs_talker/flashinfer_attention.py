@@ -68,8 +68,10 @@ def check_decode_kernel(kernel: str) -> None:
 # longer measured: its CUDA-graph plans leave padded CTAs unmasked, which made H100 starts sit for minutes in the
 # check of their cached choices (results/h100_20261206); ``_graph_wrapper`` now zeroes what they read (confirmed on
 # an H100, results/h100_20261206b), and it was not measured again. ``triton`` (ours: one launch where FlashInfer's
-# split decode takes two, for the short contexts at small batches where the pair costs 11.7 us a layer on the H200)
-# is measured beside them. Every kernel can be pinned.
+# split decode takes two, with the QK-norm/RoPE/K-V write inside it) was the fastest in whole steps at all eight
+# points of an H100 run (batches 1/4/16/64 x contexts 512/2048: 3.44 vs 3.63 ms at 1 x 512, 5.64 vs 6.22 at 64 x 512,
+# 10.26 vs 10.80 at 64 x 2048 against native_tc; results/h100_20261206e); auto measures it beside the others. Every
+# kernel can be pinned.
 AUTO_KERNELS = ("native_tc", "xqa", "triton")
 TABLE_KERNELS = ("xqa", "triton")  # the kernels that read block tables and lengths (device buffers), no wrapper
 # Where a decode step's kernel is ``triton``, the model's fused QK-norm + RoPE + K/V write runs inside its launch
