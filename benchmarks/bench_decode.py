@@ -89,6 +89,7 @@ from higgs_talker.heads import fused
 from higgs_talker.tiny import tiny_config
 
 DEFAULT_SAMPLER_VARIANTS = full_graphs.SAMPLER_VARIANTS
+DEFAULT_PDL = pdl.ENABLED
 DEFAULT_DISABLED = frozenset(fused.DISABLED)  # the frame kernels the library leaves off
 FRAME_KERNELS = ("sampler noise", "sampler race", "delay mask", "delay state update")  # heads.fused's names
 
@@ -111,7 +112,7 @@ TORCH_HEAD = "-torchhead"  # label suffix: heads.fused.ENABLED = False
 TORCH_RACE = "-torchrace"  # label suffix: the race kernel off ("sampler race" in heads.fused.DISABLED)
 WHOLE_SAMPLER = "-wholesampler"  # label suffix: no sampler variants (cuda_graphs.full_decode.SAMPLER_VARIANTS)
 QKV_APART = "-qkvapart"  # label suffix: the triton decode kernel after the separate QK-norm/RoPE/K-V kernel
-NO_PDL = "-nopdl"  # label suffix: our Triton kernels launched without programmatic dependent launch (pdl.ENABLED)
+WITH_PDL = "+pdl"  # label suffix: our Triton kernels launched with programmatic dependent launch (pdl.ENABLED)
 ROW_GEMV_LABELS = {"auto": "", "off": "-cublasrows", "on": "-rowgemv"}  # label suffix per row_gemv option
 DECODE_KERNELS = ("auto", *KERNELS)
 
@@ -131,7 +132,7 @@ class Variant:
     race_kernel: bool = True  # a sampled step's filter, noise and race as one Triton kernel (the CUDA default)
     row_gemv: str = "auto"  # one-row inputs: the Triton GEMV where measured faster (auto), everywhere (on), nowhere
     triton_qkv: bool = True  # the triton decode kernel takes the qkv rows (QK-norm, RoPE, K/V write in its launch)
-    pdl: bool = True  # our Triton GEMV and decode attention launch with PDL (on Hopper)
+    pdl: bool = False  # our Triton GEMV and decode attention launch with PDL (on Hopper; off by default)
 
     @property
     def prefill_label(self) -> str:
@@ -148,7 +149,7 @@ class Variant:
         race = TORCH_RACE if self.head_kernels and not self.race_kernel else ""
         rows = ROW_GEMV_LABELS[self.row_gemv]
         qkv = "" if self.triton_qkv else QKV_APART
-        early = "" if self.pdl else NO_PDL
+        early = WITH_PDL if self.pdl else ""
         return f"{self.mode}{FUSED if self.fuse else ''}{kernel}{prefill}{sync}{head}{race}{whole}{rows}{qkv}{early}"
 
 
@@ -379,7 +380,7 @@ def run_mode(variant: Variant, cfg: TalkerConfig, args, writer: ResultFile, bw: 
         _run_variant(variant, cfg, args, writer, bw, share_s)
     finally:
         fused.ENABLED, full_graphs.SAMPLER_VARIANTS = True, DEFAULT_SAMPLER_VARIANTS
-        flashinfer_attention.TRITON_TAKES_QKV = pdl.ENABLED = True
+        flashinfer_attention.TRITON_TAKES_QKV, pdl.ENABLED = True, DEFAULT_PDL
         fused.DISABLED = set(DEFAULT_DISABLED)
 
 
@@ -750,9 +751,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--triton-qkv", choices=("on", "off", "both"), default="on",
                    help="where the decode kernel is triton: QK-norm, RoPE and the K/V write inside its launch (on, "
                    "the default), the separate fused kernel before it (off: MODE-qkvapart rows), or both")  # fmt: skip
-    p.add_argument("--pdl", choices=("on", "off", "both"), default="on",
+    p.add_argument("--pdl", choices=("on", "off", "both"), default="off",
                    help="our Triton GEMV and decode attention launched with programmatic dependent launch on Hopper "
-                   "(on, the default), without (off: MODE-nopdl rows), or both")  # fmt: skip
+                   "(on: MODE+pdl rows), without (off, the default), or both")  # fmt: skip
     p.add_argument("--row-gemv", type=strs_arg, default=["auto"],
                    help="row_gemv options to time, each apart (of auto, on, off; default auto)")  # fmt: skip
     add_sampling_option(p, "point")

@@ -443,6 +443,26 @@ def test_kernel_options_on_and_off_give_equal_greedy_codes(
     assert_same_or_near_tie(got, want, on, off, score_check, batch)
 
 
+@pytest.mark.parametrize("mode", ["eager", "full_decode"])
+@needs_flashinfer
+def test_pdl_launches_give_the_same_greedy_codes(mode, monkeypatch):
+    """Programmatic dependent launch of our one-row GEMV and decode attention (``higgs_talker.pdl``) changes when a
+    kernel starts, never what it computes: with it, the greedy codes of 1 and 13 requests equal those without it,
+    bit for bit, run eagerly and replayed from graphs captured with it (a kernel reading before its wait would race
+    the one before it)."""
+    from higgs_talker import pdl
+
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(pdl, "ENABLED", on)
+        talker = _talker(mode, decode_kernel="triton")
+        runs[on] = [_run_schedule(talker, batch) for batch in (1, 13)]
+        del talker
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert runs[True] == runs[False]
+
+
 @pytest.fixture(scope="module")
 def score_check(talkers) -> ScoreCheck:
     """Runs whose codes differ, checked against the float32 reference of the suite's weights (every talker here is
