@@ -112,7 +112,7 @@ TORCH_HEAD = "-torchhead"  # label suffix: heads.fused.ENABLED = False
 TORCH_RACE = "-torchrace"  # label suffix: the race kernel off ("sampler race" in heads.fused.DISABLED)
 WHOLE_SAMPLER = "-wholesampler"  # label suffix: no sampler variants (cuda_graphs.full_decode.SAMPLER_VARIANTS)
 QKV_APART = "-qkvapart"  # label suffix: the triton decode kernel after the separate QK-norm/RoPE/K-V kernel
-WITH_PDL = "+pdl"  # label suffix: our Triton kernels launched with programmatic dependent launch (pdl.ENABLED)
+NO_PDL = "-nopdl"  # label suffix: our Triton kernels launched without programmatic dependent launch (pdl.ENABLED)
 ROW_GEMV_LABELS = {"auto": "", "off": "-cublasrows", "on": "-rowgemv"}  # label suffix per row_gemv option
 DECODE_KERNELS = ("auto", *KERNELS)
 
@@ -132,7 +132,7 @@ class Variant:
     race_kernel: bool = True  # a sampled step's filter, noise and race as one Triton kernel (the CUDA default)
     row_gemv: str = "auto"  # one-row inputs: the Triton GEMV where measured faster (auto), everywhere (on), nowhere
     triton_qkv: bool = True  # the triton decode kernel takes the qkv rows (QK-norm, RoPE, K/V write in its launch)
-    pdl: bool = False  # our Triton GEMV and decode attention launch with PDL (on Hopper; off by default)
+    pdl: bool = True  # our Triton GEMV and decode attention launch with PDL (on Hopper)
 
     @property
     def prefill_label(self) -> str:
@@ -149,7 +149,7 @@ class Variant:
         race = TORCH_RACE if self.head_kernels and not self.race_kernel else ""
         rows = ROW_GEMV_LABELS[self.row_gemv]
         qkv = "" if self.triton_qkv else QKV_APART
-        early = WITH_PDL if self.pdl else ""
+        early = "" if self.pdl else NO_PDL
         return f"{self.mode}{FUSED if self.fuse else ''}{kernel}{prefill}{sync}{head}{race}{whole}{rows}{qkv}{early}"
 
 
@@ -751,9 +751,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--triton-qkv", choices=("on", "off", "both"), default="on",
                    help="where the decode kernel is triton: QK-norm, RoPE and the K/V write inside its launch (on, "
                    "the default), the separate fused kernel before it (off: MODE-qkvapart rows), or both")  # fmt: skip
-    p.add_argument("--pdl", choices=("on", "off", "both"), default="off",
+    p.add_argument("--pdl", choices=("on", "off", "both"), default="on",
                    help="our Triton GEMV and decode attention launched with programmatic dependent launch on Hopper "
-                   "(on: MODE+pdl rows), without (off, the default), or both")  # fmt: skip
+                   "(on, the default), without (off: MODE-nopdl rows), or both")  # fmt: skip
     p.add_argument("--row-gemv", type=strs_arg, default=["auto"],
                    help="row_gemv options to time, each apart (of auto, on, off; default auto)")  # fmt: skip
     add_sampling_option(p, "point")
