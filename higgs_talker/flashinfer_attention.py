@@ -75,7 +75,8 @@ def check_decode_kernel(kernel: str) -> None:
 AUTO_KERNELS = ("native_tc", "xqa", "triton")
 TABLE_KERNELS = ("xqa", "triton")  # the kernels that read block tables and lengths (device buffers), no wrapper
 # Where a decode step's kernel is ``triton``, the model's fused QK-norm + RoPE + K/V write runs inside its launch
-# (``attend_qkv``: one launch a layer fewer); False keeps the separate kernel before it (benchmarks' A/B).
+# (``attend_qkv``: one launch a layer fewer); False keeps the separate kernel before it in backends made after
+# (benchmarks' A/B).
 TRITON_TAKES_QKV = True
 
 
@@ -154,15 +155,18 @@ class FlashInferAttention:
         self._kv: Tensor | None = None  # [2, N] flat cache rows of this step's K and V
         self._attend: Attend | None = None
         self._attend_qkv: AttendQkv | None = None  # this step's attention from qkv rows, where its kernel takes them
+        self.takes_qkv = TRITON_TAKES_QKV  # as the module said when this backend was made
         self._triton_scratch = None  # triton_attention.DecodeScratch, made at the triton kernel's first plan
 
     def fork(self, kv_caches: list[Tensor]) -> FlashInferAttention:
         """A backend with these settings over other caches (kernel measurement on synthetic data)."""
         n = kv_caches[0].shape[0]
-        return FlashInferAttention(
+        fork = FlashInferAttention(
             kv_caches, self.num_heads, self.num_kv_heads, self.head_dim, self.max_model_len, n - 1,
             self.decode_kernel, self.max_batch,
         )  # fmt: skip
+        fork.takes_qkv = self.takes_qkv
+        return fork
 
     def set_bucket_kernel(self, size: int, kernel: str) -> None:
         if kernel not in self.decode_kernels:
@@ -258,7 +262,7 @@ class FlashInferAttention:
                 self.scale, scratch,
             ).reshape(qkv.shape[0], -1)  # fmt: skip
 
-        self._attend_qkv = attend_qkv if TRITON_TAKES_QKV else None
+        self._attend_qkv = attend_qkv if self.takes_qkv else None
         return attend
 
     def _table_kernel(self, kernel: str, tables: Tensor, lens: Tensor) -> Attend:

@@ -115,6 +115,10 @@ def test_the_runners_key_follows_options_shapes_and_versions(tiny_dir: Path, mon
     other = HiggsTalker.from_pretrained(tiny_dir, "cpu", "bfloat16", max_num_seqs=8, max_model_len=512)
     key = GraphRunner(other.engine.runner, "auto", BUCKETS, 8).choice_key()
     assert key["dtype"] == "bfloat16" and key["engine"]["max_num_seqs"] == 8 and key["engine"]["max_model_len"] == 512
+    from higgs_talker import pdl
+
+    monkeypatch.setattr(pdl, "ENABLED", not pdl.ENABLED)  # our kernels launched with PDL or not: timed apart
+    assert GraphRunner(runner, "auto", BUCKETS, 4).choice_key()["options"]["pdl"] == pdl.ENABLED
     monkeypatch.setattr(torch, "__version__", "9.9.9")
     assert GraphRunner(runner, "auto", BUCKETS, 4).choice_key()["torch"] == "9.9.9"
     props = types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from .. import pdl
 from .buckets import DEFAULT_BUCKETS, PREFILL_BUCKETS, bucket_for, normalize_buckets
 from .capture import graph_pool, median_ms
 from .choice_cache import ChoiceCache, Choices, environment_key
@@ -167,7 +168,8 @@ class GraphRunner:
             "options": {"graph_mode": self.mode.value, "kernels": kernels.name,
                         "row_gemv": getattr(kernels, "row_gemv", "off"), "fuse_qk_rope": bool(kernels.fuse_qk_rope),
                         "attention": type(attn).__name__, "decode_kernel": getattr(attn, "decode_kernel", None),
-                        "decode_kernels": list(attn.decode_kernels)},
+                        "decode_kernels": list(attn.decode_kernels), "attend_qkv": getattr(attn, "takes_qkv", False),
+                        "pdl": pdl.ENABLED},
         }  # fmt: skip
 
     def _choose_row_linears(self, cached: Choices | None) -> None:
