@@ -90,6 +90,7 @@ from higgs_talker.tiny import tiny_config
 
 DEFAULT_SAMPLER_VARIANTS = full_graphs.SAMPLER_VARIANTS
 DEFAULT_PDL = pdl.ENABLED
+DEFAULT_TRITON_QKV = flashinfer_attention.TRITON_TAKES_QKV
 DEFAULT_DISABLED = frozenset(fused.DISABLED)  # the frame kernels the library leaves off
 FRAME_KERNELS = ("sampler noise", "sampler race", "delay mask", "delay state update")  # heads.fused's names
 
@@ -353,7 +354,7 @@ def variants(args: argparse.Namespace) -> list[Variant]:
             race_kernel=race,
             triton_qkv=qkv,
             pdl=early,
-        )  # fmt: skip
+        )
         for m in args.modes
         for fuse in both(args.fuse)
         for kernel in args.decode_kernels
@@ -380,7 +381,7 @@ def run_mode(variant: Variant, cfg: TalkerConfig, args, writer: ResultFile, bw: 
         _run_variant(variant, cfg, args, writer, bw, share_s)
     finally:
         fused.ENABLED, full_graphs.SAMPLER_VARIANTS = True, DEFAULT_SAMPLER_VARIANTS
-        flashinfer_attention.TRITON_TAKES_QKV, pdl.ENABLED = True, DEFAULT_PDL
+        flashinfer_attention.TRITON_TAKES_QKV, pdl.ENABLED = DEFAULT_TRITON_QKV, DEFAULT_PDL
         fused.DISABLED = set(DEFAULT_DISABLED)
 
 

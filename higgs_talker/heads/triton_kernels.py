@@ -232,6 +232,12 @@ def _race_sorted(keys, k, p, seed, step, q, V, BLOCK: tl.constexpr, CODE_KEY: tl
     mass_up_to = tl.cumsum(e / tl.sum(e, axis=0), axis=0, reverse=True)
     drop = (mass_up_to <= tl.where(p < 1, 1 - p, -1.0)) & (slot > 0)  # no mass is <= -1
     value = tl.where(drop, float("-inf"), value)
+    return _noisy_first_max(value, index, seed, step, q, V, BLOCK, CODE_KEY)
+
+
+@triton.jit
+def _noisy_first_max(value, index, seed, step, q, V, BLOCK: tl.constexpr, CODE_KEY: tl.constexpr):
+    # the race itself: each code's value plus its seeded noise, the first maximum -> the code (-inf: never chosen)
     lowest = -3.4028234663852886e38  # finfo(float32).min: an allowed code outranks every removed one
     noisy = value - tl.log(-tl.log(_noise_uniform(seed, step, q * V + index, CODE_KEY)))  # x - log(E), E ~ Exp(1)
     noisy = tl.where(noisy != noisy, lowest, noisy)  # NaN
@@ -291,12 +297,7 @@ def _race_kernel(
         if code < 0:  # every code sorted: top-k off or past CAND, or more than CAND codes tie at the k-th value
             code = _race_sorted(tl.sort(keys, descending=True), k, p, seed, step, q, V, BLOCK, CODE_KEY)
     else:
-        lowest = -3.4028234663852886e38
-        noisy = x - tl.log(-tl.log(_noise_uniform(seed, step, q * V + i.to(tl.int64), CODE_KEY)))
-        noisy = tl.where(noisy != noisy, lowest, noisy)  # NaN
-        noisy = tl.where(noisy == float("-inf"), lowest, tl.where(noisy == float("inf"), -lowest, noisy))
-        noisy = tl.where(x == float("-inf"), float("-inf"), noisy)
-        code = _first_max(noisy, i.to(tl.int64), BLOCK)
+        code = _noisy_first_max(x, i.to(tl.int64), seed, step, q, V, BLOCK, CODE_KEY)
     code = tl.where(greedy | overflow, _first_max(raw, i.to(tl.int64), BLOCK), code)
     tl.store(out_ptr + pid, code)
 
