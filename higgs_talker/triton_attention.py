@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import pdl
+from . import pdl, triton_ops
 
 TILE = 32  # context tokens per inner iteration (a multiple of 16: the dots' smallest side)
 MAX_SPLITS = 32
@@ -247,20 +247,11 @@ def paged_decode_qkv(qkv: Tensor, positions: Tensor, q_weight: Tensor, k_weight:
     [B, (Hq + 2 Hk) D] (rows may be strided), positions [B], q/k_weight [D], cos_sin [P, D] fp32, kv_rows [2, B]
     int64 (the token's K and V rows in the cache viewed as [rows, Hk, D]) -> [B, Hq, D] in qkv's dtype; the
     token's K (normed, rotated) and V are in the cache afterwards, as the separate kernel leaves them."""
-    hk, d = cache.shape[3:] if cache.dim() == 5 else (1, 1)  # any other cache fails _check
-    b, width = qkv.shape
-    hq = width // d - 2 * hk
-    _check(cache, block_tables, seq_lens, scratch, b, hq, d)
-    if qkv.stride(-1) != 1 or width != (hq + 2 * hk) * d:
-        raise ValueError(f"qkv must be [{b}, (Hq + 2 * {hk}) * {d}] with unit stride along a row, got "
-                         f"{tuple(qkv.shape)} strides {qkv.stride()}")  # fmt: skip
-    if positions.shape != (b,) or kv_rows.shape != (2, b) or kv_rows.dtype != torch.int64 or (
-            b > 1 and (positions.stride(0) != 1 or kv_rows.stride(1) != 1)):  # fmt: skip
-        raise ValueError(f"positions must be [{b}] and kv_rows [2, {b}] int64, each with unit stride, got "
-                         f"{tuple(positions.shape)} and {kv_rows.dtype} {tuple(kv_rows.shape)}")  # fmt: skip
-    if cos_sin.dim() != 2 or cos_sin.shape[1] != d or cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous():
-        raise ValueError(f"cos_sin must be a contiguous [max_positions, {d}] float32 table, got {cos_sin.dtype} "
-                         f"{tuple(cos_sin.shape)}")  # fmt: skip
+    hk, d = cache.shape[3:] if cache.dim() == 5 else (1, 1)
+    if cache.dim() == 5 and cache.is_contiguous():  # else _check names the cache
+        triton_ops.check_inputs(qkv, positions, q_weight, k_weight, cos_sin, cache.view(-1, hk, d), kv_rows)
+    hq = qkv.shape[1] // d - 2 * hk
+    _check(cache, block_tables, seq_lens, scratch, qkv.shape[0], hq, d)
     fused = (qkv, qkv.stride(0), positions, q_weight, k_weight, eps, cos_sin, kv_rows, kv_rows.stride(0))
     return _launch(cache, block_tables, seq_lens, scale, scratch, None, hq, fused)
 

@@ -93,7 +93,7 @@ def qk_norm_rope_store(
     K (normed, rotated) goes to ``flat_cache[kv_rows[0]]``, V to ``flat_cache[kv_rows[1]]``; no other row is
     touched. One launch, no host sync (graph-capturable); positions and rows are not range-checked (device data).
     """
-    _check_inputs(qkv, positions, q_weight, k_weight, cos_sin, flat_cache, kv_rows)
+    check_inputs(qkv, positions, q_weight, k_weight, cos_sin, flat_cache, kv_rows)
     n, width = qkv.shape
     _, hk, d = flat_cache.shape
     hq = width // d - 2 * hk
@@ -106,10 +106,12 @@ def qk_norm_rope_store(
     return q
 
 
-def _check_inputs(
+def check_inputs(
     qkv: Tensor, positions: Tensor, q_weight: Tensor, k_weight: Tensor, cos_sin: Tensor, flat_cache: Tensor,
     kv_rows: Tensor,
 ) -> None:  # fmt: skip
+    """``qk_norm_rope_store``'s arguments as its kernel takes them (a ValueError naming the first that is not);
+    ``triton_attention.paged_decode_qkv`` takes the same."""
     if flat_cache.dim() != 3 or not flat_cache.is_contiguous():
         raise ValueError(f"flat_cache must be a contiguous [rows, Hk, D] tensor, got shape {tuple(flat_cache.shape)}")
     _, hk, d = flat_cache.shape

@@ -25,7 +25,7 @@ LAYERS = {
     "bytecode": 1,
     "triton_ops": 1,
     "triton_gemv": 1,
-    "triton_attention": 1,
+    "triton_attention": 2,  # takes triton_ops' arguments (its check)
     "heads": 1,
     "ops": 2,
     "checkpoint": 2,

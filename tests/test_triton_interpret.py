@@ -223,6 +223,34 @@ def test_paged_decode_rejects_what_it_cannot_take():
     assert not triton_attention.supports(8, 2, 48) and triton_attention.supports(32, 8, 128)
 
 
+def test_paged_decode_qkv_rejects_what_it_cannot_take():
+    """The qkv path checks its arguments as the separate kernel does (``triton_ops.check_inputs``) and the cache,
+    tables and scratch as ``paged_decode`` does; each error names the bad value."""
+    _, cache, tables, seq_lens, _ = _paged_case(8, 2, 64, 16, [20, 30], torch.float32, seed=0)
+    qkv, positions, w = torch.zeros(2, 12 * 64), torch.zeros(2, dtype=torch.long), torch.ones(64)
+    cos_sin, kv_rows = rope_cache(64, 64, 1e6, "cpu"), torch.zeros(2, 2, dtype=torch.long)
+    scratch = triton_attention.DecodeScratch(2, 8, 2, 64, 8, torch.device("cpu"))
+
+    def call(**changed):
+        args = {"qkv": qkv, "positions": positions, "q_weight": w, "k_weight": w, "eps": 1e-6, "cos_sin": cos_sin,
+                "kv_rows": kv_rows, "cache": cache, "block_tables": tables, "seq_lens": seq_lens, "scale": 0.1,
+                "scratch": scratch} | changed  # fmt: skip
+        return triton_attention.paged_decode_qkv(**args)
+
+    with pytest.raises(ValueError, match="kv_rows must be"):
+        call(kv_rows=kv_rows.int())
+    with pytest.raises(ValueError, match="k_weight must be a contiguous"):
+        call(k_weight=torch.ones(32))
+    with pytest.raises(ValueError, match="cos_sin must be"):
+        call(cos_sin=cos_sin.double())
+    with pytest.raises(ValueError, match="qkv must be"):
+        call(qkv=torch.zeros(2, 12 * 64 + 5))
+    with pytest.raises(ValueError, match="cache must be a contiguous"):
+        call(cache=cache.transpose(0, 1))
+    with pytest.raises(ValueError, match="seq_lens must be"):
+        call(seq_lens=seq_lens[:1])
+
+
 class TritonDecodeSdpa(SdpaAttention):
     """SDPA for prefill; every decode step's attention through the (interpreted) Triton kernel over the same
     block tables."""
