@@ -91,6 +91,18 @@ from higgs_talker.tiny import tiny_config
 DEFAULT_SAMPLER_VARIANTS = full_graphs.SAMPLER_VARIANTS
 DEFAULT_PDL = pdl.ENABLED
 DEFAULT_TRITON_QKV = flashinfer_attention.TRITON_TAKES_QKV
+
+
+def _triton_gemv():
+    """``higgs_talker.triton_gemv``, or None where triton is not installed."""
+    try:
+        from higgs_talker import triton_gemv
+    except ImportError:
+        return None
+    return triton_gemv
+
+
+DEFAULT_FEW_ROW_CONFIGS = getattr(_triton_gemv(), "FEW_ROW_CONFIGS", ())
 DEFAULT_DISABLED = frozenset(fused.DISABLED)  # the frame kernels the library leaves off
 FRAME_KERNELS = ("sampler noise", "sampler race", "delay mask", "delay state update")  # heads.fused's names
 
@@ -114,6 +126,7 @@ TORCH_RACE = "-torchrace"  # label suffix: the race kernel off ("sampler race" i
 WHOLE_SAMPLER = "-wholesampler"  # label suffix: no sampler variants (cuda_graphs.full_decode.SAMPLER_VARIANTS)
 QKV_APART = "-qkvapart"  # label suffix: the triton decode kernel after the separate QK-norm/RoPE/K-V kernel
 NO_PDL = "-nopdl"  # label suffix: our Triton kernels launched without programmatic dependent launch (pdl.ENABLED)
+CUBLAS_FEW = "-cublasfew"  # label suffix: inputs of 2-16 rows stay on cuBLAS (no few-row tile tried)
 ROW_GEMV_LABELS = {"auto": "", "off": "-cublasrows", "on": "-rowgemv"}  # label suffix per row_gemv option
 DECODE_KERNELS = ("auto", *KERNELS)
 
@@ -134,6 +147,7 @@ class Variant:
     row_gemv: str = "auto"  # one-row inputs: the Triton GEMV where measured faster (auto), everywhere (on), nowhere
     triton_qkv: bool = True  # the triton decode kernel takes the qkv rows (QK-norm, RoPE, K/V write in its launch)
     pdl: bool = True  # our Triton GEMV and decode attention launch with PDL (on Hopper)
+    few_rows: bool = True  # inputs of 2-16 rows may take the few-row Triton kernel (as row_gemv says)
 
     @property
     def prefill_label(self) -> str:
@@ -151,7 +165,9 @@ class Variant:
         rows = ROW_GEMV_LABELS[self.row_gemv]
         qkv = "" if self.triton_qkv else QKV_APART
         early = "" if self.pdl else NO_PDL
-        return f"{self.mode}{FUSED if self.fuse else ''}{kernel}{prefill}{sync}{head}{race}{whole}{rows}{qkv}{early}"
+        few = "" if self.few_rows else CUBLAS_FEW
+        return (f"{self.mode}{FUSED if self.fuse else ''}{kernel}{prefill}{sync}{head}{race}{whole}{rows}{qkv}{early}"
+                f"{few}")  # fmt: skip
 
 
 PEER_RESERVE_S = 100.0  # the time budget keeps this much for the transformers rows
@@ -235,6 +251,7 @@ def graph_info(talker: HiggsTalker) -> dict:
         "fuse_qk_rope": talker.model.kernels.fuse_qk_rope,  # what runs (False where triton did not import)
         "row_gemv": getattr(talker.model.kernels, "row_gemv", "off"),  # "off" where triton did not import
         "row_linears": {k: list(v) for k, v in getattr(talker.model.kernels, "row_configs", {}).items()},
+        "few_row_linears": {k: list(v) for k, v in getattr(talker.model.kernels, "few_row_configs", {}).items()},
         "bucket_kernels": {str(k): v for k, v in getattr(attn, "bucket_kernel", {}).items()},
         "graph_runner": None,
     }
@@ -341,7 +358,7 @@ def both(choice: str) -> list[bool]:
 def variants(args: argparse.Namespace) -> list[Variant]:
     """What to time: every mode x ``--fuse`` x ``--decode-kernels`` x ``--async`` x ``--head-kernels`` x
     ``--race-kernel`` (where the head kernels are on) x ``--sampler-variants`` x ``--row-gemv`` x ``--triton-qkv``
-    (where QK-norm and RoPE are fused and the decode kernel can be triton) x ``--pdl``."""
+    (where QK-norm and RoPE are fused and the decode kernel can be triton) x ``--pdl`` x ``--few-rows``."""
     return [
         Variant(
             m,
@@ -354,6 +371,7 @@ def variants(args: argparse.Namespace) -> list[Variant]:
             race_kernel=race,
             triton_qkv=qkv,
             pdl=early,
+            few_rows=few,
         )
         for m in args.modes
         for fuse in both(args.fuse)
@@ -365,6 +383,7 @@ def variants(args: argparse.Namespace) -> list[Variant]:
         for rows in args.row_gemv
         for qkv in (both(args.triton_qkv) if fuse and kernel in ("auto", "triton") else [True])
         for early in both(args.pdl)
+        for few in both(args.few_rows)
     ]
 
 
@@ -377,9 +396,14 @@ def run_mode(variant: Variant, cfg: TalkerConfig, args, writer: ResultFile, bw: 
     full_graphs.SAMPLER_VARIANTS = DEFAULT_SAMPLER_VARIANTS if variant.sampler_variants else ()
     flashinfer_attention.TRITON_TAKES_QKV = variant.triton_qkv
     pdl.ENABLED = variant.pdl
+    gemv = _triton_gemv()
+    if gemv is not None:  # no few-row tile to try: those inputs stay on cuBLAS (the choice cache's key says so)
+        gemv.FEW_ROW_CONFIGS = DEFAULT_FEW_ROW_CONFIGS if variant.few_rows else ()
     try:
         _run_variant(variant, cfg, args, writer, bw, share_s)
     finally:
+        if gemv is not None:
+            gemv.FEW_ROW_CONFIGS = DEFAULT_FEW_ROW_CONFIGS
         fused.ENABLED, full_graphs.SAMPLER_VARIANTS = True, DEFAULT_SAMPLER_VARIANTS
         flashinfer_attention.TRITON_TAKES_QKV, pdl.ENABLED = DEFAULT_TRITON_QKV, DEFAULT_PDL
         fused.DISABLED = set(DEFAULT_DISABLED)
@@ -755,6 +779,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--pdl", choices=("on", "off", "both"), default="on",
                    help="our Triton GEMV and decode attention launched with programmatic dependent launch on Hopper "
                    "(on, the default), without (off: MODE-nopdl rows), or both")  # fmt: skip
+    p.add_argument("--few-rows", choices=("on", "off", "both"), default="on",
+                   help="inputs of 2-16 rows on our few-row Triton kernel where row_gemv chooses it (on, the "
+                   "default) or on cuBLAS (off: MODE-cublasfew rows), or both")  # fmt: skip
     p.add_argument("--row-gemv", type=strs_arg, default=["auto"],
                    help="row_gemv options to time, each apart (of auto, on, off; default auto)")  # fmt: skip
     add_sampling_option(p, "point")

@@ -108,10 +108,11 @@ class HiggsTalker:
         ``fuse_qk_rope`` (CUDA with FlashInfer and triton; on by default, False for the separate kernels):
         QK-norm, RoPE and the K/V cache writes of each layer in one Triton kernel (H200: 7% off a batch-1 decode
         step; greedy codes equal to the separate kernels' up to bf16 near ties).
-        ``row_gemv`` (CUDA with FlashInfer and triton): one-row inputs (decode at batch 1) of a linear take our
-        Triton GEMV (``triton_gemv``; gate_up with SiLU-and-mul after it) instead of cuBLAS: ``"auto"`` (default)
-        where warm-up measured it correct and faster on this GPU (H200, 4B: 15 us a layer less), ``"on"`` on every
-        linear where it is correct (no timing: the same kernels on every start), ``"off"`` nowhere.
+        ``row_gemv`` (CUDA with FlashInfer and triton): inputs of one row (decode at batch 1) and of 2 to 16 rows
+        (decode of a few requests) of a linear take our Triton kernels (``triton_gemv``: a GEMV, and a 16-row
+        tensor-core tile; gate_up with SiLU-and-mul after it) instead of cuBLAS: ``"auto"`` (default) where warm-up
+        measured them correct and faster on this GPU (H200, 4B, one row: 15 us a layer less), ``"on"`` on every
+        linear where they are correct (no timing: the same kernels on every start), ``"off"`` nowhere.
 
         ``buckets``: the decode batch sizes of CUDA graphs. ``prefill_buckets`` (default
         ``cuda_graphs.PREFILL_BUCKETS``; ``()`` turns them off): prefill token counts (with FlashInfer) that a

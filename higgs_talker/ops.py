@@ -3,8 +3,9 @@ K/V cache writes in one, and the linears.
 
 ``TorchKernels`` is the reference (and the CPU path). ``FlashInferKernels`` calls FlashInfer's fused CUDA
 kernels with the same signatures, our Triton kernel (``triton_ops``) for the QK-norm + RoPE + K/V writes, and
-for one-row inputs our Triton GEMV (``triton_gemv``) on the linears where warm-up measured it faster than cuBLAS
-(``row_configs``); it is constructed only on CUDA and imports FlashInfer and triton lazily.
+for inputs of one row and of a few rows our Triton linears (``triton_gemv``) on the linears where warm-up measured
+them faster than cuBLAS (``row_configs``, ``few_row_configs``); it is constructed only on CUDA and imports
+FlashInfer and triton lazily.
 
 The attention layer calls ``qk_norm_rope_store`` only where ``can_fuse_qk_rope(head_dim)`` holds and the
 step's attention backend gives a K/V destination (``kv_destination``); otherwise it runs the separate steps.
@@ -47,8 +48,8 @@ ROW_GEMV = ("auto", "on", "off")
 
 
 def check_row_gemv(option: str) -> str:
-    """Refuse a ``row_gemv`` option other than auto (measured per linear), on (every linear, the first correct
-    tile) and off (cuBLAS); returns it."""
+    """Refuse a ``row_gemv`` option (our Triton linears for inputs of one and of a few rows) other than auto
+    (measured per linear), on (every linear, the first correct tile) and off (cuBLAS); returns it."""
     if option not in ROW_GEMV:
         raise ValueError(f"row_gemv must be one of {', '.join(map(repr, ROW_GEMV))}, got {option!r}")
     return option
@@ -152,20 +153,33 @@ class FlashInferKernels:
             except ImportError:
                 logger.info("triton is not installed: one-row linears run on cuBLAS")
         self.row_gemv = row_gemv if self._gemv is not None else "off"
-        # linear name -> the Triton GEMV tile its one-row inputs use (``cuda_graphs.kernels.choose_row_linears``
-        # fills it at warm-up, as ``row_gemv`` says); a linear not here stays on cuBLAS
+        # linear name -> the Triton tile its one-row inputs use, and the one its inputs of 2 to ``FEW_ROWS`` rows
+        # use (``cuda_graphs.kernels.choose_row_linears`` fills them at warm-up, as ``row_gemv`` says); a linear
+        # not in a table stays on cuBLAS for those inputs
         self.row_configs: dict = {}
+        self.few_row_configs: dict = {}
+
+    def _triton_linear(self, name: str, x: Tensor):
+        """(the Triton kernel, its tile) for ``name`` at ``x``'s row count, or None: cuBLAS."""
+        rows = x.shape[0]
+        if rows == 1:
+            config = self.row_configs.get(name)
+            return None if config is None else (self._gemv.row_linear, config)
+        config = self.few_row_configs.get(name)
+        if config is None or rows > self._gemv.FEW_ROWS:
+            return None
+        return self._gemv.few_rows_linear, config
 
     def linear(self, name: str, x: Tensor, layer: nn.Linear) -> Tensor:
-        config = self.row_configs.get(name)
-        if config is not None and x.shape[0] == 1:
-            return self._gemv.row_linear(x.contiguous(), layer.weight, layer.bias, config)
+        chosen = self._triton_linear(name, x)
+        if chosen is not None:
+            return chosen[0](x.contiguous(), layer.weight, layer.bias, chosen[1])
         return F.linear(x, layer.weight, layer.bias)
 
     def gate_up_silu(self, x: Tensor, layer: nn.Linear) -> Tensor:
-        config = self.row_configs.get("gate_up")
-        if config is not None and x.shape[0] == 1 and layer.bias is None:
-            return self._gemv.row_linear(x.contiguous(), layer.weight, None, config, silu_mul=True)
+        chosen = self._triton_linear("gate_up", x) if layer.bias is None else None
+        if chosen is not None:
+            return chosen[0](x.contiguous(), layer.weight, None, chosen[1], silu_mul=True)
         return self.silu_and_mul(F.linear(x, layer.weight, layer.bias))
 
     def can_fuse_qk_rope(self, head_dim: int) -> bool:

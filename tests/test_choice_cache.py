@@ -91,7 +91,8 @@ def test_a_change_anywhere_in_the_runners_key_is_a_miss(tiny_dir: Path, tmp_path
     for part in ("torch", "cuda", "triton", "flashinfer", "higgs_talker", "sources", "model", "dtype", "engine",
                  "buckets", "options", "gpu"):  # fmt: skip
         assert part in key, part
-    assert set(key["options"]) >= {"graph_mode", "row_gemv", "decode_kernel", "decode_kernels", "fuse_qk_rope"}
+    assert set(key["options"]) >= {"graph_mode", "row_gemv", "row_tiles", "decode_kernel", "decode_kernels",
+                                   "fuse_qk_rope"}  # fmt: skip
     assert set(key["model"]) >= {"hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "vocab",
                                  "codebooks"}  # fmt: skip
     cache = cc.ChoiceCache(tmp_path)
@@ -141,6 +142,7 @@ CORRUPT = {
     "not utf-8": b"\xff\xfe\x00garbage",
     "a list": "[1, 2, 3]",
     "a bad tile": {"row_linears": {"qkv": [2, 1024, 4]}},
+    "a bad few-row tile": {"few_row_linears": {"down": [32, 512, 4, 0]}},
     "a bad bucket": {"bucket_kernels": {"one": "native_tc"}},
     "a bad path": {"auto_choice": {"1": "fastest"}},
     "an unknown choice": {"colour": {"1": "red"}},
@@ -244,6 +246,7 @@ class StandIns:
         self.calls: list[tuple] = []
         self.bad: set = set()
         self.tiles = {"qkv": (2, 1024, 4, 2), "o_proj": (2, 512, 2, 2), "gate_up": None, "down": (1, 512, 2, 3)}
+        self.few_tiles = {"qkv": (64, 256, 4, 3), "o_proj": None, "gate_up": (32, 128, 4, 3), "down": (32, 512, 4, 4)}
         self.kernels = {1: "sdpa", 2: "sdpa_alt", 4: "sdpa_alt"}
         self.times = [1.0, 2.0, 3.0, 1.0, 1.0, 2.0]  # (full, local) of buckets 1, 2, 4: full, local, full
         for name in ("row_gemv_option", "choose_row_linears", "check_row_linears", "choose_decode_kernels",
@@ -258,19 +261,23 @@ class StandIns:
     def row_gemv_option(self, model) -> str:
         return "auto"
 
-    def choose_row_linears(self, model, names=None):
-        self.calls.append(("choose_row_linears", names))
+    def choose_row_linears(self, model, names=None, few=False):
+        self.calls.append(("choose_row_linears" + ("[few]" if few else ""), names))
+        table, tiles = (
+            (model.kernels.few_row_configs, self.few_tiles) if few else (model.kernels.row_configs, self.tiles)
+        )
         for name in names or list(ROW_LINEARS):
-            model.kernels.row_configs.pop(name, None)
-            if self.tiles[name] is not None:
-                model.kernels.row_configs[name] = self.tiles[name]
+            table.pop(name, None)
+            if tiles[name] is not None:
+                table[name] = tiles[name]
         return [{"linear": n, "us": 1.0} for n in names or ROW_LINEARS]
 
-    def check_row_linears(self, model, tiles):
-        self.calls.append(("check_row_linears", dict(tiles)))
-        model.kernels.row_configs.clear()
+    def check_row_linears(self, model, tiles, few=False):
+        self.calls.append(("check_row_linears" + ("[few]" if few else ""), dict(tiles)))
+        table = model.kernels.few_row_configs if few else model.kernels.row_configs
+        table.clear()
         failed = [n for n, t in tiles.items() if (n, t) in self.bad]
-        model.kernels.row_configs.update({n: t for n, t in tiles.items() if n not in failed})
+        table.update({n: t for n, t in tiles.items() if n not in failed})
         return [{"linear": n, "cached": True} for n in tiles], failed
 
     def choose_decode_kernels(self, attn, buckets, contexts=(512, 2048), tolerance=2e-2, step=None):
@@ -302,7 +309,7 @@ def start(tiny_dir: Path, choice_cache) -> HiggsTalker:
     """A tiny CPU talker whose engine warms up in auto mode (as a CUDA start does), with two decode kernels to
     choose from and a GEMV option to choose."""
     talker = HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=4, max_model_len=256)
-    talker.model.kernels.row_configs = {}
+    talker.model.kernels.row_configs, talker.model.kernels.few_row_configs = {}, {}
     attn = talker.engine.runner.attn
     attn.decode_kernels, attn.bucket_kernel = ("sdpa", "sdpa_alt"), {}
     talker.engine.warm_up("auto", BUCKETS, (), choice_cache)
@@ -310,6 +317,7 @@ def start(tiny_dir: Path, choice_cache) -> HiggsTalker:
 
 
 MEASURED = {"row_linears": {"qkv": (2, 1024, 4, 2), "o_proj": (2, 512, 2, 2), "down": (1, 512, 2, 3)},
+            "few_row_linears": {"qkv": (64, 256, 4, 3), "gate_up": (32, 128, 4, 3), "down": (32, 512, 4, 4)},
             "bucket_kernels": {1: "sdpa", 2: "sdpa_alt", 4: "sdpa_alt"},
             "auto_choice": {1: "full_decode", 2: "local_mlp", 4: "full_decode"}}  # fmt: skip
 
@@ -318,7 +326,7 @@ def test_a_second_start_reads_the_cache_checks_and_times_nothing(tiny_dir, tmp_p
     first = start(tiny_dir, tmp_path).engine.graphs
     assert first.choices_source == "measured" and first.choices == MEASURED
     assert stand_ins.names().count("median_ms") == 6
-    assert {"choose_row_linears", "choose_decode_kernels"} <= set(stand_ins.names())
+    assert {"choose_row_linears", "choose_row_linears[few]", "choose_decode_kernels"} <= set(stand_ins.names())
     entry = first.choice_file
     assert entry.parent == tmp_path and cc.ChoiceCache(tmp_path).load(first.choice_key()) == MEASURED
     written = entry.stat().st_mtime_ns, entry.read_bytes()
@@ -327,9 +335,13 @@ def test_a_second_start_reads_the_cache_checks_and_times_nothing(tiny_dir, tmp_p
     talker = start(tiny_dir, tmp_path)
     graphs = talker.engine.graphs
     assert graphs.choices_source == "cached" and graphs.choices == MEASURED and graphs.choice_file == entry
-    assert stand_ins.names() == ["check_row_linears", "check_decode_kernels"]  # nothing measured, nothing timed
-    assert stand_ins.calls[0][1] == MEASURED["row_linears"] and stand_ins.calls[1][1] == MEASURED["bucket_kernels"]
+    # nothing measured, nothing timed
+    assert stand_ins.names() == ["check_row_linears", "check_row_linears[few]", "check_decode_kernels"]
+    assert [c[1] for c in stand_ins.calls] == [
+        MEASURED[k] for k in ("row_linears", "few_row_linears", "bucket_kernels")
+    ]
     assert talker.model.kernels.row_configs == MEASURED["row_linears"]
+    assert talker.model.kernels.few_row_configs == MEASURED["few_row_linears"]
     assert talker.engine.runner.attn.bucket_kernel == MEASURED["bucket_kernels"]
     assert graphs.choice == MEASURED["auto_choice"] and not graphs.timings
     assert sorted(graphs.full.graphs) == [1, 4] and graphs.local.sizes == (2,)  # only the cached path captured
@@ -346,13 +358,18 @@ def test_each_warm_up_phase_logs_its_time(tiny_dir, tmp_path, stand_ins, caplog)
     start(tiny_dir, tmp_path)
     phases = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warm-up: ")]
     names = [m.removeprefix("warm-up: ").rsplit(" in ", 1)[0] for m in phases]
-    assert names == ["one-row GEMV tiles", "decode kernels", "full-decode graphs", "local MLP graphs",
+    assert names == ["one- and few-row linear tiles", "decode kernels", "full-decode graphs", "local MLP graphs",
                      "graph path per bucket"]  # fmt: skip
     assert all(float(m.rsplit(" in ", 1)[1].removesuffix(" s")) >= 0 for m in phases)  # CPU: no free memory
 
 
 FAILURES = {  # a kind of choice -> what fails its check, what is measured again, the rewritten choice
     "row_linears": ({("o_proj", (2, 512, 2, 2))}, ("choose_row_linears", ["o_proj"]), {"o_proj": (1, 512, 2, 3)}),
+    "few_row_linears": (
+        {("gate_up", (32, 128, 4, 3))},
+        ("choose_row_linears[few]", ["gate_up"]),
+        {"gate_up": (64, 256, 4, 3)},
+    ),
     "bucket_kernels": ({(4, "sdpa_alt")}, ("choose_decode_kernels", [4]), {4: "sdpa"}),
     "auto_choice": ({2}, None, {2: "full_decode"}),
 }
@@ -366,6 +383,7 @@ def test_a_cached_choice_that_fails_its_check_is_measured_again_once(
     bad, measured_again, rewritten = FAILURES[kind]
     stand_ins.calls.clear()
     stand_ins.tiles["o_proj"] = (1, 512, 2, 3)
+    stand_ins.few_tiles["gate_up"] = (64, 256, 4, 3)
     stand_ins.kernels[4] = "sdpa"
     if kind == "auto_choice":  # bucket 2's local MLP graph (its cached path) fails its replay-vs-eager check
         real_check = local_module.LocalMLPGraphs._check_layer
@@ -450,6 +468,8 @@ class RowConfig(NamedTuple):
 
 
 GOOD, OFF = RowConfig(2, 1024, 4, 2), RowConfig(2, 512, 2, 2)
+FEW_GOOD, FEW_OFF = RowConfig(32, 512, 4, 4), RowConfig(64, 256, 4, 3)
+FEW_ROWS_SEEN = []  # the row counts the few-row stand-in was given
 
 
 def _row_linear(x, weight, bias=None, config=GOOD, silu_mul=False):
@@ -463,10 +483,17 @@ def _row_linear(x, weight, bias=None, config=GOOD, silu_mul=False):
     return (y * (1.05 if config == OFF else 1.0)).to(x.dtype)
 
 
+def _few_rows_linear(x, weight, bias=None, config=FEW_GOOD, silu_mul=False):
+    """The few-row kernel's numerics in torch; tile ``FEW_OFF`` is 5% off."""
+    FEW_ROWS_SEEN.append(x.shape[0])
+    return _row_linear(x, weight, bias, GOOD if config == FEW_GOOD else OFF, silu_mul)
+
+
 @pytest.fixture
 def torch_gemv(monkeypatch):
     """``higgs_talker.triton_gemv`` without triton: two tiles, the second wrong."""
-    fake = types.SimpleNamespace(RowConfig=RowConfig, CONFIGS=(GOOD, OFF), row_linear=_row_linear)
+    fake = types.SimpleNamespace(RowConfig=RowConfig, CONFIGS=(GOOD, OFF), row_linear=_row_linear, FEW_ROWS=16,
+                                 FEW_ROW_CONFIGS=(FEW_GOOD, FEW_OFF), few_rows_linear=_few_rows_linear)  # fmt: skip
     monkeypatch.setitem(sys.modules, "higgs_talker.triton_gemv", fake)
     return fake
 
@@ -492,6 +519,34 @@ def test_choose_row_linears_measures_only_the_linears_it_is_given(tiny_dir, torc
     assert [r["linear"] for r in rows] == ["down"] and kernels.row_configs == {"qkv": OFF, "down": GOOD}
     rows = choose_row_linears(talker.model)
     assert [r["linear"] for r in rows] == list(ROW_LINEARS) and kernels.row_configs == dict.fromkeys(ROW_LINEARS, GOOD)
+
+
+def test_the_tiles_tried_are_in_the_key_where_the_row_option_is_on(tiny_dir, torch_gemv) -> None:
+    """A choice is one of the tiles tried: another set of candidates (an edited tile list, or a benchmark's switch
+    that empties one) is another key, never a cached choice that the new set would not have made."""
+    talker = HiggsTalker.from_pretrained(tiny_dir, "cpu", "bfloat16", max_num_seqs=4, max_model_len=256)
+    runner = GraphRunner(talker.engine.runner, "auto", BUCKETS, 4)
+    assert runner.choice_key()["options"]["row_tiles"] is None  # row_gemv off: nothing tried
+    talker.model.kernels.row_gemv = "auto"
+    assert runner.choice_key()["options"]["row_tiles"] == {"one": [list(GOOD), list(OFF)],
+                                                           "few": [list(FEW_GOOD), list(FEW_OFF)]}  # fmt: skip
+    torch_gemv.FEW_ROW_CONFIGS = (FEW_GOOD,)
+    assert runner.choice_key()["options"]["row_tiles"]["few"] == [list(FEW_GOOD)]
+
+
+def test_the_few_row_tiles_are_checked_and_chosen_on_16_rows_in_their_own_table(tiny_dir, torch_gemv) -> None:
+    talker = HiggsTalker.from_pretrained(tiny_dir, "cpu", "bfloat16", max_num_seqs=4, max_model_len=256)
+    kernels = talker.model.kernels
+    kernels.row_gemv, kernels.row_configs, kernels.few_row_configs = "on", {"qkv": GOOD}, {"gate_up": FEW_GOOD}
+    FEW_ROWS_SEEN.clear()
+    rows, failed = check_row_linears(talker.model, {"qkv": FEW_GOOD, "o_proj": FEW_OFF, "down": GOOD}, few=True)
+    assert failed == ["o_proj", "down"]  # 5% off; a one-row tile is not a few-row tile
+    assert kernels.few_row_configs == {"qkv": FEW_GOOD} and kernels.row_configs == {"qkv": GOOD}
+    assert all(r["rows"] == 16 for r in rows) and FEW_ROWS_SEEN == [16, 16]
+    rows = choose_row_linears(talker.model, ["down", "gate_up"], few=True)
+    assert [r["linear"] for r in rows] == ["down", "gate_up"] and all(r["rows"] == 16 for r in rows)
+    assert kernels.few_row_configs == {"qkv": FEW_GOOD, "down": FEW_GOOD, "gate_up": FEW_GOOD}
+    assert kernels.row_configs == {"qkv": GOOD} and set(FEW_ROWS_SEEN) == {16}
 
 
 class TwoSdpaKernels(SdpaAttention):

@@ -76,6 +76,29 @@ def test_row_linear_matches_float64_on_the_4b_shapes(linear, tile):
     assert rel_err(got, want) <= kernel_rel_tol(BF16, 4 if silu else 1, [k], SILU_OPS if silu else 0)
 
 
+@pytest.mark.parametrize("m", [16, 3])
+@pytest.mark.parametrize("tile", range(3))
+@pytest.mark.parametrize("linear", list(LINEARS_4B))
+def test_few_rows_linear_matches_float64_on_the_4b_shapes(linear, tile, m):
+    """The few-row tensor-core kernel (every tile warm-up tries) against a float64 product on the 4B shapes, a full
+    16-row tile and a padded one, row by row, with the one-row GEMV's bounds."""
+    triton_gemv = pytest.importorskip("higgs_talker.triton_gemv")
+    n, k = LINEARS_4B[linear]
+    silu = linear == "gate_up"
+    g = torch.Generator(device="cuda").manual_seed(tile * 100 + m)
+    x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+    w = (torch.randn(n, k, generator=g, device="cuda") * k**-0.5).bfloat16()
+    want = x.double() @ w.double().T
+    if silu:
+        gate, up = want.to(BF16).double().chunk(2, dim=-1)
+        want = torch.nn.functional.silu(gate) * up
+    got = triton_gemv.few_rows_linear(x, w, config=triton_gemv.FEW_ROW_CONFIGS[tile], silu_mul=silu)
+    assert got.shape == (m, n // 2 if silu else n) and got.dtype == BF16
+    tol = kernel_rel_tol(BF16, 4 if silu else 1, [k], SILU_OPS if silu else 0)
+    for i in range(m):
+        assert rel_err(got[i], want[i]) <= tol, f"row {i}"
+
+
 def medium_config(**text) -> TalkerConfig:
     base = dict(
         vocab_size=512,
@@ -353,17 +376,18 @@ def talkers():
 
 
 # option: (our module, its entry points the model calls, the value that turns it on, the one that turns it off,
-# the most rows a step may have for the kernel to run: one-row GEMVs run only where a step has one request)
+# the most rows a step may have for the kernel to run: our linears take steps of at most 16 rows)
 KERNEL_OPTIONS = {
     "fuse_qk_rope": ("triton_ops", ["qk_norm_rope_store"], True, False, None),
-    "row_gemv": ("triton_gemv", ["row_linear"], "on", "off", 1),
+    "row_gemv": ("triton_gemv", ["row_linear", "few_rows_linear"], "on", "off", 16),
 }
 
 
 @pytest.fixture(scope="module")
 def option_talkers():
     """``option_talkers(name)``: the suite's talkers (``talkers``: every option on) with one kernel option off
-    (``fuse_qk_rope``: QK-norm, RoPE and the K/V writes in one Triton kernel; ``row_gemv``: the one-row GEMV)."""
+    (``fuse_qk_rope``: QK-norm, RoPE and the K/V writes in one Triton kernel; ``row_gemv``: the one-row GEMV and the
+    few-row kernel)."""
     built = {}
 
     def get(option: str) -> dict[str, HiggsTalker]:
@@ -421,8 +445,8 @@ def test_kernel_options_on_and_off_give_equal_greedy_codes(
     element by one ulp now and then; over 64 requests x ~70 steps such a difference can reach a code whose two
     best scores are that close (seen on the H200: batch 64, one request, row 65, codebook 6, where the two best
     logits were both 1.015625, an exact tie). Where a request's codes differ, both runs are checked against the
-    float32 reference teacher-forced on their rows (``assert_same_or_near_tie``). The one-row GEMV rounds where
-    cuBLAS stores, and sums in another order.
+    float32 reference teacher-forced on their rows (``assert_same_or_near_tie``). The one-row GEMV and the few-row
+    kernel (batch 13: a 16-row bucket) round where cuBLAS stores, and sum in another order.
     """
     module_name, entries, on_value, off_value, max_rows = KERNEL_OPTIONS[option]
     module = pytest.importorskip(f"higgs_talker.{module_name}")
@@ -436,7 +460,8 @@ def test_kernel_options_on_and_off_give_equal_greedy_codes(
     got = _run_schedule(on, batch)
     # eager: every layer of every step (of at most max_rows rows) calls it; full_decode replays every step,
     # prefills included, from graphs captured with it (each checked against an eager run of it at capture), so no
-    # call reaches Python there. At batch 64 three requests share the longest max_frames: no step has one row.
+    # call reaches Python there. At batch 64 three requests share the longest max_frames: no step has 16 rows or
+    # fewer.
     assert calls or mode != "eager" or batch > (max_rows or batch), f"{option}: our kernel never ran"
     monkeypatch.undo()
     want = _run_schedule(off, batch)
@@ -651,25 +676,31 @@ def test_auto_chooses_each_buckets_kernel_by_its_whole_decode_step():
 
 
 @needs_flashinfer
-def test_warm_up_gives_one_row_inputs_the_gemv_where_it_measured_faster(talkers, option_talkers):
-    """row_gemv="auto" times each linear's cuBLAS path and every correct tile over all layers, and gives the
-    linear the fastest tile where it beat cuBLAS; "on" (the suite's talkers) gives every linear the first correct
-    tile without timing; "off" none."""
+def test_warm_up_gives_one_and_few_row_inputs_our_kernels_where_they_measured_faster(talkers, option_talkers):
+    """row_gemv="auto" times each linear's cuBLAS path and every correct tile over all layers, on one row and on 16
+    rows, and gives the linear the fastest tile where it beat cuBLAS; "on" (the suite's talkers) gives every linear
+    the first correct tile of each kernel without timing; "off" none."""
     from higgs_talker.cuda_graphs.kernels import ROW_LINEARS
-    from higgs_talker.triton_gemv import CONFIGS
+    from higgs_talker.triton_gemv import CONFIGS, FEW_ROW_CONFIGS, FEW_ROWS
 
     talker = _talker("eager", row_gemv="auto")
-    rows, chosen = talker.engine.graphs.row_timings, talker.model.kernels.row_configs
-    assert [r["linear"] for r in rows] == list(ROW_LINEARS)
+    kernels, rows = talker.model.kernels, talker.engine.graphs.row_timings
+    assert [(r["linear"], r["rows"]) for r in rows] == [(n, m) for m in (1, FEW_ROWS) for n in ROW_LINEARS]
     for r in rows:
+        configs, chosen = (
+            (CONFIGS, kernels.row_configs) if r["rows"] == 1 else (FEW_ROW_CONFIGS, kernels.few_row_configs)
+        )
         tiles = {key[2:]: us for key, us in r.items() if key.startswith("us(")}
-        assert len(tiles) == len(CONFIGS) and all(0 < us < 1e4 for us in [*tiles.values(), r["torch_us"]])
+        assert len(tiles) == len(configs) and all(0 < us < 1e4 for us in [*tiles.values(), r["torch_us"]])
         best = min(tiles, key=tiles.get)
         assert r["chosen"] == (best if tiles[best] < r["torch_us"] else "torch")
         assert r["chosen"] == (str(tuple(chosen[r["linear"]])) if r["linear"] in chosen else "torch")
-    assert talkers["eager"].model.kernels.row_configs == dict.fromkeys(ROW_LINEARS, CONFIGS[0])
+    on = talkers["eager"].model.kernels
+    assert on.row_configs == dict.fromkeys(ROW_LINEARS, CONFIGS[0])
+    assert on.few_row_configs == dict.fromkeys(ROW_LINEARS, FEW_ROW_CONFIGS[0])
     off = option_talkers("row_gemv")["eager"]
-    assert off.model.kernels.row_configs == {} and off.engine.graphs.row_timings == []
+    assert off.model.kernels.row_configs == off.model.kernels.few_row_configs == {}
+    assert off.engine.graphs.row_timings == []
 
 
 @needs_flashinfer

@@ -97,3 +97,23 @@ def test_row_gemv_compiles_for_hopper_with_pdl(silu):
     kernel = triton.compile(source, target=HOPPER, options={"num_warps": 4, "num_stages": 2})
     assert kernel.asm["cubin"], "no cubin"
     assert_waits_then_lets_dependents_launch(kernel.asm["ptx"])
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_few_rows_linear_compiles_for_hopper_with_pdl(silu):
+    """The few-row tensor-core kernel as it launches on Hopper (PDL on), at each tile warm-up tries: it compiles
+    within the shared memory, and waits before loading anything."""
+    from higgs_talker import triton_gemv
+
+    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32",
+                 "K": "i32"}  # fmt: skip
+    for block_n, block_k, warps, stages in triton_gemv.FEW_ROW_CONFIGS:
+        constants = {"HAS_BIAS": False, "SILU_MUL": silu, "BLOCK_N": block_n, "BLOCK_K": block_k, "PDL": True,
+                     "IEEE": False}  # fmt: skip
+        signature |= dict.fromkeys(constants, "constexpr")
+        source = ASTSource(fn=triton_gemv._few_rows_linear_kernel, signature=signature, constexprs=constants)
+        kernel = triton.compile(source, target=HOPPER, options={"num_warps": warps, "num_stages": stages})
+        assert kernel.asm["cubin"], "no cubin"
+        # the most shared memory a Hopper block may take (227 KiB); a tile above it fails only at launch
+        assert kernel.metadata.shared <= 232448, ((block_n, block_k, warps, stages), kernel.metadata.shared)
+        assert_waits_then_lets_dependents_launch(kernel.asm["ptx"])

@@ -354,17 +354,64 @@ def test_row_linear_rejects_what_it_cannot_take():
         triton_gemv.row_linear(x, torch.zeros(8, 4).t())
 
 
+FEW_SMALL_TILES = [RowConfig(16, 32, 4, 2), RowConfig(32, 64, 4, 2)]  # several programs and K chunks, ragged ends
+
+
+@pytest.mark.parametrize("tile", FEW_SMALL_TILES)
+@pytest.mark.parametrize(("m", "n", "k", "bias", "silu"), [(16, 37, 50, True, False), (3, 64, 96, False, False),
+                                                           (1, 1, 130, False, False), (5, 37, 50, False, True),
+                                                           (16, 40, 70, False, True)])  # fmt: skip
+# the interpreter multiplies a bf16 tl.dot's raw bits (numpy has no bf16): fp16 stands in for the rounded dtypes
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_few_rows_linear_matches_float64_interpreted(dtype, m, n, k, bias, silu, tile):
+    g = torch.Generator().manual_seed(m * n * k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(2 * n if silu else n, k, generator=g) * k**-0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    want = x.double() @ w.double().T + (b.double() if bias else 0)
+    roundings = 1
+    if silu:  # each half rounded as the GEMM stores it, then SiLU-and-mul rounded once more
+        gate, up = want.to(dtype).double().chunk(2, dim=-1)
+        want, roundings = torch.nn.functional.silu(gate) * up, 3
+    got = triton_gemv.few_rows_linear(x, w, b, tile, silu_mul=silu)
+    assert got.shape == (m, n) and got.dtype == dtype
+    # as for the one-row GEMV, per row: each rounding within 2 u, the fp32 sum of k products within k u32
+    u = torch.finfo(dtype).eps / 2
+    tolerance = 2 * roundings * u + k * 2.0**-24
+    for i in range(m):  # row by row: a wrong or missing row fails on its own
+        assert ((got[i].double() - want[i]).norm() / want[i].norm()).item() <= tolerance, f"row {i}"
+
+
+def test_few_rows_linear_rejects_what_it_cannot_take():
+    w = torch.zeros(4, 8)
+    with pytest.raises(ValueError, match=r"1 to 16 rows \[M, K\], got x of shape \(17, 8\)"):
+        triton_gemv.few_rows_linear(torch.zeros(17, 8), w)
+    with pytest.raises(ValueError, match=r"got x of shape \(0, 8\)"):
+        triton_gemv.few_rows_linear(torch.zeros(0, 8), w)
+    with pytest.raises(ValueError, match=r"weight of shape \(4, 6\) does not take x of shape \(2, 8\)"):
+        triton_gemv.few_rows_linear(torch.zeros(2, 8), torch.zeros(4, 6))
+    with pytest.raises(ValueError, match="share a dtype"):
+        triton_gemv.few_rows_linear(torch.zeros(2, 8), w.bfloat16())
+    with pytest.raises(ValueError, match=r"block_n and block_k >= 16, got \(8, 64, 4, 2\)"):
+        triton_gemv.few_rows_linear(torch.zeros(2, 8), w, config=RowConfig(8, 64, 4, 2))
+    with pytest.raises(ValueError, match="few_rows_linear needs contiguous"):
+        triton_gemv.few_rows_linear(torch.zeros(8, 2).t(), w)
+
+
 class InterpretedRowGemv(TorchKernels):
-    """The torch kernels with FlashInfer's linear dispatch: one-row inputs of every linear take the (interpreted)
-    Triton GEMV, as after ``choose_row_linears`` chose it everywhere."""
+    """The torch kernels with FlashInfer's linear dispatch: inputs of one row of every linear take the
+    (interpreted) Triton GEMV and, with ``few``, inputs of 2 to 16 rows the few-row kernel, as after
+    ``choose_row_linears`` chose them everywhere."""
 
     linear = FlashInferKernels.linear
     gate_up_silu = FlashInferKernels.gate_up_silu
+    _triton_linear = FlashInferKernels._triton_linear
 
-    def __init__(self, tile: RowConfig) -> None:
+    def __init__(self, tile: RowConfig, few: RowConfig | None = None) -> None:
         self._gemv = triton_gemv
         self.row_gemv = True
         self.row_configs = dict.fromkeys(ROW_LINEARS, tile)
+        self.few_row_configs = dict.fromkeys(ROW_LINEARS, few) if few is not None else {}
 
 
 def test_row_gemv_path_gives_the_reference_greedy_codes(talker, tiny_dir, monkeypatch):
@@ -386,6 +433,24 @@ def test_row_gemv_path_gives_the_reference_greedy_codes(talker, tiny_dir, monkey
     layers = talker.cfg.text.num_hidden_layers
     assert calls and all(n == 1 for n, _, _ in calls)
     assert sum(silu for _, _, silu in calls) == len(calls) // 4 and len(calls) % (4 * layers) == 0
+
+
+def test_few_rows_path_gives_the_reference_greedy_codes(talker, tiny_dir, monkeypatch):
+    """The model's few-row path (decode steps of two batched requests, and prefills of at most 16 tokens, every
+    linear, gate_up with SiLU-and-mul) through the engine in fp32: the same greedy codes as F.linear; one-row
+    inputs keep the GEMV, longer prefills F.linear."""
+    few = HiggsTalker.from_pretrained(tiny_dir, max_num_seqs=8, max_model_len=1024)
+    few.model.use_kernels(InterpretedRowGemv(RowConfig(16, 128, 4, 2), few=RowConfig(16, 128, 4, 2)))
+    calls = []
+    real = triton_gemv.few_rows_linear
+
+    def counting(x, weight, bias=None, config=None, silu_mul=False):
+        calls.append(x.shape[0])
+        return real(x, weight, bias, config, silu_mul)
+
+    monkeypatch.setattr(triton_gemv, "few_rows_linear", counting)
+    assert_same_greedy_rows(few, talker, ["two requests", "decoded side by side"])
+    assert calls and all(2 <= n <= triton_gemv.FEW_ROWS for n in calls) and 2 in calls
 
 
 # --------------------------------------------------------------------------------------------------- frame kernels

@@ -222,7 +222,8 @@ def main() -> None:
         suppress_eoc(talker)
         kernels = talker.model.kernels
         print(f"built {mode} (fuse_qk_rope={kernels.fuse_qk_rope}, row_gemv={kernels.row_gemv}: "
-              f"{dict(kernels.row_configs)}) in {time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
+              f"{dict(kernels.row_configs)}, few rows {dict(kernels.few_row_configs)}) in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
         for b, ctx in cases:
             profile_case(talker, mode, b, ctx)
         del talker

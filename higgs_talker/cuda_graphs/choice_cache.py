@@ -1,11 +1,11 @@
 """What a warm-up chose, kept between processes: one small JSON file per key in a cache directory.
 
-A CUDA warm-up measures three things before it captures graphs: the one-row GEMV tile of each linear
-(``kernels.choose_row_linears``), the decode kernel of each bucket (``kernels.choose_decode_kernels``) and, in
-``auto``, the graph path of each bucket (``runner.GraphRunner._choose``). On the 4B shape that is minutes on a
+A CUDA warm-up measures four things before it captures graphs: the tile of each linear's one-row and few-row Triton
+kernels (``kernels.choose_row_linears``), the decode kernel of each bucket (``kernels.choose_decode_kernels``) and,
+in ``auto``, the graph path of each bucket (``runner.GraphRunner._choose``). On the 4B shape that is minutes on a
 fresh H200 and seconds on every later start, for the same answers. This module keeps the answers (not only the
-timings): ``{"row_linears": {linear: tile}, "bucket_kernels": {bucket: kernel}, "auto_choice": {bucket: path}}``,
-each present where warm-up had that choice to make.
+timings): ``{"row_linears": {linear: tile}, "few_row_linears": {linear: tile}, "bucket_kernels": {bucket: kernel},
+"auto_choice": {bucket: path}}``, each present where warm-up had that choice to make.
 
 The key is everything that could change an answer: the GPU (name, compute capability, SM count), the versions of
 torch, CUDA, triton, FlashInfer and higgs_talker (with a digest of the sources a measurement runs, so an edited
@@ -129,20 +129,24 @@ def environment_key(device: torch.device) -> dict:
     }
 
 
+# the choices that are tiles of a linear: the one-row kernel's and the few-row kernel's
+TILE_STAGES = ("row_linears", "few_row_linears")
+
+
 def check_choices(raw: object) -> Choices:
-    """Choices as parsed JSON -> ``{"row_linears": {name: (4 ints)}, "bucket_kernels": {bucket: name},
-    "auto_choice": {bucket: path}}`` (stages absent stay absent); ValueError for anything else."""
+    """Choices as parsed JSON -> ``{"row_linears" / "few_row_linears": {name: (4 ints)}, "bucket_kernels":
+    {bucket: name}, "auto_choice": {bucket: path}}`` (stages absent stay absent); ValueError for anything else."""
     if not isinstance(raw, dict):
         raise ValueError(f"choices must be an object, got {type(raw).__name__}")
     out: Choices = {}
     for stage, table in raw.items():
-        if stage not in ("row_linears", "bucket_kernels", "auto_choice") or not isinstance(table, dict):
+        if stage not in (*TILE_STAGES, "bucket_kernels", "auto_choice") or not isinstance(table, dict):
             raise ValueError(f"unknown choice {stage!r} or not an object: {table!r:.80}")
-        if stage == "row_linears":
+        if stage in TILE_STAGES:
             tiles = {name: tuple(t) if isinstance(t, list) else t for name, t in table.items()}
             for name, tile in tiles.items():
                 if not (isinstance(tile, tuple) and len(tile) == 4 and all(type(v) is int and v > 0 for v in tile)):
-                    raise ValueError(f"row_linears: the tile of {name!r} must be 4 integers > 0, got {tile!r:.80}")
+                    raise ValueError(f"{stage}: the tile of {name!r} must be 4 integers > 0, got {tile!r:.80}")
             out[stage] = tiles
             continue
         by_bucket = {}

@@ -1,5 +1,5 @@
 """Kernel choice by measurement: per graph bucket, the fastest correct decode kernel of the attention backend; per
-linear, whether one-row inputs take our Triton GEMV (``choose_row_linears``, at the end).
+linear, whether inputs of one row, and of a few rows, take our Triton kernels (``choose_row_linears``, at the end).
 
 Each candidate in ``backend.decode_kernels`` first runs alone through the backend's own bucket path
 (``plan_bucket`` + ``forward``) on a fork of the backend over synthetic caches, timed inside a CUDA graph and
@@ -235,111 +235,136 @@ def row_gemv_option(model: torch.nn.Module) -> str:
     return option if dtype in (torch.bfloat16, torch.float16) else "off"
 
 
-def choose_row_linears(model: torch.nn.Module, names: list[str] | None = None) -> list[dict]:
-    """Give each linear of ``model`` (or of ``names``) the one-row Triton GEMV (``triton_gemv``) via
-    ``model.kernels.row_configs`` as its ``row_gemv`` option says: ``auto`` where it is correct and faster than the
-    kernels' own path, ``on`` wherever it is correct (the first correct tile), ``off`` nowhere. A linear left out
-    stays on cuBLAS.
+def _row_kernel(few: bool) -> tuple:
+    """(tiles, kernel, the kernels' table attribute, rows of the input it is measured on) of the one-row GEMV
+    (``few`` False) or of the few-row kernel (True)."""
+    from .. import triton_gemv as gemv
 
-    Each tile of ``triton_gemv.CONFIGS`` is checked first, on layer 0 with a random row, against a float64
-    product: one that raises or misses the dtype's epsilon (relative norm) is never chosen. Under ``auto`` the
-    product of the row with every layer's weight (so weights stream from HBM as in a step; gate_up with
-    SiLU-and-mul after it) is timed in a CUDA graph for the kernels' path and each correct tile. Returns the
-    table (one dict per linear).
+    if few:
+        return gemv.FEW_ROW_CONFIGS, gemv.few_rows_linear, "few_row_configs", gemv.FEW_ROWS
+    return gemv.CONFIGS, gemv.row_linear, "row_configs", 1
+
+
+def row_tile_candidates(model: torch.nn.Module) -> dict | None:
+    """The tiles warm-up tries for the one-row and the few-row kernel (part of the choice cache's key: a choice
+    is among them); None where the model's ``row_gemv`` option is off."""
+    if row_gemv_option(model) == "off":
+        return None
+    return {"one": [list(c) for c in _row_kernel(False)[0]], "few": [list(c) for c in _row_kernel(True)[0]]}
+
+
+def choose_row_linears(model: torch.nn.Module, names: list[str] | None = None, few: bool = False) -> list[dict]:
+    """Give each linear of ``model`` (or of ``names``) our Triton kernel for one-row inputs (``triton_gemv
+    .row_linear``; with ``few``, the kernel for 2 to ``FEW_ROWS`` rows, ``few_rows_linear``) via the model's
+    kernels' ``row_configs`` (``few_row_configs``) as its ``row_gemv`` option says: ``auto`` where it is correct
+    and faster than the kernels' own path, ``on`` wherever it is correct (the first correct tile), ``off``
+    nowhere. A linear left out stays on cuBLAS.
+
+    Each tile is checked first, on layer 0 with random rows (one, or ``FEW_ROWS``), against a float64 product:
+    one that raises or misses the dtype's epsilon (relative norm) is never chosen. Under ``auto`` the product of
+    the rows with every layer's weight (so weights stream from HBM as in a step; gate_up with SiLU-and-mul after
+    it) is timed in a CUDA graph for the kernels' path and each correct tile. Returns the table (one dict per
+    linear).
     """
     kernels = model.kernels
     option = row_gemv_option(model)
     if option == "off":
         return []
-    from ..triton_gemv import CONFIGS, row_linear
-
+    configs, kernel, table_name, n_rows = _row_kernel(few)
+    label = f"{n_rows}-row linear" if few else "one-row GEMV"
+    table = getattr(kernels, table_name)
     layers = list(model.model.layers)
     names = list(ROW_LINEARS) if names is None else names
     for name in names:
-        kernels.row_configs.pop(name, None)
+        table.pop(name, None)
     weight = ROW_LINEARS["qkv"](layers[0]).weight
     gen = torch.Generator(device=weight.device).manual_seed(0)
     rows = []
     for name in names:
         modules = [ROW_LINEARS[name](layer) for layer in layers]
         silu = name == "gate_up"
-        x = torch.randn(1, modules[0].in_features, generator=gen, device=weight.device).to(weight.dtype)
-        row = {"linear": name}
+        x = torch.randn(n_rows, modules[0].in_features, generator=gen, device=weight.device).to(weight.dtype)
+        row = {"linear": name, "rows": n_rows}
         if option == "auto":
             try:
                 row["torch_us"] = _products_us(_kernels_product(kernels, name, x), modules)
             except Exception as exc:  # noqa: BLE001 - nothing to compare against: the linear stays as it is
-                logger.warning("one-row GEMV: timing %s's own path failed (%s); %s stays on it", name, exc, name)
+                logger.warning("%s: timing %s's own path failed (%s); %s stays on it", label, name, exc, name)
                 row["chosen"] = "torch"
                 rows.append(row)
                 continue
         want = _row_reference(x, modules[0], silu)  # once per linear: every tile is compared with it
         best = None
-        for config in CONFIGS:
+        for config in configs:
             tile = str(tuple(config))
             try:
-                row[f"err{tile}"] = err = _tile_error(row_linear, x, modules[0], config, silu, want)
+                row[f"err{tile}"] = err = _tile_error(kernel, x, modules[0], config, silu, want)
                 if not _tile_ok(err, weight.dtype):
-                    logger.warning("one-row GEMV %s off by %.1e on %s: not used", tile, err, name)
+                    logger.warning("%s %s off by %.1e on %s: not used", label, tile, err, name)
                     continue
                 if option == "on":
                     best = (0.0, config)
                     break
-                row[f"us{tile}"] = us = _products_us(_row_product(row_linear, x, config, silu), modules)
+                row[f"us{tile}"] = us = _products_us(_row_product(kernel, x, config, silu), modules)
             except Exception as exc:  # noqa: BLE001 - a tile that cannot run is simply not chosen
-                logger.warning("one-row GEMV %s failed on %s: %s", tile, name, exc)
+                logger.warning("%s %s failed on %s: %s", label, tile, name, exc)
                 continue
             if best is None or us < best[0]:
                 best = (us, config)
         if best is not None and (option == "on" or best[0] < row["torch_us"]):
-            kernels.row_configs[name] = best[1]
-        row["chosen"] = str(tuple(kernels.row_configs[name])) if name in kernels.row_configs else "torch"
+            table[name] = best[1]
+        row["chosen"] = str(tuple(table[name])) if name in table else "torch"
         rows.append(row)
-    logger.info("one-row linears (%s): %s", option, "; ".join(
+    logger.info("%ss (%s): %s", label, option, "; ".join(
         f"{r['linear']} -> {r['chosen']}" + (f" (torch {r['torch_us']:.1f} us, best triton "
         f"{min((v for k, v in r.items() if k.startswith('us(')), default=float('nan')):.1f} us a layer)"
         if "torch_us" in r else "") for r in rows))  # fmt: skip
     return rows
 
 
-def check_row_linears(model: torch.nn.Module, tiles: dict[str, tuple]) -> tuple[list[dict], list[str]]:
-    """Check each linear's given tile (a cached choice) as ``choose_row_linears`` checks a candidate (layer 0, a
-    random row, against float64), without timing it; the linears whose tile passes take it, every other linear
-    stays on the kernels' own path. Returns (the table, the linears whose tile failed: unknown, raised, or off)."""
-    from ..triton_gemv import CONFIGS, RowConfig, row_linear
+def check_row_linears(
+    model: torch.nn.Module, tiles: dict[str, tuple], few: bool = False
+) -> tuple[list[dict], list[str]]:
+    """Check each linear's given tile (a cached choice) of the one-row kernel (with ``few``, of the few-row
+    kernel) as ``choose_row_linears`` checks a candidate (layer 0, random rows, against float64), without timing
+    it; the linears whose tile passes take it, every other linear stays on the kernels' own path for those rows.
+    Returns (the table, the linears whose tile failed: unknown, raised, or off)."""
+    from ..triton_gemv import RowConfig
 
-    kernels = model.kernels
-    kernels.row_configs.clear()
+    configs, kernel, table_name, n_rows = _row_kernel(few)
+    table = getattr(model.kernels, table_name)
+    table.clear()
     layer0 = model.model.layers[0]
     gen = torch.Generator(device=ROW_LINEARS["qkv"](layer0).weight.device).manual_seed(0)
     rows, failed = [], []
     for name, tile in tiles.items():
-        row = {"linear": name, "chosen": str(tuple(tile)), "cached": True}
+        row = {"linear": name, "rows": n_rows, "chosen": str(tuple(tile)), "cached": True}
         rows.append(row)
         config = RowConfig(*tile) if len(tile) == len(RowConfig._fields) else None
-        if name not in ROW_LINEARS or config not in CONFIGS:
+        if name not in ROW_LINEARS or config not in configs:
             failed.append(name)
             continue
         module = ROW_LINEARS[name](layer0)
-        x = torch.randn(1, module.in_features, generator=gen, device=module.weight.device).to(module.weight.dtype)
+        x = torch.randn(n_rows, module.in_features, generator=gen, device=module.weight.device)
+        x = x.to(module.weight.dtype)
         try:
             silu = name == "gate_up"
             want = _row_reference(x, module, silu)
-            row[f"err{tuple(config)}"] = err = _tile_error(row_linear, x, module, config, silu, want)
+            row[f"err{tuple(config)}"] = err = _tile_error(kernel, x, module, config, silu, want)
         except Exception as exc:  # noqa: BLE001 - a tile that cannot run fails its check
-            logger.info("cached one-row GEMV %s failed on %s: %s", tuple(config), name, exc)
+            logger.info("cached %s-row tile %s failed on %s: %s", n_rows, tuple(config), name, exc)
             err = float("nan")
         if _tile_ok(err, module.weight.dtype):
-            kernels.row_configs[name] = config
+            table[name] = config
         else:
             failed.append(name)
     return rows, failed
 
 
-def _tile_error(row_linear, x: Tensor, module: torch.nn.Module, config, silu: bool, want: Tensor) -> float:
-    """Relative error (norm) of the one-row GEMV with tile ``config`` on row ``x`` against ``want``, the float64
-    product (``_row_reference``)."""
-    got = row_linear(x, module.weight, module.bias, config, silu_mul=silu)
+def _tile_error(kernel, x: Tensor, module: torch.nn.Module, config, silu: bool, want: Tensor) -> float:
+    """Relative error (norm) of ``kernel`` (one of ``triton_gemv``'s) with tile ``config`` on rows ``x`` against
+    ``want``, the float64 product (``_row_reference``)."""
+    got = kernel(x, module.weight, module.bias, config, silu_mul=silu)
     return ((got.double() - want).norm() / want.norm()).item()
 
 
@@ -348,15 +373,15 @@ def _tile_ok(err: float, dtype: torch.dtype) -> bool:
 
 
 def _kernels_product(kernels, name: str, x: Tensor) -> Callable[[torch.nn.Module], Tensor]:
-    """The kernels' own path for linear ``name`` on row ``x`` (gate_up: with SiLU-and-mul), per module."""
+    """The kernels' own path for linear ``name`` on rows ``x`` (gate_up: with SiLU-and-mul), per module."""
     if name == "gate_up":
         return lambda module: kernels.gate_up_silu(x, module)
     return lambda module: kernels.linear(name, x, module)
 
 
-def _row_product(row_linear, x: Tensor, config, silu: bool) -> Callable[[torch.nn.Module], Tensor]:
-    """The one-row GEMV with tile ``config`` on row ``x``, per module."""
-    return lambda module: row_linear(x, module.weight, module.bias, config, silu_mul=silu)
+def _row_product(kernel, x: Tensor, config, silu: bool) -> Callable[[torch.nn.Module], Tensor]:
+    """``kernel`` (one of ``triton_gemv``'s) with tile ``config`` on rows ``x``, per module."""
+    return lambda module: kernel(x, module.weight, module.bias, config, silu_mul=silu)
 
 
 def _products_us(product: Callable[[torch.nn.Module], Tensor], modules: list[torch.nn.Module]) -> float:

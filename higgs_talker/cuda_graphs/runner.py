@@ -9,13 +9,13 @@
   them.
 
 Prefill token buckets (``prefill_buckets``, default ``PREFILL_BUCKETS``) work the same way where the attention
-backend has fixed buffers for them (FlashInfer): in every mode a prefill is padded to the smallest bucket that
-holds it, and ``full_decode`` and ``auto`` replay the bucket's prefill graph (``prefill.py``); a bucket whose
-capture failed, and the other modes, run the padded batch eagerly. A prefill that fits no bucket runs unpadded
-on the model runner. Warm-up first measures, on CUDA, whether each linear's one-row inputs take our Triton GEMV
-(``kernels.choose_row_linears``), then the attention backend's decode kernels per bucket, inside the model's whole
-decode step (``kernels.choose_decode_kernels``). Decode batches above the largest bucket run on the model runner
-unpadded.
+backend has fixed buffers for them (FlashInfer): in every mode a prefill is padded to the smallest bucket that holds
+it, and ``full_decode`` and ``auto`` replay the bucket's prefill graph (``prefill.py``); a bucket whose capture
+failed, and the other modes, run the padded batch eagerly. A prefill that fits no bucket runs unpadded on the model
+runner. Warm-up first measures, on CUDA, whether each linear's inputs of one row, and of 2 to 16 rows, take our
+Triton kernels (``kernels.choose_row_linears``), then the attention backend's decode kernels per bucket, inside the
+model's whole decode step (``kernels.choose_decode_kernels``). Decode batches above the largest bucket run on the
+model runner unpadded.
 
 With a ``choice_cache`` (``choice_cache.py``) warm-up first looks up what an earlier start with the same key
 (``choice_key``) chose, and times nothing it finds there. Each cached choice is still checked as a measured one is:
@@ -49,6 +49,7 @@ from .kernels import (
     choose_decode_kernels,
     choose_row_linears,
     row_gemv_option,
+    row_tile_candidates,
 )
 from .local_mlp import LocalMLPGraphs
 from .policy import GraphMode, decide
@@ -87,11 +88,12 @@ class GraphRunner:
         self.prefill: PrefillGraphs | None = None
         self.choice: dict[int, str] = {}  # bucket -> "full_decode" | "local_mlp" (auto)
         self.kernel_timings: list[dict] = []
-        self.row_timings: list[dict] = []  # the one-row GEMV measurement (kernels.choose_row_linears)
+        self.row_timings: list[dict] = []  # the one- and few-row kernels' measurement (kernels.choose_row_linears)
         self.timings: list[dict] = []
         self.warmup_s = 0.0
         self.choice_cache = choice_cache
-        self.choices: Choices = {}  # what warm-up chose (row_linears, bucket_kernels, auto_choice), as cached
+        # what warm-up chose (row_linears, few_row_linears, bucket_kernels, auto_choice), as cached
+        self.choices: Choices = {}
         # per kind of choice: "measured", "cached" or "remeasured" (cached, failed its check, measured again)
         self.choice_sources: dict[str, str] = {}
         self.choices_source = "none"  # over all kinds: "none" (nothing to choose), "measured", "cached", "remeasured"
@@ -107,7 +109,7 @@ class GraphRunner:
         key = self.choice_key() if self.choice_cache is not None else None
         cached = self.choice_cache.load(key) if key is not None else None
         # before anything is timed or captured: every step uses the choice
-        with self._phase("one-row GEMV tiles"):
+        with self._phase("one- and few-row linear tiles"):
             self._choose_row_linears(cached)
         with self._phase("decode kernels"), runner.slots.preserved([runner.slots.scratch]):
             self._choose_decode_kernels(cached, self._kernel_step if runner.device.type == "cuda" else None)
@@ -166,30 +168,35 @@ class GraphRunner:
                        "max_model_len": runner.max_model_len},
             "buckets": list(self.buckets),
             "options": {"graph_mode": self.mode.value, "kernels": kernels.name,
-                        "row_gemv": getattr(kernels, "row_gemv", "off"), "fuse_qk_rope": bool(kernels.fuse_qk_rope),
+                        "row_gemv": getattr(kernels, "row_gemv", "off"), "row_tiles": row_tile_candidates(runner.model),
+                        "fuse_qk_rope": bool(kernels.fuse_qk_rope),
                         "attention": type(attn).__name__, "decode_kernel": getattr(attn, "decode_kernel", None),
                         "decode_kernels": list(attn.decode_kernels), "attend_qkv": getattr(attn, "takes_qkv", False),
                         "pdl": pdl.ENABLED},
         }  # fmt: skip
 
     def _choose_row_linears(self, cached: Choices | None) -> None:
-        """The one-row GEMV tile of each linear: the cached tiles that pass their check, the rest measured."""
+        """Each linear's tile of the one-row kernel and of the few-row kernel: the cached tiles that pass their
+        check, the rest measured."""
         model = self.runner.model
         if row_gemv_option(model) == "off":
             return
-        tiles = None if cached is None else cached.get("row_linears")
-        if tiles is None:
-            self.row_timings = choose_row_linears(model)
-            self.choice_sources["row_linears"] = "measured"
-        else:
-            rows, failed = check_row_linears(model, tiles)
-            if failed:
-                logger.warning("choice cache: the cached one-row GEMV tiles of %s failed their check; measuring "
-                               "them again", ", ".join(failed))  # fmt: skip
-                rows = [r for r in rows if r["linear"] not in failed] + choose_row_linears(model, failed)
-            self.row_timings = rows
-            self.choice_sources["row_linears"] = "remeasured" if failed else "cached"
-        self.choices["row_linears"] = {name: tuple(c) for name, c in model.kernels.row_configs.items()}
+        self.row_timings = []
+        for stage, few in (("row_linears", False), ("few_row_linears", True)):
+            tiles = None if cached is None else cached.get(stage)
+            if tiles is None:
+                self.row_timings += choose_row_linears(model, few=few)
+                self.choice_sources[stage] = "measured"
+            else:
+                rows, failed = check_row_linears(model, tiles, few=few)
+                if failed:
+                    logger.warning("choice cache: the cached %s tiles of %s failed their check; measuring them "
+                                   "again", stage, ", ".join(failed))  # fmt: skip
+                    rows = [r for r in rows if r["linear"] not in failed] + choose_row_linears(model, failed, few=few)
+                self.row_timings += rows
+                self.choice_sources[stage] = "remeasured" if failed else "cached"
+            table = model.kernels.few_row_configs if few else model.kernels.row_configs
+            self.choices[stage] = {name: tuple(c) for name, c in table.items()}
 
     def _choose_decode_kernels(self, cached: Choices | None, step) -> None:
         """The decode kernel of each bucket: the cached kernels that pass their check, the rest measured (inside
