@@ -51,9 +51,11 @@ CONFIGS = (RowConfig(2, 1024, 4, 2), RowConfig(2, 512, 2, 2), RowConfig(1, 512, 
 
 # the most rows ``few_rows_linear`` takes: one tensor-core tile of rows (a decode bucket of 16 at most)
 FEW_ROWS = 16
-# its tiles (output columns a program, K chunk, warps, stages): the H100 probe's best at 16 rows for o_proj and
-# down, qkv, gate_up (``benchmarks/probes/rows_gemm_tc.py``, ``results/h100_20261206f``)
-FEW_ROW_CONFIGS = (RowConfig(32, 512, 4, 4), RowConfig(64, 256, 4, 3), RowConfig(32, 128, 4, 3))
+# its tiles (output columns a program, K chunk, warps, stages): the H100 probe's best at 16 rows for qkv, o_proj
+# and down, gate_up (``benchmarks/probes/rows_gemm_tc.py``, ``results/h100_20261206f``). The first fits every
+# linear (``row_gemv="on"`` takes the first correct one); gate_up's SiLU-and-mul holds two weight tiles, and with
+# the second (4 stages of 512-wide chunks) that exceeds an H100's shared memory: warm-up then skips it there.
+FEW_ROW_CONFIGS = (RowConfig(64, 256, 4, 3), RowConfig(32, 512, 4, 4), RowConfig(32, 128, 4, 3))
 
 
 @triton.jit

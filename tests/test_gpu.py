@@ -81,8 +81,11 @@ def test_row_linear_matches_float64_on_the_4b_shapes(linear, tile):
 @pytest.mark.parametrize("linear", list(LINEARS_4B))
 def test_few_rows_linear_matches_float64_on_the_4b_shapes(linear, tile, m):
     """The few-row tensor-core kernel (every tile warm-up tries) against a float64 product on the 4B shapes, a full
-    16-row tile and a padded one, row by row, with the one-row GEMV's bounds."""
+    16-row tile and a padded one, row by row, with the one-row GEMV's bounds. A tile may need more shared memory
+    than the GPU has only for gate_up (SiLU-and-mul holds its two weight tiles): warm-up then skips it."""
     triton_gemv = pytest.importorskip("higgs_talker.triton_gemv")
+    from triton.runtime.errors import OutOfResources
+
     n, k = LINEARS_4B[linear]
     silu = linear == "gate_up"
     g = torch.Generator(device="cuda").manual_seed(tile * 100 + m)
@@ -92,7 +95,11 @@ def test_few_rows_linear_matches_float64_on_the_4b_shapes(linear, tile, m):
     if silu:
         gate, up = want.to(BF16).double().chunk(2, dim=-1)
         want = torch.nn.functional.silu(gate) * up
-    got = triton_gemv.few_rows_linear(x, w, config=triton_gemv.FEW_ROW_CONFIGS[tile], silu_mul=silu)
+    try:
+        got = triton_gemv.few_rows_linear(x, w, config=triton_gemv.FEW_ROW_CONFIGS[tile], silu_mul=silu)
+    except OutOfResources as exc:
+        assert silu and "shared memory" in str(exc), exc
+        pytest.skip(f"gate_up's tile {triton_gemv.FEW_ROW_CONFIGS[tile]} does not fit this GPU: {exc}")
     assert got.shape == (m, n // 2 if silu else n) and got.dtype == BF16
     tol = kernel_rel_tol(BF16, 4 if silu else 1, [k], SILU_OPS if silu else 0)
     for i in range(m):
@@ -691,7 +698,11 @@ def test_warm_up_gives_one_and_few_row_inputs_our_kernels_where_they_measured_fa
             (CONFIGS, kernels.row_configs) if r["rows"] == 1 else (FEW_ROW_CONFIGS, kernels.few_row_configs)
         )
         tiles = {key[2:]: us for key, us in r.items() if key.startswith("us(")}
-        assert len(tiles) == len(configs) and all(0 < us < 1e4 for us in [*tiles.values(), r["torch_us"]])
+        failed = {key[6:]: why for key, why in r.items() if key.startswith("failed(")}
+        assert sorted([*tiles, *failed]) == sorted(str(tuple(c)) for c in configs), r  # each tile timed or failed
+        assert tiles and all(0 < us < 1e4 for us in [*tiles.values(), r["torch_us"]])
+        # only gate_up's few-row tiles may not fit (two weight tiles), and only for shared memory
+        assert not failed or (r["linear"] == "gate_up" and r["rows"] > 1 and "shared memory" in str(failed)), failed
         best = min(tiles, key=tiles.get)
         assert r["chosen"] == (best if tiles[best] < r["torch_us"] else "torch")
         assert r["chosen"] == (str(tuple(chosen[r["linear"]])) if r["linear"] in chosen else "torch")
