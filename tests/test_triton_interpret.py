@@ -315,6 +315,24 @@ def test_attention_from_qkv_rows_gives_the_reference_greedy_codes(talker, tiny_d
 
 # ----------------------------------------------------------------------------------------------- one-row GEMV
 
+
+def _linear_case(dtype: torch.dtype, m: int, n: int, k: int, bias: bool, silu: bool, seed: int):
+    """Rows x [m, k], weight w (gate | up with ``silu``), bias b or None, the float64 result and its tolerance (a
+    row's relative error)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(2 * n if silu else n, k, generator=g) * k**-0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    want = x.double() @ w.double().T + (b.double() if bias else 0)
+    roundings = 1
+    if silu:  # each half rounded as the GEMM stores it, then SiLU-and-mul rounded once more
+        gate, up = want.to(dtype).double().chunk(2, dim=-1)
+        want, roundings = torch.nn.functional.silu(gate) * up, 3
+    # each rounding within 2 u here (the interpreter truncates to bf16), the fp32 sum of k products within k u32
+    u = torch.finfo(dtype).eps / 2
+    return x, w, b, want, 2 * roundings * u + k * 2.0**-24
+
+
 SMALL_TILES = [RowConfig(2, 32, 4, 2), RowConfig(1, 64, 2, 2)]  # several programs and K chunks, ragged ends
 
 
@@ -323,20 +341,9 @@ SMALL_TILES = [RowConfig(2, 32, 4, 2), RowConfig(1, 64, 2, 2)]  # several progra
                                                       (1, 130, False, False), (37, 50, False, True)])  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_row_linear_matches_float64_interpreted(dtype, n, k, bias, silu, tile):
-    g = torch.Generator().manual_seed(n * k)
-    x = torch.randn(1, k, generator=g).to(dtype)
-    w = (torch.randn(2 * n if silu else n, k, generator=g) * k**-0.5).to(dtype)
-    b = torch.randn(n, generator=g).to(dtype) if bias else None
-    want = x.double() @ w.double().T + (b.double() if bias else 0)
-    roundings = 1
-    if silu:  # each half rounded as the GEMM stores it, then SiLU-and-mul rounded once more
-        gate, up = want.to(dtype).double().chunk(2, dim=-1)
-        want, roundings = torch.nn.functional.silu(gate) * up, 3
+    x, w, b, want, tolerance = _linear_case(dtype, 1, n, k, bias, silu, seed=n * k)
     got = triton_gemv.row_linear(x, w, b, tile, silu_mul=silu)
     assert got.shape == (1, n) and got.dtype == dtype
-    # each rounding within 2 u here (the interpreter truncates to bf16), the fp32 sum of k products within k u32
-    u = torch.finfo(dtype).eps / 2
-    tolerance = 2 * roundings * u + k * 2.0**-24
     assert ((got.double() - want).norm() / want.norm()).item() <= tolerance
 
 
@@ -364,20 +371,9 @@ FEW_SMALL_TILES = [RowConfig(16, 32, 4, 2), RowConfig(32, 64, 4, 2)]  # several 
 # the interpreter multiplies a bf16 tl.dot's raw bits (numpy has no bf16): fp16 stands in for the rounded dtypes
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_few_rows_linear_matches_float64_interpreted(dtype, m, n, k, bias, silu, tile):
-    g = torch.Generator().manual_seed(m * n * k)
-    x = torch.randn(m, k, generator=g).to(dtype)
-    w = (torch.randn(2 * n if silu else n, k, generator=g) * k**-0.5).to(dtype)
-    b = torch.randn(n, generator=g).to(dtype) if bias else None
-    want = x.double() @ w.double().T + (b.double() if bias else 0)
-    roundings = 1
-    if silu:  # each half rounded as the GEMM stores it, then SiLU-and-mul rounded once more
-        gate, up = want.to(dtype).double().chunk(2, dim=-1)
-        want, roundings = torch.nn.functional.silu(gate) * up, 3
+    x, w, b, want, tolerance = _linear_case(dtype, m, n, k, bias, silu, seed=m * n * k)
     got = triton_gemv.few_rows_linear(x, w, b, tile, silu_mul=silu)
     assert got.shape == (m, n) and got.dtype == dtype
-    # as for the one-row GEMV, per row: each rounding within 2 u, the fp32 sum of k products within k u32
-    u = torch.finfo(dtype).eps / 2
-    tolerance = 2 * roundings * u + k * 2.0**-24
     for i in range(m):  # row by row: a wrong or missing row fails on its own
         assert ((got[i].double() - want[i]).norm() / want[i].norm()).item() <= tolerance, f"row {i}"
 
