@@ -59,6 +59,14 @@ FEW_ROW_CONFIGS = (RowConfig(64, 256, 4, 3), RowConfig(32, 512, 4, 4), RowConfig
 
 
 @triton.jit
+def _rounded_silu_mul(gate, up, DTYPE: tl.constexpr):
+    # both halves rounded as the GEMM stores them (to DTYPE), then SiLU-and-mul in fp32
+    gate = gate.to(DTYPE).to(tl.float32)
+    up = up.to(DTYPE).to(tl.float32)
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _row_linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, N, K,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
@@ -84,10 +92,8 @@ def _row_linear_kernel(
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0).to(tl.float32)
-    if SILU_MUL:  # both halves rounded as the GEMM stores them, then SiLU-and-mul in fp32
-        gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)
-        up = tl.sum(acc_up, axis=1).to(y_ptr.dtype.element_ty).to(tl.float32)
-        y = gate / (1.0 + tl.exp(-gate)) * up
+    if SILU_MUL:
+        y = _rounded_silu_mul(y, tl.sum(acc_up, axis=1), y_ptr.dtype.element_ty)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
@@ -114,19 +120,19 @@ def row_linear(
 def _few_rows_linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    # program p: output columns [p * BLOCK_N, (p + 1) * BLOCK_N) of all M rows (padded to one 16-row tile); with
-    # SILU_MUL also the up columns N + those
+    # program p: output columns [p * BLOCK_N, (p + 1) * BLOCK_N) of all M rows (padded to one tile of ROWS, 16);
+    # with SILU_MUL also the up columns N + those
     if PDL:  # launched early (``pdl``): wait for the kernel before this one to complete
         tl.extra.cuda.gdc_wait()
-    rows = tl.arange(0, 16)
+    rows = tl.arange(0, ROWS)
     row_ok = rows < M
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     w_cols = w_ptr + cols[None, :].to(tl.int64) * K
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
@@ -142,10 +148,8 @@ def _few_rows_linear_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0).to(tl.float32)[None, :]
-    if SILU_MUL:  # both halves rounded as the GEMM stores them, then SiLU-and-mul in fp32
-        gate = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
-        up = acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)
-        acc = gate / (1.0 + tl.exp(-gate)) * up
+    if SILU_MUL:
+        acc = _rounded_silu_mul(acc, acc_up, y_ptr.dtype.element_ty)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
 
@@ -168,7 +172,8 @@ def few_rows_linear(
     _few_rows_linear_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else y, y, x.shape[0], n, x.shape[1],
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_N=block_n, BLOCK_K=block_k, PDL=early,
-        IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages, **({"launch_pdl": True} if early else {}),
+        IEEE=x.dtype == torch.float32, ROWS=FEW_ROWS, num_warps=warps, num_stages=stages,
+        **({"launch_pdl": True} if early else {}),
     )  # fmt: skip
     return y
 

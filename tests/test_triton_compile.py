@@ -109,7 +109,7 @@ def test_few_rows_linear_compiles_for_hopper_with_pdl(silu):
                  "K": "i32"}  # fmt: skip
     for block_n, block_k, warps, stages in triton_gemv.FEW_ROW_CONFIGS:
         constants = {"HAS_BIAS": False, "SILU_MUL": silu, "BLOCK_N": block_n, "BLOCK_K": block_k, "PDL": True,
-                     "IEEE": False}  # fmt: skip
+                     "IEEE": False, "ROWS": triton_gemv.FEW_ROWS}  # fmt: skip
         signature |= dict.fromkeys(constants, "constexpr")
         source = ASTSource(fn=triton_gemv._few_rows_linear_kernel, signature=signature, constexprs=constants)
         kernel = triton.compile(source, target=HOPPER, options={"num_warps": warps, "num_stages": stages})
