@@ -236,13 +236,18 @@ def row_gemv_option(model: torch.nn.Module) -> str:
 
 
 def _row_kernel(few: bool) -> tuple:
-    """(tiles, kernel, the kernels' table attribute, rows of the input it is measured on) of the one-row GEMV
-    (``few`` False) or of the few-row kernel (True)."""
+    """(tiles, kernel, rows of the input it is measured on) of the one-row GEMV (``few`` False) or of the few-row
+    kernel (True)."""
     from .. import triton_gemv as gemv
 
     if few:
-        return gemv.FEW_ROW_CONFIGS, gemv.few_rows_linear, "few_row_configs", gemv.FEW_ROWS
-    return gemv.CONFIGS, gemv.row_linear, "row_configs", 1
+        return gemv.FEW_ROW_CONFIGS, gemv.few_rows_linear, gemv.FEW_ROWS
+    return gemv.CONFIGS, gemv.row_linear, 1
+
+
+def row_table(kernels, few: bool) -> dict:
+    """The kernels' table (linear name -> tile) of the one-row GEMV, or with ``few`` of the few-row kernel."""
+    return kernels.few_row_configs if few else kernels.row_configs
 
 
 def row_tile_candidates(model: torch.nn.Module) -> dict | None:
@@ -270,9 +275,9 @@ def choose_row_linears(model: torch.nn.Module, names: list[str] | None = None, f
     option = row_gemv_option(model)
     if option == "off":
         return []
-    configs, kernel, table_name, n_rows = _row_kernel(few)
+    configs, kernel, n_rows = _row_kernel(few)
     label = f"{n_rows}-row linear" if few else "one-row GEMV"
-    table = getattr(kernels, table_name)
+    table = row_table(kernels, few)
     layers = list(model.model.layers)
     names = list(ROW_LINEARS) if names is None else names
     for name in names:
@@ -333,8 +338,8 @@ def check_row_linears(
     Returns (the table, the linears whose tile failed: unknown, raised, or off)."""
     from ..triton_gemv import RowConfig
 
-    configs, kernel, table_name, n_rows = _row_kernel(few)
-    table = getattr(model.kernels, table_name)
+    configs, kernel, n_rows = _row_kernel(few)
+    table = row_table(model.kernels, few)
     table.clear()
     layer0 = model.model.layers[0]
     gen = torch.Generator(device=ROW_LINEARS["qkv"](layer0).weight.device).manual_seed(0)

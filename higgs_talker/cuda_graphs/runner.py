@@ -49,6 +49,7 @@ from .kernels import (
     choose_decode_kernels,
     choose_row_linears,
     row_gemv_option,
+    row_table,
     row_tile_candidates,
 )
 from .local_mlp import LocalMLPGraphs
@@ -195,8 +196,7 @@ class GraphRunner:
                     rows = [r for r in rows if r["linear"] not in failed] + choose_row_linears(model, failed, few=few)
                 self.row_timings += rows
                 self.choice_sources[stage] = "remeasured" if failed else "cached"
-            table = model.kernels.few_row_configs if few else model.kernels.row_configs
-            self.choices[stage] = {name: tuple(c) for name, c in table.items()}
+            self.choices[stage] = {name: tuple(c) for name, c in row_table(model.kernels, few).items()}
 
     def _choose_decode_kernels(self, cached: Choices | None, step) -> None:
         """The decode kernel of each bucket: the cached kernels that pass their check, the rest measured (inside
