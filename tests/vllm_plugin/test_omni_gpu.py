@@ -432,10 +432,11 @@ def test_4b_offline_requests_match_the_float32_reference_and_the_direct_engine(t
 # vllm-omni serve
 
 
-# served in the packaged low-latency profile, and with async scheduling and our hand-over (a client that leaves
-# mid-stream aborts its request: the hand-over's one case where the live status still counts), at 16 streams and in
-# the packaged full-decode profile (bench_omni's full_decode_64_async_frame_graphs: test_deploy holds them equal)
-SERVED = ("low_latency", "low_latency_async_frame_graphs", "full_decode_64_async_frame_graphs")
+# served in each packaged profile: low-latency, high-throughput (eager, our local MLP graphs) and full-decode
+# (bench_omni's full_decode_64_async_frame_graphs: test_deploy holds them equal); and low-latency with async
+# scheduling and our hand-over at 16 streams (a client that leaves mid-stream aborts its request: the hand-over's one
+# case where the live status still counts)
+SERVED = ("low_latency", "high_throughput", "low_latency_async_frame_graphs", "full_decode_64_async_frame_graphs")
 
 
 @pytest.fixture(scope="module", params=SERVED)
