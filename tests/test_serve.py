@@ -167,6 +167,10 @@ def test_importing_the_package_imports_no_server_library() -> None:
 def test_listings(served) -> None:
     serving, url = served
     assert httpx.get(url + "/health").json()["status"] == "ok"
+    assert httpx.head(url + "/health").status_code == 200  # load balancers' probes
+    wrong = httpx.get(url + "/v1/audio/speech")  # a 405 names the methods the path takes, in the one error shape
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST", wrong.headers
+    assert wrong.json()["error"]["message"] == "Method Not Allowed"
     models = httpx.get(url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["tiny"] and models["data"][0]["max_model_len"] == 1024
     voices = httpx.get(url + "/v1/audio/voices").json()
@@ -221,6 +225,17 @@ def decoded(body: bytes) -> torch.Tensor:
     return torch.cat([torch.from_numpy(f.to_ndarray().reshape(-1).copy()) for f in frames]).float()
 
 
+def header_samples(body: bytes) -> int | None:
+    """The length a compressed file's headers give, in samples at 24 kHz (None: they give none)."""
+    import io
+
+    import av
+
+    with av.open(io.BytesIO(body)) as container:
+        stream = container.streams.audio[0]
+        return None if stream.duration is None else round(stream.duration * stream.time_base * 24000)
+
+
 def best_correlation(got: torch.Tensor, want: torch.Tensor, max_lag: int = 2048, band_hz: float = 2000.0) -> float:
     """The normalized correlation of ``want`` with ``got`` from 100 Hz to ``band_hz`` (what every codec here keeps;
     MP3 and Opus drop the top of the tiny model's broadband audio) at the best delay in [0, max_lag] samples (an
@@ -243,7 +258,8 @@ def test_compressed_formats_carry_the_audio_whole_and_streamed(served, solo, fmt
     """OpenAI's compressed formats: the whole file (stream false) and the streamed bytes each decode (FFmpeg) to the
     API's audio: FLAC to the very samples; the lossy codecs to at least its length plus their priming and padding,
     correlated >= 0.9 with it from 100 Hz to 2 kHz at their delay (0.95-0.99 seen; another request's audio
-    correlates 0.15-0.16 so, at its best delay)."""
+    correlates 0.15-0.16 so, at its best delay). A whole FLAC's header gives its length and a whole MP3 decodes
+    to exactly the API's length (the encoder's delay and padding recorded)."""
     _, url = served
     text, params = "Compressed as it comes.", SamplingParams(seed=5, temperature=0.0, max_frames=60)
     want = torch.frombuffer(bytearray(expected_pcm(solo, text, params)), dtype=torch.int16).float()
@@ -260,8 +276,45 @@ def test_compressed_formats_carry_the_audio_whole_and_streamed(served, solo, fmt
         if fmt == "flac":  # lossless: the samples themselves
             assert torch.equal(got, want), what
             continue
+        if what == "whole" and fmt == "mp3":  # the LAME header gives the encoder's delay and padding: cut exactly
+            assert got.numel() == want.numel() == header_samples(data), (got.numel(), want.numel())
         assert want.numel() <= got.numel() <= want.numel() + 4096, (what, got.numel(), want.numel())
         assert best_correlation(got, want) >= 0.9, what
+    if fmt == "flac":  # a whole file's STREAMINFO holds its length (a stream's cannot: it is sent before the audio)
+        assert header_samples(whole.content) == want.numel()
+
+
+def test_a_streams_encoder_does_not_hold_up_the_other_clients(served, monkeypatch) -> None:
+    """An MP3 stream's encoder, held inside its ``encode``, leaves the server answering everyone else (with it on
+    the event loop, /health would wait for it); the stream then completes."""
+    from higgs_talker.serve import encoding
+
+    _, url = served
+    entered, release, real = threading.Event(), threading.Event(), encoding.AudioEncoder.encode
+
+    def held(self, pcm):
+        entered.set()
+        release.wait(60)
+        return real(self, pcm)
+
+    monkeypatch.setattr(encoding.AudioEncoder, "encode", held)
+    streamed: dict = {}
+
+    def stream():
+        body = {"input": "Held in the encoder.", "seed": 3, "max_new_tokens": 20, "response_format": "mp3"}
+        response = speech(url, **body)
+        streamed.update(status=response.status_code, size=len(response.content))
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    try:
+        assert entered.wait(60), "the stream never reached its encoder"
+        health = httpx.get(url + "/health", timeout=10)
+    finally:
+        release.set()
+        thread.join(60)
+    assert health.status_code == 200 and health.json()["active_requests"] == 1
+    assert streamed["status"] == 200 and streamed["size"] > 0
 
 
 def test_a_request_without_sampling_gets_the_deploy_profiles(served, solo) -> None:

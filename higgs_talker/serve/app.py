@@ -1,13 +1,13 @@
 """The HTTP side: one thin FastAPI route per endpoint calling ``SpeechServing``, one JSON error shape for every
 refusal, a body-size limit, and uvicorn with a shutdown that cancels the running requests first.
 
-    POST   /v1/audio/speech        text -> audio (wav | pcm; whole, streamed, or as server-sent events)
+    POST   /v1/audio/speech        text -> audio (wav, pcm, mp3, opus, aac, flac; whole, streamed, or as events)
     GET    /v1/audio/voices        the voices ``voice`` may name
     POST   /v1/audio/voices        multipart: audio (a WAV file, 1-30 s), name, ref_text -> a voice
     DELETE /v1/audio/voices/{name}
     GET    /v1/models              the served model
     GET    /v1/models/{model}      its card (404 for another name)
-    GET    /health                 200 while the server takes requests
+    GET    /health                 200 while the server takes requests (HEAD too)
 """
 
 from __future__ import annotations
@@ -71,9 +71,9 @@ def build_app(serving: SpeechServing) -> FastAPI:
             return _error(APIError(400, f"the body is not valid JSON: it is not UTF-8 text ({cause})", "body"))
         if exc.status_code == 400 and isinstance(cause, RecursionError):
             return _error(APIError(400, "the body is not valid JSON here: it nests too deeply", "body"))
-        return _error(APIError(exc.status_code, str(exc.detail)))
+        return _error(APIError(exc.status_code, str(exc.detail)), exc.headers)  # a 405's Allow among them
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers' probes often send HEAD
     async def health(request: Request) -> Response:
         if serving.closing:
             raise APIError(503, "the server is shutting down")
@@ -120,8 +120,8 @@ def build_app(serving: SpeechServing) -> FastAPI:
     return app
 
 
-def _error(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body().model_dump(), status_code=exc.status)
+def _error(exc: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(exc.body().model_dump(), status_code=exc.status, headers=headers)
 
 
 async def _disconnect(request: Request) -> None:

@@ -5,6 +5,7 @@ through PyAV (the ``serve`` extra) as the audio comes."""
 from __future__ import annotations
 
 import base64
+import io
 import struct
 
 from pydantic import BaseModel
@@ -44,14 +45,16 @@ def b64(data: bytes) -> str:
 class AudioEncoder:
     """16-bit mono PCM in, one of ``ENCODED``'s formats out: ``encode(pcm)`` returns the bytes that chunk completed
     (often none: an encoder holds back a frame's worth), ``finish()`` the rest, once. The container is written to a
-    sink without seeking, so the bytes can be sent as they come (a FLAC stream's header then gives no length)."""
+    sink without seeking, so the bytes can be sent as they come (a FLAC stream's header then gives no length, an
+    MP3 no record of the encoder's delay). Given a seekable ``file``, it is written there instead (``encode`` and
+    ``finish`` return nothing): the muxer then goes back to fill in those headers."""
 
-    def __init__(self, fmt: str, sample_rate: int) -> None:
+    def __init__(self, fmt: str, sample_rate: int, file: io.BytesIO | None = None) -> None:
         import av  # the serve extra; only a request for a compressed format needs it
 
         muxer, codec, _ = ENCODED[fmt]
         self._av, self._rate, self._pts, self._out = av, sample_rate, 0, bytearray()
-        self._container = av.open(_Sink(self._out), "w", format=muxer)
+        self._container = av.open(_Sink(self._out) if file is None else file, "w", format=muxer)
         self._stream = self._container.add_stream(codec, rate=sample_rate, layout="mono")
         # each encoder takes its own sample format (s16p, fltp, ...): converted from s16, same rate and layout
         self._resampler = av.AudioResampler(format=self._stream.codec_context.format.name, layout="mono",
@@ -84,9 +87,13 @@ class AudioEncoder:
 
 
 def encode_whole(fmt: str, sample_rate: int, pcm: bytes) -> bytes:
-    """A whole recording of 16-bit mono PCM as one file of ``fmt`` (one of ``ENCODED``)."""
-    encoder = AudioEncoder(fmt, sample_rate)
-    return encoder.encode(pcm) + encoder.finish()
+    """A whole recording of 16-bit mono PCM as one file of ``fmt`` (one of ``ENCODED``), its headers complete (a
+    FLAC's length, an MP3's encoder delay and padding, so that it decodes to exactly the samples given)."""
+    file = io.BytesIO()
+    encoder = AudioEncoder(fmt, sample_rate, file)
+    encoder.encode(pcm)
+    encoder.finish()
+    return file.getvalue()
 
 
 class _Sink:

@@ -324,18 +324,20 @@ class SpeechServing:
 
     async def _stream(self, job: SpeechJob, first: tuple, items: AsyncIterator[tuple]) -> AsyncIterator[bytes]:
         pending = wav_header(self.sample_rate) if job.format == "wav" else b""  # owed before the next audio
-        encoder = AudioEncoder(job.format, self.sample_rate) if job.format in ENCODED else None
+        # FFmpeg's encoders run in a thread (an MP3 second takes ~12 ms of CPU): the loop serves the other clients
+        encoder = await asyncio.to_thread(AudioEncoder, job.format, self.sample_rate) if job.format in ENCODED else None
         item: tuple | None = first
         try:
             while item is not None:
                 kind, value = item
                 if kind == "audio":
-                    data, pending = pending + (value if encoder is None else encoder.encode(value)), b""
+                    data = value if encoder is None else await asyncio.to_thread(encoder.encode, value)
+                    data, pending = pending + data, b""
                     if data:  # an encoder may hold a chunk back whole
                         yield sse_event(SpeechAudioDelta(audio=b64(data))) if job.mode == "sse" else data
                 elif kind == "done":
                     if encoder is not None:  # the encoder's last frames and the container's end
-                        pending = encoder.finish()
+                        pending = await asyncio.to_thread(encoder.finish)
                     if job.mode == "sse":
                         if pending:
                             yield sse_event(SpeechAudioDelta(audio=b64(pending)))
