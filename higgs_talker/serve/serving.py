@@ -278,17 +278,21 @@ class SpeechServing:
             if key not in _EXTRA_SAMPLING:
                 raise APIError(400, f"extra_params.{key} is not understood here; it takes {', '.join(_EXTRA_SAMPLING)}",
                                f"extra_params.{key}")  # fmt: skip
+        given_in = {}  # the request field each given value came from
         for name in ("temperature", "top_k", "top_p", "seed"):
             value, other = getattr(req, name), extra.get(name)
             if value is not None and other is not None and value != other:
                 raise APIError(400, f"{name} {value!r} and extra_params.{name} {other!r} differ; give it once", name)
             if value is not None or other is not None:
                 given[name] = value if value is not None else other
+                given_in[name] = name if value is not None else f"extra_params.{name}"
         try:
             return SamplingParams(**given, max_frames=req.max_new_tokens or cfg.max_new_tokens)
         except ValueError as exc:
-            field = _SAMPLING_FIELDS.get(str(exc).split(" ", 1)[0])
-            raise APIError(400, str(exc), field) from None
+            name = str(exc).split(" ", 1)[0]
+            field = given_in.get(name) or _SAMPLING_FIELDS.get(name)
+            message = str(exc) if field is None or field == name else f"{field}: {exc}"
+            raise APIError(400, message, field) from None
 
     # ------------------------------------------------------------------ running
 
