@@ -731,7 +731,7 @@ def _resolve_runtime(
         raise ValueError(f"unsupported dtype {dtype}")
     mode = GraphMode.parse(graph_mode or (GraphMode.AUTO if dev.type == "cuda" else GraphMode.EAGER))
     if dev.type != "cuda" and mode is not GraphMode.EAGER:
-        raise ValueError(f"graph_mode {mode.value!r} needs a CUDA device; on {dev} use graph_mode='eager'")
+        raise ValueError(f"graph_mode {mode.value!r} needs a CUDA device; on {dev} use 'eager'")
     return dev, dt, mode
 
 

@@ -138,10 +138,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "--cache-dir",
         type=Path,
         metavar="DIR",
-        help="keep the kernels in DIR/.cache/{flashinfer,tvm-ffi,triton} and the measured kernel and graph choices "
-        "in DIR/.cache/higgs_talker/choices for this process (sets FLASHINFER_WORKSPACE_BASE=DIR, TVM_FFI_CACHE_DIR, "
-        "TRITON_CACHE_DIR and HIGGS_TALKER_CHOICE_CACHE; default: theirs, ~/.cache/..., ~/.triton/cache, "
-        "~/.cache/higgs_talker/choices)",
+        help="keep the kernels in DIR/.cache/{flashinfer,tvm-ffi,triton}, the measured kernel and graph choices "
+        "in DIR/.cache/higgs_talker/choices and the imports' bytecode in DIR/.cache/higgs_talker/bytecode for this "
+        "process (sets FLASHINFER_WORKSPACE_BASE=DIR, TVM_FFI_CACHE_DIR, TRITON_CACHE_DIR, HIGGS_TALKER_CHOICE_CACHE "
+        "and HIGGS_TALKER_BYTECODE; default: theirs, ~/.cache/..., ~/.triton/cache, ~/.cache/higgs_talker/...)",
     )
 
     c = add_command("deploy-config", help="print the path of a vLLM deploy profile")
@@ -354,6 +354,9 @@ def _sampling(args):
         if given:
             raise ValueError(f"{', '.join(given)}: {exc}") from None
         field, _, rest = str(exc).partition(" ")  # SamplingParams names its field first: say the flag instead
+        if field == "seed":  # the API's None is the flag left out
+            bad = f"--seed must be an integer in [0, 2**63) (leave it out to draw one), got {args.seed}"
+            raise ValueError(bad) from None
         raise ValueError(f"{_SAMPLING_FLAGS.get(field, field)} {rest}") from None
     if params.min_frames > params.max_frames:
         raise ValueError(f"{lengths['min'][1]} is more than {lengths['max'][1]}: no audio can be that long")

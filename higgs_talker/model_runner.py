@@ -44,7 +44,7 @@ def default_backend(
         except ImportError:
             logger.warning(
                 "FlashInfer is not installed: CUDA attention runs on torch SDPA, which is slower "
-                "(pip install 'higgs-talker[gpu]')"
+                "(pip install -e '.[gpu]' in the higgs_talker checkout)"
             )
     return SdpaAttention(*args)
 

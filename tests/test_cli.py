@@ -73,7 +73,7 @@ def test_temperature_above_float32(capsys, gen, no_load) -> None:
     [
         (["--temperature", "nan"], ["--temperature must be", "got nan"]),
         (["--top-p", "0"], ["--top-p must lie in (0, 1], got 0.0"]),
-        (["--seed", "-1"], ["--seed must be None or an integer in [0, 2**63), got -1"]),
+        (["--seed", "-1"], ["--seed must be an integer in [0, 2**63) (leave it out to draw one), got -1"]),
         (["--max-frames", "0"], ["--max-frames must be an integer > 0, got 0"]),
         (["--max-frames", "4294967296"], ["--max-frames must be at most 2147483647"]),
         (["--max-frames", "10", "--min-frames", "11"], ["--min-frames 11 is more than --max-frames 10"]),

@@ -204,8 +204,8 @@ class SpeechServing:
         if req.response_format in ENCODED and importlib.util.find_spec("av") is None:
             raise APIError(
                 400,
-                f"response_format {req.response_format!r} needs PyAV on the server (pip install 'higgs-talker[serve]'"
-                "); wav and pcm need nothing more",
+                f"response_format {req.response_format!r} needs PyAV on the server (pip install -e '.[serve]' in "
+                "the higgs_talker checkout); wav and pcm need nothing more",
                 "response_format",
             )
         if req.stream_format == "sse" and req.stream is False:
