@@ -1,7 +1,5 @@
 """``python -m higgs_talker``: the ``higgs-talker`` command."""
 
-import sys
+from .cli import command
 
-from .cli import main
-
-sys.exit(main())
+command()

@@ -434,6 +434,16 @@ def main(argv: list[str] | None = None) -> int:
         restore()
 
 
+def command() -> None:
+    """The ``higgs-talker`` command (and ``python -m higgs_talker``): ``main``, then exit with its status. Once
+    ``main`` has returned, Ctrl-C is ignored: the interpreter's last second of teardown has nothing left to stop,
+    and a Ctrl-C there would turn a finished run into a silent 130."""
+    status = main()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(status)
+
+
 def _run(argv: list[str] | None) -> int:
     try:
         args = _build_parser().parse_args(argv)

@@ -110,6 +110,9 @@ CHILD = textwrap.dedent(
         talker = HiggsTalker.from_pretrained(sys.argv[1])
         talker.generate("Long one.", SamplingParams(seed=3, min_frames=4000), max_frames=4000)
     sys.argv = ["higgs-talker", *sys.argv[3:], "--model", sys.argv[1]]
+    if stage == "exit":  # the command as installed; the run is over when the interpreter's teardown starts
+        atexit.register(hold("exit", 2))
+        cli.command()
     sys.exit(cli.main())
     """
 )
@@ -159,6 +162,14 @@ def test_ctrl_c_exits_130_with_one_line_and_no_file(tiny_dir: Path, tmp_path: Pa
     assert "terminate called" not in err and "Traceback" not in err, err
     assert (rc, err) == (130, "higgs-talker: interrupted\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither x.wav nor its temporary file
+
+
+def test_ctrl_c_after_the_run_is_over_changes_nothing(tiny_dir: Path, tmp_path: Path) -> None:
+    """A Ctrl-C in the interpreter's teardown, once the command has written its file and said so, is ignored:
+    the finished run exits 0 (it was a silent 130)."""
+    rc, err = interrupt_at("exit", tiny_dir, tmp_path, frames=20)
+    assert (rc, err) == (0, ""), (rc, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.wav"]
 
 
 def test_ctrl_c_inside_an_import_is_not_lost(tiny_dir: Path, tmp_path: Path) -> None:
