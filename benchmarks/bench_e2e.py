@@ -239,7 +239,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None)
     p.add_argument("--model", default=None, help="checkpoint directory (default: random weights)")
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--modes", type=strs_arg, default=["auto"])
+    p.add_argument("--modes", type=strs_arg, default=None, help="graph modes (default auto; eager on CPU)")
     p.add_argument("--prefill-graphs", choices=("off", "on", "both"), default="on",
                    help="prefill graphs (the library's default: on; off: rows MODE-eagerprefill)")  # fmt: skip
     p.add_argument("--prefix-caching", choices=("off", "on", "both"), default="off",
@@ -256,6 +256,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output directory (default benchmarks/results)")
     args = p.parse_args(argv)
+    args.modes = args.modes or (["auto"] if torch.device(args.device).type == "cuda" else ["eager"])  # graphs: CUDA's
     if args.tiny:
         args.levels = args.levels or [1, 2]
         args.requests = args.requests or 2
@@ -301,6 +302,9 @@ def main(argv: Sequence[str] | None = None) -> ResultFile:
     title = f"\nend to end (TTFP ms, RTF = wall / audio; sampling {', '.join(args.sampling)}, the first the headline)"
     print_table(writer.rows, cols, title=title)
     print(f"\nwrote {writer.path} ({writer.meta['wall_s']:.0f} s)")
+    errors = [r["error"] for r in writer.rows if r["status"] == "error"]
+    if errors and len(errors) == len(writer.rows):
+        raise SystemExit(f"bench_e2e.py: every row failed, the first with {errors[0]}")
     return writer
 
 

@@ -55,6 +55,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import json
 import operator
 import os
@@ -108,13 +109,15 @@ PROFILES = (
 CONNECTORS = "connectors"  # derived_yaml: keys of every connector's extra
 CODEC_REACH = 10
 REACH_CONTEXT = {CONNECTORS: {"codec_left_context_frames": CODEC_REACH}}
-# our Stage 1 also decodes the windows of the profiles' chunking (vllm-omni's, with that left context) in CUDA graphs
-STAGE1_WINDOWS = window_lengths(dataclasses.replace(UPSTREAM_CHUNKING, left_context_frames=CODEC_REACH))
+# our Stage 1 also decodes the windows of the profiles' chunking (vllm-omni's, with that left context) in CUDA graphs;
+# resolved: its first chunk's holdback is its holdback
+STAGE1_RULE = dataclasses.replace(UPSTREAM_CHUNKING, left_context_frames=CODEC_REACH).resolved((CODEC_REACH,) * 2)
+STAGE1_WINDOWS = window_lengths(STAGE1_RULE)
 OUR_STAGE1 = REACH_CONTEXT | {1: {"model_arch": CODEC_ARCH, "hf_overrides": {CODEC_GRAPH_FRAMES: STAGE1_WINDOWS}}}
 STAGE1_VARIANTS = {"_our_stage1": OUR_STAGE1, "_reach_context": REACH_CONTEXT}  # profile suffix -> what it adds
 # ..._ramp: our hand-over's ramped chunks (deploy.RAMP_KEY: each chunk as long as the frames sent before it), and our
 # Stage 1's graphs for the ramp's windows too
-RAMPED_WINDOWS = window_lengths(dataclasses.replace(UPSTREAM_CHUNKING, left_context_frames=CODEC_REACH, ramp=True))
+RAMPED_WINDOWS = window_lengths(dataclasses.replace(STAGE1_RULE, ramp=True))
 RAMP = {CONNECTORS: {RAMP_KEY: True}, 1: {"hf_overrides": {CODEC_GRAPH_FRAMES: RAMPED_WINDOWS}}}
 # Profiles measured beside the two packaged ones (issue #28): each talker's low-latency YAML (vLLM's FULL decode
 # graphs) with 64 streams and graphs up to 64, prefix caching as it is or off; and with vLLM's async scheduling
@@ -706,6 +709,11 @@ def main(argv: list[str] | None = None):
             p.error(f"--{name.replace('_', '-')}: unknown {bad}; choose from {list(allowed)}")
     if args.worker:
         return worker(args)
+    missing = [m for m in ("vllm", "vllm_omni") if importlib.util.find_spec(m) is None]
+    served = [pa for pa in args.paths if pa != "direct"]  # the direct path runs our engine alone
+    if missing and served and (args.budget_s is None or args.budget_s > 0):  # a spent budget starts no worker
+        p.exit(2, f"bench_omni.py: --paths {','.join(served)} needs {' and '.join(missing)}, not installed here "
+                  "(pip install -e '.[vllm]' on a CUDA machine; or --paths direct)\n")  # fmt: skip
     import torch
     from omni_checkpoint import write_omni_checkpoint
 
@@ -726,7 +734,6 @@ def main(argv: list[str] | None = None):
     }  # fmt: skip
     writer = ResultFile(args.out, "omni", meta, smoke=args.smoke)
     log(f"writing {writer.path}")
-    served = [pa for pa in args.paths if pa != "direct"]
     configs = [
         c for t in args.talkers for pa in served for c in talker_configs(t, pa, args.profiles, args.upstream_profiles)
     ]

@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import re
 import string
 import subprocess
 import sys
@@ -307,22 +308,35 @@ def print_result(rows_out: list[dict], report: dict) -> None:
     print("RESULT:" + json.dumps({"rows": rows_out, "stats": stats}), flush=True)
 
 
-def direct_rows(args: argparse.Namespace) -> list[dict]:
-    """Our direct engine (auto graphs) at the same levels, prompts and lengths: bench_e2e.py in a subprocess."""
-    out = Path(args.out or ".") / "direct_e2e"
+def failure_line(text: str) -> str:
+    """The cause of a failed process in one line: the last exception its output names, else its last line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    found = [ln for ln in lines if re.search(r"\b\w*(Error|Exception|Exit)\b: ", ln)]
+    return (found or lines or ["no output"])[-1][:300]
+
+
+def direct_rows(args: argparse.Namespace, out_dir: Path) -> list[dict]:
+    """Our direct engine (auto graphs; eager under --cpu) at the same levels, prompts and lengths: bench_e2e.py in a
+    subprocess."""
+    mode = "eager" if args.cpu else "auto"
+    out = out_dir / "direct_e2e"
     levels = ",".join(map(str, args.levels))
     script = str(Path(__file__).with_name("bench_e2e.py"))
-    cmd = [sys.executable, script, "--model", args.model, "--modes", "auto", "--levels", levels, "--audio-s", "4,8",
-           "--prompt-tokens", "30,200", "--sampling", ",".join(args.sampling), "--out", str(out)]  # fmt: skip
+    cmd = [sys.executable, script, "--model", args.model, "--modes", mode, "--levels", levels,
+           "--audio-s", ",".join(map(str, args.audio_s)), "--prompt-tokens", "30,200",
+           "--sampling", ",".join(args.sampling), "--out", str(out)]  # fmt: skip
+    if args.cpu:
+        cmd += ["--device", "cpu"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
     files = sorted(out.glob("e2e_*.json"))
     if proc.returncode or not files:
-        log(f"direct engine run failed: {proc.stderr[-2000:]}")
-        return []
+        error = failure_line(proc.stderr)
+        log(f"direct engine run failed: {error}")
+        return [{"profile": f"direct_{mode}", "use_trtllm_attention": None, "status": "error", "error": error}]
     rows = []
     for r in json.loads(files[-1].read_text())["rows"]:
         if r.get("status") == "ok":
-            rows.append({"profile": "direct_auto", "sampling": r["sampling"], "use_trtllm_attention": None,
+            rows.append({"profile": f"direct_{mode}", "sampling": r["sampling"], "use_trtllm_attention": None,
                          "concurrency": r["concurrency"],
                          "ttfp_ms_p50": r["ttfp_ms_p50"], "ttfp_ms_p90": r["ttfp_ms_p90"], "rtf_p50": r["rtf_p50"],
                          "rtf_p90": r["rtf_p90"], "audio_s_per_s": r["audio_s_per_s"]})  # fmt: skip
@@ -397,7 +411,7 @@ def main(argv: list[str] | None = None) -> ResultFile | None:
         "samplings": {s: SAMPLINGS[s] for s in args.sampling}, "headline_sampling": args.sampling[0],
     }  # fmt: skip
     writer = ResultFile(args.out, "vllm_multigpu" if max(args.tp) * max(args.dp) > 1 else "vllm", meta, smoke=args.cpu)
-    stats = {}
+    stats, failed = {}, []
     configs = [(p_, r_, t_, d_) for p_ in args.profiles for r_ in args.trtllm for t_ in args.tp for d_ in args.dp]
     for profile, route, tp, dp in configs:
         name = f"{profile}_trtllm-{route}" + (f"_tp{tp}" if tp > 1 else "") + (f"_dp{dp}" if dp > 1 else "")
@@ -426,14 +440,20 @@ def main(argv: list[str] | None = None) -> ResultFile | None:
                 writer.add(row)
             stats[name] = result["stats"]
         if error or not lines:
+            error = f"{error or 'no result'}: {failure_line(text)}"
+            failed += [] if lines else [f"{name}: {error}"]
             writer.add({"profile": profile, "use_trtllm_attention": route == "true", "tensor_parallel_size": tp,
-                        "data_parallel_size": dp, "status": "error", "error": error or "no result",
+                        "data_parallel_size": dp, "status": "error", "error": error,
                         "log_tail": text[-3000:]})  # fmt: skip
-        log(f"{name}: {time.perf_counter() - t0:.0f} s")
+        log(f"{name}: {time.perf_counter() - t0:.0f} s" + (f", failed: {error} (log {log_path})" if error else ""))
     writer.meta["adapter_stats"] = stats
     writer.save()
+    if len(failed) == len(configs):  # no rows at all, and nothing to set the direct engine beside
+        if not args.no_direct:
+            writer.add({"profile": "direct", "status": "skipped", "error": "every vLLM worker failed"})
+        raise SystemExit(f"bench_vllm.py: every vLLM worker failed, the first {failed[0]}; see {writer.path}")
     if not args.no_direct:
-        for row in direct_rows(args):
+        for row in direct_rows(args, writer.dir):
             writer.add(row)
     cols = ["profile", "sampling", "use_trtllm_attention", "tensor_parallel_size", "data_parallel_size", "concurrency",
             "ttfp_ms_p50", "ttfp_ms_p90", "rtf_p50", "rtf_p90", "audio_s_per_s"]  # fmt: skip

@@ -6,6 +6,7 @@ Each writes its JSON into a temporary directory; the tests check the fields othe
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import json
 import sys
@@ -206,6 +207,21 @@ def test_e2e_smoke(bench, tmp_path: Path) -> None:
         assert req["finish_reason"] == "max_frames" and req["frames"] == req["target_frames"]
 
 
+def test_e2e_on_cpu_defaults_to_eager_and_fails_where_every_row_did(bench, tmp_path: Path) -> None:
+    """Without ``--modes`` a CPU run times ``eager`` (``auto`` needs CUDA); a run whose rows all failed exits
+    non-zero with the first error in one line, not 0 beside a table of errors."""
+    mod = bench("bench_e2e")
+    argv = ["--device", "cpu", "--tiny", "--levels", "1", "--requests", "1", "--audio-s", "0.3,0.3",
+            "--sampling", "greedy", "--out", str(tmp_path)]  # fmt: skip
+    data = load(mod.main(argv))
+    assert [(r["mode"], r["status"]) for r in data["rows"]] == [("eager", "ok")]
+    with pytest.raises(SystemExit) as exc:
+        mod.main([*argv, "--modes", "auto"])
+    message = str(exc.value.code)
+    assert message.startswith("bench_e2e.py: every row failed") and "needs a CUDA device" in message, message
+    assert "\n" not in message
+
+
 def test_e2e_prefill_graphs_both_gives_a_row_set_each(bench, tmp_path: Path) -> None:
     """``--prefill-graphs both``: each mode without and with prefill graphs, labelled apart (CPU builds no graphs,
     so this checks the labels and the plumbing into the API)."""
@@ -396,6 +412,26 @@ def test_omni_budget_records_what_it_did_not_start(bench, tmp_path: Path, tiny_d
     assert set(mod.UPSTREAM_SAME.values()) <= set(mod.PROFILES) - set(mod.UPSTREAM_SAME)  # each is run under its name
 
 
+def test_omni_without_vllm_exits_2_before_any_work(tmp_path: Path) -> None:
+    """Without vllm / vllm_omni (hidden here), ``bench_omni.py --smoke`` stops at once with status 2 and one line
+    naming them and the install, before writing a checkpoint or starting a worker (it used to spend 2 minutes on
+    failing workers, then end in a traceback)."""
+    import subprocess
+    import time
+
+    script = BENCH_DIR / "bench_omni.py"
+    code = (f"import runpy, sys; sys.modules.update(vllm=None, vllm_omni=None); "
+            f"sys.argv = [{str(script)!r}, '--smoke', '--ckpt-dir', {str(tmp_path / 'ckpt')!r}]; "
+            f"runpy.run_path({str(script)!r}, run_name='__main__')")  # fmt: skip
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert time.perf_counter() - t0 < 60
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "needs vllm and vllm_omni" in out.stderr and "pip install -e '.[vllm]'" in out.stderr, out.stderr
+    assert not list(tmp_path.iterdir())  # no checkpoint written
+
+
 def test_omni_runs_vllm_omnis_talker_once_under_the_nearest_profile(bench, tmp_path: Path, tiny_dir) -> None:
     """Asked for a profile with our frame graphs, vllm-omni's talker runs the one without (``UPSTREAM_SAME``),
     listed under that name, and only once where that one is asked for too."""
@@ -514,6 +550,23 @@ def test_a_stopped_omni_worker_takes_the_server_it_started_with_it(bench, tmp_pa
     assert proc.poll() is not None
     assert not bench_omni._group_alive(int(server.read_text()))
     assert _gone(int(server.read_text())) and _gone(int(stage.read_text()))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="the run without vLLM")
+def test_vllm_cpu_without_vllm_names_it_and_exits_nonzero(bench, tmp_path: Path, tiny_dir) -> None:
+    """``bench_vllm.py --cpu`` without vLLM: each failed worker's cause in its row and one log line, a non-zero exit
+    that names vllm, and the direct engine not run (there is nothing to set it beside)."""
+    mod = bench("bench_vllm")
+    argv = ["--cpu", "--profiles", "high_throughput", "--trtllm", "false", "--levels", "1", "--model", str(tiny_dir),
+            "--out", str(tmp_path)]  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        mod.main(argv)
+    message = str(exc.value.code)
+    assert "every vLLM worker failed" in message and "No module named 'vllm'" in message, message
+    (path,) = tmp_path.glob("vllm_*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["profile"], r["status"]) for r in rows] == [("high_throughput", "error"), ("direct", "skipped")]
+    assert rows[0]["error"].endswith("ModuleNotFoundError: No module named 'vllm'"), rows[0]
 
 
 def test_a_smoke_run_without_out_writes_to_a_temporary_folder(bench, monkeypatch, tmp_path: Path) -> None:

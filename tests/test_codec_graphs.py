@@ -123,8 +123,9 @@ def test_window_lengths_are_the_ones_a_stream_decodes():
     assert window_lengths(AudioChunking(ramp=False).resolved((10, 10))) == [11, 36, 45]
     assert window_lengths(UPSTREAM_CHUNKING.resolved((10, 10))) == [5, 30, 54]
     assert window_lengths(FAST_START_CHUNKING.resolved((10, 10))) == [3, 16, 22, 32, 44, 45]
-    with pytest.raises(ValueError, match="left_context_frames, holdback_frames.*resolved"):  # sizes left to the codec
+    with pytest.raises(ValueError, match="left_context_frames, holdback_frames of .*resolved"):  # left to the codec
         window_lengths(AudioChunking())
+    assert window_lengths(UPSTREAM_CHUNKING) == [5, 30, 54]  # every size given (the first holdback is the holdback)
     small = itertools.product(range(1, 6), range(1, 6), range(5), range(4), [None, *range(6)], [False, True])
     for chunk, first, left, hold, first_hold, ramp in small:  # every small rule: a longer first holdback catches up
         if first <= chunk:

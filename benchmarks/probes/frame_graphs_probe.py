@@ -5,8 +5,11 @@ step's frame work, eager against replayed, at 1 and 16 rows (p50 of 35 steps, th
     PYTHONPATH=$PWD python3 benchmarks/probes/frame_graphs_probe.py
 """
 
+import argparse
 import functools
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -18,19 +21,15 @@ dev = torch.device("cuda")
 C, V, H = 8, 1026, 2560
 AUDIO, EOS = 151671, 151645  # text tokens; any two ids do
 frame = functools.partial(frame_results, audio_id=AUDIO, eos_id=EOS)
-head_w = torch.randn(C * V, H, device=dev, dtype=torch.bfloat16) * 0.02
 
 
 class Head(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, weight: torch.Tensor):
         super().__init__()
-        self.weight = torch.nn.Parameter(head_w, requires_grad=False)
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
 
     def forward(self, h):
         return torch.nn.functional.linear(h, self.weight).view(h.shape[0], C, V)
-
-
-head = Head()
 
 
 def mk():
@@ -49,38 +48,47 @@ def batch(slots, ids, step):
     return s, hidden, tail_ids, tail_pos, params
 
 
-cfg = type("Cfg", (), {"higgs_frame_graphs": True})()
-graphed, eager = mk(), mk()
-t0 = time.perf_counter()
-graphs = FrameGraphs.if_asked(cfg, frame, graphed, head, 64, AUDIO)
-print(f"captured {graphs.sizes} failed {graphs.failed} in {time.perf_counter() - t0:.2f} s")
-ids = [f"r{i}" for i in range(40)]
-bad = 0
-for step in range(24):
-    n = [40, 33, 16, 9, 3, 1][step % 6]
-    got = graphs.run(*batch(graphed, ids[:n], step))
-    want = frame(eager, head, *batch(eager, ids[:n], step))
-    bad += 0 if torch.equal(got, want) else 1
-print(f"replay vs eager over 24 steps (batches 40..1): {bad} steps differ; replays {graphs.replays}")
-for b in (1, 16):
-    sl = mk()
-    fg = FrameGraphs.if_asked(cfg, frame, sl, head, 64, AUDIO)
-    ids = [f"q{i}" for i in range(b)]
+def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    if not torch.cuda.is_available():
+        sys.exit(f"{Path(__file__).name} is a CUDA probe (CUDA graphs): no CUDA device here")
+    head = Head(torch.randn(C * V, H, device=dev, dtype=torch.bfloat16) * 0.02)
+    cfg = type("Cfg", (), {"higgs_frame_graphs": True})()
+    graphed, eager = mk(), mk()
+    t0 = time.perf_counter()
+    graphs = FrameGraphs.if_asked(cfg, frame, graphed, head, 64, AUDIO)
+    print(f"captured {graphs.sizes} failed {graphs.failed} in {time.perf_counter() - t0:.2f} s")
+    ids = [f"r{i}" for i in range(40)]
+    bad = 0
+    for step in range(24):
+        n = [40, 33, 16, 9, 3, 1][step % 6]
+        got = graphs.run(*batch(graphed, ids[:n], step))
+        want = frame(eager, head, *batch(eager, ids[:n], step))
+        bad += 0 if torch.equal(got, want) else 1
+    print(f"replay vs eager over 24 steps (batches 40..1): {bad} steps differ; replays {graphs.replays}")
+    for b in (1, 16):
+        sl = mk()
+        fg = FrameGraphs.if_asked(cfg, frame, sl, head, 64, AUDIO)
+        ids = [f"q{i}" for i in range(b)]
 
-    def eager_step(a, sl=sl):
-        return frame(sl, head, *a)
+        def eager_step(a, sl=sl):
+            return frame(sl, head, *a)
 
-    def graph_step(a, fg=fg):
-        return fg.run(*a)
+        def graph_step(a, fg=fg):
+            return fg.run(*a)
 
-    for label, fn in (("eager", eager_step), ("graph", graph_step)):
-        times = []
-        for step in range(40):
-            a = batch(sl, ids, step)
+        for label, fn in (("eager", eager_step), ("graph", graph_step)):
+            times = []
+            for step in range(40):
+                a = batch(sl, ids, step)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn(a)
+                times.append((time.perf_counter() - t0) * 1e3)
+            times = sorted(times[5:])
             torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn(a)
-            times.append((time.perf_counter() - t0) * 1e3)
-        times = sorted(times[5:])
-        torch.cuda.synchronize()
-        print(f"b={b} {label}: host ms p50 {times[len(times) // 2]:.3f}")
+            print(f"b={b} {label}: host ms p50 {times[len(times) // 2]:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -6,46 +6,59 @@ times). Run it after a start that filled the caches (FlashInfer, Triton, choices
     python benchmarks/probes/load_profile.py /tmp/higgs_4b_random > load_profile.log
 """
 
+import argparse
 import cProfile
-import glob
 import logging
 import pstats
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-logging.basicConfig(level=logging.INFO, stream=sys.stdout)
-path = sys.argv[1] if len(sys.argv) > 1 else "/tmp/higgs_4b_random"
-files = sorted(glob.glob(path + "/*.safetensors"))
-for rep in range(2):
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", nargs="?", default="/tmp/higgs_4b_random", help="checkpoint directory")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit(f"{Path(__file__).name} is a CUDA probe (weights loaded to the GPU): no CUDA device here")
+    files = sorted(str(f) for f in Path(args.path).glob("*.safetensors"))
+    if not files:
+        sys.exit(f"{Path(__file__).name}: no *.safetensors in {args.path}")
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+    for rep in range(2):
+        t = time.perf_counter()
+        subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)  # no shell: the path is data
+        print(f"cat files #{rep}: {time.perf_counter() - t:.2f} s")
+    from safetensors import safe_open
+
+    torch.zeros(1, device="cuda")
+    for dev in ("cuda", "cpu"):
+        t, n = time.perf_counter(), 0
+        for f in files:
+            with safe_open(f, "pt", device=dev) as h:
+                for k in h.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                    x = h.get_tensor(k)
+                    if dev == "cpu":
+                        x = x.to("cuda")
+                    n += x.numel() * x.element_size()
+        torch.cuda.synchronize()
+        print(f"raw safetensors device={dev}: {time.perf_counter() - t:.2f} s, {n / 1e9:.2f} GB")
     t = time.perf_counter()
-    subprocess.run(f"cat {path}/*.safetensors > /dev/null", shell=True, check=True)
-    print(f"cat files #{rep}: {time.perf_counter() - t:.2f} s")
-from safetensors import safe_open  # noqa: E402
+    from higgs_talker import HiggsTalker
 
-torch.zeros(1, device="cuda")
-for dev in ("cuda", "cpu"):
-    t, n = time.perf_counter(), 0
-    for f in files:
-        with safe_open(f, "pt", device=dev) as h:
-            for k in h.keys():  # noqa: SIM118 - a safetensors handle, not a dict
-                x = h.get_tensor(k)
-                if dev == "cpu":
-                    x = x.to("cuda")
-                n += x.numel() * x.element_size()
+    print(f"import higgs_talker {time.perf_counter() - t:.2f} s")
+    profile, t = cProfile.Profile(), time.perf_counter()
+    profile.enable()
+    HiggsTalker.from_pretrained(args.path, device="cuda")
     torch.cuda.synchronize()
-    print(f"raw safetensors device={dev}: {time.perf_counter() - t:.2f} s, {n / 1e9:.2f} GB")
-t = time.perf_counter()
-from higgs_talker import HiggsTalker  # noqa: E402
+    profile.disable()
+    print(f"from_pretrained {time.perf_counter() - t:.2f} s")
+    pstats.Stats(profile, stream=sys.stdout).sort_stats("cumulative").print_stats(60)
+    pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(30)
 
-print(f"import higgs_talker {time.perf_counter() - t:.2f} s")
-profile, t = cProfile.Profile(), time.perf_counter()
-profile.enable()
-talker = HiggsTalker.from_pretrained(path, device="cuda")
-torch.cuda.synchronize()
-profile.disable()
-print(f"from_pretrained {time.perf_counter() - t:.2f} s")
-pstats.Stats(profile, stream=sys.stdout).sort_stats("cumulative").print_stats(60)
-pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(30)
+
+if __name__ == "__main__":
+    main()

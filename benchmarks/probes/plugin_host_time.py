@@ -10,6 +10,8 @@ asserts nothing.
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -79,4 +81,10 @@ def main(n_requests: int = 4, tokens: int = 200) -> None:
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:3]))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("requests", nargs="?", type=int, default=4, help="requests stepped together (default 4)")
+    p.add_argument("tokens", nargs="?", type=int, default=200, help="tokens (= rows) per request (default 200)")
+    args = p.parse_args()
+    if importlib.util.find_spec("vllm") is None:
+        sys.exit(f"{Path(__file__).name} runs inside vllm.LLM: vllm is not installed here (pip install -e '.[vllm]')")
+    main(args.requests, args.tokens)

@@ -162,9 +162,8 @@ def delayed_rows_chunk(rows: list, emitted: int, finished: bool, rule: AudioChun
 def window_lengths(rule: AudioChunking) -> list[int]:
     """The lengths (frames) of the windows a resolved ``rule`` decodes while a stream runs, in order of first use:
     the first few, then the steady one (pure). The last window of a stream, cut by its end, may have any other."""
-    open_sizes = [n for n in ("left_context_frames", "holdback_frames", "first_holdback_frames") if
-                  getattr(rule, n) is None]  # fmt: skip
-    if open_sizes:
+    open_sizes = [n for n in ("left_context_frames", "holdback_frames") if getattr(rule, n) is None]
+    if open_sizes:  # (the first holdback is the holdback where it is not given)
         raise ValueError(f"window_lengths needs a resolved rule: {', '.join(open_sizes)} of {rule} are None (the "
                          "codec's reach); pass rule.resolved(codec.context_frames)")  # fmt: skip
     lengths: list[int] = []
