@@ -17,7 +17,8 @@ Two ways to cover a layer: A = qkv(NORM_IN) + o_proj(ADD, NORM_OUT) + down(SILU,
 B = cuBLAS qkv + o_proj(ADD, NORM_OUT) + down(SILU, ADD, NORM_OUT). Each variant's output (and residual) is
 checked against a float64 recomputation with the unfused path's roundings before it is timed.
 
-CUDA only (the kernel also runs under ``TRITON_INTERPRET=1`` on CPU: ``--check-only --device cpu``, tiny shapes).
+CUDA only (the kernel also runs under ``TRITON_INTERPRET=1`` on CPU where triton is installed: ``--check-only
+--device cpu``, tiny shapes).
 36 weight copies per graph, so weights stream from HBM as in a step; several tile configurations per shape.
 
     python benchmarks/probes/gemv_norm.py --out $OUT
@@ -27,14 +28,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the module still loads (--help); main() says where triton comes from
+    triton = tl = None
 
 EPS = 1e-6
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): the 2026-12-01 GEMV probe's best one-row tiles, and neighbours
@@ -42,7 +48,12 @@ CONFIGS = [(2, 1024, 4, 2), (4, 512, 4, 3), (8, 512, 4, 3), (2, 512, 4, 3), (4, 
            (8, 256, 4, 4), (4, 256, 2, 4)]  # fmt: skip
 
 
-@triton.jit
+def jit(fn):
+    """triton.jit, or fn as it is where triton is missing (main() stops before any launch)."""
+    return fn if triton is None else triton.jit(fn)
+
+
+@jit
 def _row_kernel(
     x_ptr, w_ptr, y_ptr, norm_in_ptr, res_ptr, h_ptr, norm_out_ptr, out_ptr, partial_ptr, counter_ptr, N, K, eps,
     NORM_IN: tl.constexpr, SILU: tl.constexpr, ADD: tl.constexpr, NORM_OUT: tl.constexpr,
@@ -268,8 +279,17 @@ def main() -> None:
     p.add_argument("--copies", type=int, default=36)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    torch.set_grad_enabled(False)
     device = torch.device(args.device)
+    name = Path(__file__).name
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"{name} is a CUDA probe (Triton kernels against cuBLAS): no CUDA device here (its checks on CPU, "
+                 "with triton installed: TRITON_INTERPRET=1 ... --device cpu --check-only)")  # fmt: skip
+    if triton is None:
+        sys.exit(f"{name} needs triton, not installed here: it comes with CUDA builds of torch (for the checks on "
+                 "CPU under TRITON_INTERPRET=1: pip install triton into this environment)")  # fmt: skip
+    if device.type == "cpu" and not (args.check_only and os.environ.get("TRITON_INTERPRET") == "1"):
+        sys.exit(f"{name} on CPU: the checks alone, under Triton's interpreter (TRITON_INTERPRET=1 ... --check-only)")
+    torch.set_grad_enabled(False)
     gen = torch.Generator(device=device).manual_seed(0)
     # (N, K) of the 4B shape's linears, or tiny ones on CPU
     shapes = {"qkv": (6144, 2560), "o_proj": (2560, 4096), "down": (2560, 9728)}

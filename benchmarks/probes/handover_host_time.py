@@ -8,13 +8,15 @@ state), ramp on, the connector settings of our profiles. Prints; asserts nothing
     VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/probes/handover_host_time.py [N]
 """
 
+import argparse
 import collections
+import importlib.util
 import sys
 import timeit
 import types
+from pathlib import Path
 
 import torch
-from vllm_omni.model_executor.stage_input_processors import higgs_audio_v3
 
 from higgs_talker.vllm_plugin import deploy
 
@@ -35,7 +37,14 @@ class Request:
 
 
 def main() -> None:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 64
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("n", nargs="?", type=int, default=64, metavar="N", help="requests a step (default 64)")
+    n = p.parse_args().n
+    if importlib.util.find_spec("vllm_omni") is None:
+        sys.exit(f"{Path(__file__).name} times vllm-omni's hand-over beside ours: vllm_omni is not installed here "
+                 "(pip install -e '.[vllm]')")  # fmt: skip
+    from vllm_omni.model_executor.stage_input_processors import higgs_audio_v3
+
     requests = [Request(f"r{i}") for i in range(n)]
     rows = torch.randint(0, 1024, (n, 1, 8), dtype=torch.int32)
     for name, hand_over in (("vllm-omni's", higgs_audio_v3.talker2code2wav_async_chunk),

@@ -10,6 +10,7 @@ the figure is the median replay time per product. Every tile is first checked ag
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import sys
 from pathlib import Path
@@ -21,9 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from blas import per_product_us, shapes  # noqa: E402
 from common import ResultFile, environment  # noqa: E402
 
-from higgs_talker.triton_gemv import CONFIGS, RowConfig, row_linear  # noqa: E402
-
-TILES = [RowConfig(*t) for t in itertools.product((1, 2, 4), (512, 1024, 2048), (2, 4, 8), (2, 3))]
+# RowConfig(block_n, block_k, num_warps, num_stages) of higgs_talker.triton_gemv (imported by main: it needs triton)
+TILES = list(itertools.product((1, 2, 4), (512, 1024, 2048), (2, 4, 8), (2, 3)))
 
 
 def cublas(x, w, silu):
@@ -48,6 +48,12 @@ def main() -> None:
     p.add_argument("--copies", type=int, default=36)
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit(f"{Path(__file__).name} is a CUDA probe (Triton kernels against cuBLAS): no CUDA device here")
+    if importlib.util.find_spec("triton") is None:
+        sys.exit(f"{Path(__file__).name} needs triton, not installed here (it comes with CUDA builds of torch)")
+    from higgs_talker.triton_gemv import CONFIGS, RowConfig, row_linear
+
     torch.set_grad_enabled(False)
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -62,7 +68,7 @@ def main() -> None:
         print(f"{name:8s} cublas{'+silu' if silu else ''} {base:7.2f} us  err {base_err:.1e}", flush=True)
         rows.append({"linear": name, "variant": "cublas", "us": base, "rel_err": base_err})
         best = None
-        for tile in TILES:
+        for tile in map(RowConfig._make, TILES):
             try:
                 err = ((row_linear(x, weights[0], config=tile, silu_mul=silu).double() - want).norm()
                        / want.norm()).item()  # fmt: skip

@@ -12,8 +12,8 @@ start), against ``F.linear``; every tile is first checked against a float64 prod
 
     python benchmarks/probes/rows_gemm_tc.py --out $OUT
 
-On CPU, ``TRITON_INTERPRET=1 python benchmarks/probes/rows_gemm_tc.py --check-only`` runs the float64 checks on
-small shapes (the interpreter has no PDL: those tiles run without it).
+On CPU with triton installed, ``TRITON_INTERPRET=1 python benchmarks/probes/rows_gemm_tc.py --check-only`` runs the
+float64 checks on small shapes (the interpreter has no PDL: those tiles run without it).
 """
 
 from __future__ import annotations
@@ -26,8 +26,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the module still loads (--help); main() says where triton comes from
+    triton = tl = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -36,7 +40,12 @@ TILES = list(itertools.product((16, 32, 64, 128), (128, 256, 512), (4,), (3, 4),
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@triton.jit
+def jit(fn):
+    """triton.jit, or fn as it is where triton is missing (main() stops before any launch)."""
+    return fn if triton is None else triton.jit(fn)
+
+
+@jit
 def _rows_tc_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     # program p: output columns [p * BLOCK_N, (p + 1) * BLOCK_N) of every row
@@ -96,6 +105,13 @@ def main() -> None:
     p.add_argument("--check-only", action="store_true", help="the float64 checks on small shapes, then stop")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    name = Path(__file__).name
+    if not torch.cuda.is_available() and not (args.check_only and INTERPRETED):
+        sys.exit(f"{name} is a CUDA probe (Triton kernels against cuBLAS): no CUDA device here (its checks on CPU, "
+                 "with triton installed: TRITON_INTERPRET=1 ... --check-only)")  # fmt: skip
+    if triton is None:
+        sys.exit(f"{name} needs triton, not installed here: it comes with CUDA builds of torch (for the checks on "
+                 "CPU under TRITON_INTERPRET=1: pip install triton into this environment)")  # fmt: skip
     torch.set_grad_enabled(False)
     if args.check_only:
         check_only()
