@@ -7,7 +7,10 @@ transformers ``PretrainedConfig`` subclass registered for ``model_type == "higgs
 Types are strict: integer fields must be JSON integers (``64``, not ``64.0`` or ``"64"``), flags JSON booleans,
 and every integer must fit int32 (``INT32_MAX``), the index type of the kernels. ``null`` means the same as
 leaving a field out: optional fields take their default (``head_dim``: 128, as transformers' ``Qwen3Config``,
-through which upstream reads the backbone's shape; ``num_key_value_heads``: ``num_attention_heads``;
+through which upstream reads the backbone's shape; ``num_key_value_heads``: ``num_attention_heads``, where
+transformers takes 32 for an absent key (its null alone means the head count), so a checkpoint that leaves it out
+and has other than 32 heads is read differently there: its k/v weights then disagree with one reading, an error
+naming the field;
 ``tie_word_embeddings``: true, and ``checkpoint.read_config`` decides it by the weights: untied where they carry a
 text head; the rest: the defaults of ``TextConfig`` / ``TalkerConfig``), and a required field (``vocab_size``,
 ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``) that is ``null`` is an
@@ -433,6 +436,13 @@ def _validate(cfg: TalkerConfig) -> None:
         raise ValueError(f"audio_stream_bos_id and audio_stream_eos_id must differ, both are {cfg.boc_id}")
     if cfg.num_real_codes <= 0:
         raise ValueError(f"no real codes below BOC/EOC ({cfg.boc_id}/{cfg.eoc_id})")
+    top = {cfg.codebook_size - 2, cfg.codebook_size - 1}
+    if {cfg.boc_id, cfg.eoc_id} != top:  # ids between the real codes and BOC/EOC could be sampled, never decoded
+        raise ValueError(
+            f"audio_stream_bos_id ({cfg.boc_id}) and audio_stream_eos_id ({cfg.eoc_id}) must be the codebook's top "
+            f"two ids, {min(top)} and {max(top)} for codebook_size (audio_encoder_config.vocab_size) "
+            f"{cfg.codebook_size}: every id below them is a real code"
+        )
     _bool(cfg.tie_modality_embeddings, "tie_modality_embeddings")
     if cfg.audio_hidden_size is not None and cfg.audio_hidden_size != t.hidden_size:
         raise ValueError(

@@ -255,7 +255,7 @@ CONFIG_VS_HEADER = [
         "cfg-codebook-1e10",
     ),
     (
-        dict(audio_encoder_config__vocab_size=10**8),
+        dict(audio_encoder_config__vocab_size=10**8, audio_stream_bos_id=10**8 - 2, audio_stream_eos_id=10**8 - 1),
         E("audio_encoder_config.num_codebooks x vocab_size (8 x 100000000 = 800000000) does not match"),
         "cfg-codebook-1e8",
     ),

@@ -102,13 +102,14 @@ def test_audio_encoder_config_names_the_codebooks_and_the_top_level_overrides_th
     ``audio_encoder_config``, derives ``tie_modality_embeddings`` and ``audio_hidden_size`` from it, and then its
     keyword arguments (config.json's top level) override those two attributes."""
     audio = {"encoder_type": "discrete", "num_codebooks": 4, "vocab_size": 2000, "tie_word_embeddings": False}
-    raw = raw_cfg(num_codebooks=8, codebook_size=1026, tie_modality_embeddings=True, audio_encoder_config=audio)
+    ids = {"audio_stream_bos_id": 1998, "audio_stream_eos_id": 1999}  # BOC / EOC: the codebook's top two ids
+    raw = raw_cfg(num_codebooks=8, codebook_size=1026, tie_modality_embeddings=True, audio_encoder_config=audio, **ids)
     cfg = TalkerConfig.from_dict(raw)
     assert (cfg.num_codebooks, cfg.codebook_size, cfg.max_delay) == (4, 2000, 3)
     assert cfg.tie_modality_embeddings is True
     del raw["tie_modality_embeddings"]
     assert TalkerConfig.from_dict(raw).tie_modality_embeddings is False
-    raw = raw_cfg(audio_hidden_size=64, audio_encoder_config=dict(audio, out_dim=32))
+    raw = raw_cfg(audio_hidden_size=64, audio_encoder_config=dict(audio, out_dim=32), **ids)
     assert TalkerConfig.from_dict(raw).audio_hidden_size == 64
 
 
@@ -121,7 +122,8 @@ def test_a_bad_tie_flag_is_named_where_it_was_given():
 
 
 def test_top_level_fields_apply_without_audio_encoder_config():
-    cfg = TalkerConfig.from_dict(raw_cfg(num_codebooks=4, codebook_size=1100))
+    ids = {"audio_stream_bos_id": 1098, "audio_stream_eos_id": 1099}  # BOC / EOC: the codebook's top two ids
+    cfg = TalkerConfig.from_dict(raw_cfg(num_codebooks=4, codebook_size=1100, **ids))
     assert (cfg.num_codebooks, cfg.codebook_size) == (4, 1100)
 
 
@@ -168,6 +170,8 @@ def test_unsupported_rope_type_is_rejected():
         (lambda r: r["text_config"].update(tie_word_embeddings="yes"), "tie_word_embeddings"),
         (lambda r: r["text_config"].update(num_hidden_layers=2.5), "num_hidden_layers"),
         (lambda r: r.update(audio_stream_bos_id=1025), "audio_stream_eos_id"),
+        (lambda r: r.update(audio_encoder_config={"vocab_size": 1030}), "top two ids, 1028 and 1029"),
+        (lambda r: r.update(audio_stream_bos_id=1020), "audio_stream_bos_id \\(1020\\)"),
         (lambda r: r.update(audio_encoder_config={"encoder_type": "continuous"}), "encoder_type"),
         (lambda r: r.update(sample_rate=0), "sample_rate"),
     ],
@@ -191,6 +195,8 @@ def test_unsupported_rope_type_is_rejected():
         "non_bool_tie",
         "float_layers",
         "boc_equals_eoc",
+        "codes_above_boc_eoc",
+        "boc_not_at_the_top",
         "continuous_encoder",
         "zero_sample_rate",
     ],
@@ -228,7 +234,7 @@ SHAPES = [
     tiny_config(),
     tiny_config(tie_modality_embeddings=False),
     tiny_config(text={"tie_word_embeddings": False, "attention_bias": True}),
-    tiny_config(num_codebooks=4, codebook_size=40, boc_id=32, eoc_id=33),
+    tiny_config(num_codebooks=4, codebook_size=34, boc_id=32, eoc_id=33),
 ]
 SHAPE_IDS = ["tiny", "untied_modality", "untied_text_bias", "small_codebooks"]
 
@@ -507,7 +513,8 @@ def test_our_hf_class_takes_the_top_level_codebook_fields_as_upstreams_does():
     from higgs_talker.config import hf_config_class
 
     for audio in (None, {}):
-        hf = hf_config_class()(text_config=text_cfg(), num_codebooks=4, codebook_size=1100, audio_encoder_config=audio)
+        hf = hf_config_class()(text_config=text_cfg(), num_codebooks=4, codebook_size=1100, audio_encoder_config=audio,
+                               audio_stream_bos_id=1098, audio_stream_eos_id=1099)  # fmt: skip
         cfg = hf.to_talker_config()
         assert (cfg.num_codebooks, cfg.codebook_size) == (4, 1100)  # an empty sub-dict names neither
     assert TalkerConfig.from_dict(raw_cfg(num_codebooks=4, audio_encoder_config={})).num_codebooks == 4
