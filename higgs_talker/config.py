@@ -8,9 +8,9 @@ Types are strict: integer fields must be JSON integers (``64``, not ``64.0`` or 
 and every integer must fit int32 (``INT32_MAX``), the index type of the kernels. ``null`` means the same as
 leaving a field out: optional fields take their default (``head_dim``: 128, as transformers' ``Qwen3Config``,
 through which upstream reads the backbone's shape; ``num_key_value_heads``: ``num_attention_heads``, where
-transformers takes 32 for an absent key (its null alone means the head count), so a checkpoint that leaves it out
-and has other than 32 heads is read differently there: its k/v weights then disagree with one reading, an error
-naming the field;
+transformers takes 32 for an absent key (only its null means the head count): with other than 32 heads, a file
+that leaves it out fits at most one of the two readings, and the k/v weights' shapes refuse the other (here, with
+an error naming the field);
 ``tie_word_embeddings``: true, and ``checkpoint.read_config`` decides it by the weights: untied where they carry a
 text head; the rest: the defaults of ``TextConfig`` / ``TalkerConfig``), and a required field (``vocab_size``,
 ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``) that is ``null`` is an
