@@ -35,22 +35,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the module still loads (--help); main() says where triton comes from
-    triton = tl = None
+from optional_triton import jit, require_triton, tl, triton
 
 EPS = 1e-6
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): the 2026-12-01 GEMV probe's best one-row tiles, and neighbours
 CONFIGS = [(2, 1024, 4, 2), (4, 512, 4, 3), (8, 512, 4, 3), (2, 512, 4, 3), (4, 1024, 4, 2), (1, 2048, 4, 2),
            (8, 256, 4, 4), (4, 256, 2, 4)]  # fmt: skip
-
-
-def jit(fn):
-    """triton.jit, or fn as it is where triton is missing (main() stops before any launch)."""
-    return fn if triton is None else triton.jit(fn)
 
 
 @jit
@@ -284,9 +274,7 @@ def main() -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit(f"{name} is a CUDA probe (Triton kernels against cuBLAS): no CUDA device here (its checks on CPU, "
                  "with triton installed: TRITON_INTERPRET=1 ... --device cpu --check-only)")  # fmt: skip
-    if triton is None:
-        sys.exit(f"{name} needs triton, not installed here: it comes with CUDA builds of torch (for the checks on "
-                 "CPU under TRITON_INTERPRET=1: pip install triton into this environment)")  # fmt: skip
+    require_triton(__file__, interpreter_checks=True)
     if device.type == "cpu" and not (args.check_only and os.environ.get("TRITON_INTERPRET") == "1"):
         sys.exit(f"{name} on CPU: the checks alone, under Triton's interpreter (TRITON_INTERPRET=1 ... --check-only)")
     torch.set_grad_enabled(False)

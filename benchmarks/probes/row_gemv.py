@@ -10,7 +10,6 @@ the figure is the median replay time per product. Every tile is first checked ag
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from blas import per_product_us, shapes  # noqa: E402
 from common import ResultFile, environment  # noqa: E402
+from optional_triton import require_triton  # noqa: E402
 
 # RowConfig(block_n, block_k, num_warps, num_stages) of higgs_talker.triton_gemv (imported by main: it needs triton)
 TILES = list(itertools.product((1, 2, 4), (512, 1024, 2048), (2, 4, 8), (2, 3)))
@@ -50,8 +50,7 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit(f"{Path(__file__).name} is a CUDA probe (Triton kernels against cuBLAS): no CUDA device here")
-    if importlib.util.find_spec("triton") is None:
-        sys.exit(f"{Path(__file__).name} needs triton, not installed here (it comes with CUDA builds of torch)")
+    require_triton(__file__)
     from higgs_talker.triton_gemv import CONFIGS, RowConfig, row_linear
 
     torch.set_grad_enabled(False)

@@ -26,23 +26,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the module still loads (--help); main() says where triton comes from
-    triton = tl = None
+from optional_triton import jit, require_triton, tl, triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, PDL)
 TILES = list(itertools.product((16, 32, 64, 128), (128, 256, 512), (4,), (3, 4), (False, True)))
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def jit(fn):
-    """triton.jit, or fn as it is where triton is missing (main() stops before any launch)."""
-    return fn if triton is None else triton.jit(fn)
 
 
 @jit
@@ -109,9 +99,7 @@ def main() -> None:
     if not torch.cuda.is_available() and not (args.check_only and INTERPRETED):
         sys.exit(f"{name} is a CUDA probe (Triton kernels against cuBLAS): no CUDA device here (its checks on CPU, "
                  "with triton installed: TRITON_INTERPRET=1 ... --check-only)")  # fmt: skip
-    if triton is None:
-        sys.exit(f"{name} needs triton, not installed here: it comes with CUDA builds of torch (for the checks on "
-                 "CPU under TRITON_INTERPRET=1: pip install triton into this environment)")  # fmt: skip
+    require_triton(__file__, interpreter_checks=True)
     torch.set_grad_enabled(False)
     if args.check_only:
         check_only()

@@ -18,12 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the module still loads (--help); main() says where triton comes from
-    triton = tl = None
+from optional_triton import jit, require_triton, tl, triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from blas import per_product_us, shapes  # noqa: E402
@@ -31,11 +26,6 @@ from common import ResultFile, environment  # noqa: E402
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, reduce each chunk)
 TILES = list(itertools.product((1, 2), (512, 1024), (2, 4), (2,), (0, 1)))
-
-
-def jit(fn):
-    """triton.jit, or fn as it is where triton is missing (main() stops before any launch)."""
-    return fn if triton is None else triton.jit(fn)
 
 
 @jit
@@ -81,8 +71,7 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit(f"{Path(__file__).name} is a CUDA probe (Triton kernels against cuBLAS): no CUDA device here")
-    if triton is None:
-        sys.exit(f"{Path(__file__).name} needs triton, not installed here (it comes with CUDA builds of torch)")
+    require_triton(__file__)
     torch.set_grad_enabled(False)
     g = torch.Generator(device="cuda").manual_seed(0)
     results = []
