@@ -278,19 +278,18 @@ class SpeechServing:
             if key not in _EXTRA_SAMPLING:
                 raise APIError(400, f"extra_params.{key} is not understood here; it takes {', '.join(_EXTRA_SAMPLING)}",
                                f"extra_params.{key}")  # fmt: skip
-        given_in = {}  # the request field each given value came from
         for name in ("temperature", "top_k", "top_p", "seed"):
             value, other = getattr(req, name), extra.get(name)
             if value is not None and other is not None and value != other:
                 raise APIError(400, f"{name} {value!r} and extra_params.{name} {other!r} differ; give it once", name)
             if value is not None or other is not None:
                 given[name] = value if value is not None else other
-                given_in[name] = name if value is not None else f"extra_params.{name}"
         try:
             return SamplingParams(**given, max_frames=req.max_new_tokens or cfg.max_new_tokens)
         except ValueError as exc:
             name = str(exc).split(" ", 1)[0]
-            field = given_in.get(name) or _SAMPLING_FIELDS.get(name)
+            from_extra = name in extra and getattr(req, name) is None  # given in extra_params alone
+            field = f"extra_params.{name}" if from_extra else _SAMPLING_FIELDS.get(name)
             message = str(exc) if field is None or field == name else f"{field}: {exc}"
             raise APIError(400, message, field) from None
 
