@@ -109,9 +109,8 @@ PROFILES = (
 CONNECTORS = "connectors"  # derived_yaml: keys of every connector's extra
 CODEC_REACH = 10
 REACH_CONTEXT = {CONNECTORS: {"codec_left_context_frames": CODEC_REACH}}
-# our Stage 1 also decodes the windows of the profiles' chunking (vllm-omni's, with that left context) in CUDA graphs;
-# resolved: its first chunk's holdback is its holdback
-STAGE1_RULE = dataclasses.replace(UPSTREAM_CHUNKING, left_context_frames=CODEC_REACH).resolved((CODEC_REACH,) * 2)
+# our Stage 1 also decodes the windows of the profiles' chunking (vllm-omni's, with that left context) in CUDA graphs
+STAGE1_RULE = dataclasses.replace(UPSTREAM_CHUNKING, left_context_frames=CODEC_REACH)
 STAGE1_WINDOWS = window_lengths(STAGE1_RULE)
 OUR_STAGE1 = REACH_CONTEXT | {1: {"model_arch": CODEC_ARCH, "hf_overrides": {CODEC_GRAPH_FRAMES: STAGE1_WINDOWS}}}
 STAGE1_VARIANTS = {"_our_stage1": OUR_STAGE1, "_reach_context": REACH_CONTEXT}  # profile suffix -> what it adds
