@@ -248,7 +248,7 @@ def decoder_reach(decoder: nn.Module, hop: int) -> tuple[int, int]:
     rate = hop  # samples per frame at the current layer's output
     first, last = rate, 2 * rate - 1  # frame 1's own samples
     before = after = 0
-    for kind, k, s, p, d in reversed(_decoder_layers(decoder)):
+    for kind, k, s, p, d in reversed(decoder_convolutions(decoder)):
         if kind == "conv":  # stride 1: out[n] reads in[n - p + d * j] for j = 0 .. k - 1
             first, last = first - p, last - p + d * (k - 1)
         else:  # transposed: out[n] reads in[i] wherever 0 <= n + p - i * s < k
@@ -263,10 +263,11 @@ def decoder_reach(decoder: nn.Module, hop: int) -> tuple[int, int]:
     return before, after
 
 
-def _decoder_layers(decoder: nn.Module) -> list[tuple[str, int, int, int, int]]:
-    """The DAC decoder's convolutions on its main path, in order: (kind, kernel, stride, padding, dilation).
+def decoder_convolutions(decoder: nn.Module) -> list[tuple[str, int, int, int, int]]:
+    """The DAC decoder's convolutions in the order its signal meets them: (kind, kernel, stride, padding, dilation).
 
-    A residual unit's span is its dilated conv's (the 1x1 conv and the skip add nothing wider).
+    A residual unit's span is its dilated conv's (the 1x1 conv and the skip add nothing wider); its depth counts
+    both.
     """
     out = []
     for module in decoder.modules():

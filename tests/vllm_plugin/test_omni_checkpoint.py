@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
 pytest.importorskip("vllm.config")
 pytest.importorskip("vllm_omni")
@@ -352,6 +353,53 @@ def test_the_codecs_reach_of_left_context_gives_vllm_omnis_audio_and_one_frame_l
     # float32 rounding of the decoder's convolutions over other lengths: 1.3e-6 of peak seen; one frame less, 3.5e-4
     assert float((audio(CODEC_REACH) - stock).abs().max()) <= 2e-5 * peak
     assert float((audio(CODEC_REACH - 1) - stock).abs().max()) > 2e-5 * peak
+
+
+def _tf32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) rounded to TF32's 10 mantissa bits, to nearest, as TF32 tensor cores read their inputs."""
+    bits = x.contiguous().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+def _decode_in_tf32(codec, codes: torch.Tensor) -> torch.Tensor:
+    """``codec.decode(codes)`` with every convolution of its decoder reading TF32-rounded inputs and weights, products
+    summed in float32: what cuDNN's TF32 convolutions compute, on the CPU."""
+    convs = [m for m in codec.model.acoustic_decoder.modules() if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d))]
+    weights = [conv.weight.data for conv in convs]
+    hooks = [conv.register_forward_pre_hook(lambda _, args: (_tf32(args[0]), *args[1:])) for conv in convs]
+    try:
+        for conv, weight in zip(convs, weights, strict=True):
+            conv.weight.data = _tf32(weight)
+        return codec.decode(codes)
+    finally:
+        for conv, weight, hook in zip(convs, weights, hooks, strict=True):
+            conv.weight.data = weight
+            hook.remove()
+
+
+def test_the_batched_decode_bound_holds_tf32_rounding_and_not_a_decoder_1_percent_off(omni_ckpt):
+    """test_omni_gpu's ``batched_decode_bound`` (how far a chunk our Stage 1 decoded in a batch may be from a lone
+    decode, both in cuDNN's TF32) on the real-layout codec: a decode in emulated TF32 stays within half of it of the
+    float32 decode (one decode's share: 2.1e-3 of the peak seen, against 3.0e-3), and a decoder whose last
+    convolution is 1 % off does not stay within all of it (9.2e-3 against 5.9e-3)."""
+    from test_omni_gpu import batched_decode_bound
+
+    from higgs_talker.codec import Codec
+
+    codec = Codec.from_pretrained(omni_ckpt, device="cpu")
+    bound = batched_decode_bound(codec)
+    assert 5e-3 < bound < 7e-3  # 37 convolutions: 2 * sqrt(37) * 2**-11
+    codes = torch.randint(0, 1024, (39, 8), generator=torch.Generator().manual_seed(9))
+    exact = codec.decode(codes)
+    peak = float(exact.abs().max())
+    assert 0 < float((_decode_in_tf32(codec, codes) - exact).abs().max()) <= bound / 2 * peak
+    last = [m for m in codec.model.acoustic_decoder.modules() if isinstance(m, nn.Conv1d)][-1]
+    weight = last.weight.data
+    try:
+        last.weight.data = weight * 1.01
+        assert float((codec.decode(codes) - exact).abs().max()) > bound * peak
+    finally:
+        last.weight.data = weight
 
 
 def test_the_expected_audio_is_decoded_with_the_chunking_each_profile_asks_for(tmp_path):

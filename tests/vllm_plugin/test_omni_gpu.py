@@ -18,14 +18,15 @@ sampler ranked at every row it published.
   sends one: -100 placeholders, rows without positions), each: Stage 0's scores at every row within the bounds
   measured for this shape of the float32 reference teacher-forced on its rows (``ScoreCheck.check_scores``), its
   rows equal to our direct engine's (same GPU, bf16, eager) or parting at a near tie of the reference's scores,
-  and the Omni audio equal to our codec's decode of those rows with vllm-omni's chunking; the same scores against
+  and the Omni audio equal to our codec's decode of those rows with the profile's chunking (where our Stage 1
+  decoded a chunk in a batch, within TF32's rounding: ``batched_decode_bound``); the same scores against
   the reference of a checkpoint with one projection 5% off must fail for every request (the mutation test); three
   requests again in one call, decoded as one Stage-0 batch, and a batch on too few KV blocks (vLLM preempts and
   recomputes requests), each held to the same checks; Stage 0's log names the graph path its profile calls for;
   the 4B shape (random bf16 weights), two requests in the low-latency profile, held to the same checks with the
   bounds measured at that depth, and one layer's o_proj x 1.25 in the reference as their mutation test;
-- ``vllm-omni serve`` (the low-latency profile, with async scheduling and our hand-over, and the packaged
-  full-decode profile): the ``openai``
+- ``vllm-omni serve`` (each packaged profile, and the low-latency one with async scheduling and our hand-over;
+  the packaged full-decode profile runs our Stage 1): the ``openai``
   client's ``audio.speech.create`` (its ``voice`` sent as null through ``extra_body``: vllm-omni refuses a voice
   nobody uploaded) and httpx streaming (PCM and WAV) give the offline audio of the same seed; a client that leaves
   mid-stream does not block the next request; bad requests get a 4xx with a message.
@@ -235,10 +236,29 @@ def decoded(
     return torch.cat([c.float().cpu() for c in chunks if c is not None])
 
 
-def assert_same_audio(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """``got`` equals ``want`` within float tolerance (TF32 convolutions on either side)."""
+# a chunk Stage 1 decoded alone, as our codec decodes it for the expected audio: the same convolutions of the same
+# shapes on either side, so cuDNN's TF32 rounds both alike (a fraction of the peak)
+LONE_DECODE = 1e-3
+TF32_ROUNDOFF = 2.0**-11  # TF32 keeps 10 of float32's 23 mantissa bits, rounding to nearest
+
+
+def batched_decode_bound(codec: Codec) -> float:
+    """How far (a fraction of the peak) a chunk that our Stage 1 decoded in a batch of several may be from the same
+    chunk decoded alone. cuDNN runs the decoder's float32 convolutions in TF32 (torch's default) with an algorithm
+    it chooses by shape, so a batch rounds apart from a lone decode: each of the decoder's convolutions rounds its
+    inputs to TF32 (unit roundoff 2**-11), and over its L convolutions the roundings add up as a random walk, about
+    sqrt(L) units from float32 for each decode and twice that between two: 5.9e-3 for the real codec's 37. Seen on
+    an H100: 1.7e-3 (benchmarks/results/h100_20261206h). test_omni_checkpoint.py holds an emulated TF32 decode to
+    half of it and shows a decoder 1 % off fails it."""
+    from higgs_talker.codec.model import decoder_convolutions
+
+    return 2 * len(decoder_convolutions(codec.model.acoustic_decoder)) ** 0.5 * TF32_ROUNDOFF
+
+
+def assert_same_audio(got: torch.Tensor, want: torch.Tensor, what: str, bound: float = LONE_DECODE) -> None:
+    """``got`` equals ``want`` within ``bound`` of its peak (TF32 convolutions on either side)."""
     assert got.numel() == want.numel(), f"{what}: {got.numel()} samples where {want.numel()} were expected"
-    tol = 1e-3 * float(want.abs().max()) + 1e-5
+    tol = bound * float(want.abs().max()) + 1e-5
     bad = ((got - want).abs() > tol).nonzero()
     assert not len(bad), (
         f"{what}: the audio parts at frame {int(bad[0]) // HOP} (max |diff| {float((got - want).abs().max()):.3g}, "
@@ -266,19 +286,29 @@ def assert_rows_match_up_to_a_near_tie(got: torch.Tensor, want: torch.Tensor, fo
 
 
 def check_stage_0(
-    record: dict, spec: dict, solo, reference, codec, audio, check: ScoreCheck, what: str, chunking: AudioChunking
+    record: dict,
+    spec: dict,
+    solo,
+    reference,
+    codec,
+    audio,
+    check: ScoreCheck,
+    what: str,
+    chunking: AudioChunking,
+    bound: float = LONE_DECODE,
 ) -> None:
     """One Omni request against independent evaluations: (1) Stage 0's own scores at every row against the float32
     reference teacher-forced on its rows (``ScoreCheck.check_scores``: row, overall and per-code bounds measured
     for this shape); (2) its rows against the direct engine's for the same request (equal, or parting at a near
-    tie); (3) the Omni audio against our codec's decode of those rows (Stage 1 and the hand-over, exactly)."""
+    tie); (3) the Omni audio against our codec's decode of those rows (Stage 1 and the hand-over, exactly), within
+    ``bound`` of its peak."""
     rows, params = record["rows"].long(), params_of(spec, solo)
     prompt = solo.build_prompt(spec["text"], reference_of(spec))
     forced = check.check_scores(prompt, params, rows, record["scaled"], what)
     want = solo.generate(spec["text"], params, reference=reference_of(spec)).rows.long().cpu()
     assert_rows_match_up_to_a_near_tie(rows, want, forced, check.bound, what)
     expected = decoded(codec, rows, spec["max_tokens"], solo.cfg.num_real_codes, chunking)
-    assert_same_audio(audio, expected, what)
+    assert_same_audio(audio, expected, what, bound)
 
 
 def test_the_adapter_takes_the_graph_path_its_profile_calls_for(offline):
@@ -365,13 +395,16 @@ def greedy_spec(key: str, max_tokens: int) -> dict:
 
 def test_requests_batched_in_stage_0_each_match_the_reference_and_the_direct_engine(offline, solo, reference, codec):
     """The BATCH requests, decoded side by side in one Stage-0 batch (slots, feedback, each request's published
-    row): ``check_stage_0`` for each, against the direct engine running it alone (greedy, the batch's length)."""
+    row): ``check_stage_0`` for each, against the direct engine running it alone (greedy, the batch's length). Our
+    Stage 1 decodes their chunks of one length as one batch too: their audio is held to ``batched_decode_bound``
+    (an H100 parted them from lone decodes by 1.7e-3 of the peak, over ``LONE_DECODE``)."""
     profile, audio = offline
     check = ScoreCheck(reference, score_bound(solo))
+    bound = batched_decode_bound(codec) if profile.endswith("_our_stage1") else LONE_DECODE
     for key in BATCH["keys"]:
         spec, name = greedy_spec(key, BATCH["max_tokens"]), f"batched_{key}"
         check_stage_0(_RECORDS[profile][name], spec, solo, reference, codec, audio[name], check, f"{profile} {name}",
-                      _CHUNKING[profile])  # fmt: skip
+                      _CHUNKING[profile], bound)  # fmt: skip
 
 
 def test_requests_preempted_for_kv_blocks_each_match_the_reference_and_the_direct_engine(
@@ -433,10 +466,11 @@ def test_4b_offline_requests_match_the_float32_reference_and_the_direct_engine(t
 
 
 # served in each packaged profile: low-latency, high-throughput (eager, our local MLP graphs) and full-decode
-# (bench_omni's full_decode_64_async_frame_graphs: test_deploy holds them equal); and low-latency with async
-# scheduling and our hand-over at 16 streams (a client that leaves mid-stream aborts its request: the hand-over's one
-# case where the live status still counts)
-SERVED = ("low_latency", "high_throughput", "low_latency_async_frame_graphs", "full_decode_64_async_frame_graphs")
+# (bench_omni's full_decode_64_async_frame_graphs_our_stage1: test_deploy holds them equal); and low-latency with
+# async scheduling and our hand-over at 16 streams (a client that leaves mid-stream aborts its request: the
+# hand-over's one case where the live status still counts)
+SERVED = ("low_latency", "high_throughput", "low_latency_async_frame_graphs",
+          "full_decode_64_async_frame_graphs_our_stage1")  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=SERVED)
