@@ -11,7 +11,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from higgs_talker.vllm_plugin import ARCHITECTURES  # noqa: E402
+from higgs_talker.vllm_plugin import ARCHITECTURES, CODEC_ARCH, CODEC_GRAPH_FRAMES  # noqa: E402
 from higgs_talker.vllm_plugin.deploy import PROFILES, deploy_config_path  # noqa: E402
 
 
@@ -74,9 +74,10 @@ def test_low_latency_uses_vllm_full_decode_graphs():
 
 
 def test_full_decode_is_the_profile_bench_omni_measured(tmp_path):
-    """The packaged ``full-decode`` YAML loads equal to ``bench_omni.py``'s ``full_decode_64_async_frame_graphs``
-    (the low-latency YAML with 64 streams, FULL decode graphs up to 64, async scheduling, frame graphs and our
-    hand-over): the figures in its header are this file's."""
+    """The packaged ``full-decode`` YAML loads equal to ``bench_omni.py``'s
+    ``full_decode_64_async_frame_graphs_our_stage1`` (the low-latency YAML with 64 streams, FULL decode graphs up to
+    64, async scheduling, frame graphs and our hand-over; our Stage 1 with the codec's reach of left context and its
+    windows' graphs): the figures in its header are this file's."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -86,7 +87,7 @@ def test_full_decode_is_the_profile_bench_omni_measured(tmp_path):
         sys.path.pop(0)
     from vllm_omni.config.stage_config import load_deploy_config
 
-    measured = load_deploy_config(profile_yaml("ours", "full_decode_64_async_frame_graphs", tmp_path))
+    measured = load_deploy_config(profile_yaml("ours", "full_decode_64_async_frame_graphs_our_stage1", tmp_path))
     cfg = _load("full-decode")
     assert cfg == measured
     s0 = _stage(cfg, 0)
@@ -96,6 +97,8 @@ def test_full_decode_is_the_profile_bench_omni_measured(tmp_path):
     assert _field(s0, "hf_overrides") == {"higgs_frame_graphs": True}
     hand_over = _field(s0, "custom_process_next_stage_input_func")
     assert hand_over == "higgs_talker.vllm_plugin.deploy.talker2code2wav_async_chunk"
+    s1 = _stage(cfg, 1)
+    assert _field(s1, "model_arch") == CODEC_ARCH and _field(s1, "hf_overrides") == {CODEC_GRAPH_FRAMES: [5, 30, 39]}
 
 
 def test_deploy_config_path_names_and_errors():
