@@ -61,6 +61,7 @@ from omni_checkpoint import write_omni_checkpoint  # noqa: E402
 
 from higgs_talker import HiggsTalker, Reference, SamplingParams  # noqa: E402
 from higgs_talker.codec import UPSTREAM_CHUNKING, AudioChunking, Codec  # noqa: E402
+from higgs_talker.codec.model import decoder_convolutions  # noqa: E402
 from higgs_talker.heads.delay import codec_frames  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).with_name("score_probe")))
@@ -250,8 +251,6 @@ def batched_decode_bound(codec: Codec) -> float:
     sqrt(L) units from float32 for each decode and twice that between two: 5.9e-3 for the real codec's 37. Seen on
     an H100: 1.7e-3 (benchmarks/results/h100_20261206h). test_omni_checkpoint.py holds an emulated TF32 decode to
     half of it and shows a decoder 1 % off fails it."""
-    from higgs_talker.codec.model import decoder_convolutions
-
     return 2 * len(decoder_convolutions(codec.model.acoustic_decoder)) ** 0.5 * TF32_ROUNDOFF
 
 
