@@ -56,6 +56,7 @@ from _reference_check import (  # noqa: E402
     score_bound,
 )
 from _served import run_served  # noqa: E402
+from _tolerance import unit_roundoff  # noqa: E402
 from bench_omni import CODEC_ARCH, derived_yaml, profile_yaml, start_server, stop_server, talker_env  # noqa: E402
 from omni_checkpoint import write_omni_checkpoint  # noqa: E402
 
@@ -240,7 +241,7 @@ def decoded(
 # a chunk Stage 1 decoded alone, as our codec decodes it for the expected audio: the same convolutions of the same
 # shapes on either side, so cuDNN's TF32 rounds both alike (a fraction of the peak)
 LONE_DECODE = 1e-3
-TF32_ROUNDOFF = 2.0**-11  # TF32 keeps 10 of float32's 23 mantissa bits, rounding to nearest
+TF32_ROUNDOFF = unit_roundoff(torch.float16)  # 2**-11: TF32 keeps float16's 10 mantissa bits, rounding to nearest
 
 
 def batched_decode_bound(codec: Codec) -> float:
