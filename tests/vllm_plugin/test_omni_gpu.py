@@ -114,6 +114,7 @@ def ckpt(tmp_path_factory) -> Path:
 
 _OFFLINE: dict[str, dict[str, torch.Tensor]] = {}
 _CHUNKING: dict[str, AudioChunking] = {}  # by run: the chunking its connector asks Stage 1 for
+_STAGE1_ARCH: dict[str, str] = {}  # by run: the architecture its YAML asks Stage 1 for
 _RECORDS: dict[str, dict[str, dict]] = {}
 _LOGS: dict[str, str] = {}
 
@@ -133,7 +134,7 @@ def offline_audio(
         small = {"num_gpu_blocks_override": SMALL_KV["blocks"], "max_model_len": SMALL_KV["blocks"] * 16}
         stages = STAGES | {0: STAGES[0] | small} if small_kv else STAGES
         yaml_path = derived_yaml(profile_yaml("ours", profile, tmp), tmp / f"{name}.yaml", stages)
-        _CHUNKING[name] = chunking_of(yaml_path)
+        _CHUNKING[name], _STAGE1_ARCH[name] = chunking_of(yaml_path), stage1_arch(yaml_path)
         out, scores = tmp / name, tmp / f"{name}_scores"
         out.mkdir()
         log = Path(os.environ.get("HIGGS_VLLM_LOG_DIR") or tmp, f"omni_{name}.log")
@@ -219,6 +220,14 @@ def chunking_of(yaml_path: Path) -> AudioChunking:
         holdback_frames=extra["codec_right_holdback_frames"],
         ramp=False,  # vllm-omni's chunks after the first are all codec_chunk_frames long
     )
+
+
+def stage1_arch(yaml_path: Path) -> str:
+    """The architecture a deploy YAML's Stage 1 runs (ours, ``CODEC_ARCH``, or vllm-omni's code2wav)."""
+    import yaml
+
+    (stage,) = (s for s in yaml.safe_load(Path(yaml_path).read_text())["stages"] if s["stage_id"] == 1)
+    return stage["model_arch"]
 
 
 def decoded(
@@ -337,7 +346,9 @@ def test_the_adapter_takes_the_graph_path_its_profile_calls_for(offline):
         assert "Asynchronous scheduling is enabled" in log
     if profile.endswith("flash_attn"):
         assert "Using AttentionBackendEnum.FLASH_ATTN backend" in log
-    if profile.endswith("_our_stage1"):  # Stage 1 built our class (vLLM names the architecture it resolved)
+    if _STAGE1_ARCH[profile] == CODEC_ARCH or profile.endswith(
+        "_our_stage1"
+    ):  # Stage 1 built our class (vLLM names the architecture it resolved)
         assert f"Resolved architecture: {CODEC_ARCH}" in log
         assert "codec graphs for windows of [5, 30, 39] frames:" in log  # each checked, none failed (above)
     replays = {key: record["frame_replays"] for key, record in _RECORDS[profile].items()}
@@ -400,7 +411,7 @@ def test_requests_batched_in_stage_0_each_match_the_reference_and_the_direct_eng
     (an H100 parted them from lone decodes by 1.7e-3 of the peak, over ``LONE_DECODE``)."""
     profile, audio = offline
     check = ScoreCheck(reference, score_bound(solo))
-    bound = batched_decode_bound(codec) if profile.endswith("_our_stage1") else LONE_DECODE
+    bound = batched_decode_bound(codec) if _STAGE1_ARCH[profile] == CODEC_ARCH else LONE_DECODE
     for key in BATCH["keys"]:
         spec, name = greedy_spec(key, BATCH["max_tokens"]), f"batched_{key}"
         check_stage_0(_RECORDS[profile][name], spec, solo, reference, codec, audio[name], check, f"{profile} {name}",
