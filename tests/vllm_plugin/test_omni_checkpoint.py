@@ -418,6 +418,19 @@ def test_the_expected_audio_is_decoded_with_the_chunking_each_profile_asks_for(t
     )
 
 
+@pytest.mark.parametrize("profile", PROFILES)
+def test_the_gpu_tests_read_which_stage_1_each_profile_runs(profile, tmp_path):
+    """test_omni_gpu's ``stage1_arch`` (which picks the batched-decode bound and the Stage-1 log checks) reads our
+    Stage 1 exactly from the YAMLs of the profiles built on it (``_our_stage1`` in the name, ``..._our_stage1_ramp``
+    too, which a check by the name's end missed), and None from the others, whose Stage 1 names no architecture
+    (vLLM takes the checkpoint's: vllm-omni's code2wav)."""
+    from bench_omni import CODEC_ARCH, derived_yaml, profile_yaml
+    from test_omni_gpu import STAGES, stage1_arch
+
+    yaml_path = derived_yaml(profile_yaml("ours", profile, tmp_path), tmp_path / f"{profile}.yaml", STAGES)
+    assert stage1_arch(yaml_path) == (CODEC_ARCH if "_our_stage1" in profile else None)
+
+
 def test_our_prompt_equals_vllm_omnis(omni_ckpt):
     from transformers import AutoTokenizer
     from vllm_omni.model_executor.models.higgs_audio_v3.higgs_audio_v3_tokenizer import HiggsAudioV3TokenizerAdapter
