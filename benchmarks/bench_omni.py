@@ -65,6 +65,7 @@ import socket
 import string
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -406,6 +407,26 @@ def log_tail(path: Path, lines: int = 12) -> str:
     kept = [ln for ln in path.read_text(encoding="utf-8", errors="replace").splitlines()
             if " INFO " not in ln and " DEBUG " not in ln]  # fmt: skip
     return "\n".join(kept[-lines:])
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """While inside, SIGTERM (what ``timeout`` and process supervisors send) raises KeyboardInterrupt, so that the
+    ``finally`` blocks and fixture teardowns that stop servers and workers still run: those run in sessions of their
+    own and outlive a process killed outright (on the H100, 2026-12-07, a pytest stopped by ``timeout`` left its
+    ``vllm-omni serve`` running). Outside the main thread, where no handler can be set, it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def stop_server(proc) -> None:
@@ -791,4 +812,7 @@ def main(argv: list[str] | None = None):
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    main()
+    # stopped by SIGTERM, the run still ends the worker it waits for and that worker's server (stop_group), and a
+    # worker its server (run_http)
+    with sigterm_as_interrupt():
+        main()

@@ -552,6 +552,46 @@ def test_a_stopped_omni_worker_takes_the_server_it_started_with_it(bench, tmp_pa
     assert _gone(int(server.read_text())) and _gone(int(stage.read_text()))
 
 
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+@pytest.mark.parametrize("guarded", [True, False], ids=["sigterm_as_interrupt", "unguarded"])
+def test_a_sigtermed_run_still_stops_the_server_it_started(tmp_path: Path, guarded: bool) -> None:
+    """A process that starts a server in a session of its own and stops it in a ``finally`` (bench_omni's main and
+    workers, test_omni_gpu's server fixture), stopped by SIGTERM as ``timeout`` stops it: under
+    ``sigterm_as_interrupt`` the ``finally`` runs and the server goes; without it the server outlives it (as
+    ``vllm-omni serve`` outlived a pytest on the H100, 2026-12-07)."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import time
+
+    server = tmp_path / "server.pid"
+    guard = "bench_omni.sigterm_as_interrupt()" if guarded else "contextlib.nullcontext()"
+    code = (f"import contextlib, os, signal, subprocess, sys, time; sys.path.insert(0, {str(BENCH_DIR)!r}); "
+            f"import bench_omni\n"
+            f"with {guard}:\n"
+            f"    s = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],\n"
+            f"                         start_new_session=True)\n"
+            f"    open({str(server)!r}, 'w').write(str(s.pid))\n"
+            f"    try:\n"
+            f"        time.sleep(600)\n"
+            f"    finally:\n"
+            f"        os.killpg(s.pid, signal.SIGKILL)\n")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    for _ in range(200):
+        if server.exists() and server.read_text():
+            break
+        time.sleep(0.1)
+    pid = int(server.read_text())
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+    try:
+        assert _gone(pid) == guarded, f"server {'outlived' if guarded else 'did not outlive'} its starter"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="the run without vLLM")
 def test_vllm_cpu_without_vllm_names_it_and_exits_nonzero(bench, tmp_path: Path, tiny_dir) -> None:
     """``bench_vllm.py --cpu`` without vLLM: each failed worker's cause in its row and one log line, a non-zero exit

@@ -57,7 +57,15 @@ from _reference_check import (  # noqa: E402
 )
 from _served import run_served  # noqa: E402
 from _tolerance import unit_roundoff  # noqa: E402
-from bench_omni import CODEC_ARCH, derived_yaml, profile_yaml, start_server, stop_server, talker_env  # noqa: E402
+from bench_omni import (  # noqa: E402
+    CODEC_ARCH,
+    derived_yaml,
+    profile_yaml,
+    sigterm_as_interrupt,
+    start_server,
+    stop_server,
+    talker_env,
+)
 from omni_checkpoint import write_omni_checkpoint  # noqa: E402
 
 from higgs_talker import HiggsTalker, Reference, SamplingParams  # noqa: E402
@@ -489,12 +497,13 @@ def server(request, ckpt, tmp_path_factory):
     yaml_path = derived_yaml(profile_yaml("ours", profile, tmp), tmp / f"{profile}.yaml", STAGES)
     log_dir = Path(os.environ.get("HIGGS_VLLM_LOG_DIR") or tmp)
     log_dir.mkdir(parents=True, exist_ok=True)
-    proc, url = start_server(str(ckpt), yaml_path, talker_env("ours"), log_dir / f"omni_serve_{profile}.log",
-                             timeout=900)  # fmt: skip
-    try:
-        yield {"url": url, "offline": offline_audio(ckpt, profile, tmp)}
-    finally:
-        stop_server(proc)
+    with sigterm_as_interrupt():  # pytest stopped by SIGTERM (`timeout`) still stops the server (its own session)
+        proc, url = start_server(str(ckpt), yaml_path, talker_env("ours"), log_dir / f"omni_serve_{profile}.log",
+                                 timeout=900)  # fmt: skip
+        try:
+            yield {"url": url, "offline": offline_audio(ckpt, profile, tmp)}
+        finally:
+            stop_server(proc)
 
 
 def _body(spec: dict, fmt: str, streamed: bool = True) -> dict:
