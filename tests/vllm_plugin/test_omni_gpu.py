@@ -122,7 +122,7 @@ def ckpt(tmp_path_factory) -> Path:
 
 _OFFLINE: dict[str, dict[str, torch.Tensor]] = {}
 _CHUNKING: dict[str, AudioChunking] = {}  # by run: the chunking its connector asks Stage 1 for
-_STAGE1_ARCH: dict[str, str] = {}  # by run: the architecture its YAML asks Stage 1 for
+_STAGE1_ARCH: dict[str, str | None] = {}  # by run: the architecture its YAML names for Stage 1 (None: the checkpoint's)
 _RECORDS: dict[str, dict[str, dict]] = {}
 _LOGS: dict[str, str] = {}
 
