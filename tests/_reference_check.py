@@ -283,6 +283,62 @@ def assert_codes_near_best(
         )
 
 
+def explain_parting(
+    want: dict[str, Tensor],
+    t: int,
+    c: int,
+    ours: int,
+    theirs: int,
+    mine: Tensor,
+    other: Tensor,
+    params: SamplingParams,
+    bound: ScoreBound,
+    what: str = "run",
+) -> str:
+    """Why two bf16 runs of one request, equal before row ``t``, took codes ``ours`` and ``theirs`` at row ``t``
+    codebook ``c``; AssertionError where nothing does. ``want``: the float32 reference teacher-forced on our rows
+    (``teacher_forced``); ``mine`` and ``other`` [C, V]: what each run's sampler ranked at row ``t`` (masked logits
+    / T). Two explanations, checked in turn:
+
+    - a near tie: the reference's race scores of the two codes within ``2 * bound.code`` x the row's scale;
+    - a top-k/top-p edge (sampled rows): each run's logits at the row within ``bound.row`` of the reference's
+      (norm-wise, relative: bf16 rounding), each run's code the winner of its own race (its own filter, plus the
+      request's noise: the reference's, as the runs are seeded alike, which their equal rows before ``t`` show), and
+      one run's filter kept one of the two codes that the other's dropped. With random weights the logits are
+      flat, and near the k-th of 1026 codes a rounding decides what the filter keeps (on an H100 Stage 0 took a
+      code that the direct engine's filter had dropped, the two codes' race scores 0.77 apart at 0.21 of the row's
+      scale: benchmarks/results/h100_20261207b)."""
+    gap = (want["unfiltered"][t, c, ours] - want["unfiltered"][t, c, theirs]).abs().item()
+    allowed = 2 * bound.code * want["scale"][t, c].item()
+    if gap <= allowed:
+        return f"a near tie ({gap:.3g} apart, within {allowed:.3g})"
+    head = (f"{what}: one run took code {ours} at row {t} codebook {c} where the other took {theirs}; the reference "
+            f"scores them {gap:.3g} apart, more than a near tie ({allowed:.3g})")  # fmt: skip
+    if is_greedy(torch.tensor([params.temperature]))[0]:
+        raise AssertionError(head + " (a greedy row has no filter)")
+    ref = want["scaled"][t]  # [C, V]
+    log_e = (ref[c] - want["unfiltered"][t, c]).where(ref[c].isfinite(), 0.0)  # the request's log(E) at the code
+    k, p = torch.tensor([params.top_k]), torch.tensor([params.top_p])
+    kept = {}
+    for name, scores, code in (("ours", mine, ours), ("theirs", other, theirs)):
+        x = scores.float().cpu()
+        finite = x.isfinite() & ref.isfinite()
+        choice = finite & (finite.sum(dim=-1, keepdim=True) > 1)  # codebooks the delay pattern does not force
+        diff = (x - ref).where(choice, 0.0).double().norm() / ref.where(choice, 0.0).double().norm().clamp(min=1e-300)
+        if diff > bound.row:
+            raise AssertionError(f"{head}; and {name} run's logits at the row are {diff:.3g} (relative) from the "
+                                 f"reference's, above the bound {bound.row:.3g}")  # fmt: skip
+        filtered = top_k_top_p_filter(x[c][None], k, p)[0]
+        winner = int((filtered - log_e).argmax())
+        if winner != code:
+            raise AssertionError(f"{head}; and {name} is not the winner of that run's own race (code {winner})")
+        kept[name] = filtered.isfinite()
+    for code in (ours, theirs):
+        if kept["ours"][code] != kept["theirs"][code]:
+            return f"a top-k/top-p edge (code {code} kept by one run's filter only)"
+    raise AssertionError(head + "; and both runs' filters keep both codes")
+
+
 def score_errors(got: dict[str, Tensor], want: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
     """Per row of two teacher-forced runs on the same rows: the squared norms [T] of the difference of their
     scaled logits and of ``want``'s, over the codebooks where the row has a choice (more than one finite code)."""

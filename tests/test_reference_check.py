@@ -13,9 +13,20 @@ from __future__ import annotations
 import pytest
 import torch
 from _engine_invariants import LOAD_TEXTS, engine_rows, explain_divergence
-from _reference_check import ScoreCheck, break_projection, float32_reference, score_bound, teacher_forced
+from _reference_check import (
+    ScoreBound,
+    ScoreCheck,
+    _mass_before,
+    break_projection,
+    explain_parting,
+    float32_reference,
+    score_bound,
+    teacher_forced,
+)
+from torch import Tensor
 
 from higgs_talker import HiggsTalker, SamplingParams
+from higgs_talker.heads.sampling import top_k_top_p_filter
 
 pytestmark = pytest.mark.slow
 
@@ -132,3 +143,64 @@ def test_a_sampler_that_ignores_top_k_and_top_p_fails(bf16, reference):
     with pytest.raises(AssertionError, match="a code the filters removed"):
         for i, (prompt, rows) in enumerate(zip(prompts, engine_rows(bf16, prompts, unfiltered), strict=True)):
             check.check(bf16, prompt, PARAMS["deploy"], rows, f"prompt {i}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# explain_parting: two runs that part at one code, on made-up scores (one codebook of 16 codes, top-k 4)
+
+EDGE_PARAMS = SamplingParams(temperature=1.0, top_k=4, top_p=1.0, seed=3)
+EDGE_BOUND = ScoreBound(row=0.012, overall=0.0075, code=0.05)  # the tiny checkpoint's
+# the reference's scaled logits: codes 3 and 4 share the k-th place to 5e-4; the rest well apart
+EDGE_REF = torch.tensor([3.0, 2.9, 2.8, 2.7, 2.6995] + [-1.0 - 0.1 * i for i in range(11)])
+# the request's log(E) noise: codes 3 and 4 win any race they are in, 3 ahead of 4
+EDGE_LOG_E = torch.tensor([2.0, 2.0, 2.0, -2.0, -1.0] + [0.0] * 11)
+
+
+def _forced(scaled: Tensor, log_e: Tensor, params: SamplingParams) -> dict[str, Tensor]:
+    """``teacher_forced``'s record of one row and one codebook with these scaled logits [V] and noise [V]."""
+    x = scaled[None, None]
+    kept = top_k_top_p_filter(scaled[None], torch.tensor([params.top_k]), torch.tensor([params.top_p]))[None]
+    return {"scaled": x, "unfiltered": x - log_e, "scores": kept - log_e, "scale": x.abs().amax(-1),
+            "mass_before": _mass_before(scaled[None], params.top_k)[None]}  # fmt: skip
+
+
+def _run(**moved: float) -> Tensor:
+    """A run's scores [1, V]: the reference's with ``code<i>=delta`` moved."""
+    x = EDGE_REF.clone()
+    for key, delta in moved.items():
+        x[int(key.removeprefix("code"))] += delta
+    return x[None]
+
+
+def test_explain_parting_accepts_a_near_tie_and_a_flip_at_the_filter_edge():
+    want = _forced(EDGE_REF, EDGE_LOG_E, EDGE_PARAMS)
+    # the other run (the reference's scores) keeps 0-3 and races code 3 (4.7) ahead of 0 (1.0); ours rounds code 4
+    # above code 3 by 1e-3, keeps 0, 1, 2, 4 and races code 4: the race scores of 3 and 4 are 1.0 apart
+    why = explain_parting(want, 0, 0, 4, 3, _run(code3=-1e-3, code4=1e-3), _run(), EDGE_PARAMS, EDGE_BOUND)
+    assert why.startswith("a top-k/top-p edge"), why
+    # with noise that puts 3 and 4 within 2 x 0.05 x the scale (3.0) of each other, the same parting is a near tie
+    near = EDGE_LOG_E.clone()
+    near[4] = -2.05
+    why = explain_parting(_forced(EDGE_REF, near, EDGE_PARAMS), 0, 0, 4, 3, _run(code3=-1e-3, code4=1e-3), _run(),
+                          EDGE_PARAMS, EDGE_BOUND)  # fmt: skip
+    assert why.startswith("a near tie"), why
+
+
+def test_explain_parting_rejects_what_neither_rounding_nor_the_edge_explains():
+    want, flip = _forced(EDGE_REF, EDGE_LOG_E, EDGE_PARAMS), _run(code3=-1e-3, code4=1e-3)
+    # a code that is not the winner of its run's own race (a sampler with the wrong noise, step or filter)
+    with pytest.raises(AssertionError, match="ours is not the winner of that run's own race"):
+        explain_parting(want, 0, 0, 0, 3, flip, _run(), EDGE_PARAMS, EDGE_BOUND)
+    # a run whose logits are off by more than rounding (code 4 up by 0.5: 0.062 of the row) keeps code 4 too
+    with pytest.raises(AssertionError, match="ours run's logits at the row are 0.06"):
+        explain_parting(want, 0, 0, 4, 3, _run(code4=0.5), _run(), EDGE_PARAMS, EDGE_BOUND)
+    # both filters keep both codes (top-k 5): then only the scores could part the runs, by more than a near tie
+    # (code 4 up by 1.5, under a row bound loose enough to let it through)
+    top5 = SamplingParams(temperature=1.0, top_k=5, seed=3)
+    with pytest.raises(AssertionError, match="both runs' filters keep both codes"):
+        explain_parting(_forced(EDGE_REF, EDGE_LOG_E, top5), 0, 0, 4, 3, _run(code4=1.5), _run(), top5,
+                        ScoreBound(row=1.0, overall=1.0, code=0.05))  # fmt: skip
+    # a greedy row has no filter: codes 0 and 5, 4.0 apart, are no near tie
+    greedy = SamplingParams(temperature=0)
+    with pytest.raises(AssertionError, match="a greedy row has no filter"):
+        explain_parting(_forced(EDGE_REF, torch.zeros(16), greedy), 0, 0, 0, 5, _run(), _run(), greedy, EDGE_BOUND)
