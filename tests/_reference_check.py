@@ -335,7 +335,8 @@ def explain_parting(
         kept[name] = filtered.isfinite()
     for code in (ours, theirs):
         if kept["ours"][code] != kept["theirs"][code]:
-            return f"a top-k/top-p edge (code {code} kept by one run's filter only)"
+            return (f"a top-k/top-p edge (code {code} kept by one run's filter only; the two codes' race scores "
+                    f"{gap:.3g} apart, past a near tie's {allowed:.3g})")  # fmt: skip
     raise AssertionError(head + "; and both runs' filters keep both codes")
 
 
