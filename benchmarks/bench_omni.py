@@ -586,6 +586,7 @@ def run_http(args: argparse.Namespace, base: dict) -> None:
 
 def run_direct(args: argparse.Namespace, base: dict) -> None:
     """Our engine alone: bench_serve's closed loop of C threads over ``stream_audio`` with vllm-omni's chunking."""
+    import torch
     from bench_serve import run_direct as closed_loop
     from common import SAMPLINGS
 
@@ -593,7 +594,8 @@ def run_direct(args: argparse.Namespace, base: dict) -> None:
     from higgs_talker.codec import UPSTREAM_CHUNKING
 
     t0 = time.perf_counter()
-    talker = HiggsTalker.from_pretrained(args.model, device="cuda", dtype="bfloat16", max_num_seqs=max(args.levels))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the smoke run of this path (tests)
+    talker = HiggsTalker.from_pretrained(args.model, device=device, dtype="bfloat16", max_num_seqs=max(args.levels))
     talker.codec  # noqa: B018 - load the decoder before timing
     base = base | {"start_s": time.perf_counter() - t0}
     deploy = {"sampling": dict(SAMPLINGS["deploy"])}  # the profiles' sampling, as the offline and HTTP paths use
@@ -675,8 +677,10 @@ def wait_worker(proc: subprocess.Popen, log_path: Path, limit: float) -> int:
 
 
 def worker(args: argparse.Namespace) -> None:
-    base = {"talker": args.talkers[0], "profile": args.profiles[0], "path": args.paths[0], "sampling": "deploy"}
-    {"offline": run_offline, "http": run_http, "direct": run_direct}[args.paths[0]](args, base)
+    path = args.paths[0]
+    profile = "direct" if path == "direct" else args.profiles[0]  # the direct engine runs no deploy profile
+    base = {"talker": args.talkers[0], "profile": profile, "path": path, "sampling": "deploy"}
+    {"offline": run_offline, "http": run_http, "direct": run_direct}[path](args, base)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -694,3 +694,21 @@ def test_omni_http_rows_carry_their_servers_stage_figures(bench, tmp_path: Path)
     assert figures == [(4.0, 900.0, 0), (5.5, 975.0, 1)]
     log.write_text("no tables here\n")
     assert mod.with_stage_stats(rows, log) == rows
+
+
+def test_omni_direct_path_streams_our_engine(bench, tmp_path: Path) -> None:
+    """``bench_omni.py --smoke --paths direct`` (no vLLM needed): its worker writes the small real-layout checkpoint,
+    streams it through our engine and codec (``stream_audio``, vllm-omni's chunking) at 1 and 2 streams on CPU, and
+    each level's row counts every request's full second of audio, labelled as the direct path."""
+    mod = bench("bench_omni")
+    argv = ["--smoke", "--paths", "direct", "--talkers", "ours", "--ckpt-dir", str(tmp_path / "ckpt"), "--out",
+            str(tmp_path)]  # fmt: skip
+    rows = load(mod.main(argv))["rows"]
+    assert [(r["talker"], r["profile"], r["path"], r["concurrency"], r["status"]) for r in rows] == [
+        ("ours", "direct", "direct", 1, "ok"), ("ours", "direct", "direct", 2, "ok")
+    ]  # fmt: skip
+    for r in rows:
+        assert r["requests"] == mod.level_requests(r["concurrency"]) and r["over_length"] == 0, r
+        assert r["audio_s_min"] == r["audio_s_max"] == 1.0, r  # 25 frames at 24 kHz, each request
+        assert 0 < r["ttfa_ms_p50"] <= r["ttfa_ms_p90"] and 0 < r["rtf_p50"] <= r["rtf_p90"], r
+        assert r["audio_s_per_s"] > 0 and r["start_s"] > 0, r
