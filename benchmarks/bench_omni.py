@@ -2,7 +2,8 @@
 vllm-omni's in-tree talker, per deploy profile and concurrency, offline and over HTTP, with our direct engine
 beside them. Runs on a GPU (H200 runs: ``results/h200_2026120*``); on a CPU-only machine vllm-omni's ``Omni``
 does not import (its pipeline registry pulls in torchvision, whose PyPI wheels need CUDA torch), and only
-``--help``, the checkpoint writer and a run with its budget spent (every configuration recorded as skipped) work.
+``--help``, the checkpoint writer, a run with its budget spent (every configuration recorded as skipped) and the
+direct path (our engine needs no vLLM; ``--smoke --paths direct`` runs in under a minute) work.
 
 Talkers: ``ours`` (this project's plugin installed: vllm-omni's Higgs architectures resolve to our talker) with
 our packaged profiles (``higgs_talker/vllm_plugin/deploy``); ``upstream`` (``VLLM_PLUGINS=vllm_omni_register_models``
@@ -45,6 +46,7 @@ done: shutdown is not measured and does not use the next configuration's share o
 
     python benchmarks/bench_omni.py --out $OUT                       # both talkers x profiles x paths, 1,4,16,64
     python benchmarks/bench_omni.py --smoke --out $OUT               # small shape, levels 1,2, 1 s of audio
+    python benchmarks/bench_omni.py --smoke --paths direct --talkers ours   # the direct path alone, CPU too
     python benchmarks/bench_omni.py --talkers ours --profiles low_latency --paths offline --levels 1,16
     python benchmarks/bench_omni.py --profiles low_latency --paths offline --budget-s 480 --out $OUT  # one call
 """
@@ -698,7 +700,8 @@ def main(argv: list[str] | None = None):
     p.add_argument("--audio-s", type=float, default=None, help="seconds of audio per request (default 8)")
     p.add_argument("--model", default=None, help="checkpoint directory (default: omni_checkpoint.py's, 4B shape)")
     p.add_argument("--ckpt-dir", default="/tmp/higgs_4b_omni", help="where the random checkpoint is written")
-    p.add_argument("--smoke", action="store_true", help="small shape, levels 1,2, 1 s of audio (still a GPU run)")
+    smoke = "small shape, levels 1,2, 1 s of audio (a GPU run; --paths direct runs on CPU too)"
+    p.add_argument("--smoke", action="store_true", help=smoke)
     p.add_argument("--worker-timeout", type=int, default=900, help="s per worker process, start-up included")
     p.add_argument("--budget-s", type=float, default=None,
                    help="end the run after this many seconds, each configuration (talker x profile x path) getting "
