@@ -696,3 +696,57 @@ def test_bench_omni_runs_the_upstream_profiles_it_is_given(capsys):
     with pytest.raises(SystemExit):
         bench_omni.main(["--upstream-profiles", "full_decode_64,full_decode_64_frame_graphs"])
     assert "--upstream-profiles: unknown ['full_decode_64_frame_graphs']" in capsys.readouterr().err
+
+
+def _stand_in_stage_0(talker: HiggsTalker, spec: dict, params: SamplingParams, step_shift: int = 0) -> dict:
+    """What the score probe records of a Stage-0 request (``{"rows" [T, C], "scaled" [T, C, V]}``: the rows and what
+    the sampler ranked at each, masked logits / T), from our engine running ``spec`` alone; ``step_shift``: a
+    broken sampler that draws the noise of another row."""
+    from test_omni_gpu import reference_of
+
+    import higgs_talker.heads.slots as slots_module
+
+    ranked, real = [], slots_module.sample_codes
+
+    def recording(logits, temperature, top_k, top_p, seeds, steps, **shortcuts):
+        t = temperature.float()[:, None, None]
+        ranked.append(torch.where(t > 0, logits.float() / t.clamp(min=1e-30), logits.float())[0].cpu())
+        return real(logits, temperature, top_k, top_p, seeds, steps + step_shift, **shortcuts)
+
+    slots_module.sample_codes = recording
+    try:
+        rows = talker.generate(spec["text"], params, reference=reference_of(spec)).rows.long().cpu()
+    finally:
+        slots_module.sample_codes = real
+    return {"rows": rows, "scaled": torch.stack(ranked[: len(rows)])}
+
+
+def test_check_stage_0_runs_on_cpu_with_our_engine_standing_in_for_stage_0(omni_ckpt, capsys):
+    """test_omni_gpu's check of one Omni request (``check_stage_0``) on CPU: our bf16 engine stands in for Stage 0
+    (its sampler's scores recorded as the score probe records Stage 0's, its audio our codec's decode of its rows),
+    a float32 talker for the direct engine, whose rows part from the bf16 ones (the parting path: ``explain_parting``),
+    and the float32 reference; every request of the GPU test's SPEC passes. A stand-in whose sampler draws the next
+    row's noise fails."""
+    from _reference_check import ScoreCheck, float32_reference, score_bound
+    from test_omni_gpu import SPEC, check_stage_0, decoded, params_of
+
+    from higgs_talker.codec import Codec
+
+    stage_0 = HiggsTalker.from_pretrained(omni_ckpt, dtype="bfloat16", max_num_seqs=1, max_model_len=1024, codec=False)
+    direct = HiggsTalker.from_pretrained(omni_ckpt, dtype="float32", max_num_seqs=1, max_model_len=1024, codec=False)
+    reference, codec = float32_reference(stage_0), Codec.from_pretrained(omni_ckpt)
+    check = ScoreCheck(reference, score_bound(stage_0))
+    partings = []
+    for spec in SPEC:
+        record = _stand_in_stage_0(stage_0, spec, params_of(spec, stage_0))
+        audio = decoded(codec, record["rows"], spec["max_tokens"], stage_0.cfg.num_real_codes)
+        check_stage_0(record, spec, direct, reference, codec, audio, check, spec["key"], UPSTREAM_CHUNKING)
+        partings += [line for line in capsys.readouterr().out.splitlines() if "parts from the direct engine" in line]
+    with capsys.disabled():
+        print("\n" + "\n".join(partings))
+    assert partings, "no request parted from the float32 talker: the parting path did not run"
+    spec = next(s for s in SPEC if s["key"] == "deploy")
+    broken = _stand_in_stage_0(stage_0, spec, params_of(spec, stage_0), step_shift=1)
+    audio = decoded(codec, broken["rows"], spec["max_tokens"], stage_0.cfg.num_real_codes)
+    with pytest.raises(AssertionError, match="far from the reference's best|not the winner of that run's own race"):
+        check_stage_0(broken, spec, direct, reference, codec, audio, check, "next row's noise", UPSTREAM_CHUNKING)
