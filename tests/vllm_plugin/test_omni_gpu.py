@@ -287,7 +287,7 @@ def assert_same_audio(got: torch.Tensor, want: torch.Tensor, what: str, bound: f
     )
 
 
-def assert_rows_match_up_to_a_near_tie(
+def assert_rows_match_or_part_by_rounding(
     got: torch.Tensor, want: torch.Tensor, forced: dict, scaled: torch.Tensor, solo_scaled, params, bound, what: str
 ) -> None:
     """Stage 0's rows ``got`` equal the direct engine's ``want``, or they part at a row where rounding explains it
@@ -332,7 +332,7 @@ def check_stage_0(
     def solo_scaled(t: int) -> torch.Tensor:  # the direct engine's own scores at row t (its rows before t are ours)
         return teacher_forced(solo, prompt, params, want[: t + 1], complete=False)["scaled"][t]
 
-    assert_rows_match_up_to_a_near_tie(rows, want, forced, record["scaled"], solo_scaled, params, check.bound, what)
+    assert_rows_match_or_part_by_rounding(rows, want, forced, record["scaled"], solo_scaled, params, check.bound, what)
     expected = decoded(codec, rows, spec["max_tokens"], solo.cfg.num_real_codes, chunking)
     assert_same_audio(audio, expected, what, bound)
 
