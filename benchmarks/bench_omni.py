@@ -102,6 +102,7 @@ PROFILES = (
     "full_decode_64_async_frame_graphs_our_stage1_ramp",
     "full_decode_64_async_frame_graphs_no_prefix_cache_our_stage1",
     "full_decode_64_async_frame_graphs_mp_our_stage1",
+    "low_latency_async_frame_graphs_our_stage1",
 )
 # a profile named ..._our_stage1 is its base profile with our Stage 1 (vllm-omni 0.26 decodes each request's chunk
 # alone, and at 64 streams both talkers ended near the same audio s/s: h200_20261205b): a step's chunks of one length
