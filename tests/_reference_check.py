@@ -188,6 +188,28 @@ def teacher_forced(
     return {name: torch.stack([steps_seen[t][i] for t in range(len(rows))]) for i, name in enumerate(names)}
 
 
+@contextmanager
+def recorded_sampling(step_shift: int = 0):
+    """Inside, every call of the engine's sampler records what it ranks, by request: ``{(seed, row): [C, V]}``, the
+    masked logits / T (/ 1 for greedy), as the score probe records Stage 0's. ``step_shift``: a broken sampler that
+    draws the noise of another row (a mutation)."""
+    ranked: dict[tuple[int, int], Tensor] = {}
+    real = slots_module.sample_codes
+
+    def recording(logits, temperature, top_k, top_p, seeds, steps, **shortcuts):
+        t = temperature.float()[:, None, None]
+        scaled = torch.where(t > 0, logits.float() / t.clamp(min=1e-30), logits.float()).cpu()
+        for b in range(len(seeds)):
+            ranked[int(seeds[b]), int(steps[b])] = scaled[b]
+        return real(logits, temperature, top_k, top_p, seeds, steps + step_shift, **shortcuts)
+
+    slots_module.sample_codes = recording
+    try:
+        yield ranked
+    finally:
+        slots_module.sample_codes = real
+
+
 def _mass_before(x: Tensor, top_k: int) -> Tensor:
     """Scaled logits [C, V] -> the softmax mass [C, V] of the codes ranked above each code, within its top-k."""
     v = x.shape[-1]

@@ -20,6 +20,7 @@ from _reference_check import (
     break_projection,
     explain_parting,
     float32_reference,
+    recorded_sampling,
     score_bound,
     teacher_forced,
 )
@@ -212,25 +213,12 @@ def test_explain_parting_explains_where_bf16_kernels_part_from_the_float32_refer
     parting is explained (on this machine 14 of 16 parted, two of them at the filter's edge, their codes' race
     scores 2.36 and 1.27 apart against near-tie allowances of 1.09 and 1.12: a near-tie check alone rejected
     correct kernels there)."""
-    import higgs_talker.heads.slots as slots_module
-
     texts = LOAD_TEXTS * 2
     params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=100 + i, max_frames=60)
               for i in range(len(texts))]  # fmt: skip
     prompts = [bf16.build_prompt(t) for t in texts]
-    ranked, real = {}, slots_module.sample_codes
-
-    def recording(logits, temperature, top_k, top_p, seeds, steps, **shortcuts):
-        scaled = logits.float() / temperature.float()[:, None, None]  # every request here is sampled
-        for b in range(len(seeds)):
-            ranked[int(seeds[b]), int(steps[b])] = scaled[b].cpu()
-        return real(logits, temperature, top_k, top_p, seeds, steps, **shortcuts)
-
-    slots_module.sample_codes = recording
-    try:
+    with recorded_sampling() as ranked:
         runs = engine_rows(bf16, prompts, params)
-    finally:
-        slots_module.sample_codes = real
     partings = []
     for text, prompt, p, rows in zip(texts, prompts, params, runs, strict=True):
         alone = reference.generate(text, p).rows.long().cpu()

@@ -702,23 +702,13 @@ def _stand_in_stage_0(talker: HiggsTalker, spec: dict, params: SamplingParams, s
     """What the score probe records of a Stage-0 request (``{"rows" [T, C], "scaled" [T, C, V]}``: the rows and what
     the sampler ranked at each, masked logits / T), from our engine running ``spec`` alone; ``step_shift``: a
     broken sampler that draws the noise of another row."""
+    from _reference_check import recorded_sampling
     from test_omni_gpu import reference_of
 
-    import higgs_talker.heads.slots as slots_module
-
-    ranked, real = [], slots_module.sample_codes
-
-    def recording(logits, temperature, top_k, top_p, seeds, steps, **shortcuts):
-        t = temperature.float()[:, None, None]
-        ranked.append(torch.where(t > 0, logits.float() / t.clamp(min=1e-30), logits.float())[0].cpu())
-        return real(logits, temperature, top_k, top_p, seeds, steps + step_shift, **shortcuts)
-
-    slots_module.sample_codes = recording
-    try:
+    with recorded_sampling(step_shift) as ranked:
         rows = talker.generate(spec["text"], params, reference=reference_of(spec)).rows.long().cpu()
-    finally:
-        slots_module.sample_codes = real
-    return {"rows": rows, "scaled": torch.stack(ranked[: len(rows)])}
+    (seed,) = {seed for seed, _ in ranked}  # the one request's
+    return {"rows": rows, "scaled": torch.stack([ranked[seed, t] for t in range(len(rows))])}
 
 
 def test_check_stage_0_runs_on_cpu_with_our_engine_standing_in_for_stage_0(omni_ckpt, capsys):
