@@ -73,6 +73,7 @@ from pathlib import Path
 from typing import Any
 
 from higgs_talker.codec.streaming import UPSTREAM_CHUNKING, window_lengths
+from higgs_talker.row_linear_op import ASK_KEY as ROW_LINEARS_KEY
 from higgs_talker.vllm_plugin import CODEC_ARCH, CODEC_GRAPH_FRAMES
 from higgs_talker.vllm_plugin.deploy import RAMP_KEY
 
@@ -103,6 +104,7 @@ PROFILES = (
     "full_decode_64_async_frame_graphs_no_prefix_cache_our_stage1",
     "full_decode_64_async_frame_graphs_mp_our_stage1",
     "low_latency_async_frame_graphs_our_stage1",
+    "full_decode_64_async_frame_graphs_our_stage1_row_linears",
 )
 # a profile named ..._our_stage1 is its base profile with our Stage 1 (vllm-omni 0.26 decodes each request's chunk
 # alone, and at 64 streams both talkers ended near the same audio s/s: h200_20261205b): a step's chunks of one length
@@ -182,11 +184,17 @@ DERIVED = {"full_decode_64": _full_64(),
 DERIVED |= {p: _plus(DERIVED[p.removesuffix(suffix)], more) for p in PROFILES
             for suffix, more in STAGE1_VARIANTS.items() if p.endswith(suffix)}  # fmt: skip
 DERIVED |= {p: _plus(DERIVED[p.removesuffix("_ramp")], RAMP) for p in PROFILES if p.endswith("_ramp")}
-# vllm-omni's talker ignores higgs_frame_graphs, runs with its own hand-over, and (our plugin not loaded) its own Stage
-# 1: asked for a profile with our frame graphs or Stage 1, it runs the same profile without them (listed under that
-# name; once where several are asked for)
-UPSTREAM_SAME = {p: p.replace("_frame_graphs", "").removesuffix("_ramp").removesuffix("_our_stage1") for p in PROFILES
-                 if "_frame_graphs" in p or p.endswith(("_our_stage1", "_ramp"))}  # fmt: skip
+# ..._row_linears: Stage 0's linears through our one-row and few-row Triton kernels where they measure faster than
+# vLLM's GEMM (higgs_talker.row_linear_op; hf_overrides replaces the section, so the frame graphs' key comes along)
+OUR_ROW_LINEARS = {0: {"hf_overrides": FRAME_GRAPHS["hf_overrides"] | {ROW_LINEARS_KEY: True}}}
+DERIVED |= {p: _plus(DERIVED[p.removesuffix("_row_linears")], OUR_ROW_LINEARS) for p in PROFILES
+            if p.endswith("_row_linears")}  # fmt: skip
+# vllm-omni's talker ignores higgs_frame_graphs and higgs_row_linears, runs with its own hand-over, and (our plugin not
+# loaded) its own Stage 1: asked for a profile with our frame graphs, row linears or Stage 1, it runs the same profile
+# without them (listed under that name; once where several are asked for)
+UPSTREAM_SAME = {p: p.replace("_frame_graphs", "").removesuffix("_row_linears").removesuffix("_ramp")
+                 .removesuffix("_our_stage1") for p in PROFILES
+                 if "_frame_graphs" in p or p.endswith(("_our_stage1", "_ramp", "_row_linears"))}  # fmt: skip
 PATHS = ("offline", "http", "direct")
 LEVELS = (1, 4, 16, 64)
 LEVELS_DONE = "LEVELS DONE"  # a worker's last line of results: what follows is its shutdown

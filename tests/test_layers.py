@@ -43,6 +43,7 @@ LAYERS = {
     "scheduler": 5,
     "results": 5,
     "engine": 6,
+    "row_linear_op": 6,  # the row kernels as one torch op for vLLM's layers (measured with cuda_graphs.kernels)
     "driver": 7,
     "vllm_plugin": 7,
     "api": 8,

@@ -697,3 +697,82 @@ def test_a_call_the_kernels_do_not_take_runs_the_reference_and_leaves_them_untri
     slots.masked_logits(x, state, 30, 31, allowed)
     assert torch.equal(x, want)
     assert (fused.state("sampler race"), fused.state("delay mask")) == ("untried", "untried")
+
+
+@pytest.fixture
+def row_tiles(monkeypatch):
+    """``row_linear_op.TILES`` for a [37, 50] weight (one row and few rows), emptied after the test; and the calls
+    each Triton kernel got."""
+    from higgs_talker import row_linear_op
+
+    calls = {"row_linear": 0, "few_rows_linear": 0}
+    for name in calls:
+        kernel = getattr(triton_gemv, name)
+
+        def counted(*args, _kernel=kernel, _name=name, **kwargs):
+            calls[_name] += 1
+            return _kernel(*args, **kwargs)
+
+        monkeypatch.setattr(triton_gemv, name, counted)
+    monkeypatch.setattr(row_linear_op, "TILES", {(37, 50, False): tuple(SMALL_TILES[0]),
+                                                 (37, 50, True): tuple(FEW_SMALL_TILES[0])})  # fmt: skip
+    return calls
+
+
+def _op_matches_float64(op, m: int, seed: int) -> None:
+    x, w, _, want, tolerance = _linear_case(torch.float32, m, 37, 50, False, False, seed=seed)
+    got = op(x, w)
+    assert got.shape == (m, 37)
+    for i in range(m):
+        assert ((got[i].double() - want[i]).norm() / want[i].norm()).item() <= tolerance, f"row {i} of {m}"
+
+
+def test_rows_linear_op_takes_the_kernel_of_its_rows_interpreted(row_tiles):
+    """One row takes row_linear, 2-16 rows few_rows_linear, 17 rows and an unmeasured shape F.linear; each result
+    within the fp32 bound of the float64 product."""
+    from higgs_talker import row_linear_op
+
+    assert row_linear_op.FEW_ROWS == triton_gemv.FEW_ROWS
+    op = torch.ops.higgs_talker.rows_linear
+    for m, row, few in ((1, 1, 0), (2, 1, 1), (16, 1, 2), (17, 1, 2)):  # calls so far of each kernel after m rows
+        _op_matches_float64(op, m, seed=m)
+        assert row_tiles == {"row_linear": row, "few_rows_linear": few}, m
+    x, w = torch.randn(2, 50), torch.randn(36, 50)  # no tile for [36, 50]: F.linear, bit for bit
+    assert torch.equal(op(x, w), torch.nn.functional.linear(x, w)) and row_tiles["few_rows_linear"] == 2
+
+
+def test_rows_linear_op_decides_per_call_under_torch_compile(row_tiles):
+    """Traced once by Dynamo (fullgraph, dynamic rows, no guard on them), the op still takes each call's kernel."""
+    op = torch.ops.higgs_talker.rows_linear
+    compiled = torch.compile(lambda x, w: op(x, w), fullgraph=True, dynamic=True, backend="aot_eager")
+    for m in (1, 5, 17, 1):
+        _op_matches_float64(compiled, m, seed=100 + m)
+    assert row_tiles == {"row_linear": 2, "few_rows_linear": 1}
+
+
+def test_use_rows_linear_switches_unquantized_linears_without_bias():
+    """A layer's linears whose method is an unquantized one without a bias call the op; one with a bias keeps its
+    own apply (the op takes no bias)."""
+    from types import SimpleNamespace
+
+    from higgs_talker import row_linear_op
+
+    class UnquantizedLinearMethod:  # the name vLLM's unquantized method has
+        def apply(self, layer, x, bias=None):
+            return torch.nn.functional.linear(x, layer.weight, bias) + 1000  # tells its own path apart
+
+    def linear(bias: bool):
+        return SimpleNamespace(weight=torch.randn(37, 50), bias=torch.randn(37) if bias else None,
+                               quant_method=UnquantizedLinearMethod())  # fmt: skip
+
+    layer = SimpleNamespace(self_attn=SimpleNamespace(qkv_proj=linear(True), o_proj=linear(False)),
+                            mlp=SimpleNamespace(gate_up_proj=linear(False), down_proj=linear(False)))  # fmt: skip
+    assert row_linear_op.use_rows_linear([layer]) == 3
+    x = torch.randn(2, 50)
+    for module in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert isinstance(module.quant_method, UnquantizedLinearMethod)
+        assert torch.equal(module.quant_method.apply(module, x), torch.nn.functional.linear(x, module.weight))
+    qkv = layer.self_attn.qkv_proj
+    assert type(qkv.quant_method) is UnquantizedLinearMethod
+    own = torch.nn.functional.linear(x, qkv.weight, qkv.bias) + 1000
+    assert torch.equal(qkv.quant_method.apply(qkv, x, qkv.bias), own)

@@ -258,12 +258,15 @@ def row_tile_candidates(model: torch.nn.Module) -> dict | None:
     return {"one": [list(c) for c in _row_kernel(False)[0]], "few": [list(c) for c in _row_kernel(True)[0]]}
 
 
-def choose_row_linears(model: torch.nn.Module, names: list[str] | None = None, few: bool = False) -> list[dict]:
+def choose_row_linears(
+    model: torch.nn.Module, names: list[str] | None = None, few: bool = False, silu_gate_up: bool = True
+) -> list[dict]:
     """Give each linear of ``model`` (or of ``names``) our Triton kernel for one-row inputs (``triton_gemv
     .row_linear``; with ``few``, the kernel for 2 to ``FEW_ROWS`` rows, ``few_rows_linear``) via the model's
     kernels' ``row_configs`` (``few_row_configs``) as its ``row_gemv`` option says: ``auto`` where it is correct
     and faster than the kernels' own path, ``on`` wherever it is correct (the first correct tile), ``off``
-    nowhere. A linear left out stays on cuBLAS.
+    nowhere. A linear left out stays on cuBLAS. gate_up is measured with SiLU-and-mul after it (``silu_gate_up``)
+    or, for a model that runs the activation apart, without.
 
     Each tile is checked first, on layer 0 with random rows (one, or ``FEW_ROWS``), against a float64 product:
     one that raises or misses the dtype's epsilon (relative norm) is never chosen. Under ``auto`` the product of
@@ -287,12 +290,12 @@ def choose_row_linears(model: torch.nn.Module, names: list[str] | None = None, f
     rows = []
     for name in names:
         modules = [ROW_LINEARS[name](layer) for layer in layers]
-        silu = name == "gate_up"
-        x = torch.randn(n_rows, modules[0].in_features, generator=gen, device=weight.device).to(weight.dtype)
+        silu = silu_gate_up and name == "gate_up"
+        x = torch.randn(n_rows, modules[0].weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
         row = {"linear": name, "rows": n_rows}
         if option == "auto":
             try:
-                row["torch_us"] = _products_us(_kernels_product(kernels, name, x), modules)
+                row["torch_us"] = _products_us(_kernels_product(kernels, name, x, silu), modules)
             except Exception as exc:  # noqa: BLE001 - nothing to compare against: the linear stays as it is
                 logger.warning("%s: timing %s's own path failed (%s); %s stays on it", label, name, exc, name)
                 row["chosen"] = "torch"
@@ -379,9 +382,10 @@ def _tile_ok(err: float, dtype: torch.dtype) -> bool:
     return err <= torch.finfo(dtype).eps  # False for NaN
 
 
-def _kernels_product(kernels, name: str, x: Tensor) -> Callable[[torch.nn.Module], Tensor]:
-    """The kernels' own path for linear ``name`` on rows ``x`` (gate_up: with SiLU-and-mul), per module."""
-    if name == "gate_up":
+def _kernels_product(kernels, name: str, x: Tensor, silu: bool) -> Callable[[torch.nn.Module], Tensor]:
+    """The kernels' own path for linear ``name`` on rows ``x`` (with ``silu``: gate_up with SiLU-and-mul), per
+    module."""
+    if silu:
         return lambda module: kernels.gate_up_silu(x, module)
     return lambda module: kernels.linear(name, x, module)
 

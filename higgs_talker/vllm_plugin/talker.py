@@ -38,6 +38,7 @@ from ..heads.codebooks import build_codebooks
 from ..heads.slots import RequestSlots, SlotStore
 from ..heads.spans import SpanStep, StepBuffers, frame_results, rows_or_empty
 from ..prompt import TalkerTokenizer
+from ..row_linear_op import use_measured_rows_linear
 from . import compat
 
 logger = logging.getLogger(__name__)
@@ -239,6 +240,9 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         vocab, device = self.cfg.text.vocab_size, self.multimodal_embedding.weight.device
         self._text_sampler = compat.text_sampler(self.vllm_config, vocab, device)  # warmed up: no compile in serving
         self.local_mlp.capture(self.cfg.text.hidden_size, self.multimodal_embedding.weight)
+        if (said := use_measured_rows_linear(self.model.layers[self.model.start_layer : self.model.end_layer],
+                                             mc.hf_config)) is not None:  # fmt: skip
+            logger.info("higgs talker (vLLM adapter): %s", said)
         if self.frame_graphs is None:
             args = (self.frame, self.slots, self.modality_head, compat.max_num_seqs(self.vllm_config), sp.audio)
             self.frame_graphs = FrameGraphs.if_asked(mc.hf_config, *args)

@@ -532,3 +532,28 @@ def test_a_decode_step_of_streams_calls_little_outside_the_frame_work(adapter, m
     # streams took make_omni_output from 18.8 to 123 calls a step when each request's rows were stacked alone)
     assert per_step["make_omni_output"] <= 10, per_step
     assert sum(per_step.values()) <= 29, per_step
+
+
+def test_row_linears_find_vllms_unquantized_linears_and_stay_off_without_cuda(adapter):
+    """``row_linear_op.use_rows_linear`` picks linears by their method's class name: vLLM's layers of this model
+    have that class, and the switched method is still one (vLLM's isinstance checks); asked on a CPU model,
+    ``use_measured_rows_linear`` says why it did nothing and switches nothing."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    from higgs_talker.cuda_graphs.kernels import ROW_LINEARS
+    from higgs_talker.row_linear_op import ASK_KEY, use_measured_rows_linear, use_rows_linear
+
+    layers = list(adapter.model.layers)
+    modules = [of(layer) for layer in layers for of in ROW_LINEARS.values()]
+    assert all(type(m.quant_method) is UnquantizedLinearMethod for m in modules)
+    said = use_measured_rows_linear(layers, SimpleNamespace(**{ASK_KEY: True}))
+    assert said == f"{ASK_KEY}: our row linears need a CUDA device; the linears stay as they are"
+    assert use_measured_rows_linear(layers, SimpleNamespace()) is None
+    assert all(type(m.quant_method) is UnquantizedLinearMethod for m in modules)
+    methods = [m.quant_method for m in modules]
+    try:
+        assert use_rows_linear(layers) == len(modules)
+        assert all(isinstance(m, UnquantizedLinearMethod) and type(m) is not UnquantizedLinearMethod for m in methods)
+    finally:
+        for m in methods:
+            m.__class__ = UnquantizedLinearMethod

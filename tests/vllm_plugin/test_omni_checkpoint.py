@@ -560,7 +560,8 @@ def test_bench_omnis_deploy_yamls_and_their_test_variants_parse(talker, profile,
     if "frame_graphs" in profile:
         stage0 = next(s for s in load_deploy_config(base).stages if s.stage_id == 0)
         overrides = getattr(stage0, "hf_overrides", None) or (stage0.engine_extras or {}).get("hf_overrides")
-        assert overrides == {"higgs_frame_graphs": True}, overrides
+        asked = {"higgs_row_linears": True} if profile.endswith("_row_linears") else {}  # row_linear_op.ASK_KEY
+        assert overrides == {"higgs_frame_graphs": True} | asked, overrides
         assert stage0.enforce_eager is profile.startswith("high_throughput")  # the eager profile stays eager
     if profile == "low_latency_async_frame_graphs":  # as vllm-omni merges it with its Higgs pipeline
         from vllm_omni.config.stage_config import merge_pipeline_deploy
