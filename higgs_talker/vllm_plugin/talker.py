@@ -239,10 +239,10 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         self.frame = functools.partial(frame_results, audio_id=sp.audio, eos_id=sp.eos)
         vocab, device = self.cfg.text.vocab_size, self.multimodal_embedding.weight.device
         self._text_sampler = compat.text_sampler(self.vllm_config, vocab, device)  # warmed up: no compile in serving
-        self.local_mlp.capture(self.cfg.text.hidden_size, self.multimodal_embedding.weight)
-        if (said := use_measured_rows_linear(self.model.layers[self.model.start_layer : self.model.end_layer],
-                                             mc.hf_config)) is not None:  # fmt: skip
+        layers = self.model.layers[self.model.start_layer : self.model.end_layer]
+        if (said := use_measured_rows_linear(layers, mc.hf_config)) is not None:  # before the local MLP graphs
             logger.info("higgs talker (vLLM adapter): %s", said)
+        self.local_mlp.capture(self.cfg.text.hidden_size, self.multimodal_embedding.weight)
         if self.frame_graphs is None:
             args = (self.frame, self.slots, self.modality_head, compat.max_num_seqs(self.vllm_config), sp.audio)
             self.frame_graphs = FrameGraphs.if_asked(mc.hf_config, *args)
