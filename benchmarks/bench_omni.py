@@ -183,18 +183,26 @@ DERIVED = {"full_decode_64": _full_64(),
            "full_decode_64_async_frame_graphs_mp": _full_64(ASYNC_FRAME_GRAPHS, MP)}  # fmt: skip
 DERIVED |= {p: _plus(DERIVED[p.removesuffix(suffix)], more) for p in PROFILES
             for suffix, more in STAGE1_VARIANTS.items() if p.endswith(suffix)}  # fmt: skip
-DERIVED |= {p: _plus(DERIVED[p.removesuffix("_ramp")], RAMP) for p in PROFILES if p.endswith("_ramp")}
 # ..._row_linears: Stage 0's linears through our one-row and few-row Triton kernels where they measure faster than
 # vLLM's GEMM (higgs_talker.row_linear_op; hf_overrides replaces the section, so the frame graphs' key comes along)
 OUR_ROW_LINEARS = {0: {"hf_overrides": FRAME_GRAPHS["hf_overrides"] | {ROW_LINEARS_KEY: True}}}
-DERIVED |= {p: _plus(DERIVED[p.removesuffix("_row_linears")], OUR_ROW_LINEARS) for p in PROFILES
-            if p.endswith("_row_linears")}  # fmt: skip
+LATE_VARIANTS = {"_ramp": RAMP, "_row_linears": OUR_ROW_LINEARS}  # suffix on a derived profile -> what it adds
+DERIVED |= {p: _plus(DERIVED[p.removesuffix(suffix)], more) for p in PROFILES
+            for suffix, more in LATE_VARIANTS.items() if p.endswith(suffix)}  # fmt: skip
 # vllm-omni's talker ignores higgs_frame_graphs and higgs_row_linears, runs with its own hand-over, and (our plugin not
 # loaded) its own Stage 1: asked for a profile with our frame graphs, row linears or Stage 1, it runs the same profile
 # without them (listed under that name; once where several are asked for)
-UPSTREAM_SAME = {p: p.replace("_frame_graphs", "").removesuffix("_row_linears").removesuffix("_ramp")
-                 .removesuffix("_our_stage1") for p in PROFILES
-                 if "_frame_graphs" in p or p.endswith(("_our_stage1", "_ramp", "_row_linears"))}  # fmt: skip
+OURS_ONLY = ("_row_linears", "_ramp", "_our_stage1")  # suffixes it drops, outermost first
+
+
+def _upstream_same(profile: str) -> str:
+    profile = profile.replace("_frame_graphs", "")
+    for suffix in OURS_ONLY:
+        profile = profile.removesuffix(suffix)
+    return profile
+
+
+UPSTREAM_SAME = {p: _upstream_same(p) for p in PROFILES if "_frame_graphs" in p or p.endswith(OURS_ONLY)}
 PATHS = ("offline", "http", "direct")
 LEVELS = (1, 4, 16, 64)
 LEVELS_DONE = "LEVELS DONE"  # a worker's last line of results: what follows is its shutdown
