@@ -172,9 +172,10 @@ def teacher_forced(
     slots_module.sample_codes = forced
     try:
         rid = e.add_request(prompt, params)
+        published = 0  # rows published, not steps sampled: with async scheduling the sampler runs a step ahead
         while e.has_unfinished():
-            e.step()
-            if not complete and len(steps_seen) >= len(rows):
+            published += sum(out.request_id == rid and out.row is not None for out in e.step())
+            if not complete and published >= len(rows):
                 e.cancel(rid)
         got = torch.stack(e.pop_finished(rid).rows).long().cpu()
     finally:

@@ -39,8 +39,8 @@ PARAMS = {
 MUTATIONS = [("o_proj", 1, 1.05), ("down_proj", 0, 0.95), ("qkv_proj", 2, 1.05)]
 
 
-def _talker(tiny_dir, dtype: str, mutation: tuple[str, int, float] | None = None) -> HiggsTalker:
-    talker = HiggsTalker.from_pretrained(tiny_dir, dtype=dtype, max_num_seqs=8, max_model_len=1024)
+def _talker(tiny_dir, dtype: str, mutation: tuple[str, int, float] | None = None, **options) -> HiggsTalker:
+    talker = HiggsTalker.from_pretrained(tiny_dir, dtype=dtype, max_num_seqs=8, max_model_len=1024, **options)
     return talker if mutation is None else break_projection(talker, *mutation)
 
 
@@ -80,6 +80,22 @@ def test_teacher_forcing_reproduces_a_run_and_its_scores(tiny_dir):
     got, want = teacher_forced(talker, prompt, params, rows), teacher_forced(reference, prompt, params, rows)
     assert torch.equal(got["scores"], want["scores"])
     assert torch.equal(want["scores"].argmax(dim=-1), rows)
+
+
+def test_teacher_forcing_a_cancelled_run_keeps_every_row_under_async_scheduling(tiny_dir):
+    """Stopped after a run's first rows (``complete=False``), the forced talker emits exactly those rows, also when
+    its engine schedules a step ahead (as on CUDA): the sampler then runs one step before the rows are published,
+    and cancelling on the steps sampled would drop the last row."""
+    eager = _talker(tiny_dir, "float32")
+    ahead = _talker(tiny_dir, "float32", async_scheduling=True)
+    assert ahead.engine.async_scheduling
+    params = PARAMS["greedy"]
+    prompt = eager.build_prompt(LOAD_TEXTS[1])
+    rows = engine_rows(eager, [prompt], params)[0][:6]
+    got = teacher_forced(ahead, prompt, params, rows, complete=False)
+    want = teacher_forced(eager, prompt, params, rows, complete=False)
+    assert got["scaled"].shape[0] == len(rows)
+    assert torch.equal(got["scaled"], want["scaled"])
 
 
 @pytest.mark.parametrize("sampling", list(PARAMS))
