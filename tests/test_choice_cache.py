@@ -258,23 +258,21 @@ class StandIns:
     def names(self) -> list[str]:
         return [c[0] for c in self.calls]
 
-    def row_gemv_option(self, model) -> str:
+    def row_gemv_option(self, kernels, layers) -> str:
         return "auto"
 
-    def choose_row_linears(self, model, names=None, few=False):
+    def choose_row_linears(self, kernels, layers, names=None, few=False):
         self.calls.append(("choose_row_linears" + ("[few]" if few else ""), names))
-        table, tiles = (
-            (model.kernels.few_row_configs, self.few_tiles) if few else (model.kernels.row_configs, self.tiles)
-        )
+        table, tiles = (kernels.few_row_configs, self.few_tiles) if few else (kernels.row_configs, self.tiles)
         for name in names or list(ROW_LINEARS):
             table.pop(name, None)
             if tiles[name] is not None:
                 table[name] = tiles[name]
         return [{"linear": n, "us": 1.0} for n in names or ROW_LINEARS]
 
-    def check_row_linears(self, model, tiles, few=False):
+    def check_row_linears(self, kernels, layers, tiles, few=False):
         self.calls.append(("check_row_linears" + ("[few]" if few else ""), dict(tiles)))
-        table = model.kernels.few_row_configs if few else model.kernels.row_configs
+        table = kernels.few_row_configs if few else kernels.row_configs
         table.clear()
         failed = [n for n, t in tiles.items() if (n, t) in self.bad]
         table.update({n: t for n, t in tiles.items() if n not in failed})
@@ -502,12 +500,13 @@ def test_check_row_linears_keeps_the_tiles_that_pass(tiny_dir, torch_gemv) -> No
     talker = HiggsTalker.from_pretrained(tiny_dir, "cpu", "bfloat16", max_num_seqs=4, max_model_len=256)
     model = talker.model
     model.kernels.row_configs = {"gate_up": GOOD}  # from before: cleared, gate_up is not among the cached tiles
-    rows, failed = check_row_linears(model, {"qkv": GOOD, "o_proj": OFF, "down": (9, 9, 9, 9), "nope": GOOD})
+    kernels, layers = model.kernels, model.model.layers
+    rows, failed = check_row_linears(kernels, layers, {"qkv": GOOD, "o_proj": OFF, "down": (9, 9, 9, 9), "nope": GOOD})
     assert failed == ["o_proj", "down", "nope"]
     assert model.kernels.row_configs == {"qkv": GOOD}
     assert [r["linear"] for r in rows] == ["qkv", "o_proj", "down", "nope"]
     assert rows[0][f"err{tuple(GOOD)}"] < torch.finfo(torch.bfloat16).eps < rows[1][f"err{tuple(OFF)}"]
-    rows, failed = check_row_linears(model, {"gate_up": GOOD, "down": GOOD})
+    rows, failed = check_row_linears(kernels, layers, {"gate_up": GOOD, "down": GOOD})
     assert failed == [] and model.kernels.row_configs == {"gate_up": GOOD, "down": GOOD}
 
 
@@ -515,9 +514,10 @@ def test_choose_row_linears_measures_only_the_linears_it_is_given(tiny_dir, torc
     talker = HiggsTalker.from_pretrained(tiny_dir, "cpu", "bfloat16", max_num_seqs=4, max_model_len=256)
     kernels = talker.model.kernels
     kernels.row_gemv, kernels.row_configs = "on", {"qkv": OFF, "down": OFF}  # "on": the first correct tile, untimed
-    rows = choose_row_linears(talker.model, ["down"])
+    layers = talker.model.model.layers
+    rows = choose_row_linears(kernels, layers, ["down"])
     assert [r["linear"] for r in rows] == ["down"] and kernels.row_configs == {"qkv": OFF, "down": GOOD}
-    rows = choose_row_linears(talker.model)
+    rows = choose_row_linears(kernels, layers)
     assert [r["linear"] for r in rows] == list(ROW_LINEARS) and kernels.row_configs == dict.fromkeys(ROW_LINEARS, GOOD)
 
 
@@ -539,11 +539,12 @@ def test_the_few_row_tiles_are_checked_and_chosen_on_16_rows_in_their_own_table(
     kernels = talker.model.kernels
     kernels.row_gemv, kernels.row_configs, kernels.few_row_configs = "on", {"qkv": GOOD}, {"gate_up": FEW_GOOD}
     FEW_ROWS_SEEN.clear()
-    rows, failed = check_row_linears(talker.model, {"qkv": FEW_GOOD, "o_proj": FEW_OFF, "down": GOOD}, few=True)
+    layers = talker.model.model.layers
+    rows, failed = check_row_linears(kernels, layers, {"qkv": FEW_GOOD, "o_proj": FEW_OFF, "down": GOOD}, few=True)
     assert failed == ["o_proj", "down"]  # 5% off; a one-row tile is not a few-row tile
     assert kernels.few_row_configs == {"qkv": FEW_GOOD} and kernels.row_configs == {"qkv": GOOD}
     assert all(r["rows"] == 16 for r in rows) and FEW_ROWS_SEEN == [16, 16]
-    rows = choose_row_linears(talker.model, ["down", "gate_up"], few=True)
+    rows = choose_row_linears(kernels, layers, ["down", "gate_up"], few=True)
     assert [r["linear"] for r in rows] == ["down", "gate_up"] and all(r["rows"] == 16 for r in rows)
     assert kernels.few_row_configs == {"qkv": FEW_GOOD, "down": FEW_GOOD, "gate_up": FEW_GOOD}
     assert kernels.row_configs == {"qkv": GOOD} and set(FEW_ROWS_SEEN) == {16}

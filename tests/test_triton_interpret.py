@@ -701,8 +701,8 @@ def test_a_call_the_kernels_do_not_take_runs_the_reference_and_leaves_them_untri
 
 @pytest.fixture
 def row_tiles(monkeypatch):
-    """``row_linear_op.TILES`` for a [37, 50] weight (one row and few rows), emptied after the test; and the calls
-    each Triton kernel got."""
+    """``row_linear_op.TILES`` for a [37, 50] float32 weight (one row and few rows), emptied after the test; and the
+    calls each Triton kernel got."""
     from higgs_talker import row_linear_op
 
     calls = {"row_linear": 0, "few_rows_linear": 0}
@@ -714,8 +714,8 @@ def row_tiles(monkeypatch):
             return _kernel(*args, **kwargs)
 
         monkeypatch.setattr(triton_gemv, name, counted)
-    monkeypatch.setattr(row_linear_op, "TILES", {(37, 50, False): tuple(SMALL_TILES[0]),
-                                                 (37, 50, True): tuple(FEW_SMALL_TILES[0])})  # fmt: skip
+    monkeypatch.setattr(row_linear_op, "TILES", {(37, 50, False, torch.float32): tuple(SMALL_TILES[0]),
+                                                 (37, 50, True, torch.float32): tuple(FEW_SMALL_TILES[0])})  # fmt: skip
     return calls
 
 
@@ -728,8 +728,8 @@ def _op_matches_float64(op, m: int, seed: int) -> None:
 
 
 def test_rows_linear_op_takes_the_kernel_of_its_rows_interpreted(row_tiles):
-    """One row takes row_linear, 2-16 rows few_rows_linear, 17 rows and an unmeasured shape F.linear; each result
-    within the fp32 bound of the float64 product."""
+    """One row takes row_linear, 2-16 rows few_rows_linear, 17 rows, an unmeasured shape and a dtype the tiles were
+    not measured for F.linear; each result within the fp32 bound of the float64 product."""
     from higgs_talker import row_linear_op
 
     assert row_linear_op.FEW_ROWS == triton_gemv.FEW_ROWS
@@ -739,6 +739,8 @@ def test_rows_linear_op_takes_the_kernel_of_its_rows_interpreted(row_tiles):
         assert row_tiles == {"row_linear": row, "few_rows_linear": few}, m
     x, w = torch.randn(2, 50), torch.randn(36, 50)  # no tile for [36, 50]: F.linear, bit for bit
     assert torch.equal(op(x, w), torch.nn.functional.linear(x, w)) and row_tiles["few_rows_linear"] == 2
+    x, w = torch.randn(1, 50).double(), torch.randn(37, 50).double()  # the measured shape, not the measured dtype
+    assert torch.equal(op(x, w), torch.nn.functional.linear(x, w)) and row_tiles["row_linear"] == 1
 
 
 def test_rows_linear_op_decides_per_call_under_torch_compile(row_tiles):
@@ -776,3 +778,38 @@ def test_use_rows_linear_switches_unquantized_linears_without_bias():
     assert type(qkv.quant_method) is UnquantizedLinearMethod
     own = torch.nn.functional.linear(x, qkv.weight, qkv.bias) + 1000
     assert torch.equal(qkv.quant_method.apply(qkv, x, qkv.bias), own)
+
+
+def test_choose_tiles_records_each_linears_checked_tile_by_shape_and_dtype(row_tiles, monkeypatch):
+    """``row_linear_op.choose_tiles`` on fp16 layers (the interpreter's tensor-core dots misread bf16) with
+    ``row_gemv`` on (the first tile that passes its float64 check; timing needs CUDA graphs): every linear's one-row
+    and few-row tile lands in ``TILES`` under its weight's (N, K, few, dtype), and the op then takes them."""
+    from types import SimpleNamespace
+
+    from higgs_talker import row_linear_op
+
+    monkeypatch.setattr(row_linear_op, "TILES", {})
+    monkeypatch.setattr(row_linear_op._OwnPath, "row_gemv", "on")
+    monkeypatch.setattr(triton_gemv, "CONFIGS", tuple(SMALL_TILES))
+    monkeypatch.setattr(triton_gemv, "FEW_ROW_CONFIGS", tuple(FEW_SMALL_TILES))
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"qkv": (48, 32), "o_proj": (32, 40), "gate_up": (64, 32), "down": (32, 24)}
+
+    def linear(name):
+        return SimpleNamespace(weight=torch.randn(*shapes[name], generator=gen).half(), bias=None)
+
+    layers = [SimpleNamespace(self_attn=SimpleNamespace(qkv_proj=linear("qkv"), o_proj=linear("o_proj")),
+                              mlp=SimpleNamespace(gate_up_proj=linear("gate_up"), down_proj=linear("down")))
+              for _ in range(2)]  # fmt: skip
+    rows = row_linear_op.choose_tiles(layers)
+    assert [(r["linear"], r["rows"]) for r in rows] == [(n, m) for m in (1, 16) for n in shapes]
+    assert all(r["chosen"] != "torch" for r in rows), rows
+    want = {(n, k, few, torch.float16) for n, k in shapes.values() for few in (False, True)}
+    assert set(row_linear_op.TILES) == want
+    w = layers[0].mlp.down_proj.weight
+    x = torch.randn(1, w.shape[1], generator=gen).half()
+    calls = dict(row_tiles)
+    got = torch.ops.higgs_talker.rows_linear(x, w)
+    assert row_tiles["row_linear"] == calls["row_linear"] + 1
+    want_row = x.double() @ w.double().T
+    assert ((got.double() - want_row).norm() / want_row.norm()).item() <= torch.finfo(torch.float16).eps

@@ -4,7 +4,10 @@ The 4B shape's four linears of each of 36 layers (random bf16 weights), their ti
 ``row_linear_op.choose_tiles``; then the 144 products of one decode step's linears, at 1 and 16 rows:
 ``F.linear`` replayed from a CUDA graph against the op traced by ``torch.compile`` (Inductor, fullgraph, one trace
 for both row counts) and replayed from a CUDA graph. Each op result is checked against ``F.linear``'s (relative
-norm of the difference within a few bf16 roundings). Writes ``rows_linear_op_<time>.json`` under ``--out``.
+norm of the difference within a few bf16 roundings). Then, at 1, 16 and 64 rows, the same 144 products called
+eagerly, without a graph, ``F.linear`` against the op (64 rows: the op's own ``F.linear``), which is how vLLM runs
+the steps its graphs do not hold (prefills, mixed steps): the difference is the op's dispatch on the host where the
+host is the bound. Writes ``rows_linear_op_<time>.json`` under ``--out``.
 
     python benchmarks/probes/rows_linear_op.py --out $OUT
 """
@@ -73,6 +76,14 @@ def main() -> None:
                 row["us_per_step"] = median_ms(graph.replay, iters=20, warmup=3) * 1e3
             except Exception as exc:  # noqa: BLE001 - a path that fails is written down
                 row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    for m in (1, 16, 64):  # eager, no graph: CUDA events around the launches of one step's 144 products
+        widths = {w.shape[1] for w in weights}
+        xs = {k: torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16) for k in widths}
+        for path, fn in (("F.linear no graph", lambda xs=xs: products(F.linear, xs)),
+                         ("op no graph", lambda xs=xs: products(torch.ops.higgs_talker.rows_linear, xs))):  # fmt: skip
+            row = {"rows": m, "path": path, "us_per_step": median_ms(fn, iters=50, warmup=5) * 1e3}
             rows.append(row)
             print(json.dumps(row), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

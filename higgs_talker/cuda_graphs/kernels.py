@@ -21,7 +21,7 @@ and name those that fail, for the graph runner to measure again.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -228,10 +228,11 @@ ROW_LINEARS = {
 }
 
 
-def row_gemv_option(model: torch.nn.Module) -> str:
-    """The model's kernels' ``row_gemv`` option where the one-row GEMV can run (bf16 / fp16 weights), else off."""
-    option = getattr(model.kernels, "row_gemv", "off")
-    dtype = ROW_LINEARS["qkv"](model.model.layers[0]).weight.dtype
+def row_gemv_option(kernels, layers: Sequence) -> str:
+    """The ``row_gemv`` option of ``kernels`` (a model's kernels object) where the one-row GEMV can run on
+    ``layers``' weights (bf16 / fp16), else off."""
+    option = getattr(kernels, "row_gemv", "off")
+    dtype = ROW_LINEARS["qkv"](layers[0]).weight.dtype
     return option if dtype in (torch.bfloat16, torch.float16) else "off"
 
 
@@ -250,20 +251,20 @@ def row_table(kernels, few: bool) -> dict:
     return kernels.few_row_configs if few else kernels.row_configs
 
 
-def row_tile_candidates(model: torch.nn.Module) -> dict | None:
+def row_tile_candidates(kernels, layers: Sequence) -> dict | None:
     """The tiles warm-up tries for the one-row and the few-row kernel (part of the choice cache's key: a choice
-    is among them); None where the model's ``row_gemv`` option is off."""
-    if row_gemv_option(model) == "off":
+    is among them); None where the ``row_gemv`` option is off (``row_gemv_option``)."""
+    if row_gemv_option(kernels, layers) == "off":
         return None
     return {"one": [list(c) for c in _row_kernel(False)[0]], "few": [list(c) for c in _row_kernel(True)[0]]}
 
 
 def choose_row_linears(
-    model: torch.nn.Module, names: list[str] | None = None, few: bool = False, silu_gate_up: bool = True
+    kernels, layers: Sequence, names: list[str] | None = None, few: bool = False, silu_gate_up: bool = True
 ) -> list[dict]:
-    """Give each linear of ``model`` (or of ``names``) our Triton kernel for one-row inputs (``triton_gemv
-    .row_linear``; with ``few``, the kernel for 2 to ``FEW_ROWS`` rows, ``few_rows_linear``) via the model's
-    kernels' ``row_configs`` (``few_row_configs``) as its ``row_gemv`` option says: ``auto`` where it is correct
+    """Give each linear of ``layers`` (or of ``names``) our Triton kernel for one-row inputs (``triton_gemv
+    .row_linear``; with ``few``, the kernel for 2 to ``FEW_ROWS`` rows, ``few_rows_linear``) via ``kernels``'
+    ``row_configs`` (``few_row_configs``) as their ``row_gemv`` option says: ``auto`` where it is correct
     and faster than the kernels' own path, ``on`` wherever it is correct (the first correct tile), ``off``
     nowhere. A linear left out stays on cuBLAS. gate_up is measured with SiLU-and-mul after it (``silu_gate_up``)
     or, for a model that runs the activation apart, without.
@@ -274,14 +275,13 @@ def choose_row_linears(
     it) is timed in a CUDA graph for the kernels' path and each correct tile. Returns the table (one dict per
     linear).
     """
-    kernels = model.kernels
-    option = row_gemv_option(model)
+    layers = list(layers)
+    option = row_gemv_option(kernels, layers)
     if option == "off":
         return []
     configs, kernel, n_rows = _row_kernel(few)
     label = f"{n_rows}-row linear" if few else "one-row GEMV"
     table = row_table(kernels, few)
-    layers = list(model.model.layers)
     names = list(ROW_LINEARS) if names is None else names
     for name in names:
         table.pop(name, None)
@@ -291,7 +291,7 @@ def choose_row_linears(
     for name in names:
         modules = [ROW_LINEARS[name](layer) for layer in layers]
         silu = silu_gate_up and name == "gate_up"
-        x = torch.randn(n_rows, modules[0].weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
+        x = _random_rows(n_rows, modules[0], gen)
         row = {"linear": name, "rows": n_rows}
         if option == "auto":
             try:
@@ -333,7 +333,7 @@ def choose_row_linears(
 
 
 def check_row_linears(
-    model: torch.nn.Module, tiles: dict[str, tuple], few: bool = False
+    kernels, layers: Sequence, tiles: dict[str, tuple], few: bool = False
 ) -> tuple[list[dict], list[str]]:
     """Check each linear's given tile (a cached choice) of the one-row kernel (with ``few``, of the few-row
     kernel) as ``choose_row_linears`` checks a candidate (layer 0, random rows, against float64), without timing
@@ -342,9 +342,9 @@ def check_row_linears(
     from ..triton_gemv import RowConfig
 
     configs, kernel, n_rows = _row_kernel(few)
-    table = row_table(model.kernels, few)
+    table = row_table(kernels, few)
     table.clear()
-    layer0 = model.model.layers[0]
+    layer0 = layers[0]
     gen = torch.Generator(device=ROW_LINEARS["qkv"](layer0).weight.device).manual_seed(0)
     rows, failed = [], []
     for name, tile in tiles.items():
@@ -355,8 +355,7 @@ def check_row_linears(
             failed.append(name)
             continue
         module = ROW_LINEARS[name](layer0)
-        x = torch.randn(n_rows, module.in_features, generator=gen, device=module.weight.device)
-        x = x.to(module.weight.dtype)
+        x = _random_rows(n_rows, module, gen)
         try:
             silu = name == "gate_up"
             want = _row_reference(x, module, silu)
@@ -369,6 +368,13 @@ def check_row_linears(
         else:
             failed.append(name)
     return rows, failed
+
+
+def _random_rows(n_rows: int, module, gen: torch.Generator) -> Tensor:
+    """``n_rows`` random input rows for ``module`` (its weight [N, K]: K columns, its device and dtype), the rows a
+    tile is checked and timed on."""
+    weight = module.weight
+    return torch.randn(n_rows, weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
 
 
 def _tile_error(kernel, x: Tensor, module: torch.nn.Module, config, silu: bool, want: Tensor) -> float:

@@ -169,7 +169,8 @@ class GraphRunner:
                        "max_model_len": runner.max_model_len},
             "buckets": list(self.buckets),
             "options": {"graph_mode": self.mode.value, "kernels": kernels.name,
-                        "row_gemv": getattr(kernels, "row_gemv", "off"), "row_tiles": row_tile_candidates(runner.model),
+                        "row_gemv": getattr(kernels, "row_gemv", "off"),
+                        "row_tiles": row_tile_candidates(kernels, runner.model.model.layers),
                         "fuse_qk_rope": bool(kernels.fuse_qk_rope),
                         "attention": type(attn).__name__, "decode_kernel": getattr(attn, "decode_kernel", None),
                         "decode_kernels": list(attn.decode_kernels), "attend_qkv": getattr(attn, "takes_qkv", False),
@@ -179,24 +180,25 @@ class GraphRunner:
     def _choose_row_linears(self, cached: Choices | None) -> None:
         """Each linear's tile of the one-row kernel and of the few-row kernel: the cached tiles that pass their
         check, the rest measured."""
-        model = self.runner.model
-        if row_gemv_option(model) == "off":
+        kernels, layers = self.runner.model.kernels, list(self.runner.model.model.layers)
+        if row_gemv_option(kernels, layers) == "off":
             return
         self.row_timings = []
         for stage, few in (("row_linears", False), ("few_row_linears", True)):
             tiles = None if cached is None else cached.get(stage)
             if tiles is None:
-                self.row_timings += choose_row_linears(model, few=few)
+                self.row_timings += choose_row_linears(kernels, layers, few=few)
                 self.choice_sources[stage] = "measured"
             else:
-                rows, failed = check_row_linears(model, tiles, few=few)
+                rows, failed = check_row_linears(kernels, layers, tiles, few=few)
                 if failed:
                     logger.warning("choice cache: the cached %s tiles of %s failed their check; measuring them "
                                    "again", stage, ", ".join(failed))  # fmt: skip
-                    rows = [r for r in rows if r["linear"] not in failed] + choose_row_linears(model, failed, few=few)
+                    rows = [r for r in rows if r["linear"] not in failed]
+                    rows += choose_row_linears(kernels, layers, failed, few=few)
                 self.row_timings += rows
                 self.choice_sources[stage] = "remeasured" if failed else "cached"
-            self.choices[stage] = {name: tuple(c) for name, c in row_table(model.kernels, few).items()}
+            self.choices[stage] = {name: tuple(c) for name, c in row_table(kernels, few).items()}
 
     def _choose_decode_kernels(self, cached: Choices | None, step) -> None:
         """The decode kernel of each bucket: the cached kernels that pass their check, the rest measured (inside

@@ -239,8 +239,7 @@ class HiggsTalkerForConditionalGeneration(nn.Module):
         self.frame = functools.partial(frame_results, audio_id=sp.audio, eos_id=sp.eos)
         vocab, device = self.cfg.text.vocab_size, self.multimodal_embedding.weight.device
         self._text_sampler = compat.text_sampler(self.vllm_config, vocab, device)  # warmed up: no compile in serving
-        layers = self.model.layers[self.model.start_layer : self.model.end_layer]
-        if (said := use_measured_rows_linear(layers, mc.hf_config)) is not None:  # before the local MLP graphs
+        if (said := use_measured_rows_linear(self.local_mlp.layers, mc.hf_config)) is not None:  # before its graphs
             logger.info("higgs talker (vLLM adapter): %s", said)
         self.local_mlp.capture(self.cfg.text.hidden_size, self.multimodal_embedding.weight)
         if self.frame_graphs is None:

@@ -10,6 +10,7 @@ neighbours or position.
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -401,6 +402,24 @@ def test_load_weights_rejects_unexpected_and_missing_keys(adapter, tiny_dir):
     assert fresh.load_weights(weights) == {n for n, _ in fresh.named_parameters()}
 
 
+def test_load_weights_asks_for_row_linears_where_the_config_does(adapter, tiny_dir, monkeypatch, caplog):
+    """``hf_overrides: {higgs_row_linears: true}`` reaches ``use_measured_rows_linear`` at load, with the stage's
+    layers: on CPU it logs why the linears stay as they are."""
+    from vllm.config import set_current_vllm_config
+
+    from higgs_talker.row_linear_op import ASK_KEY
+    from higgs_talker.vllm_plugin.talker import HiggsTalkerForConditionalGeneration
+
+    with set_current_vllm_config(adapter.vllm_config), torch.device("cpu"):
+        fresh = HiggsTalkerForConditionalGeneration(vllm_config=adapter.vllm_config, prefix="rows")
+    monkeypatch.setattr(adapter.vllm_config.model_config.hf_config, ASK_KEY, True, raising=False)
+    with caplog.at_level(logging.INFO):
+        fresh.load_weights(iter_tensors(tiny_dir, adapter.cfg))
+    said = [r.getMessage() for r in caplog.records if ASK_KEY in r.getMessage()]
+    assert said == [f"higgs talker (vLLM adapter): {ASK_KEY}: our row linears need a CUDA device; the linears stay "
+                    "as they are"], said  # fmt: skip
+
+
 def test_unseeded_requests_draw_the_same_seeds_on_every_rank(adapter):
     """Tensor parallelism runs one adapter per rank; an unseeded request must get the same sampling seed on each
     (else the ranks feed different rows back): the seeds come from vLLM's model seed, in order of first sight."""
@@ -534,10 +553,10 @@ def test_a_decode_step_of_streams_calls_little_outside_the_frame_work(adapter, m
     assert sum(per_step.values()) <= 29, per_step
 
 
-def test_row_linears_find_vllms_unquantized_linears_and_stay_off_without_cuda(adapter):
+def test_row_linears_find_vllms_unquantized_linears_and_stay_off_without_cuda(adapter, monkeypatch):
     """``row_linear_op.use_rows_linear`` picks linears by their method's class name: vLLM's layers of this model
-    have that class, and the switched method is still one (vLLM's isinstance checks); asked on a CPU model,
-    ``use_measured_rows_linear`` says why it did nothing and switches nothing."""
+    have that class, and the switched method is still one (vLLM's isinstance checks); asked on a CPU model, or with
+    vLLM's batch-invariant mode on, ``use_measured_rows_linear`` says why it did nothing and switches nothing."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
     from higgs_talker.cuda_graphs.kernels import ROW_LINEARS
@@ -549,6 +568,10 @@ def test_row_linears_find_vllms_unquantized_linears_and_stay_off_without_cuda(ad
     said = use_measured_rows_linear(layers, SimpleNamespace(**{ASK_KEY: True}))
     assert said == f"{ASK_KEY}: our row linears need a CUDA device; the linears stay as they are"
     assert use_measured_rows_linear(layers, SimpleNamespace()) is None
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    said = use_measured_rows_linear(layers, SimpleNamespace(**{ASK_KEY: True}))
+    assert said == f"{ASK_KEY}: VLLM_BATCH_INVARIANT is set; the linears stay as they are"
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT")
     assert all(type(m.quant_method) is UnquantizedLinearMethod for m in modules)
     methods = [m.quant_method for m in modules]
     try:

@@ -69,12 +69,13 @@ from bench_omni import (  # noqa: E402
     stop_server,
     talker_env,
 )
-from omni_checkpoint import write_omni_checkpoint  # noqa: E402
+from omni_checkpoint import small_config, write_omni_checkpoint  # noqa: E402
 
 from higgs_talker import HiggsTalker, Reference, SamplingParams  # noqa: E402
 from higgs_talker.codec import UPSTREAM_CHUNKING, AudioChunking, Codec  # noqa: E402
 from higgs_talker.codec.model import decoder_convolutions  # noqa: E402
 from higgs_talker.heads.delay import codec_frames  # noqa: E402
+from higgs_talker.row_linear_op import ASK_KEY as ROW_LINEARS_KEY  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).with_name("score_probe")))
 import higgs_score_probe  # noqa: E402
@@ -106,10 +107,12 @@ SMALL_KV = {"keys": ["greedy", "topkp", "deploy"], "max_tokens": 120, "alone": F
 # again (higgs_talker.vllm_plugin.deploy; bench_omni's requests end by length, where it does not show). And the
 # same with 64 streams, on FlashInfer and on vLLM's FlashAttention backend (bench_omni's FULL_64, FLASH_ATTN), and
 # with our Stage 1 (bench_omni's OUR_STAGE1: batched decodes, the codec's reach of left context; the expected audio
-# is decoded with the chunking each profile's connector asks for: chunking_of).
+# is decoded with the chunking each profile's connector asks for: chunking_of). And the packaged default with our
+# row kernels under vLLM's linears (higgs_talker.row_linear_op, opt-in: hf_overrides higgs_row_linears).
 PROFILES = ("low_latency", "high_throughput", "low_latency_frame_graphs", "low_latency_async_frame_graphs",
             "full_decode_64_async_frame_graphs", "full_decode_64_async_frame_graphs_flash_attn",
-            "full_decode_64_async_frame_graphs_our_stage1")  # fmt: skip
+            "full_decode_64_async_frame_graphs_our_stage1",
+            "full_decode_64_async_frame_graphs_our_stage1_row_linears")  # fmt: skip
 # Stage 0 sized for the small checkpoint; Stage 1 in float32, as our codec decodes
 STAGES = {0: {"gpu_memory_utilization": 0.3, "max_model_len": 1024, "max_num_batched_tokens": 1024,
               "dtype": "bfloat16"},
@@ -353,7 +356,7 @@ def test_the_adapter_takes_the_graph_path_its_profile_calls_for(offline):
             "low_latency_frame_graphs": frames, "low_latency_async_frame_graphs": frames,
             "full_decode_64_async_frame_graphs": frames_64, "full_decode_64_async_frame_graphs_flash_attn": frames_64,
             "high_throughput": "local MLP graphs on: vLLM enforce_eager=True"}  # fmt: skip
-    want = want[profile.removesuffix("_our_stage1")]
+    want = want[profile.removesuffix("_row_linears").removesuffix("_our_stage1")]
     assert want in log, [x for x in log.splitlines() if "higgs" in x.lower() or "frame graphs" in x][:20]
     assert "capture failed" not in log
     assert "vLLM's text sampler warmed up for batches [1, 8, 16]" in log  # max_num_seqs 16 or 64: every class
@@ -363,6 +366,8 @@ def test_the_adapter_takes_the_graph_path_its_profile_calls_for(offline):
         assert "Asynchronous scheduling is enabled" in log
     if profile.endswith("flash_attn"):
         assert "Using AttentionBackendEnum.FLASH_ATTN backend" in log
+    if profile.endswith("_row_linears"):  # every layer's four linears switched, after the tiles were measured
+        assert f"{ROW_LINEARS_KEY}: {4 * small_config().text.num_hidden_layers} linears take rows_linear;" in log
     if _STAGE1_ARCH[profile] == CODEC_ARCH:  # Stage 1 built our class (vLLM names the architecture it resolved)
         assert f"Resolved architecture: {CODEC_ARCH}" in log
         assert "codec graphs for windows of [5, 30, 39] frames:" in log  # each checked, none failed (above)
