@@ -195,14 +195,15 @@ DERIVED |= {p: _plus(DERIVED[p.removesuffix(suffix)], more) for p in PROFILES
 OURS_ONLY = ("_row_linears", "_ramp", "_our_stage1")  # suffixes it drops, outermost first
 
 
-def _upstream_same(profile: str) -> str:
-    profile = profile.replace("_frame_graphs", "")
+def without_ours_only(profile: str) -> str:
+    """``profile`` without its ``OURS_ONLY`` suffixes: the profile they were added to."""
     for suffix in OURS_ONLY:
         profile = profile.removesuffix(suffix)
     return profile
 
 
-UPSTREAM_SAME = {p: _upstream_same(p) for p in PROFILES if "_frame_graphs" in p or p.endswith(OURS_ONLY)}
+UPSTREAM_SAME = {p: without_ours_only(p.replace("_frame_graphs", "")) for p in PROFILES
+                 if "_frame_graphs" in p or p.endswith(OURS_ONLY)}  # fmt: skip
 PATHS = ("offline", "http", "direct")
 LEVELS = (1, 4, 16, 64)
 LEVELS_DONE = "LEVELS DONE"  # a worker's last line of results: what follows is its shutdown

@@ -57,11 +57,15 @@ def main() -> None:
     def products(linear_fn, xs):  # each layer's four linears on fixed inputs (weights stream as in a step)
         return [linear_fn(xs[w.shape[1]], w) for w in weights]
 
+    widths = {w.shape[1] for w in weights}
+
+    def inputs(m: int) -> dict[int, torch.Tensor]:  # m random rows for each input width
+        return {k: torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16) for k in widths}
+
     compiled = torch.compile(lambda xs: products(torch.ops.higgs_talker.rows_linear, xs), fullgraph=True)
     rows = []
     for m in (1, 16):
-        widths = {w.shape[1] for w in weights}
-        xs = {k: torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16) for k in widths}
+        xs = inputs(m)
         for path, fn in (("F.linear", lambda xs=xs: products(F.linear, xs)),
                          ("op eager", lambda xs=xs: products(torch.ops.higgs_talker.rows_linear, xs)),
                          ("op compiled", lambda xs=xs: compiled(xs))):  # fmt: skip
@@ -79,8 +83,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     for m in (1, 16, 64):  # eager, no graph: CUDA events around the launches of one step's 144 products
-        widths = {w.shape[1] for w in weights}
-        xs = {k: torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16) for k in widths}
+        xs = inputs(m)
         for path, fn in (("F.linear no graph", lambda xs=xs: products(F.linear, xs)),
                          ("op no graph", lambda xs=xs: products(torch.ops.higgs_talker.rows_linear, xs))):  # fmt: skip
             row = {"rows": m, "path": path, "us_per_step": median_ms(fn, iters=50, warmup=5) * 1e3}
