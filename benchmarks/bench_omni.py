@@ -8,7 +8,10 @@ direct path (our engine needs no vLLM; ``--smoke --paths direct`` runs in under 
 Talkers: ``ours`` (this project's plugin installed: vllm-omni's Higgs architectures resolve to our talker) with
 our packaged profiles (``higgs_talker/vllm_plugin/deploy``); ``upstream`` (``VLLM_PLUGINS=vllm_omni_register_models``
 in its processes, so only vllm-omni's own plugin loads) with vllm-omni's own YAMLs. Profiles: ``low_latency``,
-``high_throughput``, and two derived from each talker's low-latency YAML (``DERIVED``): ``full_decode_64`` (FULL
+``high_throughput`` (each talker's packaged YAML of that name), ``vllm_omni_low_latency`` (vllm-omni's low-latency
+YAML: each talker's high-throughput YAML, which has vllm-omni's shape in both, with its FULL decode graphs up to 16
+streams; our packaged low-latency profile had this shape until 2026-12-07), and those derived from it (``DERIVED``):
+``full_decode_64`` (FULL
 decode graphs up to 64 streams), ``full_decode_64_no_prefix_cache`` (the same, prefix caching off),
 ``low_latency_async`` (vLLM's async scheduling asked for), ``low_latency_frame_graphs`` (our frame graphs
 asked for in Stage 0's ``hf_overrides``; vllm-omni's talker ignores the key), ``high_throughput_frame_graphs`` (the
@@ -19,7 +22,8 @@ FlashAttention backend instead of FlashInfer (``..._flash_attn``); ``..._our_sta
 (``higgs_talker.vllm_plugin.code2wav``: vllm-omni's code2wav decoding a step's chunks of one length as one batch, each
 chunk with the codec's reach of left context instead of 25 frames: ``OUR_STAGE1``); ``..._reach_context``: the left
 context alone, for either talker.
-``full_decode_64_async_frame_graphs`` is the packaged ``full-decode`` profile. vllm-omni's talker, asked for a
+``full_decode_64_async_frame_graphs_our_stage1`` is the packaged ``full-decode`` profile (and the default),
+``low_latency_async_frame_graphs_our_stage1`` the packaged ``low-latency`` one. vllm-omni's talker, asked for a
 profile with our frame graphs or our Stage 1, runs the one without them, with its own hand-over and Stage 1
 (``UPSTREAM_SAME``), so one run compares each of ours with vllm-omni's nearest. Each
 (talker, profile, path) runs in its own process (a fresh CUDA context; ``Omni`` and ``vllm-omni serve`` start their
@@ -81,6 +85,7 @@ TALKERS = ("ours", "upstream")
 PROFILES = (
     "low_latency",
     "high_throughput",
+    "vllm_omni_low_latency",
     "full_decode_64",
     "full_decode_64_no_prefix_cache",
     "low_latency_async",
@@ -159,20 +164,35 @@ def _plus(derived: tuple[str, dict], more: dict) -> tuple[str, dict]:
     return base, overrides | {k: overrides.get(k, {}) | v for k, v in more.items()}
 
 
+# vllm-omni's low-latency YAML is its high-throughput one with these on Stage 0 (vllm-omni 0.26-0.30; for vllm-omni's
+# talker the derived YAML loads equal to its own: tests/vllm_plugin/test_omni_checkpoint.py)
+LOW_LATENCY_SHAPE = {
+    "max_num_seqs": 16,
+    "enforce_eager": False,
+    "compilation_config": {
+        "cudagraph_mode": "FULL_DECODE_ONLY",
+        "cudagraph_capture_sizes": [1, 2, 4, 8, 16],
+        "cudagraph_num_of_warmups": 1,
+    },
+}
+LOW_LATENCY_BASE = "vllm_omni_low_latency"  # the base of the low_latency_* and full_decode_64* profiles
+
+
 def _full_64(*stage0: dict) -> tuple[str, dict]:
-    """The low-latency YAML with 64 streams and FULL decode graphs up to 64 (``FULL_64``; Stage 1 takes 64 too), and
-    ``stage0``'s keys on Stage 0."""
-    return "low_latency", {0: functools.reduce(operator.or_, stage0, FULL_64), 1: {"max_num_seqs": 64}}
+    """vllm-omni's low-latency YAML with 64 streams and FULL decode graphs up to 64 (``FULL_64``; Stage 1 takes 64
+    too), and ``stage0``'s keys on Stage 0."""
+    return LOW_LATENCY_BASE, {0: functools.reduce(operator.or_, stage0, FULL_64), 1: {"max_num_seqs": 64}}
 
 
-DERIVED = {"full_decode_64": _full_64(),
+DERIVED = {LOW_LATENCY_BASE: ("high_throughput", {0: LOW_LATENCY_SHAPE}),
+           "full_decode_64": _full_64(),
            "full_decode_64_no_prefix_cache": _full_64(NO_PREFIX_CACHE),
-           "low_latency_async": ("low_latency", {0: ASYNC}),
-           "low_latency_frame_graphs": ("low_latency", {0: FRAME_GRAPHS}),
+           "low_latency_async": (LOW_LATENCY_BASE, {0: ASYNC}),
+           "low_latency_frame_graphs": (LOW_LATENCY_BASE, {0: FRAME_GRAPHS}),
            # the eager profile, whose step is host time, with the frame work replayed from graphs
            "high_throughput_frame_graphs": ("high_throughput", {0: FRAME_GRAPHS}),
            "full_decode_64_frame_graphs": _full_64(FRAME_GRAPHS),
-           "low_latency_async_frame_graphs": ("low_latency", {0: ASYNC_FRAME_GRAPHS}),
+           "low_latency_async_frame_graphs": (LOW_LATENCY_BASE, {0: ASYNC_FRAME_GRAPHS}),
            "full_decode_64_async": _full_64(ASYNC),
            "full_decode_64_async_frame_graphs": _full_64(ASYNC_FRAME_GRAPHS),
            "full_decode_64_async_flash_attn": _full_64(ASYNC, FLASH_ATTN),
@@ -237,12 +257,12 @@ def deploy_yaml(talker: str, profile: str) -> Path:
 
 
 def profile_yaml(talker: str, profile: str, out_dir: Path) -> Path:
-    """The YAML ``talker`` runs ``profile`` with: a packaged one (``deploy_yaml``), or one of ``DERIVED`` written to
-    ``out_dir``."""
+    """The YAML ``talker`` runs ``profile`` with: a packaged one (``deploy_yaml``), or one of ``DERIVED`` (from its
+    base, packaged or derived itself) written to ``out_dir``."""
     if profile not in DERIVED:
         return deploy_yaml(talker, profile)
     base, overrides = DERIVED[profile]
-    return derived_yaml(deploy_yaml(talker, base), Path(out_dir) / f"{talker}_{profile}.yaml", overrides)
+    return derived_yaml(profile_yaml(talker, base, out_dir), Path(out_dir) / f"{talker}_{profile}.yaml", overrides)
 
 
 def upstream_profile(profile: str) -> str:

@@ -91,14 +91,17 @@ def write_random_checkpoint(path: Path, seed: int = 0) -> Path:
 
 
 def stage0_engine_args(profile: str, use_trtllm: bool) -> dict:
-    """Stage 0 of the packaged deploy YAML as vllm.LLM keyword arguments (the keys vLLM's engine takes)."""
+    """Stage 0 of the packaged deploy YAML as vllm.LLM keyword arguments (the keys vLLM's engine takes), on vLLM's
+    synchronous scheduler as every run on record: the low-latency YAML's ``async_scheduling`` (vllm-omni's Stage 0
+    with our hand-over) stays out, as do its vllm-omni keys; the text-only bridge has not run under vLLM's
+    asynchronous scheduling."""
     import yaml
 
     from higgs_talker.vllm_plugin.deploy import deploy_config_path
 
     stage = yaml.safe_load(deploy_config_path(profile).read_text())["stages"][0]
     keys = ("max_num_seqs", "gpu_memory_utilization", "enforce_eager", "compilation_config", "attention_backend",
-            "enable_prefix_caching", "async_scheduling", "max_num_batched_tokens", "max_model_len")  # fmt: skip
+            "enable_prefix_caching", "max_num_batched_tokens", "max_model_len")  # fmt: skip
     args = {k: stage[k] for k in keys if k in stage}
     args["attention_config"] = {**stage.get("attention_config", {}), "use_trtllm_attention": use_trtllm}
     return args

@@ -73,11 +73,19 @@ def test_low_latency_uses_vllm_full_decode_graphs():
     assert max(s0.compilation_config["cudagraph_capture_sizes"]) <= s0.max_num_seqs
 
 
-def test_full_decode_is_the_profile_bench_omni_measured(tmp_path):
-    """The packaged ``full-decode`` YAML loads equal to ``bench_omni.py``'s
-    ``full_decode_64_async_frame_graphs_our_stage1`` (the low-latency YAML with 64 streams, FULL decode graphs up to
-    64, async scheduling, frame graphs and our hand-over; our Stage 1 with the codec's reach of left context and its
-    windows' graphs): the figures in its header are this file's."""
+# packaged profile -> (bench_omni.py's profile it equals, its streams at most, its decode graphs' sizes)
+MEASURED_AS = {
+    "full-decode": ("full_decode_64_async_frame_graphs_our_stage1", 64, [1, 2, 4, 8, 16, 24, 32, 48, 64]),
+    "low-latency": ("low_latency_async_frame_graphs_our_stage1", 16, [1, 2, 4, 8, 16]),
+}
+
+
+@pytest.mark.parametrize("name", list(MEASURED_AS))
+def test_packaged_profile_is_the_one_bench_omni_measured(name, tmp_path):
+    """The packaged ``full-decode`` and ``low-latency`` YAMLs load equal to ``bench_omni.py``'s profiles of
+    ``MEASURED_AS`` (vllm-omni's low-latency YAML with 64 or 16 streams and FULL decode graphs up to that many, async
+    scheduling, frame graphs and our hand-over; our Stage 1 with the codec's reach of left context and its windows'
+    graphs): the figures in their headers are these files'."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -87,12 +95,12 @@ def test_full_decode_is_the_profile_bench_omni_measured(tmp_path):
         sys.path.pop(0)
     from vllm_omni.config.stage_config import load_deploy_config
 
-    measured = load_deploy_config(profile_yaml("ours", "full_decode_64_async_frame_graphs_our_stage1", tmp_path))
-    cfg = _load("full-decode")
-    assert cfg == measured
+    profile, streams, sizes = MEASURED_AS[name]
+    cfg = _load(name)
+    assert cfg == load_deploy_config(profile_yaml("ours", profile, tmp_path))
     s0 = _stage(cfg, 0)
-    assert s0.enforce_eager is False and s0.max_num_seqs == 64 and _stage(cfg, 1).max_num_seqs == 64
-    assert s0.compilation_config["cudagraph_capture_sizes"] == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert s0.enforce_eager is False and s0.max_num_seqs == streams and _stage(cfg, 1).max_num_seqs == streams
+    assert s0.compilation_config["cudagraph_capture_sizes"] == sizes
     assert _field(s0, "async_scheduling") is True
     assert _field(s0, "hf_overrides") == {"higgs_frame_graphs": True}
     hand_over = _field(s0, "custom_process_next_stage_input_func")

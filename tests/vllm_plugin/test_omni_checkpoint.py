@@ -31,12 +31,13 @@ from higgs_talker.codec import UPSTREAM_CHUNKING  # noqa: E402
 
 
 def _connector_extra() -> dict:
-    """The codec chunk settings of our low-latency profile's connector (the same in every deploy YAML)."""
+    """vllm-omni's codec chunk settings: our high-throughput profile's connector, which keeps vllm-omni's (the
+    low-latency and full-decode ones cut the left context to the codec's reach)."""
     import yaml
 
     from higgs_talker.vllm_plugin.deploy import deploy_config_path
 
-    (connector,) = yaml.safe_load(deploy_config_path("low-latency").read_text())["connectors"].values()
+    (connector,) = yaml.safe_load(deploy_config_path("high-throughput").read_text())["connectors"].values()
     return connector["extra"]
 
 
@@ -402,33 +403,62 @@ def test_the_batched_decode_bound_holds_tf32_rounding_and_not_a_decoder_1_percen
         last.weight.data = weight
 
 
+@pytest.mark.parametrize("talker", ["ours", "upstream"])
+def test_vllm_omni_low_latency_is_vllm_omnis_low_latency_yaml(talker, tmp_path):
+    """bench_omni's ``vllm_omni_low_latency`` (the base of its low_latency_* and full_decode_64* profiles), derived
+    from each talker's high-throughput YAML: for vllm-omni's talker it loads equal to vllm-omni's own low-latency
+    YAML; ours differs from it only where our high-throughput YAML differs from vllm-omni's (our Stage-0
+    architecture, the connector's name, no pinned seed)."""
+    import yaml
+    from bench_omni import deploy_yaml, profile_yaml
+    from vllm_omni.config.stage_config import load_deploy_config
+
+    derived = profile_yaml(talker, "vllm_omni_low_latency", tmp_path)
+    if talker == "upstream":
+        assert load_deploy_config(derived) == load_deploy_config(deploy_yaml("upstream", "low_latency"))
+        return
+    ours, theirs = (yaml.safe_load(p.read_text()) for p in (derived, deploy_yaml("upstream", "low_latency")))
+    (our_name,), (their_name,) = ours["connectors"], theirs["connectors"]
+    assert ours["connectors"][our_name] == theirs["connectors"][their_name]
+    for mine, other in zip(ours["stages"], theirs["stages"], strict=True):
+        other.pop("output_connectors", None), other.pop("input_connectors", None)
+        mine.pop("output_connectors", None), mine.pop("input_connectors", None)
+        other["default_sampling_params"].pop("seed")
+        arch = mine.pop("model_arch", None)
+        assert arch == ("HiggsTalkerForConditionalGeneration" if mine["stage_id"] == 0 else None)
+        assert mine == other
+
+
 def test_the_expected_audio_is_decoded_with_the_chunking_each_profile_asks_for(tmp_path):
     """test_omni_gpu's ``chunking_of`` (what its expected audio is decoded with) reads a profile's connector as
-    vllm-omni's hand-over does: the packaged profiles ask for vllm-omni's own chunking, ``..._our_stage1`` for the
-    codec's reach of left context."""
+    vllm-omni's hand-over does: vllm-omni's shape of profile asks for its own chunking, ``..._our_stage1`` and the
+    packaged profiles that run our Stage 1 for the codec's reach of left context."""
     from bench_omni import CODEC_REACH, profile_yaml
     from test_omni_gpu import chunking_of
 
     from higgs_talker.codec import AudioChunking
 
-    assert chunking_of(profile_yaml("ours", "low_latency", tmp_path)) == UPSTREAM_CHUNKING
-    ours = chunking_of(profile_yaml("ours", "full_decode_64_async_frame_graphs_our_stage1", tmp_path))
-    assert ours == AudioChunking(
+    for profile in ("vllm_omni_low_latency", "high_throughput"):
+        assert chunking_of(profile_yaml("ours", profile, tmp_path)) == UPSTREAM_CHUNKING, profile
+    reach = AudioChunking(
         chunk_frames=25, first_chunk_frames=1, left_context_frames=CODEC_REACH, holdback_frames=4, ramp=False
     )
+    for profile in ("full_decode_64_async_frame_graphs_our_stage1", "low_latency", "full_decode"):
+        assert chunking_of(profile_yaml("ours", profile, tmp_path)) == reach, profile
 
 
 @pytest.mark.parametrize("profile", PROFILES)
 def test_the_gpu_tests_read_which_stage_1_each_profile_runs(profile, tmp_path):
     """test_omni_gpu's ``stage1_arch`` (which picks the batched-decode bound and the Stage-1 log checks) reads our
     Stage 1 exactly from the YAMLs of the profiles built on it (``_our_stage1`` in the name, ``..._our_stage1_ramp``
-    too, which a check by the name's end missed), and None from the others, whose Stage 1 names no architecture
-    (vLLM takes the checkpoint's: vllm-omni's code2wav)."""
+    too, which a check by the name's end missed) and of the packaged low-latency profile, and None from the others,
+    whose Stage 1 names no architecture (vLLM takes the checkpoint's: vllm-omni's code2wav)."""
     from bench_omni import CODEC_ARCH, derived_yaml, profile_yaml
     from test_omni_gpu import STAGES, stage1_arch
 
     yaml_path = derived_yaml(profile_yaml("ours", profile, tmp_path), tmp_path / f"{profile}.yaml", STAGES)
-    assert stage1_arch(yaml_path) == (CODEC_ARCH if "_our_stage1" in profile else None)
+    ours = "_our_stage1" in profile or profile == "low_latency"
+    assert stage1_arch(yaml_path) == (CODEC_ARCH if ours else None)
 
 
 def test_our_prompt_equals_vllm_omnis(omni_ckpt):

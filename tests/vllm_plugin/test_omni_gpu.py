@@ -9,8 +9,9 @@ stream bit for bit; test_e2e_cpu.py: the score probe inside vLLM's engine-core p
 
 A small checkpoint (head_dim 64, bf16 talker, EOC pushed down) with the real-layout random codec
 (``benchmarks/omni_checkpoint.py``) runs through ``Omni(model, deploy_config)`` in both of our deploy profiles
-and in the low-latency one with our frame graphs, without and with vLLM's async scheduling (and our Stage 0 ->
-code2wav hand-over) (``omni_run.py`` in its own process), Stage 1 in float32. The
+(the packaged low-latency and full-decode ones ask for vLLM's async scheduling, our frame graphs, our Stage 0 ->
+code2wav hand-over and our Stage 1), and in vllm-omni's shape of low-latency profile with our frame graphs, without
+and with async scheduling and our hand-over (``omni_run.py`` in its own process), Stage 1 in float32. The
 score probe (``score_probe/``, loaded into the Stage-0 worker through its ``sitecustomize``) records what Stage 0's
 sampler ranked at every row it published.
 
@@ -24,10 +25,10 @@ sampler ranked at every row it published.
   the reference of a checkpoint with one projection 5% off must fail for every request (the mutation test); three
   requests again in one call, decoded as one Stage-0 batch, and a batch on too few KV blocks (vLLM preempts and
   recomputes requests), each held to the same checks; Stage 0's log names the graph path its profile calls for;
-  the 4B shape (random bf16 weights), two requests in the low-latency profile, held to the same checks with the
-  bounds measured at that depth, and one layer's o_proj x 1.25 in the reference as their mutation test;
-- ``vllm-omni serve`` (each packaged profile, and the low-latency one with async scheduling and our hand-over;
-  the packaged full-decode profile runs our Stage 1): the ``openai``
+  the 4B shape (random bf16 weights), two requests in vllm-omni's shape of low-latency profile, held to the same
+  checks with the bounds measured at that depth, and one layer's o_proj x 1.25 in the reference as their mutation
+  test;
+- ``vllm-omni serve`` (each packaged profile): the ``openai``
   client's ``audio.speech.create`` (its ``voice`` sent as null through ``extra_body``: vllm-omni refuses a voice
   nobody uploaded) and httpx streaming (PCM and WAV) give the offline audio of the same seed; a client that leaves
   mid-stream does not block the next request; bad requests get a 4xx with a message.
@@ -62,13 +63,13 @@ from _served import run_served  # noqa: E402
 from _tolerance import unit_roundoff  # noqa: E402
 from bench_omni import (  # noqa: E402
     CODEC_ARCH,
+    LOW_LATENCY_BASE,
     derived_yaml,
     profile_yaml,
     sigterm_as_interrupt,
     start_server,
     stop_server,
     talker_env,
-    without_ours_only,
 )
 from omni_checkpoint import small_config, write_omni_checkpoint  # noqa: E402
 
@@ -100,16 +101,18 @@ BATCH = {"keys": ["greedy", "short", "clone"], "max_tokens": 40}
 # a Stage-0 KV cache too small for this batch (blocks of 16 tokens: about two of the three requests at full
 # length), so vLLM preempts requests and recomputes them, and the adapter feeds their rows again (it logs that)
 SMALL_KV = {"keys": ["greedy", "topkp", "deploy"], "max_tokens": 120, "alone": False, "blocks": 20}
-# the packaged profiles, and two of bench_omni's: low_latency_frame_graphs (our frame graphs asked for:
-# cuda_graphs.frame) and low_latency_async_frame_graphs (with vLLM's async scheduling too, and our Stage 0 -> code2wav
-# hand-over). Not low_latency_async (async scheduling with vllm-omni's own hand-over): on the H200 (vllm-omni 0.26,
-# 2026-12-04) its rows and scores passed but an EOS-ended request's audio came out twice (116160 samples for 58560):
-# a step's hand-over that runs after the request finished flushes it as if last, and the last one sends every row
-# again (higgs_talker.vllm_plugin.deploy; bench_omni's requests end by length, where it does not show). And the
-# same with 64 streams, on FlashInfer and on vLLM's FlashAttention backend (bench_omni's FULL_64, FLASH_ATTN), and
-# with our Stage 1 (bench_omni's OUR_STAGE1: batched decodes, the codec's reach of left context; the expected audio
-# is decoded with the chunking each profile's connector asks for: chunking_of). And the packaged default with our
-# row kernels under vLLM's linears (higgs_talker.row_linear_op, opt-in: hf_overrides higgs_row_linears).
+# the packaged profiles, and bench_omni's vllm-omni-shaped low-latency profile (LOW_LATENCY_BASE: FULL decode graphs
+# up to 16 streams, synchronous, vllm-omni's Stage 1) with our frame graphs asked for (low_latency_frame_graphs:
+# cuda_graphs.frame) and with vLLM's async scheduling and our Stage 0 -> code2wav hand-over too
+# (low_latency_async_frame_graphs). Not low_latency_async (async scheduling with vllm-omni's own hand-over): on the
+# H200 (vllm-omni 0.26, 2026-12-04) its rows and scores passed but an EOS-ended request's audio came out twice (116160
+# samples for 58560): a step's hand-over that runs after the request finished flushes it as if last, and the last one
+# sends every row again (higgs_talker.vllm_plugin.deploy; bench_omni's requests end by length, where it does not
+# show). And the same with 64 streams, on FlashInfer and on vLLM's FlashAttention backend (bench_omni's FULL_64,
+# FLASH_ATTN), and with our Stage 1 (bench_omni's OUR_STAGE1: batched decodes, the codec's reach of left context; the
+# expected audio is decoded with the chunking each profile's connector asks for: chunking_of). And the packaged
+# default with our row kernels under vLLM's linears (higgs_talker.row_linear_op, opt-in: hf_overrides
+# higgs_row_linears).
 PROFILES = ("low_latency", "high_throughput", "low_latency_frame_graphs", "low_latency_async_frame_graphs",
             "full_decode_64_async_frame_graphs", "full_decode_64_async_frame_graphs_flash_attn",
             "full_decode_64_async_frame_graphs_our_stage1",
@@ -130,6 +133,7 @@ def ckpt(tmp_path_factory) -> Path:
 _OFFLINE: dict[str, dict[str, torch.Tensor]] = {}
 _CHUNKING: dict[str, AudioChunking] = {}  # by run: the chunking its connector asks Stage 1 for
 _STAGE1_ARCH: dict[str, str | None] = {}  # by run: the architecture its YAML names for Stage 1 (None: the checkpoint's)
+_STAGE0: dict[str, dict] = {}  # by run: its YAML's Stage 0
 _RECORDS: dict[str, dict[str, dict]] = {}
 _LOGS: dict[str, str] = {}
 
@@ -150,6 +154,7 @@ def offline_audio(
         stages = STAGES | {0: STAGES[0] | small} if small_kv else STAGES
         yaml_path = derived_yaml(profile_yaml("ours", profile, tmp), tmp / f"{name}.yaml", stages)
         _CHUNKING[name], _STAGE1_ARCH[name] = chunking_of(yaml_path), stage1_arch(yaml_path)
+        _STAGE0[name] = stage_of(yaml_path, 0)
         out, scores = tmp / name, tmp / f"{name}_scores"
         out.mkdir()
         log = Path(os.environ.get("HIGGS_VLLM_LOG_DIR") or tmp, f"omni_{name}.log")
@@ -237,13 +242,23 @@ def chunking_of(yaml_path: Path) -> AudioChunking:
     )
 
 
+def stage_of(yaml_path: Path, stage_id: int) -> dict:
+    """Stage ``stage_id`` of a deploy YAML written whole (``derived_yaml``'s, no ``base_config``)."""
+    import yaml
+
+    (stage,) = (s for s in yaml.safe_load(Path(yaml_path).read_text())["stages"] if s["stage_id"] == stage_id)
+    return stage
+
+
 def stage1_arch(yaml_path: Path) -> str | None:
     """The architecture a deploy YAML names for Stage 1 (ours is ``CODEC_ARCH``), or None where it names none and
     vLLM takes the checkpoint's (vllm-omni's code2wav)."""
-    import yaml
+    return stage_of(yaml_path, 1).get("model_arch")
 
-    (stage,) = (s for s in yaml.safe_load(Path(yaml_path).read_text())["stages"] if s["stage_id"] == 1)
-    return stage.get("model_arch")
+
+def frame_graphs_asked(stage0: dict) -> bool:
+    """Whether a deploy YAML's Stage 0 asks for our frame graphs (``hf_overrides.higgs_frame_graphs``)."""
+    return bool((stage0.get("hf_overrides") or {}).get("higgs_frame_graphs"))
 
 
 def decoded(
@@ -342,28 +357,30 @@ def check_stage_0(
 
 
 def test_the_adapter_takes_the_graph_path_its_profile_calls_for(offline):
-    """Stage 0's log (our lines reach it through vLLM's handlers): under the low-latency profile vLLM captures FULL
-    decode graphs and our local MLP graphs stay off; under the high-throughput one (enforce_eager) they are on and
-    every bucket captured; with frame graphs asked for, every bucket of those is captured and the requests' decode
-    steps replayed them (the probe's count), and without, none ran; with async scheduling asked for, vLLM kept it;
+    """Stage 0's log (our lines reach it through vLLM's handlers), by what the profile's Stage 0 asks for: where vLLM
+    captures FULL decode graphs our local MLP graphs stay off; under enforce_eager (the high-throughput profile) they
+    are on and every bucket captured; with frame graphs asked for, every bucket of those is captured and the
+    requests' decode steps replayed them (the probe's count), and without, none ran; with async scheduling asked
+    for, vLLM kept it;
     with FlashAttention asked for, vLLM took it; with our Stage 1 asked for, Stage 1 resolved our architecture and
     captured its windows' graphs; vLLM's text sampler and (without frame graphs) our eager frame met each batch class
     they compile for at load."""
     profile, _ = offline
-    log = _LOGS[profile]
-    frames = "frame graphs captured for batch buckets (1, 2, 4, 8, 16) (failed: none)"
-    frames_64 = "frame graphs captured for batch buckets (1, 2, 4, 8, 16, 32, 64) (failed: none)"
-    want = {"low_latency": "local MLP graphs off: vLLM captures CUDA graphs",
-            "low_latency_frame_graphs": frames, "low_latency_async_frame_graphs": frames,
-            "full_decode_64_async_frame_graphs": frames_64, "full_decode_64_async_frame_graphs_flash_attn": frames_64,
-            "high_throughput": "local MLP graphs on: vLLM enforce_eager=True"}  # fmt: skip
-    want = want[without_ours_only(profile)]  # row linears and our Stage 1 leave the graph path as it is
+    log, stage0 = _LOGS[profile], _STAGE0[profile]
+    frame_graphs = frame_graphs_asked(stage0)
+    if frame_graphs:  # one bucket per power of two up to the stage's max_num_seqs (16 or 64 here)
+        buckets = {16: "(1, 2, 4, 8, 16)", 64: "(1, 2, 4, 8, 16, 32, 64)"}[stage0["max_num_seqs"]]
+        want = f"frame graphs captured for batch buckets {buckets} (failed: none)"
+    elif stage0["enforce_eager"]:
+        want = "local MLP graphs on: vLLM enforce_eager=True"
+    else:
+        want = "local MLP graphs off: vLLM captures CUDA graphs"
     assert want in log, [x for x in log.splitlines() if "higgs" in x.lower() or "frame graphs" in x][:20]
     assert "capture failed" not in log
     assert "vLLM's text sampler warmed up for batches [1, 8, 16]" in log  # max_num_seqs 16 or 64: every class
-    if "frame_graphs" not in profile:  # the eager frame instead: each class its kernels compile for, at load
+    if not frame_graphs:  # the eager frame instead: each class its kernels compile for, at load
         assert "eager frame warmed up for batches [1, 2, 16]" in log
-    if "async" in profile:  # vLLM kept it on for Stage 0 (it says so when it turns it off)
+    if stage0.get("async_scheduling"):  # vLLM kept it on for Stage 0 (it says so when it turns it off)
         assert "Asynchronous scheduling is enabled" in log
     if profile.endswith("flash_attn"):
         assert "Using AttentionBackendEnum.FLASH_ATTN backend" in log
@@ -373,7 +390,7 @@ def test_the_adapter_takes_the_graph_path_its_profile_calls_for(offline):
         assert f"Resolved architecture: {CODEC_ARCH}" in log
         assert "codec graphs for windows of [5, 30, 39] frames:" in log  # each checked, none failed (above)
     replays = {key: record["frame_replays"] for key, record in _RECORDS[profile].items()}
-    if "frame_graphs" in profile:  # decode steps ran from the graphs (a step past its prefill)
+    if frame_graphs:  # decode steps ran from the graphs (a step past its prefill)
         assert all(n > 0 for n in replays.values()), replays
     else:
         assert not any(replays.values()), replays
@@ -442,20 +459,21 @@ def test_requests_batched_in_stage_0_each_match_the_reference_and_the_direct_eng
 def test_requests_preempted_for_kv_blocks_each_match_the_reference_and_the_direct_engine(
     ckpt, solo, reference, codec, tmp_path_factory
 ):
-    """Low-latency profile, Stage 0 on SMALL_KV's few KV blocks: vLLM preempts requests of the batch and recomputes
-    them from their prompt and generated tokens; the adapter feeds the recomputed positions their rows again, so
-    each request still passes ``check_stage_0`` against the direct engine running it alone."""
-    audio = offline_audio(ckpt, "low_latency", tmp_path_factory.mktemp("small_kv"), small_kv=True)
-    assert "recomputed after a preemption" in _LOGS["low_latency_small_kv"], "no request was preempted"
+    """vllm-omni's shape of low-latency profile (``LOW_LATENCY_BASE``), Stage 0 on SMALL_KV's few KV blocks: vLLM
+    preempts requests of the batch and recomputes them from their prompt and generated tokens; the adapter feeds the
+    recomputed positions their rows again, so each request still passes ``check_stage_0`` against the direct engine
+    running it alone."""
+    audio = offline_audio(ckpt, LOW_LATENCY_BASE, tmp_path_factory.mktemp("small_kv"), small_kv=True)
+    run = f"{LOW_LATENCY_BASE}_small_kv"
+    assert "recomputed after a preemption" in _LOGS[run], "no request was preempted"
     check = ScoreCheck(reference, score_bound(solo))
     for key in SMALL_KV["keys"]:
         spec, name = greedy_spec(key, SMALL_KV["max_tokens"]), f"batched_{key}"
-        record = _RECORDS["low_latency_small_kv"][name]
-        check_stage_0(record, spec, solo, reference, codec, audio[name], check, f"small KV {name}",
-                      _CHUNKING["low_latency_small_kv"])  # fmt: skip
+        check_stage_0(_RECORDS[run][name], spec, solo, reference, codec, audio[name], check, f"small KV {name}",
+                      _CHUNKING[run])  # fmt: skip
 
 
-# the 4B shape: two requests, greedy and the deploy sampling, low-latency profile
+# the 4B shape: two requests, greedy and the deploy sampling, vllm-omni's shape of low-latency profile
 SPEC_4B = [
     {"key": "greedy", "text": "Hello there, this prompt is long enough for a few chunks.", "max_tokens": 48,
      "temperature": 0.0},
@@ -464,7 +482,8 @@ SPEC_4B = [
 
 
 def test_4b_offline_requests_match_the_float32_reference_and_the_direct_engine(tmp_path_factory):
-    """The 4B shape (random bf16 weights, 36 layers) through ``Omni``'s low-latency profile: ``check_stage_0`` for
+    """The 4B shape (random bf16 weights, 36 layers) through ``Omni`` in vllm-omni's shape of low-latency profile
+    (``LOW_LATENCY_BASE``): ``check_stage_0`` for
     each request, with the bounds measured at this shape (``SCORE_BOUNDS``: on the H200 correct kernels gave worst
     row 0.0323, overall 0.0271); and, as this comparison's mutation test, the same scores against the reference
     with layer 17's o_proj x 1.25 (which test_gpu's 4B check saw at 0.061 / 0.056) must exceed the overall bound
@@ -472,15 +491,16 @@ def test_4b_offline_requests_match_the_float32_reference_and_the_direct_engine(t
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     ckpt = write_omni_checkpoint(tmp_path_factory.mktemp("omni4b") / "ckpt", shape="4b")
-    audio = offline_audio(ckpt, "low_latency", tmp_path_factory.mktemp("run4b"), spec=SPEC_4B, tag="4b_")
-    records = _RECORDS["4b_low_latency"]
+    audio = offline_audio(ckpt, LOW_LATENCY_BASE, tmp_path_factory.mktemp("run4b"), spec=SPEC_4B, tag="4b_")
+    run = f"4b_{LOW_LATENCY_BASE}"
+    records = _RECORDS[run]
     solo = sdpa_talker(ckpt)
     reference, codec = float32_reference(solo), Codec.from_pretrained(ckpt, device="cuda")
     bound, unbounded = score_bound(solo), ScoreBound(row=float("inf"), overall=float("inf"), code=float("inf"))
     check = ScoreCheck(reference, bound)
     for spec in SPEC_4B:
         check_stage_0(records[spec["key"]], spec, solo, reference, codec, audio[spec["key"]], check,
-                      f"4B {spec['key']}", _CHUNKING["4b_low_latency"])  # fmt: skip
+                      f"4B {spec['key']}", _CHUNKING[run])  # fmt: skip
     broken = ScoreCheck(break_projection(reference, "o_proj", 17, 1.25), unbounded)
     for spec in SPEC_4B:
         prompt, params = solo.build_prompt(spec["text"], reference_of(spec)), params_of(spec, solo)
@@ -497,12 +517,12 @@ def test_4b_offline_requests_match_the_float32_reference_and_the_direct_engine(t
 # vllm-omni serve
 
 
-# served in each packaged profile: low-latency, high-throughput (eager, our local MLP graphs) and full-decode
-# (bench_omni's full_decode_64_async_frame_graphs_our_stage1: test_deploy holds them equal); and low-latency with
-# async scheduling and our hand-over at 16 streams (a client that leaves mid-stream aborts its request: the
-# hand-over's one case where the live status still counts)
-SERVED = ("low_latency", "high_throughput", "low_latency_async_frame_graphs",
-          "full_decode_64_async_frame_graphs_our_stage1")  # fmt: skip
+# served in each packaged profile: low-latency (async scheduling and our hand-over at 16 streams: a client that
+# leaves mid-stream aborts its request, the hand-over's one case where the live status still counts), high-throughput
+# (eager, our local MLP graphs) and full-decode (the same as low-latency at 64 streams); test_deploy holds the
+# packaged low-latency and full-decode YAMLs equal to bench_omni's low_latency_async_frame_graphs_our_stage1 and
+# full_decode_64_async_frame_graphs_our_stage1
+SERVED = ("low_latency", "high_throughput", "full_decode_64_async_frame_graphs_our_stage1")
 
 
 @pytest.fixture(scope="module", params=SERVED)
