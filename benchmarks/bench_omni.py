@@ -11,25 +11,23 @@ in its processes, so only vllm-omni's own plugin loads) with vllm-omni's own YAM
 ``high_throughput`` (each talker's packaged YAML of that name), ``vllm_omni_low_latency`` (vllm-omni's low-latency
 YAML: each talker's high-throughput YAML, which has vllm-omni's shape in both, with its FULL decode graphs up to 16
 streams; our packaged low-latency profile had this shape until 2026-12-07), and those derived from it (``DERIVED``):
-``full_decode_64`` (FULL
-decode graphs up to 64 streams), ``full_decode_64_no_prefix_cache`` (the same, prefix caching off),
-``low_latency_async`` (vLLM's async scheduling asked for), ``low_latency_frame_graphs`` (our frame graphs
-asked for in Stage 0's ``hf_overrides``; vllm-omni's talker ignores the key), ``high_throughput_frame_graphs`` (the
-same on the high-throughput YAML), ``full_decode_64_frame_graphs``
-(both) and ``low_latency_async_frame_graphs`` (async scheduling, frame graphs and our Stage 0 -> code2wav hand-over,
+``full_decode_64`` (FULL decode graphs up to 64 streams), ``full_decode_64_no_prefix_cache`` (the same, prefix
+caching off), ``low_latency_async`` (vLLM's async scheduling asked for), ``low_latency_frame_graphs`` (our frame
+graphs asked for in Stage 0's ``hf_overrides``; vllm-omni's talker ignores the key),
+``high_throughput_frame_graphs`` (the same on the high-throughput YAML), ``full_decode_64_frame_graphs`` (both) and
+``low_latency_async_frame_graphs`` (async scheduling, frame graphs and our Stage 0 -> code2wav hand-over,
 ``HAND_OVER``), ``full_decode_64_async`` and ``full_decode_64_async_frame_graphs``, and the last two on vLLM's
 FlashAttention backend instead of FlashInfer (``..._flash_attn``); ``..._our_stage1``: the same with our Stage 1
-(``higgs_talker.vllm_plugin.code2wav``: vllm-omni's code2wav decoding a step's chunks of one length as one batch, each
-chunk with the codec's reach of left context instead of 25 frames: ``OUR_STAGE1``); ``..._reach_context``: the left
-context alone, for either talker.
-``full_decode_64_async_frame_graphs_our_stage1`` is the packaged ``full-decode`` profile (and the default),
-``low_latency_async_frame_graphs_our_stage1`` the packaged ``low-latency`` one. vllm-omni's talker, asked for a
-profile with our frame graphs or our Stage 1, runs the one without them, with its own hand-over and Stage 1
-(``UPSTREAM_SAME``), so one run compares each of ours with vllm-omni's nearest. Each
-(talker, profile, path) runs in its own process (a fresh CUDA context; ``Omni`` and ``vllm-omni serve`` start their
-own stage processes), on one checkpoint: ``omni_checkpoint.py``'s (4B shape, random bf16 weights, EOC suppressed,
-the real-layout random codec). Lengths are forced (``max_tokens = min_tokens`` =
-the rows of ``--audio-s`` seconds), sampling is the profiles' (temperature 1.0, top_p 0.95, top_k 50), seeded.
+(``higgs_talker.vllm_plugin.code2wav``: vllm-omni's code2wav decoding a step's chunks of one length as one batch,
+each chunk with the codec's reach of left context instead of 25 frames: ``OUR_STAGE1``); ``..._reach_context``: the
+left context alone, for either talker. ``full_decode_64_async_frame_graphs_our_stage1`` is the packaged
+``full-decode`` profile (and the default), ``low_latency_async_frame_graphs_our_stage1`` the packaged
+``low-latency`` one. vllm-omni's talker, asked for a profile with our frame graphs or our Stage 1, runs the one
+without them, with its own hand-over and Stage 1 (``UPSTREAM_SAME``), so one run compares each of ours with
+vllm-omni's nearest. Each (talker, profile, path) runs in its own process (a fresh CUDA context; ``Omni`` and
+``vllm-omni serve`` start their own stage processes), on one checkpoint: ``omni_checkpoint.py``'s (4B shape, random
+bf16 weights, EOC suppressed, the real-layout random codec). Lengths are forced (``max_tokens = min_tokens`` = the
+rows of ``--audio-s`` seconds), sampling is the profiles' (temperature 1.0, top_p 0.95, top_k 50), seeded.
 
 Paths (the ``path`` of a row):
 - ``offline``: ``vllm_omni.Omni(model, deploy_config).generate`` with C prompts at a time (the offline API takes

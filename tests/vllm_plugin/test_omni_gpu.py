@@ -359,10 +359,9 @@ def check_stage_0(
 def test_the_adapter_takes_the_graph_path_its_profile_calls_for(offline):
     """Stage 0's log (our lines reach it through vLLM's handlers), by what the profile's Stage 0 asks for: where vLLM
     captures FULL decode graphs our local MLP graphs stay off; under enforce_eager (the high-throughput profile) they
-    are on and every bucket captured; with frame graphs asked for, every bucket of those is captured and the
-    requests' decode steps replayed them (the probe's count), and without, none ran; with async scheduling asked
-    for, vLLM kept it;
-    with FlashAttention asked for, vLLM took it; with our Stage 1 asked for, Stage 1 resolved our architecture and
+    are on and every bucket captured; with frame graphs asked for, every bucket of those is captured and the requests'
+    decode steps replayed them (the probe's count), and without, none ran; with async scheduling asked for, vLLM kept
+    it; with FlashAttention asked for, vLLM took it; with our Stage 1 asked for, Stage 1 resolved our architecture and
     captured its windows' graphs; vLLM's text sampler and (without frame graphs) our eager frame met each batch class
     they compile for at load."""
     profile, _ = offline
