@@ -21,11 +21,16 @@ FEW_ROWS = 16  # triton_gemv.FEW_ROWS (not imported: this module loads without t
 TILES: dict[tuple[int, int, bool, torch.dtype], tuple[int, int, int, int]] = {}
 
 
+def _tile_key(weight: Tensor, few: bool) -> tuple[int, int, bool, torch.dtype]:
+    """``weight``'s key in ``TILES``: its shape and dtype, and whether the tile is the few-row kernel's."""
+    return weight.shape[0], weight.shape[1], few, weight.dtype
+
+
 def rows_linear(x: Tensor, weight: Tensor) -> Tensor:
     """x [M, K] @ weight [N, K].T -> [M, N]: our Triton kernels where ``TILES`` has a tile for this shape and M."""
     m = x.shape[0]
     few_rows = x.dim() == 2 and 1 <= m <= FEW_ROWS
-    tile = TILES.get((weight.shape[0], weight.shape[1], m > 1, weight.dtype)) if few_rows else None
+    tile = TILES.get(_tile_key(weight, m > 1)) if few_rows else None
     if tile is None or not (x.is_contiguous() and weight.is_contiguous()) or x.dtype != weight.dtype:
         return F.linear(x, weight)
     from . import triton_gemv as gemv
@@ -73,8 +78,7 @@ def choose_tiles(layers: list) -> list[dict]:
             *choose_row_linears(own, layers, few=True, silu_gate_up=False)]  # fmt: skip
     for few, table in ((False, own.row_configs), (True, own.few_row_configs)):
         for name, tile in table.items():
-            weight = ROW_LINEARS[name](layers[0]).weight
-            TILES[(weight.shape[0], weight.shape[1], few, weight.dtype)] = tuple(tile)
+            TILES[_tile_key(ROW_LINEARS[name](layers[0]).weight, few)] = tuple(tile)
     return rows
 
 
