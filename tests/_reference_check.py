@@ -355,13 +355,32 @@ def explain_parting(
         filtered = top_k_top_p_filter(x[c][None], k, p)[0]
         winner = int((filtered - log_e).argmax())
         if winner != code:
-            raise AssertionError(f"{head}; and {name} is not the winner of that run's own race (code {winner})")
+            raise AssertionError(f"{head}; and {name} is not the winner of that run's own race (code {winner}): "
+                                 f"{_race_detail(x[c], filtered, log_e, (code, winner), params)}")  # fmt: skip
         kept[name] = filtered.isfinite()
     for code in (ours, theirs):
         if kept["ours"][code] != kept["theirs"][code]:
             return (f"a top-k/top-p edge (code {code} kept by one run's filter only; the two codes' race scores "
                     f"{gap:.3g} apart, past a near tie's {allowed:.3g})")  # fmt: skip
     raise AssertionError(head + "; and both runs' filters keep both codes")
+
+
+def _race_detail(scaled: Tensor, filtered: Tensor, log_e: Tensor, codes: tuple[int, ...], params) -> str:
+    """How each of ``codes`` stood in one run's race at a row ([V] each: its scaled logits, the same after its
+    filter, the request's log(E)): rank by logit, kept or dropped, the mass of it and every less likely code, its
+    race score; for a failure message."""
+    order = scaled.sort(descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(len(order)))
+    k = params.top_k if 0 < params.top_k < len(scaled) else len(scaled)
+    kth = scaled[order[k - 1]]
+    top = scaled.masked_fill(scaled < kth, float("-inf")).double().softmax(dim=-1)
+    parts = []
+    for code in codes:
+        mass, race = float(top[scaled <= scaled[code]].sum()), float(filtered[code] - log_e[code])  # mass: ties in
+        parts.append(f"code {code}: rank {int(rank[code])}, logit {float(scaled[code]):.6g}, "
+                     f"{'kept' if filtered[code].isfinite() else 'dropped'}, mass up to it {mass:.6g} "
+                     f"(1 - top_p {1 - params.top_p:.6g}), race score {race:.6g}")  # fmt: skip
+    return "; ".join(parts) + f"; the k-th logit {float(kth):.6g}"
 
 
 def score_errors(got: dict[str, Tensor], want: dict[str, Tensor]) -> tuple[Tensor, Tensor]:

@@ -56,8 +56,8 @@ from _reference_check import (  # noqa: E402
     broken_checkpoint,
     explain_parting,
     float32_reference,
+    recorded_sampling,
     score_bound,
-    teacher_forced,
 )
 from _served import run_served  # noqa: E402
 from _tolerance import unit_roundoff  # noqa: E402
@@ -346,10 +346,12 @@ def check_stage_0(
     rows, params = record["rows"].long(), params_of(spec, solo)
     prompt = solo.build_prompt(spec["text"], reference_of(spec))
     forced = check.check_scores(prompt, params, rows, record["scaled"], what)
-    want = solo.generate(spec["text"], params, reference=reference_of(spec)).rows.long().cpu()
+    with recorded_sampling() as ranked:  # what the direct engine's sampler ranked at each row, as it ran
+        want = solo.generate(spec["text"], params, reference=reference_of(spec)).rows.long().cpu()
+    solo_rows = {step: scaled for (_, step), scaled in ranked.items()}
 
     def solo_scaled(t: int) -> torch.Tensor:  # the direct engine's own scores at row t (its rows before t are ours)
-        return teacher_forced(solo, prompt, params, want[: t + 1], complete=False)["scaled"][t]
+        return solo_rows[t]
 
     assert_rows_match_or_part_by_rounding(rows, want, forced, record["scaled"], solo_scaled, params, check.bound, what)
     expected = decoded(codec, rows, spec["max_tokens"], solo.cfg.num_real_codes, chunking)
