@@ -683,14 +683,17 @@ def test_auto_chooses_each_buckets_kernel_by_its_whole_decode_step():
 
 
 @needs_flashinfer
-def test_warm_up_gives_one_and_few_row_inputs_our_kernels_where_they_measured_faster(talkers, option_talkers):
+def test_warm_up_gives_one_and_few_row_inputs_our_kernels_where_they_measured_faster(talkers, option_talkers, caplog):
     """row_gemv="auto" times each linear's cuBLAS path and every correct tile over all layers, on one row and on 16
     rows, and gives the linear the fastest tile where it beat cuBLAS; "on" (the suite's talkers) gives every linear
-    the first correct tile of each kernel without timing; "off" none."""
+    the first correct tile of each kernel without timing; "off" none. A tile too large for the GPU's shared memory
+    is recorded as failed and logged as information, not as a warning (it is an expected outcome of the search)."""
     from higgs_talker.cuda_graphs.kernels import ROW_LINEARS
     from higgs_talker.triton_gemv import CONFIGS, FEW_ROW_CONFIGS, FEW_ROWS
 
-    talker = _talker("eager", row_gemv="auto")
+    with caplog.at_level(logging.INFO, logger="higgs_talker.cuda_graphs.kernels"):
+        talker = _talker("eager", row_gemv="auto")
+    assert not [r.message for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     kernels, rows = talker.model.kernels, talker.engine.graphs.row_timings
     assert [(r["linear"], r["rows"]) for r in rows] == [(n, m) for m in (1, FEW_ROWS) for n in ROW_LINEARS]
     for r in rows:
