@@ -141,7 +141,9 @@ def teacher_forced(
 ) -> dict[str, Tensor]:
     """Run ``prompt`` alone on ``talker``, eagerly (its graphs set aside, its kernels kept), taking ``rows`` [T, C]
     as its codes at every step. ``complete``: the rows are a whole run, so the talker must finish exactly after
-    them; else (a cancelled run) it is stopped there.
+    them; else (a cancelled run) it is stopped there. With its graph runner set aside, a CUDA talker's decode steps
+    run unpadded rather than through its buckets (even in graph mode eager), so in bf16 its scores here round apart
+    from those of its own runs: what a run's sampler ranked is ``recorded_sampling``'s.
 
     Returns per step t < T: ``scores`` [T, C, V] (what the sampler ranks), ``unfiltered`` (the same without the
     top-k/top-p filter), ``scaled`` [T, C, V] (the masked logits / T; / 1 for greedy), ``scale`` [T, C] (the
