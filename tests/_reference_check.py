@@ -375,10 +375,10 @@ def _race_detail(scaled: Tensor, filtered: Tensor, log_e: Tensor, codes: tuple[i
     rank = torch.empty_like(order).scatter_(0, order, torch.arange(len(order)))
     k = params.top_k if 0 < params.top_k < len(scaled) else len(scaled)
     kth = scaled[order[k - 1]]
-    top = scaled.masked_fill(scaled < kth, float("-inf")).double().softmax(dim=-1)
+    mass_up_to = 1 - _mass_before(scaled[None].float(), params.top_k)[0]  # the code and all ranked below it
     parts = []
     for code in codes:
-        mass, race = float(top[scaled <= scaled[code]].sum()), float(filtered[code] - log_e[code])  # mass: ties in
+        mass, race = float(mass_up_to[code]), float(filtered[code] - log_e[code])
         parts.append(f"code {code}: rank {int(rank[code])}, logit {float(scaled[code]):.6g}, "
                      f"{'kept' if filtered[code].isfinite() else 'dropped'}, mass up to it {mass:.6g} "
                      f"(1 - top_p {1 - params.top_p:.6g}), race score {race:.6g}")  # fmt: skip

@@ -730,19 +730,6 @@ def test_bench_omni_runs_the_upstream_profiles_it_is_given(capsys):
     assert "--upstream-profiles: unknown ['full_decode_64_frame_graphs']" in capsys.readouterr().err
 
 
-def _stand_in_stage_0(talker: HiggsTalker, spec: dict, params: SamplingParams, step_shift: int = 0) -> dict:
-    """What the score probe records of a Stage-0 request (``{"rows" [T, C], "scaled" [T, C, V]}``: the rows and what
-    the sampler ranked at each, masked logits / T), from our engine running ``spec`` alone; ``step_shift``: a
-    broken sampler that draws the noise of another row."""
-    from _reference_check import recorded_sampling
-    from test_omni_gpu import reference_of
-
-    with recorded_sampling(step_shift) as ranked:
-        rows = talker.generate(spec["text"], params, reference=reference_of(spec)).rows.long().cpu()
-    (seed,) = {seed for seed, _ in ranked}  # the one request's
-    return {"rows": rows, "scaled": torch.stack([ranked[seed, t] for t in range(len(rows))])}
-
-
 def test_check_stage_0_runs_on_cpu_with_our_engine_standing_in_for_stage_0(omni_ckpt, capsys):
     """test_omni_gpu's check of one Omni request (``check_stage_0``) on CPU: our bf16 engine stands in for Stage 0
     (its sampler's scores recorded as the score probe records Stage 0's, its audio our codec's decode of its rows),
@@ -750,7 +737,7 @@ def test_check_stage_0_runs_on_cpu_with_our_engine_standing_in_for_stage_0(omni_
     and the float32 reference; every request of the GPU test's SPEC passes. A stand-in whose sampler draws the next
     row's noise fails."""
     from _reference_check import ScoreCheck, float32_reference, score_bound
-    from test_omni_gpu import SPEC, check_stage_0, decoded, params_of
+    from test_omni_gpu import SPEC, check_stage_0, decoded, params_of, recorded_run
 
     from higgs_talker.codec import Codec
 
@@ -760,7 +747,7 @@ def test_check_stage_0_runs_on_cpu_with_our_engine_standing_in_for_stage_0(omni_
     check = ScoreCheck(reference, score_bound(stage_0))
     partings = []
     for spec in SPEC:
-        record = _stand_in_stage_0(stage_0, spec, params_of(spec, stage_0))
+        record = recorded_run(stage_0, spec, params_of(spec, stage_0))
         audio = decoded(codec, record["rows"], spec["max_tokens"], stage_0.cfg.num_real_codes)
         check_stage_0(record, spec, direct, reference, codec, audio, check, spec["key"], UPSTREAM_CHUNKING)
         partings += [line for line in capsys.readouterr().out.splitlines() if "parts from the direct engine" in line]
@@ -768,7 +755,7 @@ def test_check_stage_0_runs_on_cpu_with_our_engine_standing_in_for_stage_0(omni_
         print("\n" + "\n".join(partings))
     assert partings, "no request parted from the float32 talker: the parting path did not run"
     spec = next(s for s in SPEC if s["key"] == "deploy")
-    broken = _stand_in_stage_0(stage_0, spec, params_of(spec, stage_0), step_shift=1)
+    broken = recorded_run(stage_0, spec, params_of(spec, stage_0), step_shift=1)
     audio = decoded(codec, broken["rows"], spec["max_tokens"], stage_0.cfg.num_real_codes)
     with pytest.raises(AssertionError, match="far from the reference's best|not the winner of that run's own race"):
         check_stage_0(broken, spec, direct, reference, codec, audio, check, "next row's noise", UPSTREAM_CHUNKING)

@@ -307,13 +307,20 @@ def assert_same_audio(got: torch.Tensor, want: torch.Tensor, what: str, bound: f
 
 
 def assert_rows_match_or_part_by_rounding(
-    got: torch.Tensor, want: torch.Tensor, forced: dict, scaled: torch.Tensor, solo_scaled, params, bound, what: str
+    got: torch.Tensor,
+    want: torch.Tensor,
+    forced: dict,
+    scaled: torch.Tensor,
+    solo_scaled: torch.Tensor,
+    params,
+    bound,
+    what: str,
 ) -> None:
     """Stage 0's rows ``got`` equal the direct engine's ``want``, or they part at a row where rounding explains it
     (``explain_parting``: a near tie of the float32 reference's race scores (``forced``: teacher-forced on
     ``got``), or a code at the top-k/top-p edge that one run's filter kept and the other's dropped, each run's
     logits there within the bf16 bound of the reference's and each code its run's own race winner); what follows a
-    parting is not compared. ``scaled`` [>= T, C, V]: what Stage 0's sampler ranked; ``solo_scaled(t)`` [C, V]:
+    parting is not compared. ``scaled`` [>= T, C, V]: what Stage 0's sampler ranked; ``solo_scaled`` [>= T, C, V]:
     what the direct engine's ranked at row ``t``."""
     n = min(len(got), len(want))
     differ = (got[:n] != want[:n]).nonzero().tolist()
@@ -321,9 +328,20 @@ def assert_rows_match_or_part_by_rounding(
         assert len(got) == len(want), f"{what}: {len(got)} rows, the direct engine's {len(want)}"
         return
     t, c = differ[0]
-    why = explain_parting(forced, t, c, int(got[t, c]), int(want[t, c]), scaled[t], solo_scaled(t), params, bound,
+    why = explain_parting(forced, t, c, int(got[t, c]), int(want[t, c]), scaled[t], solo_scaled[t], params, bound,
                           f"{what} (Stage 0 / the direct engine)")  # fmt: skip
     print(f"[{what}] Stage 0 parts from the direct engine at row {t} codebook {c}: {why}")
+
+
+def recorded_run(talker: HiggsTalker, spec: dict, params: SamplingParams, step_shift: int = 0) -> dict:
+    """``spec`` run alone on ``talker`` (our engine), in the shape the score probe records a Stage-0 request:
+    ``{"rows" [T, C], "scaled" [T, C, V]}``, the rows and what the sampler ranked at each (masked logits / T), as
+    it ran (a teacher-forced rerun would round apart on CUDA: ``teacher_forced``). ``step_shift``: a broken sampler
+    that draws the noise of another row."""
+    with recorded_sampling(step_shift) as ranked:
+        rows = talker.generate(spec["text"], params, reference=reference_of(spec)).rows.long().cpu()
+    (seed,) = {seed for seed, _ in ranked}  # the one request's
+    return {"rows": rows, "scaled": torch.stack([ranked[seed, t] for t in range(len(rows))])}
 
 
 def check_stage_0(
@@ -346,14 +364,11 @@ def check_stage_0(
     rows, params = record["rows"].long(), params_of(spec, solo)
     prompt = solo.build_prompt(spec["text"], reference_of(spec))
     forced = check.check_scores(prompt, params, rows, record["scaled"], what)
-    with recorded_sampling() as ranked:  # what the direct engine's sampler ranked at each row, as it ran
-        want = solo.generate(spec["text"], params, reference=reference_of(spec)).rows.long().cpu()
-    solo_rows = {step: scaled for (_, step), scaled in ranked.items()}
-
-    def solo_scaled(t: int) -> torch.Tensor:  # the direct engine's own scores at row t (its rows before t are ours)
-        return solo_rows[t]
-
-    assert_rows_match_or_part_by_rounding(rows, want, forced, record["scaled"], solo_scaled, params, check.bound, what)
+    solo_run = recorded_run(solo, spec, params)  # the direct engine's rows and what its sampler ranked, as it ran
+    want = solo_run["rows"]
+    assert_rows_match_or_part_by_rounding(
+        rows, want, forced, record["scaled"], solo_run["scaled"], params, check.bound, what
+    )
     expected = decoded(codec, rows, spec["max_tokens"], solo.cfg.num_real_codes, chunking)
     assert_same_audio(audio, expected, what, bound)
 
