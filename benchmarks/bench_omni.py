@@ -254,6 +254,54 @@ def deploy_yaml(talker: str, profile: str) -> Path:
     raise ValueError(f"unknown talker {talker!r}; choose from {TALKERS}")
 
 
+# stage keys whose mappings vllm-omni merges key by key when a YAML overrides its base_config (others: replaced whole)
+_MERGED_STAGE_KEYS = frozenset(("default_sampling_params", "subtalker_sampling_params", "engine_extras", "engine_args"))
+# what vllm-omni 0.26 and 0.30 read differently in a YAML with a base_config (0.30 merges them key by key)
+_VERSION_DEPENDENT = {"top level": frozenset(("connectors",)), "stage": frozenset(("default_pooling_params",))}
+
+
+def read_profile(path: str | Path) -> dict:
+    """A deploy YAML as vllm-omni reads it: where it names a ``base_config`` (a path relative to it), that file is read
+    first (the same way), this one's top-level keys replace the base's, and its ``stages`` override the base's stage
+    for stage (by ``stage_id``) key for key; a stage it adds is appended. Refused: ``platforms`` blocks (not applied
+    here), and in a file with a base_config the keys that vllm-omni's versions merge differently (``connectors``)."""
+    import yaml
+
+    path = Path(path)
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a deploy YAML (a mapping at its top level)")
+    if "platforms" in data:
+        raise ValueError(f"{path} has a platforms block: read_profile does not apply those")
+    base_name = data.pop("base_config", None)
+    if base_name is None:
+        return data
+    stage_keys = {key for stage in data.get("stages") or [] for key in stage}
+    for where, keys in (("top level", data.keys()), ("stage", stage_keys)):
+        if clash := sorted(_VERSION_DEPENDENT[where] & keys):
+            raise ValueError(f"{path} sets {clash} at {where} over its base_config: vllm-omni 0.26 replaces them "
+                             "whole, later versions merge them key by key; write the file whole instead")  # fmt: skip
+    base = read_profile(path.parent / base_name)
+    stages = {stage["stage_id"]: stage for stage in base.get("stages") or []}
+    for stage in data.pop("stages", None) or []:
+        stages[stage["stage_id"]] = _override(stages.get(stage["stage_id"], {}), stage)
+    return base | data | {"stages": list(stages.values())}
+
+
+def _override(base: dict, overlay: dict) -> dict:
+    """A stage of a base_config overridden by a stage of the same id (``read_profile``)."""
+    merged = base | overlay
+    for key in _MERGED_STAGE_KEYS & base.keys() & overlay.keys():
+        merged[key] = _merge_nested(base[key], overlay[key])
+    return merged
+
+
+def _merge_nested(base, overlay):
+    if not (isinstance(base, dict) and isinstance(overlay, dict)):
+        return overlay
+    return base | {key: _merge_nested(base.get(key), value) for key, value in overlay.items()}
+
+
 def profile_yaml(talker: str, profile: str, out_dir: Path) -> Path:
     """The YAML ``talker`` runs ``profile`` with: a packaged one (``deploy_yaml``), or one of ``DERIVED`` (from its
     base, packaged or derived itself) written to ``out_dir``."""
@@ -314,13 +362,11 @@ def jit_verbose_yaml(base: Path, out: Path) -> Path:
 
 def derived_yaml(base: Path, out: Path, stage_overrides: dict) -> Path:
     """``base`` with keys of stages replaced (``{stage_id: {key: value}}``; value None drops the key; the key
-    ``CONNECTORS`` replaces keys of every connector's ``extra``), at ``out``. A ``base_config`` the YAML names (read
-    relative to it by vllm-omni) is merged in."""
+    ``CONNECTORS`` replaces keys of every connector's ``extra``), at ``out``, written whole: a ``base_config`` the YAML
+    names is merged in as vllm-omni merges it (``read_profile``)."""
     import yaml
 
-    data = yaml.safe_load(base.read_text())
-    if "base_config" in data:
-        data = yaml.safe_load((base.parent / data.pop("base_config")).read_text()) | data
+    data = read_profile(base)
     sections = [(stage, stage_overrides.get(stage["stage_id"], {})) for stage in data["stages"]]
     connectors = list((data.get("connectors") or {}).values())
     if stage_overrides.get(CONNECTORS) and not connectors:

@@ -110,12 +110,12 @@ def test_decode_sampling_deploy_and_greedy_in_one_run(bench, tmp_path: Path, cap
 
 def test_deploy_sampling_is_the_deploy_profiles(bench) -> None:
     """``deploy`` is what the packaged deploy profiles send by default (their stage 0's default_sampling_params)."""
-    yaml = pytest.importorskip("yaml")
-    from higgs_talker.vllm_plugin.deploy import deploy_config_path
+    pytest.importorskip("yaml")
+    from higgs_talker.vllm_plugin.deploy import PROFILES, deploy_config_path
 
-    common = bench("common")
-    for profile in ("high_throughput", "low_latency", "full_decode"):
-        stage = yaml.safe_load(deploy_config_path(profile).read_text())["stages"][0]
+    common, read_profile = bench("common"), bench("bench_omni").read_profile
+    for profile in PROFILES:
+        (stage,) = (s for s in read_profile(deploy_config_path(profile))["stages"] if s["stage_id"] == 0)
         defaults = stage["default_sampling_params"]
         assert {k: defaults[k] for k in common.SAMPLINGS["deploy"]} == common.SAMPLINGS["deploy"], profile
 

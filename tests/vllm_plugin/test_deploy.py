@@ -7,12 +7,16 @@ import pytest
 # skips the module cleanly where vLLM is not installed (the core test environment)
 pytest.importorskip("vllm.config")
 
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
 from higgs_talker.vllm_plugin import ARCHITECTURES, CODEC_ARCH, CODEC_GRAPH_FRAMES  # noqa: E402
 from higgs_talker.vllm_plugin.deploy import PROFILES, deploy_config_path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from bench_omni import profile_yaml, read_profile  # noqa: E402
 
 
 def _load(name: str):
@@ -86,13 +90,6 @@ def test_packaged_profile_is_the_one_bench_omni_measured(name, tmp_path):
     ``MEASURED_AS`` (vllm-omni's low-latency YAML with 64 or 16 streams and FULL decode graphs up to that many, async
     scheduling, frame graphs and our hand-over; our Stage 1 with the codec's reach of left context and its windows'
     graphs): the figures in their headers are these files'."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    try:
-        from bench_omni import profile_yaml
-    finally:
-        sys.path.pop(0)
     from vllm_omni.config.stage_config import load_deploy_config
 
     profile, streams, sizes = MEASURED_AS[name]
@@ -107,6 +104,93 @@ def test_packaged_profile_is_the_one_bench_omni_measured(name, tmp_path):
     assert hand_over == "higgs_talker.vllm_plugin.deploy.talker2code2wav_async_chunk"
     s1 = _stage(cfg, 1)
     assert _field(s1, "model_arch") == CODEC_ARCH and _field(s1, "hf_overrides") == {CODEC_GRAPH_FRAMES: [5, 30, 39]}
+
+
+@pytest.mark.parametrize("name", list(PROFILES))
+def test_read_profile_reads_each_profile_as_vllm_omni_does(name):
+    from vllm_omni.config.stage_config import resolve_deploy_yaml
+
+    assert read_profile(deploy_config_path(name)) == resolve_deploy_yaml(deploy_config_path(name))
+
+
+def test_low_latency_is_full_decode_with_16_streams():
+    """The low-latency YAML names full_decode.yaml as its base_config and changes only the streams and graph sizes."""
+    low, full = read_profile(deploy_config_path("low-latency")), read_profile(deploy_config_path("full-decode"))
+    for stage in low["stages"]:
+        assert stage.pop("max_num_seqs") == 16
+        if stage["stage_id"] == 0:
+            assert stage.pop("compilation_config")["cudagraph_capture_sizes"] == [1, 2, 4, 8, 16]
+    for stage in full["stages"]:
+        stage.pop("max_num_seqs")
+        if stage["stage_id"] == 0:
+            stage.pop("compilation_config")
+    assert low == full
+
+
+def test_read_profile_merges_a_chain_of_base_configs_as_vllm_omni_does(tmp_path):
+    """Three files, each the base_config of the next (one in a folder of its own): top-level keys replaced, stages
+    overridden key by key by stage_id, the mappings vllm-omni merges key by key merged at every depth (a value that
+    is a mapping on one side only replaced), a new stage appended; the same dict as vllm-omni's reader."""
+    import yaml
+    from vllm_omni.config.stage_config import resolve_deploy_yaml
+
+    sampling = {"temperature": 1.0, "top_k": 50, "nested": {"a": 1, "b": {"c": 2}}}
+    root = {
+        "async_chunk": True,
+        "connectors": {"shm": {"name": "SharedMemoryConnector", "extra": {"codec_chunk_frames": 25, "x": 1}}},
+        "stages": [
+            {"stage_id": 0, "max_num_seqs": 64, "compilation_config": {"cudagraph_mode": "FULL", "sizes": [1, 2]},
+             "default_sampling_params": sampling, "engine_args": {"flat": 1, "tree": {"leaf": 1}}},
+            {"stage_id": 1, "max_num_seqs": 64, "default_sampling_params": {"temperature": 0.0}},
+        ],
+    }  # fmt: skip
+    middle = {
+        "base_config": "../root.yaml",
+        "edges": [{"from": 0, "to": 1}],
+        "stages": [
+            {"stage_id": 1, "max_num_seqs": 8, "default_sampling_params": {"top_p": 0.9}},
+            {"stage_id": 2, "model_arch": "Third", "default_sampling_params": {"temperature": 0.5}},
+        ],
+    }
+    top = {
+        "base_config": "sub/middle.yaml",
+        "async_chunk": False,
+        "stages": [
+            {"stage_id": 0, "compilation_config": {"sizes": [1]},
+             "default_sampling_params": {"top_k": 20, "nested": {"b": {"d": 3}, "a": {"replaced": True}}},
+             "engine_args": {"tree": 7}},
+        ],
+    }  # fmt: skip
+    (tmp_path / "sub").mkdir()
+    for path, data in (("root.yaml", root), ("sub/middle.yaml", middle), ("top.yaml", top)):
+        (tmp_path / path).write_text(yaml.safe_dump(data, sort_keys=False))
+    got = read_profile(tmp_path / "top.yaml")
+    assert got == resolve_deploy_yaml(tmp_path / "top.yaml")
+    s0, s1, s2 = got["stages"]
+    assert s0["compilation_config"] == {"sizes": [1]} and s0["max_num_seqs"] == 64  # replaced whole; kept
+    assert s0["default_sampling_params"] == {"temperature": 1.0, "top_k": 20,
+                                             "nested": {"a": {"replaced": True}, "b": {"c": 2, "d": 3}}}  # fmt: skip
+    assert s0["engine_args"] == {"flat": 1, "tree": 7}
+    assert s1 == {"stage_id": 1, "max_num_seqs": 8, "default_sampling_params": {"temperature": 0.0, "top_p": 0.9}}
+    assert s2["model_arch"] == "Third" and got["async_chunk"] is False and got["connectors"] == root["connectors"]
+
+
+def test_read_profile_refuses_what_it_does_not_read(tmp_path):
+    """Platform blocks, and over a base_config what vllm-omni's versions merge differently (connectors, pooling)."""
+    (tmp_path / "p.yaml").write_text("platforms:\n  rocm:\n    stages: []\nstages: []\n")
+    with pytest.raises(ValueError, match="p.yaml has a platforms block"):
+        read_profile(tmp_path / "p.yaml")
+    (tmp_path / "base.yaml").write_text("connectors: {shm: {name: S}}\nstages: [{stage_id: 0}]\n")
+    (tmp_path / "c.yaml").write_text("base_config: base.yaml\nconnectors: {shm: {extra: {a: 1}}}\n")
+    with pytest.raises(ValueError, match=r"c.yaml sets \['connectors'\] at top level over its base_config"):
+        read_profile(tmp_path / "c.yaml")
+    (tmp_path / "s.yaml").write_text("base_config: base.yaml\nstages: [{stage_id: 0, default_pooling_params: {}}]\n")
+    with pytest.raises(ValueError, match=r"s.yaml sets \['default_pooling_params'\] at stage over its base_config"):
+        read_profile(tmp_path / "s.yaml")
+    assert read_profile(tmp_path / "base.yaml")["connectors"] == {"shm": {"name": "S"}}  # a file written whole
+    (tmp_path / "l.yaml").write_text("- 1\n")
+    with pytest.raises(ValueError, match="l.yaml is not a deploy YAML"):
+        read_profile(tmp_path / "l.yaml")
 
 
 def test_deploy_config_path_names_and_errors():

@@ -22,22 +22,19 @@ pytest.importorskip("vllm.config")
 pytest.importorskip("vllm_omni")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_omni import PROFILES  # noqa: E402
+from bench_omni import PROFILES, read_profile  # noqa: E402
 from omni_checkpoint import CODEC_SHARD, write_omni_checkpoint  # noqa: E402
 
 from higgs_talker import HiggsTalker, SamplingParams  # noqa: E402
 from higgs_talker.checkpoint import CODEC_PREFIX, INDEX_FILE, read_header  # noqa: E402
 from higgs_talker.codec import UPSTREAM_CHUNKING  # noqa: E402
+from higgs_talker.vllm_plugin.deploy import deploy_config_path  # noqa: E402
 
 
 def _connector_extra() -> dict:
     """vllm-omni's codec chunk settings: our high-throughput profile's connector, which keeps vllm-omni's (the
     low-latency and full-decode ones cut the left context to the codec's reach)."""
-    import yaml
-
-    from higgs_talker.vllm_plugin.deploy import deploy_config_path
-
-    (connector,) = yaml.safe_load(deploy_config_path("high-throughput").read_text())["connectors"].values()
+    (connector,) = read_profile(deploy_config_path("high-throughput"))["connectors"].values()
     return connector["extra"]
 
 
@@ -233,7 +230,6 @@ def test_our_stage_1_replays_graphs_of_the_windows_its_yaml_names_after_one_rang
 def test_the_our_stage1_profiles_name_the_windows_of_their_own_chunking(tmp_path):
     """``bench_omni``'s ``..._our_stage1`` profiles ask Stage 1 for graphs of exactly the window lengths their
     connector's chunking decodes (the first ones and the steady one)."""
-    import yaml
     from bench_omni import profile_yaml
     from test_omni_gpu import chunking_of
 
@@ -241,7 +237,7 @@ def test_the_our_stage1_profiles_name_the_windows_of_their_own_chunking(tmp_path
     from higgs_talker.vllm_plugin import CODEC_GRAPH_FRAMES
 
     path = profile_yaml("ours", "full_decode_64_async_frame_graphs_our_stage1", tmp_path)
-    stage1 = yaml.safe_load(path.read_text())["stages"][1]
+    stage1 = read_profile(path)["stages"][1]
     want = window_lengths(chunking_of(path).resolved((10, 10)))
     assert stage1["hf_overrides"][CODEC_GRAPH_FRAMES] == want == [5, 30, 39]
 
@@ -280,13 +276,12 @@ def test_the_our_stage1_profiles_run_our_stage_1_with_the_codecs_reach_of_contex
     graphs of its windows on stage 1 (registered by the plugin: test_registration.py) and the codec's reach of left
     context on the connector, nothing else changed; vllm-omni's talker, whose processes do not load our plugin, runs
     the base profile."""
-    import yaml
     from bench_omni import CODEC_ARCH, CODEC_REACH, STAGE1_WINDOWS, profile_yaml, upstream_profile
 
     from higgs_talker.vllm_plugin import CODEC_GRAPH_FRAMES
 
     base = "full_decode_64_async_frame_graphs"
-    plain, ours = (yaml.safe_load(profile_yaml("ours", p, tmp_path).read_text()) for p in (base, f"{base}_our_stage1"))
+    plain, ours = (read_profile(profile_yaml("ours", p, tmp_path)) for p in (base, f"{base}_our_stage1"))
     assert ours["stages"][1].pop("model_arch") == CODEC_ARCH
     assert ours["stages"][1].pop("hf_overrides") == {CODEC_GRAPH_FRAMES: STAGE1_WINDOWS}
     assert "hf_overrides" not in plain["stages"][1]
@@ -300,7 +295,7 @@ def test_the_our_stage1_profiles_run_our_stage_1_with_the_codecs_reach_of_contex
     assert upstream_profile("full_decode_64_async_our_stage1") == "full_decode_64_async"
     # the context alone (..._reach_context), which vllm-omni's talker runs too
     for talker in ("ours", "upstream"):
-        plain, reach = (yaml.safe_load(profile_yaml(talker, p, tmp_path).read_text())
+        plain, reach = (read_profile(profile_yaml(talker, p, tmp_path))
                         for p in ("full_decode_64_async", "full_decode_64_async_reach_context"))  # fmt: skip
         for name, connector in reach["connectors"].items():
             assert connector["extra"].pop("codec_left_context_frames") == CODEC_REACH
@@ -409,7 +404,6 @@ def test_vllm_omni_low_latency_is_vllm_omnis_low_latency_yaml(talker, tmp_path):
     from each talker's high-throughput YAML: for vllm-omni's talker it loads equal to vllm-omni's own low-latency
     YAML; ours differs from it only where our high-throughput YAML differs from vllm-omni's (our Stage-0
     architecture, the connector's name, no pinned seed)."""
-    import yaml
     from bench_omni import deploy_yaml, profile_yaml
     from vllm_omni.config.stage_config import load_deploy_config
 
@@ -417,7 +411,7 @@ def test_vllm_omni_low_latency_is_vllm_omnis_low_latency_yaml(talker, tmp_path):
     if talker == "upstream":
         assert load_deploy_config(derived) == load_deploy_config(deploy_yaml("upstream", "low_latency"))
         return
-    ours, theirs = (yaml.safe_load(p.read_text()) for p in (derived, deploy_yaml("upstream", "low_latency")))
+    ours, theirs = (read_profile(p) for p in (derived, deploy_yaml("upstream", "low_latency")))
     (our_name,), (their_name,) = ours["connectors"], theirs["connectors"]
     assert ours["connectors"][our_name] == theirs["connectors"][their_name]
     for mine, other in zip(ours["stages"], theirs["stages"], strict=True):

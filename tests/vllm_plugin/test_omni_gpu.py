@@ -66,6 +66,7 @@ from bench_omni import (  # noqa: E402
     LOW_LATENCY_BASE,
     derived_yaml,
     profile_yaml,
+    read_profile,
     sigterm_as_interrupt,
     start_server,
     stop_server,
@@ -229,9 +230,7 @@ def params_of(spec: dict, solo: HiggsTalker) -> SamplingParams:
 
 def chunking_of(yaml_path: Path) -> AudioChunking:
     """The chunking a deploy YAML's connector asks vllm-omni's hand-over for (every profile has one connector)."""
-    import yaml
-
-    (connector,) = yaml.safe_load(Path(yaml_path).read_text())["connectors"].values()
+    (connector,) = read_profile(yaml_path)["connectors"].values()
     extra = connector["extra"]
     return AudioChunking(
         chunk_frames=extra["codec_chunk_frames"],
@@ -243,10 +242,8 @@ def chunking_of(yaml_path: Path) -> AudioChunking:
 
 
 def stage_of(yaml_path: Path, stage_id: int) -> dict:
-    """Stage ``stage_id`` of a deploy YAML written whole (``derived_yaml``'s, no ``base_config``)."""
-    import yaml
-
-    (stage,) = (s for s in yaml.safe_load(Path(yaml_path).read_text())["stages"] if s["stage_id"] == stage_id)
+    """Stage ``stage_id`` of a deploy YAML, its ``base_config`` merged in as vllm-omni merges it."""
+    (stage,) = (s for s in read_profile(yaml_path)["stages"] if s["stage_id"] == stage_id)
     return stage
 
 
