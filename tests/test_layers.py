@@ -1,4 +1,4 @@
-"""The package's layers (ARCHITECTURE.md, docs/architecture.md): imports point down, and nothing imports in a
+"""The package's layers (docs/architecture.md): imports point down, and nothing imports in a
 circle.
 
 Every ``import`` / ``from ... import`` inside ``higgs_talker`` is read from the source (module level and inside
