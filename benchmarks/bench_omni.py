@@ -288,6 +288,12 @@ def read_profile(path: str | Path) -> dict:
     return base | data | {"stages": list(stages.values())}
 
 
+def stage_of(path: str | Path, stage_id: int) -> dict:
+    """Stage ``stage_id`` of a deploy YAML, read by ``read_profile``."""
+    (stage,) = (s for s in read_profile(path)["stages"] if s["stage_id"] == stage_id)
+    return stage
+
+
 def _override(base: dict, overlay: dict) -> dict:
     """A stage of a base_config overridden by a stage of the same id (``read_profile``)."""
     merged = base | overlay

@@ -95,11 +95,11 @@ def stage0_engine_args(profile: str, use_trtllm: bool) -> dict:
     synchronous scheduler as every run on record: the low-latency YAML's ``async_scheduling`` (vllm-omni's Stage 0
     with our hand-over) stays out, as do its vllm-omni keys; the text-only bridge has not run under vLLM's
     asynchronous scheduling."""
-    from bench_omni import read_profile
+    from bench_omni import stage_of
 
     from higgs_talker.vllm_plugin.deploy import deploy_config_path
 
-    (stage,) = (s for s in read_profile(deploy_config_path(profile))["stages"] if s["stage_id"] == 0)
+    stage = stage_of(deploy_config_path(profile), 0)
     keys = ("max_num_seqs", "gpu_memory_utilization", "enforce_eager", "compilation_config", "attention_backend",
             "enable_prefix_caching", "max_num_batched_tokens", "max_model_len")  # fmt: skip
     args = {k: stage[k] for k in keys if k in stage}

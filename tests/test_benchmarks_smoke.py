@@ -113,9 +113,9 @@ def test_deploy_sampling_is_the_deploy_profiles(bench) -> None:
     pytest.importorskip("yaml")
     from higgs_talker.vllm_plugin.deploy import PROFILES, deploy_config_path
 
-    common, read_profile = bench("common"), bench("bench_omni").read_profile
+    common, stage_of = bench("common"), bench("bench_omni").stage_of
     for profile in PROFILES:
-        (stage,) = (s for s in read_profile(deploy_config_path(profile))["stages"] if s["stage_id"] == 0)
+        stage = stage_of(deploy_config_path(profile), 0)
         defaults = stage["default_sampling_params"]
         assert {k: defaults[k] for k in common.SAMPLINGS["deploy"]} == common.SAMPLINGS["deploy"], profile
 

@@ -22,7 +22,7 @@ pytest.importorskip("vllm.config")
 pytest.importorskip("vllm_omni")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_omni import PROFILES, read_profile  # noqa: E402
+from bench_omni import PROFILES, read_profile, stage_of  # noqa: E402
 from omni_checkpoint import CODEC_SHARD, write_omni_checkpoint  # noqa: E402
 
 from higgs_talker import HiggsTalker, SamplingParams  # noqa: E402
@@ -237,7 +237,7 @@ def test_the_our_stage1_profiles_name_the_windows_of_their_own_chunking(tmp_path
     from higgs_talker.vllm_plugin import CODEC_GRAPH_FRAMES
 
     path = profile_yaml("ours", "full_decode_64_async_frame_graphs_our_stage1", tmp_path)
-    stage1 = read_profile(path)["stages"][1]
+    stage1 = stage_of(path, 1)
     want = window_lengths(chunking_of(path).resolved((10, 10)))
     assert stage1["hf_overrides"][CODEC_GRAPH_FRAMES] == want == [5, 30, 39]
 

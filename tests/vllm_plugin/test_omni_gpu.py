@@ -68,6 +68,7 @@ from bench_omni import (  # noqa: E402
     profile_yaml,
     read_profile,
     sigterm_as_interrupt,
+    stage_of,
     start_server,
     stop_server,
     talker_env,
@@ -239,12 +240,6 @@ def chunking_of(yaml_path: Path) -> AudioChunking:
         holdback_frames=extra["codec_right_holdback_frames"],
         ramp=False,  # vllm-omni's chunks after the first are all codec_chunk_frames long
     )
-
-
-def stage_of(yaml_path: Path, stage_id: int) -> dict:
-    """Stage ``stage_id`` of a deploy YAML, its ``base_config`` merged in as vllm-omni merges it."""
-    (stage,) = (s for s in read_profile(yaml_path)["stages"] if s["stage_id"] == stage_id)
-    return stage
 
 
 def stage1_arch(yaml_path: Path) -> str | None:
