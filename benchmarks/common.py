@@ -14,6 +14,7 @@ import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -87,8 +88,37 @@ def command_line(script: str, argv: Sequence[str] | None) -> str:
     return " ".join(shlex.quote(a) for a in ["python", f"benchmarks/{script}", *args])
 
 
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The host's CPU as ``/proc/cpuinfo`` names it, with the cores this process may use (two machines of one GPU
+    kind can differ here, and host-bound figures with them); the architecture where there is no cpuinfo."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    names = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{names[0] if names else platform.processor() or platform.machine()} ({cores} cores)"
+
+
+def gpu_limits(device: torch.device) -> str | None:
+    """The GPU's power limit, top SM clock and driver as ``nvidia-smi`` reports them (read only), or None where it
+    cannot say (no CUDA device, no nvidia-smi): two cards of one name can run at different limits."""
+    if device.type != "cuda":
+        return None
+    fields = "power.limit,clocks.max.sm,driver_version"
+    try:
+        uuid = str(torch.cuda.get_device_properties(device).uuid).removeprefix("GPU-")  # renumbering keeps it
+        cmd = ["nvidia-smi", f"--id=GPU-{uuid}", f"--query-gpu={fields}", "--format=csv,noheader"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=True).stdout.strip()
+    except (AttributeError, OSError, subprocess.SubprocessError):
+        return None
+    power, clock, driver = ([*map(str.strip, out.split(",")), "", ""])[:3]
+    return f"power limit {power}, max SM clock {clock}, driver {driver}" if out else None
+
+
 def environment(device: torch.device, script: str, argv: Sequence[str] | None) -> dict[str, Any]:
-    """The ``meta`` block every JSON carries: date, GPU, versions, exact command."""
+    """The ``meta`` block every JSON carries: date, GPU (and its limits), host CPU, versions, exact command."""
     gpu = None
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -98,7 +128,8 @@ def environment(device: torch.device, script: str, argv: Sequence[str] | None) -
         "command": command_line(script, argv),
         "device": str(device),
         "gpu": gpu,
-        "cpu": platform.processor() or platform.machine(),
+        "gpu_limits": gpu_limits(device),
+        "cpu": cpu_model(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

@@ -33,9 +33,18 @@ def bench(tmp_path_factory: pytest.TempPathFactory):
 def load(result) -> dict:
     data = json.loads(Path(result.path).read_text())
     assert data["rows"], "no rows written"
-    for key in ("date", "command", "torch", "flashinfer", "gpu"):
+    for key in ("date", "command", "torch", "flashinfer", "gpu", "gpu_limits", "cpu"):
         assert key in data["meta"], key
+    assert data["meta"]["cpu"].endswith(" cores)"), data["meta"]["cpu"]
     return data
+
+
+def test_meta_names_the_host_cpu_from_cpuinfo(bench):
+    common = bench("common")
+    info = "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9654 96-Core Processor\n\nprocessor\t: 1"
+    assert common.cpu_model(info).startswith("AMD EPYC 9654 96-Core Processor (")
+    assert not common.cpu_model("processor\t: 0\n").startswith("(")  # no model name: the architecture instead
+    assert common.gpu_limits(torch.device("cpu")) is None  # nothing to ask nvidia-smi about
 
 
 def test_attention_smoke(bench, tmp_path: Path) -> None:
