@@ -42,6 +42,12 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def adapter(tiny_dir):
+    return build_adapter(tiny_dir)
+
+
+def build_adapter(tiny_dir, max_num_seqs: int = 8):
+    """The talker adapter of the checkpoint ``tiny_dir`` in a real vLLM config on CPU (float32, eager), weights
+    loaded and post-processed as vLLM's loader does (also ``benchmarks/probes/runner_host_time.py``'s)."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.distributed.parallel_state import model_parallel_is_initialized
@@ -52,7 +58,7 @@ def adapter(tiny_dir):
 
     register()
     vc = EngineArgs(
-        model=str(tiny_dir), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8
+        model=str(tiny_dir), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=max_num_seqs
     ).create_engine_config()
     with set_current_vllm_config(vc):
         if not model_parallel_is_initialized():
