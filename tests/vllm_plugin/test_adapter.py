@@ -586,3 +586,18 @@ def test_row_linears_find_vllms_unquantized_linears_and_stay_off_without_cuda(ad
     finally:
         for m in methods:
             m.__class__ = UnquantizedLinearMethod
+
+
+def test_runner_host_time_probe_times_each_entry_point_and_puts_them_back(adapter, monkeypatch):
+    """``benchmarks/probes/runner_host_time.py`` on this fixture: a time for every entry point and the frame work,
+    ``sample`` less the frame work, and the adapter's own callables back in place afterwards."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks" / "probes"))
+    import runner_host_time as probe
+
+    before = {name: getattr(adapter, name) for name in (*probe.ENTRY_POINTS, "frame")}
+    t = probe.host_time(adapter, Driver, N_RAMP, batch=2, steps=3)
+    assert set(t) == {*probe.ENTRY_POINTS, "frame"} and all(v > 0 for v in t.values()), t
+    assert t["frame"] > t["sample"], t  # on CPU the frame work (head, sampler) outweighs what sample adds to it
+    assert {name: getattr(adapter, name) for name in before} == before
