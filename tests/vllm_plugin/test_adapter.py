@@ -601,3 +601,4 @@ def test_runner_host_time_probe_times_each_entry_point_and_puts_them_back(adapte
     assert set(t) == {*probe.ENTRY_POINTS, "frame"} and all(v > 0 for v in t.values()), t
     assert t["frame"] > t["sample"], t  # on CPU the frame work (head, sampler) outweighs what sample adds to it
     assert {name: getattr(adapter, name) for name in before} == before
+    assert not set(probe.ENTRY_POINTS) & set(vars(adapter))  # no wrapper or copy left on the instance
